@@ -1,0 +1,68 @@
+"""The whole engine state: one immutable value per step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pyrsistent import PSet, pdeque, pset
+from pyrsistent.typing import PDeque
+
+from nanofn.state.block_pool import BlockPool, new_block_pool
+from nanofn.state.config import SchedulerConfig
+from nanofn.state.records import Seq
+
+
+@dataclass(frozen=True, slots=True)
+class Stats:
+    """Counters since the engine started."""
+
+    num_preemptions: int = 0
+    num_admitted_tokens: int = 0  # tokens of sequences at admission (re-admissions too)
+    num_cached_tokens: int = 0  # of which were found in the prefix cache
+    num_finished: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class EngineState:
+    """Every live sequence is in exactly one of ``waiting`` and ``running``.
+
+    ``finished`` and ``preempted`` say what the step that produced this state did;
+    ``sampling_ids`` are the sequences of its plan that expect a sampled token, in plan
+    order: the next step's events must carry exactly one token for each.
+    """
+
+    config: SchedulerConfig
+    step: int
+    pool: BlockPool
+    waiting: PDeque  # of Seq: the head is admitted first
+    running: tuple[Seq, ...]  # in admission order: preemption takes the last
+    live_ids: PSet
+    sampling_ids: tuple[str, ...] = ()
+    finished: tuple[Seq, ...] = ()
+    preempted: tuple[str, ...] = ()
+    stats: Stats = Stats()
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.live_ids)
+
+    def find(self, seq_id: str) -> Seq | None:
+        """The live sequence with this id (a linear scan: for tools and tests)."""
+        for seq in self.running:
+            if seq.seq_id == seq_id:
+                return seq
+        for seq in self.waiting:
+            if seq.seq_id == seq_id:
+                return seq
+        return None
+
+
+def initial_state(config: SchedulerConfig) -> EngineState:
+    return EngineState(
+        config=config,
+        step=0,
+        pool=new_block_pool(config.num_blocks),
+        waiting=pdeque(),
+        running=(),
+        live_ids=pset(),
+    )

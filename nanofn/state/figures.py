@@ -1,0 +1,37 @@
+"""Figures derived from a state, for progress bars, logs and dashboards."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nanofn.state.engine_state import EngineState
+
+
+@dataclass(frozen=True, slots=True)
+class Figures:
+    step: int
+    num_running: int
+    num_waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    prefix_cache_hit_rate: float  # cached tokens / tokens at admission, since the start
+    num_preemptions: int
+    num_finished: int
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.kv_blocks_used / self.kv_blocks_total
+
+
+def figures(state: EngineState) -> Figures:
+    s = state.stats
+    return Figures(
+        step=state.step,
+        num_running=len(state.running),
+        num_waiting=len(state.waiting),
+        kv_blocks_used=state.pool.num_used,
+        kv_blocks_total=state.pool.num_blocks,
+        prefix_cache_hit_rate=s.num_cached_tokens / s.num_admitted_tokens if s.num_admitted_tokens else 0.0,
+        num_preemptions=s.num_preemptions,
+        num_finished=s.num_finished,
+    )

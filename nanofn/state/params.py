@@ -1,0 +1,123 @@
+"""Sampling parameters: what a user asks of one request, validated once, never changed."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+GREEDY_TEMPERATURE = 1e-5  # below this, sampling is greedy (argmax), as in vLLM
+MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How to sample one request's output, with vLLM's field names and defaults.
+
+    Invalid values raise ``ValueError`` naming the field and the allowed range.
+    ``stop`` and ``stop_token_ids`` are stored as tuples; ``top_k`` of -1 or 0 means no limit.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        stop = self.stop
+        if stop is None:
+            stop = ()
+        elif isinstance(stop, str):
+            stop = (stop,)
+        object.__setattr__(self, "stop", tuple(stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        for problem in _problems(self):
+            raise ValueError(problem)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form (tuples become lists); ``from_dict`` inverts it."""
+        d = asdict(self)
+        d["stop"] = list(self.stop)
+        d["stop_token_ids"] = list(self.stop_token_ids)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> SamplingParams:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}")
+        return cls(**d)
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _problems(p: SamplingParams):
+    """Yield one message per invalid field (the first one is raised)."""
+    if not _is_int(p.n) or p.n < 1:
+        yield f"n must be an integer >= 1, got {p.n!r}"
+    for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty"):
+        if not _is_number(getattr(p, name)):
+            yield f"{name} must be a number, got {getattr(p, name)!r}"
+    if p.temperature < 0:
+        yield f"temperature must be >= 0, got {p.temperature}"
+    if not 0 < p.top_p <= 1:
+        yield f"top_p must be in (0, 1], got {p.top_p}"
+    if not _is_int(p.top_k) or p.top_k < -1:
+        yield f"top_k must be -1 or 0 (no limit) or an integer >= 1, got {p.top_k!r}"
+    if not 0 <= p.min_p <= 1:
+        yield f"min_p must be in [0, 1], got {p.min_p}"
+    if p.seed is not None and not _is_int(p.seed):
+        yield f"seed must be an integer or None, got {p.seed!r}"
+    if p.max_tokens is not None and (not _is_int(p.max_tokens) or p.max_tokens < 1):
+        yield f"max_tokens must be an integer >= 1 or None, got {p.max_tokens!r}"
+    if not _is_int(p.min_tokens) or p.min_tokens < 0:
+        yield f"min_tokens must be an integer >= 0, got {p.min_tokens!r}"
+    elif p.max_tokens is not None and _is_int(p.max_tokens) and p.min_tokens > p.max_tokens:
+        yield f"min_tokens must be <= max_tokens ({p.max_tokens}), got {p.min_tokens}"
+    if not all(isinstance(s, str) and s for s in p.stop):
+        yield f"stop must be a string or a list of non-empty strings, got {p.stop!r}"
+    if not all(_is_int(t) and t >= 0 for t in p.stop_token_ids):
+        yield f"stop_token_ids must be non-negative integers, got {p.stop_token_ids!r}"
+    if not -2 <= p.presence_penalty <= 2:
+        yield f"presence_penalty must be in [-2, 2], got {p.presence_penalty}"
+    if not -2 <= p.frequency_penalty <= 2:
+        yield f"frequency_penalty must be in [-2, 2], got {p.frequency_penalty}"
+    if not p.repetition_penalty > 0:
+        yield f"repetition_penalty must be > 0, got {p.repetition_penalty}"
+    if p.logprobs is not None and (not _is_int(p.logprobs) or not 0 <= p.logprobs <= MAX_LOGPROBS):
+        yield f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, got {p.logprobs!r}"
+    for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+        if not isinstance(getattr(p, name), bool):
+            yield f"{name} must be a bool, got {getattr(p, name)!r}"

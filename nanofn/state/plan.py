@@ -1,0 +1,80 @@
+"""The batch plan: the plain, picklable data a runner needs to execute one step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import xxhash
+from pyrsistent import PVector
+
+from nanofn.state.params import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledSeq:
+    """One sequence's share of a step: compute the KV of ``token_ids`` at positions
+    ``start_pos, start_pos + 1, ...`` into the blocks of ``block_table``; if ``sample``, the
+    last of them is the sequence's last token and the next token is sampled from its logits.
+
+    ``block_table`` is the sequence's persistent vector itself (no copy). ``history`` is all
+    of the sequence's tokens, given only when sampling needs them (penalties)."""
+
+    seq_id: str
+    token_ids: tuple[int, ...]
+    start_pos: int
+    block_table: PVector
+    sample: bool
+    params: SamplingParams
+    num_prompt_tokens: int
+    history: PVector | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def context_len(self) -> int:
+        """Tokens in the cache once this step has run."""
+        return self.start_pos + len(self.token_ids)
+
+    @property
+    def is_decode(self) -> bool:
+        """One new token of generated output (not prompt, not recomputation after preemption)."""
+        return len(self.token_ids) == 1 and self.start_pos >= self.num_prompt_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class BatchPlan:
+    step: int
+    block_size: int
+    seqs: tuple[ScheduledSeq, ...]
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.seqs)
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return sum(1 for s in self.seqs if s.is_decode)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return self.num_tokens - self.num_decode_tokens
+
+    @property
+    def sampling_seq_ids(self) -> tuple[str, ...]:
+        return tuple(s.seq_id for s in self.seqs if s.sample)
+
+
+def plan_digest(plan: BatchPlan) -> str:
+    """A short fingerprint of everything in a plan that decides what the runner computes."""
+    h = xxhash.xxh64()
+    h.update(f"{plan.step}|{plan.block_size}|".encode())
+    for s in plan.seqs:
+        h.update(f"{s.seq_id}|{s.start_pos}|{int(s.sample)}|{s.token_ids}|{list(s.block_table)}|"
+                 .encode())
+    return h.hexdigest()

@@ -1,0 +1,74 @@
+"""New requests: validation and admission to the waiting queue."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from pyrsistent import pvector
+
+from nanofn.state.engine_state import EngineState
+from nanofn.state.hashing import extend_block_hashes
+from nanofn.state.params import SamplingParams
+from nanofn.state.records import Request, Seq
+
+
+class InvalidRequest(ValueError):
+    """A request the engine cannot serve; the message names the problem."""
+
+
+@dataclass(frozen=True, slots=True)
+class NewRequest:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+
+
+def check_new_request(state: EngineState, new: NewRequest) -> None:
+    """Raise ``InvalidRequest`` if ``new`` cannot be served; touch nothing."""
+    c = state.config
+    if not isinstance(new.request_id, str) or not new.request_id:
+        raise InvalidRequest(f"request_id must be a non-empty string, got {new.request_id!r}")
+    if new.request_id in state.live_ids:
+        raise InvalidRequest(f"request_id {new.request_id!r} is already in use")
+    if not isinstance(new.params, SamplingParams):
+        raise InvalidRequest(f"params must be SamplingParams, got {type(new.params).__name__}")
+    if new.params.n != 1:
+        raise InvalidRequest(
+            f"request {new.request_id!r}: n={new.params.n} reached the core; the engine "
+            f"splits n > 1 into n requests of n=1")
+    prompt = new.prompt_token_ids
+    if len(prompt) == 0:
+        raise InvalidRequest(f"request {new.request_id!r}: the prompt is empty")
+    bad = next((t for t in prompt if not isinstance(t, int) or isinstance(t, bool) or t < 0
+                or (c.vocab_size is not None and t >= c.vocab_size)), None)
+    if bad is not None:
+        vocab = f" [0, {c.vocab_size})" if c.vocab_size is not None else " >= 0"
+        raise InvalidRequest(
+            f"request {new.request_id!r}: prompt token id {bad!r} is not an integer in{vocab}")
+    max_tokens = new.params.max_tokens or 1
+    if len(prompt) + max_tokens > c.max_model_len:
+        raise InvalidRequest(
+            f"request {new.request_id!r}: prompt of {len(prompt)} tokens plus max_tokens "
+            f"{max_tokens} is longer than max_model_len {c.max_model_len}")
+
+
+def add_requests(state: EngineState, new_requests: tuple[NewRequest, ...]) -> EngineState:
+    """Append valid requests to the waiting queue (all or nothing: one invalid request
+    raises and leaves the state as it was)."""
+    if not new_requests:
+        return state
+    waiting, live = state.waiting, state.live_ids
+    for new in new_requests:
+        check_new_request(replace(state, live_ids=live), new)
+        seq = _new_seq(state, new)
+        waiting, live = waiting.append(seq), live.add(new.request_id)
+    return replace(state, waiting=waiting, live_ids=live)
+
+
+def _new_seq(state: EngineState, new: NewRequest) -> Seq:
+    request = Request(new.request_id, tuple(new.prompt_token_ids), new.params, state.step)
+    token_ids = pvector(request.prompt_token_ids)
+    c = state.config
+    hashes = extend_block_hashes(pvector(), token_ids, c.block_size) \
+        if c.enable_prefix_caching else pvector()
+    return Seq(request=request, token_ids=token_ids, block_hashes=hashes, block_table=pvector())

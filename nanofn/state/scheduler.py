@@ -1,0 +1,164 @@
+"""The scheduling policy: which tokens of which sequences the next step computes.
+
+1. Running sequences first, oldest admission first, each with all its uncomputed tokens as
+   far as the token budget allows (a partial prefill continues in chunks). A sequence that
+   needs a block when none is free preempts the most recently admitted running sequence
+   (possibly itself), which gives back every block and returns to the head of the waiting
+   queue to be recomputed later.
+2. Then, unless this step preempted, waiting sequences first come first served while the
+   budget, ``max_num_seqs`` and the free blocks allow. A waiting sequence starts from the
+   longest prefix found in the prefix cache; its prompt is cut to the budget left (chunked
+   prefill) or, with chunking off, waits for a step with budget enough. The head of the
+   queue blocks the ones behind it, so nobody starves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from pyrsistent import pvector
+
+from nanofn.state.block_pool import (BlockPool, CachedBlock, allocate, cache_block,
+                                     find_cached_prefix, release, take_cached)
+from nanofn.state.config import SchedulerConfig
+from nanofn.state.engine_state import EngineState
+from nanofn.state.hashing import parent_hash_of
+from nanofn.state.plan import BatchPlan, ScheduledSeq
+from nanofn.state.records import Seq, SeqStatus
+
+
+def schedule(state: EngineState) -> tuple[EngineState, BatchPlan]:
+    c = state.config
+    pool, waiting = state.pool, state.waiting
+    budget = c.max_num_batched_tokens
+    queue = list(state.running)
+    running: list[Seq] = []  # the running sequences after this step, in admission order
+    chunks: list[tuple[Seq, int]] = []  # (sequence after scheduling, first scheduled position)
+    preempted: list[str] = []
+
+    i = 0
+    while i < len(queue):
+        seq = queue[i]
+        i += 1
+        if budget == 0:
+            running.append(seq)
+            continue
+        wanted = min(seq.num_uncomputed, budget)
+        while (count := _tokens_that_fit(seq, wanted, pool, c.block_size)) == 0:
+            victim = queue.pop() if i < len(queue) else seq
+            pool, victim = preempt(pool, victim)
+            waiting = waiting.appendleft(victim)
+            preempted.append(victim.seq_id)
+            if victim.seq_id == seq.seq_id:
+                break
+        if count:
+            pool, start, seq = _schedule_chunk(pool, seq, count, c)
+            running.append(seq)
+            chunks.append((seq, start))
+            budget -= count
+
+    admitted_tokens = cached_tokens = 0
+    while (not preempted and waiting and budget > 0 and len(running) < c.max_num_seqs):
+        admission = _admit(pool, waiting.left, budget, c)
+        if admission is None:
+            break
+        pool, start, seq = admission
+        waiting = waiting.popleft()
+        running.append(seq)
+        chunks.append((seq, start))
+        budget -= seq.num_computed - start
+        admitted_tokens += seq.num_tokens
+        cached_tokens += seq.num_cached_tokens
+
+    stats = state.stats
+    stats = replace(stats, num_preemptions=stats.num_preemptions + len(preempted),
+                    num_admitted_tokens=stats.num_admitted_tokens + admitted_tokens,
+                    num_cached_tokens=stats.num_cached_tokens + cached_tokens)
+    plan = BatchPlan(state.step, c.block_size, tuple(_scheduled(seq, start) for seq, start in chunks))
+    new_state = replace(state, pool=pool, waiting=waiting, running=tuple(running),
+                        sampling_ids=plan.sampling_seq_ids, preempted=tuple(preempted),
+                        stats=stats)
+    return new_state, plan
+
+
+def _blocks_for(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
+def _tokens_that_fit(seq: Seq, wanted: int, pool: BlockPool, block_size: int) -> int:
+    """How many of ``wanted`` new tokens fit in the sequence's blocks plus the free ones."""
+    capacity = (len(seq.block_table) + pool.num_free) * block_size - seq.num_computed
+    return min(wanted, capacity)
+
+
+def preempt(pool: BlockPool, seq: Seq) -> tuple[BlockPool, Seq]:
+    """Give back all of a running sequence's blocks (the last ones become the first to be
+    evicted); it keeps its tokens and will recompute them."""
+    pool = release(pool, reversed(seq.block_table))
+    seq = replace(seq, status=SeqStatus.WAITING, num_computed=0, block_table=pvector(),
+                  num_preemptions=seq.num_preemptions + 1)
+    return pool, seq
+
+
+def _schedule_chunk(pool: BlockPool, seq: Seq, count: int,
+                    c: SchedulerConfig) -> tuple[BlockPool, int, Seq]:
+    """Give the sequence blocks for ``count`` more tokens, record the blocks they fill in the
+    prefix cache, and count the tokens as computed (the runner computes them this step)."""
+    start = seq.num_computed
+    end = start + count
+    table = seq.block_table
+    if (missing := _blocks_for(end, c.block_size) - len(table)) > 0:
+        pool, new_blocks = allocate(pool, missing)
+        table = table.extend(new_blocks)
+    if c.enable_prefix_caching and end // c.block_size > start // c.block_size:
+        pool = _cache_filled_blocks(pool, seq, table, start, end, c.block_size)
+    return pool, start, seq.with_progress(table, end)
+
+
+def _cache_filled_blocks(pool: BlockPool, seq: Seq, table, start: int, end: int,
+                         block_size: int) -> BlockPool:
+    hashes = seq.block_hashes
+    for j in range(start // block_size, end // block_size):
+        tokens = tuple(seq.token_ids[j * block_size:(j + 1) * block_size])
+        pool = cache_block(pool, table[j], CachedBlock(hashes[j], parent_hash_of(hashes, j), tokens))
+    return pool
+
+
+def _admit(pool: BlockPool, seq: Seq, budget: int,
+           c: SchedulerConfig) -> tuple[BlockPool, int, Seq] | None:
+    """Start a waiting sequence, or None if it must wait (not enough budget or blocks)."""
+    bs = c.block_size
+    hits: tuple[int, ...] = ()
+    if c.enable_prefix_caching:
+        # Leave at least one token to compute, so that there are logits to sample from.
+        limit = (seq.num_tokens - 1) // bs
+        hits = find_cached_prefix(pool, seq.block_hashes,
+                                  lambda i: seq.token_ids[i * bs:(i + 1) * bs], limit)
+    cached = len(hits) * bs
+    count = seq.num_tokens - cached
+    if count > budget:
+        if not c.enable_chunked_prefill:
+            return None
+        count = budget
+    free_hits = sum(1 for b in hits if pool.ref_counts[b] == 0)
+    if _blocks_for(cached + count, bs) - len(hits) > pool.num_free - free_hits:
+        return None
+    pool = take_cached(pool, hits)
+    seq = replace(seq, status=SeqStatus.RUNNING, block_table=pvector(hits), num_computed=cached,
+                  num_cached_tokens=cached)
+    return _schedule_chunk(pool, seq, count, c)
+
+
+def _scheduled(seq: Seq, start: int) -> ScheduledSeq:
+    end = seq.num_computed
+    tokens = (seq.token_ids[start],) if end - start == 1 else tuple(seq.token_ids[start:end])
+    return ScheduledSeq(
+        seq_id=seq.seq_id,
+        token_ids=tokens,
+        start_pos=start,
+        block_table=seq.block_table,
+        sample=end == seq.num_tokens,
+        params=seq.params,
+        num_prompt_tokens=seq.num_prompt_tokens,
+        history=seq.token_ids if seq.params.has_penalties else None,
+    )

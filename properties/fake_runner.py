@@ -1,0 +1,70 @@
+"""A fake runner for the pure core: a paged "KV cache" of (token, position) pairs and a model
+whose next token is a pure function of the token prefix it reads back from that cache.
+
+Because the model sees only what the plan's block tables let it read, any mistake in block
+tables, slots, prefix-cache hits or recomputation after preemption changes the outputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import xxhash
+
+from nanofn.state import BatchPlan, EngineState
+
+EOS = 0
+
+
+def next_token(prefix: Sequence[int], vocab_size: int) -> int:
+    """The fake model: deterministic in the prefix, EOS about once in ``vocab_size`` tokens."""
+    return xxhash.xxh64_intdigest(",".join(map(str, prefix)).encode()) % vocab_size
+
+
+class FakeRunner:
+    def __init__(self, num_blocks: int, block_size: int, vocab_size: int = 40):
+        self.block_size = block_size
+        self.vocab_size = vocab_size
+        self.slots: list[tuple[int, int] | None] = [None] * (num_blocks * block_size)
+
+    def slot(self, block_table: Sequence[int], position: int) -> int:
+        return block_table[position // self.block_size] * self.block_size + position % self.block_size
+
+    def execute(self, plan: BatchPlan) -> tuple[int, ...]:
+        """Write every scheduled token, then read each sampling sequence's whole context back
+        and return the next token of each, in plan order (the runner's contract)."""
+        for s in plan.seqs:
+            for i, token in enumerate(s.token_ids):
+                position = s.start_pos + i
+                self.slots[self.slot(s.block_table, position)] = (token, position)
+        return tuple(next_token(self.read(s.block_table, s.context_len), self.vocab_size)
+                     for s in plan.seqs if s.sample)
+
+    def read(self, block_table: Sequence[int], length: int) -> list[int]:
+        tokens = []
+        for position in range(length):
+            entry = self.slots[self.slot(block_table, position)]
+            assert entry is not None and entry[1] == position, (
+                f"position {position} reads {entry} from block table {list(block_table)}")
+            tokens.append(entry[0])
+        return tokens
+
+    def check_cache_contents(self, state: EngineState) -> None:
+        """Every block the prefix cache lists holds exactly the tokens it claims."""
+        bs = self.block_size
+        for block, entry in state.pool.cached.items():
+            stored = [self.slots[block * bs + k] for k in range(bs)]
+            assert [t for t, _ in stored] == list(entry.token_ids), f"cached block {block} lies"
+
+
+def stop_string_hit(output: Sequence[int]) -> bool:
+    """A content-defined "stop string" for tests: two equal tokens in a row. It depends only on
+    the output, so it fires at the same token whatever the scheduling."""
+    return len(output) >= 2 and output[-1] == output[-2]
+
+
+def check_running_contexts(runner: FakeRunner, state: EngineState) -> None:
+    """Each running sequence's computed tokens are in the cache where its block table says."""
+    for seq in state.running:
+        read = runner.read(seq.block_table, seq.num_computed)
+        assert read == list(seq.token_ids[:seq.num_computed]), f"{seq.seq_id} reads {read}"

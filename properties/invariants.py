@@ -1,0 +1,101 @@
+"""The invariants of DESIGN.md as checks over a state and the plan that came with it."""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+
+from nanofn.state import BatchPlan, EngineState, SeqStatus
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
+def check_block_accounting(state: EngineState) -> None:
+    """1. Every block is free or owned; reference counts equal holders; free + owned = total."""
+    pool = state.pool
+    holders = Counter(b for seq in state.running for b in seq.block_table)
+    for block, count in enumerate(pool.ref_counts):
+        assert count == holders.get(block, 0), f"block {block}: ref {count}, holders {holders.get(block, 0)}"
+    plain = list(pool.plain_free)
+    lru = list(pool.cached_free)
+    assert len(plain) == pool.num_plain_free
+    assert len(lru) == pool.cached_free.size
+    free = plain + lru
+    assert len(free) == len(set(free)), "a block is free twice"
+    assert set(free) == {b for b, c in enumerate(pool.ref_counts) if c == 0}
+    assert len(free) + sum(1 for c in pool.ref_counts if c) == pool.num_blocks
+    assert all(b in pool.cached for b in lru), "a block in the LRU queue is not cached"
+    assert not any(b in pool.cached for b in plain), "a plain free block is cached"
+    for h, block in pool.by_hash.items():
+        assert pool.cached[block].block_hash == h
+    assert all(pool.by_hash.get(e.block_hash) == b for b, e in pool.cached.items())
+
+
+def check_sharing(state: EngineState) -> None:
+    """2. Two sequences share a block only if it is full and their prefixes up to it are equal."""
+    bs = state.config.block_size
+    where = defaultdict(list)
+    for seq in state.running:
+        for i, block in enumerate(seq.block_table):
+            where[block].append((seq, i))
+    for block, places in where.items():
+        if len(places) < 2:
+            continue
+        indexes = {i for _, i in places}
+        assert len(indexes) == 1, f"block {block} at different indexes {indexes}"
+        (i,) = indexes
+        end = (i + 1) * bs
+        assert all(seq.num_computed >= end for seq, _ in places), f"shared block {block} not full"
+        prefixes = {tuple(seq.token_ids[:end]) for seq, _ in places}
+        assert len(prefixes) == 1, f"block {block} shared by different prefixes"
+
+
+def check_sequences(state: EngineState) -> None:
+    """3 and 6. A running sequence has exactly the blocks its computed tokens need; waiting and
+    finished ones hold none; every live sequence is in exactly one queue."""
+    bs = state.config.block_size
+    for seq in state.running:
+        assert seq.status is SeqStatus.RUNNING
+        assert len(seq.block_table) == blocks_for(seq.num_computed, bs), seq.seq_id
+        assert seq.num_computed <= seq.num_tokens <= state.config.max_model_len
+    for seq in state.waiting:
+        assert seq.status is SeqStatus.WAITING
+        assert len(seq.block_table) == 0 and seq.num_computed == 0, seq.seq_id
+    for seq in state.finished:
+        assert seq.status is SeqStatus.FINISHED and seq.finish_reason is not None
+        assert len(seq.block_table) == 0, f"finished {seq.seq_id} holds blocks"
+        assert seq.seq_id not in state.live_ids
+    ids = [s.seq_id for s in state.running] + [s.seq_id for s in state.waiting]
+    assert len(ids) == len(set(ids)), "a sequence is queued twice"
+    assert set(ids) == set(state.live_ids)
+    assert len(state.running) <= state.config.max_num_seqs
+
+
+def check_plan(state: EngineState, plan: BatchPlan) -> None:
+    """4. The plan respects the limits, and says exactly what the state scheduled."""
+    c = state.config
+    assert plan.step == state.step
+    assert len(plan.seqs) <= c.max_num_seqs
+    assert plan.num_tokens <= c.max_num_batched_tokens
+    ids = [s.seq_id for s in plan.seqs]
+    assert len(ids) == len(set(ids))
+    running = {seq.seq_id: seq for seq in state.running}
+    for s in plan.seqs:
+        seq = running[s.seq_id]
+        assert s.num_tokens >= 1
+        assert s.context_len <= c.max_model_len
+        assert s.context_len == seq.num_computed
+        assert tuple(seq.token_ids[s.start_pos:s.context_len]) == s.token_ids
+        assert s.sample == (s.context_len == seq.num_tokens)
+        assert s.block_table == seq.block_table
+        if not c.enable_chunked_prefill:
+            assert s.sample, "a chunk without chunked prefill"
+    assert state.sampling_ids == tuple(s.seq_id for s in plan.seqs if s.sample)
+
+
+def check_all(state: EngineState, plan: BatchPlan) -> None:
+    check_block_accounting(state)
+    check_sharing(state)
+    check_sequences(state)
+    check_plan(state, plan)

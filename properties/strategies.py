@@ -1,0 +1,65 @@
+"""Hypothesis strategies for configurations and requests, sized so that tiny block pools
+make preemption and eviction happen all the time."""
+
+from __future__ import annotations
+
+from hypothesis import strategies as st
+
+from nanofn.state import SamplingParams, SchedulerConfig
+from properties.fake_runner import EOS
+
+BLOCK_SIZE = 16
+MAX_MODEL_LEN = 64
+# A few shared prefixes, so that prompts hit each other's blocks in the prefix cache.
+PREFIXES = (
+    (),
+    tuple(range(1, 17)),
+    tuple(range(1, 41)),
+    tuple(range(5, 38)),
+)
+
+
+@st.composite
+def configs(draw, caching=st.booleans(), chunking=st.booleans()) -> SchedulerConfig:
+    chunked = draw(chunking)
+    max_num_seqs = draw(st.integers(1, 6))
+    low = max_num_seqs if chunked else MAX_MODEL_LEN
+    budget = draw(st.integers(low, max(low, 80)))
+    blocks_per_seq = -(-MAX_MODEL_LEN // BLOCK_SIZE)
+    return SchedulerConfig(
+        num_blocks=draw(st.integers(blocks_per_seq, blocks_per_seq + 8)),
+        block_size=BLOCK_SIZE,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=budget,
+        max_model_len=MAX_MODEL_LEN,
+        enable_prefix_caching=draw(caching),
+        enable_chunked_prefill=chunked,
+        eos_token_ids=(EOS,),
+    )
+
+
+@st.composite
+def prompts(draw) -> tuple[int, ...]:
+    prefix = draw(st.sampled_from(PREFIXES))
+    tail = draw(st.lists(st.integers(1, 39), min_size=0 if prefix else 1, max_size=20))
+    prompt = prefix + tuple(tail)
+    return prompt[:MAX_MODEL_LEN - 1]
+
+
+@st.composite
+def sampling_params(draw, prompt_len: int) -> SamplingParams:
+    room = MAX_MODEL_LEN - prompt_len
+    max_tokens = draw(st.integers(1, min(room, 24)))
+    return SamplingParams(
+        temperature=0.0,
+        max_tokens=max_tokens,
+        min_tokens=draw(st.integers(0, max_tokens)),
+        ignore_eos=draw(st.booleans()),
+        stop_token_ids=draw(st.lists(st.integers(1, 39), max_size=1)),
+    )
+
+
+@st.composite
+def requests(draw) -> tuple[tuple[int, ...], SamplingParams]:
+    prompt = draw(prompts())
+    return prompt, draw(sampling_params(len(prompt)))

@@ -1,0 +1,147 @@
+"""Random arrivals, aborts, stop strings and sampled tokens driven through ``step`` with tiny
+block pools; all nine invariants of DESIGN.md are checked along the way."""
+
+from __future__ import annotations
+
+import copy
+from unittest import mock
+
+import pytest
+from hypothesis import HealthCheck, event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from nanofn.state import (Events, InvalidRequest, NewRequest, SamplingParams, check_new_request,
+                          parse_trace, replay, step)
+from nanofn.state import scheduler
+from properties.driver import Driver
+from properties.fake_runner import check_running_contexts
+from properties.invariants import check_all
+from properties.strategies import MAX_MODEL_LEN, configs, requests
+
+# Every preemption, as (free blocks when it was decided, victim before, victim after).
+preemptions: list = []
+_real_preempt = scheduler.preempt
+
+
+def _spying_preempt(pool, seq):
+    new_pool, victim = _real_preempt(pool, seq)
+    preemptions.append((pool.num_free, seq, victim))
+    return new_pool, victim
+
+
+class EngineMachine(RuleBasedStateMachine):
+    @initialize(config=configs())
+    def start(self, config):
+        self.driver = Driver(config)
+        self.new: list[NewRequest] = []
+        self.aborts: list[str] = []
+        self.stops: list[str] = []
+        self.recorded = []  # every (state, plan), to compare with the replay
+        self.count = 0
+
+    @rule(batch=st.lists(requests(), min_size=1, max_size=4))
+    def add_requests(self, batch):
+        for prompt, params in batch:
+            self.new.append(NewRequest(f"r{self.count}", prompt, params))
+            self.count += 1
+
+    @rule(kind=st.sampled_from(["empty", "too long", "duplicate", "negative token", "n=2"]))
+    def add_invalid_request(self, kind):
+        live = sorted(self.driver.state.live_ids)
+        if kind == "duplicate" and not live:
+            return
+        bad = {
+            "empty": NewRequest("bad", (), SamplingParams()),
+            "too long": NewRequest("bad", (1,) * MAX_MODEL_LEN, SamplingParams(max_tokens=1)),
+            "duplicate": NewRequest(live[0] if live else "", (1, 2), SamplingParams()),
+            "negative token": NewRequest("bad", (1, -3), SamplingParams()),
+            "n=2": NewRequest("bad", (1, 2), SamplingParams(n=2)),
+        }[kind]
+        before = copy.deepcopy(self.driver.state)
+        with pytest.raises(InvalidRequest):
+            check_new_request(self.driver.state, bad)
+        if kind != "duplicate":  # (the live request may finish on this very step's token)
+            with pytest.raises(InvalidRequest):
+                step(self.driver.state, _events(self.driver, [bad]))
+        assert self.driver.state == before
+
+    @rule(data=st.data())
+    def abort(self, data):
+        ids = sorted(self.driver.state.live_ids) + ["unknown-id"]
+        self.aborts.append(data.draw(st.sampled_from(ids)))
+
+    @rule(data=st.data())
+    def stop_string_seen(self, data):
+        ids = sorted(self.driver.state.live_ids)
+        if ids:
+            self.stops.append(data.draw(st.sampled_from(ids)))
+
+    @rule(times=st.integers(1, 6))
+    def advance(self, times):
+        for _ in range(times):
+            self.advance_once()
+
+    def advance_once(self):
+        before = copy.deepcopy(self.driver.state)
+        old_state = self.driver.state
+        preemptions.clear()
+        events, plan = self.driver.advance(self.new, self.aborts, self.stops)
+        self.new, self.aborts, self.stops = [], [], []
+        assert old_state == before, "step mutated its input"  # invariant 8
+        state = self.driver.state
+        check_all(state, plan)  # invariants 1 to 4 and 6
+        for free_blocks, victim_before, victim in preemptions:  # invariant 5
+            assert free_blocks == 0, "preempted while blocks were free"
+            assert victim.token_ids == victim_before.token_ids, "preemption lost tokens"
+            assert not victim.block_table and victim.num_computed == 0
+        assert len(state.preempted) == len(preemptions)
+        check_running_contexts(self.driver.runner, state)
+        self.driver.runner.check_cache_contents(state)
+        self.recorded.append((state, plan))
+        _note_coverage(old_state, state, plan)
+
+    @invariant()
+    def finished_hold_nothing(self):
+        if hasattr(self, "driver"):
+            assert all(not seq.block_table for seq in self.driver.state.finished)
+
+    def teardown(self):
+        if not hasattr(self, "driver"):
+            return
+        self.driver.advance(self.new)
+        self.driver.drain(max_steps=3000)  # invariant 6: everyone finishes
+        assert self.driver.state.pool.num_free == self.driver.state.pool.num_blocks
+        # Invariant 9: the trace rebuilds every state and plan.
+        trace = parse_trace(self.driver.trace_lines)
+        replayed = list(replay(trace, check=True))
+        assert [s for s, _ in replayed[:len(self.recorded)]] == [s for s, _ in self.recorded]
+        assert [p for _, p in replayed[:len(self.recorded)]] == [p for _, p in self.recorded]
+
+
+def _note_coverage(old, new, plan) -> None:
+    """Tell Hypothesis's statistics which mechanisms this step exercised."""
+    if new.preempted:
+        event("preemption")
+    if new.stats.num_cached_tokens > old.stats.num_cached_tokens:
+        event("prefix cache hit")
+    if any(not s.sample for s in plan.seqs):
+        event("chunked prefill")
+    if new.pool.cached_free.size < old.pool.cached_free.size and new.pool.num_plain_free == 0:
+        event("eviction or reuse of a cached free block")
+    for seq in new.finished:
+        event(f"finished: {seq.finish_reason.value}")
+
+
+def _events(driver: Driver, new):
+    return Events(sampled=driver.sampled, new_requests=tuple(new))
+
+
+EngineMachine.TestCase.settings = settings(
+    max_examples=150, stateful_step_count=40, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+def test_engine_state_machine():
+    with mock.patch.object(scheduler, "preempt", _spying_preempt):
+        EngineMachine.TestCase().runTest()

@@ -1,0 +1,348 @@
+"""Example-based tests of the pure core's policies (the properties/ suite checks invariants)."""
+
+from __future__ import annotations
+
+import ast
+import json
+import pathlib
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+from pyrsistent import pvector
+
+from nanofn.state import (Events, FinishReason, InvalidRequest, NewRequest, SamplingParams,
+                          SchedulerConfig, TraceError, check_new_request, figures, header_line,
+                          initial_state, parse_trace, replay, step, step_line)
+from nanofn.state.block_pool import (CachedBlock, allocate, cache_block, find_cached_prefix,
+                                     new_block_pool, release)
+from nanofn.state.hashing import ROOT_HASH, block_hash
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8)
+
+
+def config(**overrides) -> SchedulerConfig:
+    base = dict(num_blocks=16, block_size=16, max_num_seqs=4, max_num_batched_tokens=64,
+                max_model_len=128, eos_token_ids=(0,))
+    return SchedulerConfig(**{**base, **overrides})
+
+
+def run(state, sampled_token=5, **events):
+    return step(state, Events(sampled=(sampled_token,) * len(state.sampling_ids), **events))
+
+
+def request(rid: str, prompt, params=GREEDY) -> NewRequest:
+    return NewRequest(rid, tuple(prompt), params)
+
+
+# --- purity -----------------------------------------------------------------------------
+
+def test_importing_the_core_loads_no_torch():
+    code = "import sys, nanofn.state; print(sorted(m for m in ('torch', 'numpy') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_the_core_imports_nothing_impure():
+    forbidden = {"torch", "numpy", "time", "random", "os", "threading", "multiprocessing",
+                 "datetime", "io", "socket"}
+    core = pathlib.Path(__file__).parent.parent / "nanofn" / "state"
+    for path in core.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            for name in names:
+                assert name.split(".")[0] not in forbidden, f"{path.name} imports {name}"
+
+
+# --- block pool ---------------------------------------------------------------------------
+
+def test_allocation_takes_plain_blocks_before_evicting_cached_ones_least_recent_first():
+    pool = new_block_pool(4)
+    pool, (a, b, c, d) = allocate(pool, 4)
+    for block, token in ((a, 1), (b, 2)):
+        pool = cache_block(pool, block, CachedBlock(block_hash(ROOT_HASH, [token]), ROOT_HASH, (token,)))
+    pool = release(pool, [b, c, a, d])  # b is freed before a: b is the least recently used
+    assert pool.num_free == 4 and pool.num_plain_free == 2
+    pool, first_two = allocate(pool, 2)
+    assert set(first_two) == {c, d}
+    assert len(pool.by_hash) == 2  # no cached block evicted yet
+    pool, (third,) = allocate(pool, 1)
+    assert third == b and len(pool.by_hash) == 1
+    pool, (fourth,) = allocate(pool, 1)
+    assert fourth == a and len(pool.by_hash) == 0
+
+
+def test_a_hash_hit_is_confirmed_against_the_stored_tokens():
+    pool = new_block_pool(2)
+    pool, (block,) = allocate(pool, 1)
+    h = block_hash(ROOT_HASH, [1, 2])
+    pool = cache_block(pool, block, CachedBlock(h, ROOT_HASH, (1, 2)))
+    assert find_cached_prefix(pool, [h], lambda i: (1, 2), limit=1) == (block,)
+    # A forged collision: same hash, other tokens. It must not count as a hit.
+    assert find_cached_prefix(pool, [h], lambda i: (3, 4), limit=1) == ()
+
+
+def test_releasing_a_block_twice_is_an_error():
+    pool, (block,) = allocate(new_block_pool(1), 1)
+    pool = release(pool, [block])
+    with pytest.raises(ValueError, match="released more often"):
+        release(pool, [block])
+
+
+# --- requests -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("bad, message", [
+    (request("a", []), "prompt is empty"),
+    (request("a", range(1, 125), SamplingParams(max_tokens=8)), "longer than max_model_len 128"),
+    (request("a", [1, -1]), "prompt token id -1"),
+    (request("a", [1, 1000]), r"prompt token id 1000 is not an integer in \[0, 1000\)"),
+    (request("", [1]), "request_id must be a non-empty string"),
+    (request("a", [1], SamplingParams(n=2)), "n=2"),
+])
+def test_invalid_requests_are_rejected_with_a_reason(bad, message):
+    state = initial_state(config(vocab_size=1000))
+    with pytest.raises(InvalidRequest, match=message):
+        check_new_request(state, bad)
+    with pytest.raises(InvalidRequest, match=message):
+        step(state, Events(new_requests=(request("ok", [1, 2]), bad)))
+
+
+def test_a_duplicate_live_id_is_rejected_but_a_finished_id_can_be_reused():
+    state, _ = step(initial_state(config()), Events(new_requests=(request("a", [1, 2]),)))
+    with pytest.raises(InvalidRequest, match="'a' is already in use"):
+        check_new_request(state, request("a", [3]))
+    state, _ = run(state, aborts=("a",))
+    check_new_request(state, request("a", [3]))
+
+
+def test_the_sampled_tokens_must_match_the_last_plan():
+    state, _ = step(initial_state(config()), Events(new_requests=(request("a", [1, 2]),)))
+    with pytest.raises(ValueError, match="got 0 sampled tokens, the last plan sampled 1"):
+        step(state, Events())
+
+
+# --- finishing ----------------------------------------------------------------------------
+
+def finish_after(tokens, params, cfg=None, prompt=(1, 2, 3)):
+    """Feed ``tokens`` as the sampled tokens of one request; return (outputs, reason)."""
+    state, _ = step(initial_state(cfg or config()), Events(new_requests=(request("a", prompt, params),)))
+    for token in tokens:
+        state, _ = step(state, Events(sampled=(token,)))
+        if state.finished:
+            (seq,) = state.finished
+            assert not seq.block_table and state.pool.num_free == state.pool.num_blocks
+            return seq.output_token_ids, seq.finish_reason
+    return None
+
+
+def test_eos_stops_unless_ignored():
+    assert finish_after([4, 0, 4], GREEDY) == ((4, 0), FinishReason.STOP)
+    assert finish_after([4, 0, 4], replace(GREEDY, ignore_eos=True, max_tokens=3)) == \
+        ((4, 0, 4), FinishReason.LENGTH)
+
+
+def test_stop_token_ids_and_min_tokens():
+    params = replace(GREEDY, stop_token_ids=(9,), min_tokens=3)
+    assert finish_after([9, 0, 5, 9], params) == ((9, 0, 5, 9), FinishReason.STOP)
+    assert finish_after([5, 9], replace(params, min_tokens=0)) == ((5, 9), FinishReason.STOP)
+
+
+def test_max_tokens_and_max_model_len():
+    assert finish_after([4] * 10, replace(GREEDY, max_tokens=2)) == ((4, 4), FinishReason.LENGTH)
+    short = config(max_model_len=32, num_blocks=2)
+    result = finish_after([4] * 40, replace(GREEDY, max_tokens=None), short, prompt=range(1, 30))
+    assert result == ((4, 4, 4), FinishReason.LENGTH)
+
+
+def test_a_stop_string_finishes_after_taking_its_token():
+    state, _ = step(initial_state(config()), Events(new_requests=(request("a", [1, 2]),)))
+    state, plan = step(state, Events(sampled=(7,), stop_hits=("a",)))
+    assert plan.is_empty
+    (seq,) = state.finished
+    assert seq.output_token_ids == (7,) and seq.finish_reason is FinishReason.STOP
+
+
+def test_abort_works_on_waiting_and_running_sequences_and_ignores_unknown_ids():
+    cfg = config(max_num_seqs=1)
+    state, _ = step(initial_state(cfg), Events(new_requests=(request("a", [1]), request("b", [2]))))
+    assert [s.seq_id for s in state.running] == ["a"] and len(state.waiting) == 1
+    state, plan = run(state, aborts=("b", "nobody"))
+    assert [s.seq_id for s in state.finished] == ["b"]
+    assert state.finished[0].finish_reason is FinishReason.ABORT
+    state, plan = run(state, aborts=("a",))
+    assert plan.is_empty and not state.has_unfinished
+    assert state.pool.num_free == cfg.num_blocks
+
+
+# --- scheduling ---------------------------------------------------------------------------
+
+def test_long_prompts_are_prefilled_in_chunks_within_the_budget():
+    state, plan = step(initial_state(config(max_num_batched_tokens=16)),
+                       Events(new_requests=(request("a", range(1, 41)),)))
+    chunks = [(plan.seqs[0].start_pos, plan.seqs[0].num_tokens, plan.seqs[0].sample)]
+    while not plan.seqs[-1].sample:
+        state, plan = step(state, Events())
+        chunks.append((plan.seqs[0].start_pos, plan.seqs[0].num_tokens, plan.seqs[0].sample))
+    assert chunks == [(0, 16, False), (16, 16, False), (32, 8, True)]
+
+
+def test_without_chunked_prefill_a_prompt_waits_for_a_whole_step():
+    cfg = config(enable_chunked_prefill=False, max_num_batched_tokens=128)
+    news = (request("a", range(1, 100)), request("b", range(200, 260)))
+    state, plan = step(initial_state(cfg), Events(new_requests=news))
+    assert [(s.seq_id, s.num_tokens) for s in plan.seqs] == [("a", 99)]
+    state, plan = run(state)
+    assert [(s.seq_id, s.num_tokens) for s in plan.seqs] == [("a", 1), ("b", 60)]
+
+
+def test_a_cached_prefix_is_not_computed_again_but_the_last_token_always_is():
+    prompt = list(range(1, 33))  # exactly two blocks
+    state, _ = step(initial_state(config()), Events(new_requests=(request("a", prompt),)))
+    state, plan = run(state, new_requests=(request("b", prompt), request("c", prompt + [7])))
+    starts = {s.seq_id: (s.start_pos, s.num_tokens) for s in plan.seqs}
+    assert starts["b"] == (16, 16)  # the last block is recomputed to have logits to sample
+    assert starts["c"] == (32, 1)
+    assert figures(state).prefix_cache_hit_rate == pytest.approx((16 + 32) / (32 * 3 + 1))
+
+
+def test_prefix_caching_can_be_switched_off():
+    prompt = list(range(1, 33))
+    state, _ = step(initial_state(config(enable_prefix_caching=False)),
+                    Events(new_requests=(request("a", prompt),)))
+    state, plan = run(state, new_requests=(request("b", prompt),))
+    assert [(s.seq_id, s.start_pos) for s in plan.seqs] == [("a", 32), ("b", 0)]
+    assert len(state.pool.by_hash) == 0
+
+
+def test_preemption_takes_the_most_recent_admission_which_resumes_first():
+    cfg = config(num_blocks=6, max_num_batched_tokens=64, max_model_len=64,
+                 enable_chunked_prefill=False)
+    params = replace(GREEDY, max_tokens=30, ignore_eos=True)
+    news = tuple(request(r, range(k, k + 31), params) for r, k in (("a", 1), ("b", 100), ("c", 200)))
+    state, plan = step(initial_state(cfg), Events(new_requests=news))
+    assert [s.seq_id for s in plan.seqs] == ["a", "b"]
+    state, plan = run(state)
+    assert [s.seq_id for s in plan.seqs] == ["a", "b", "c"] and state.pool.num_free == 0
+    state, plan = run(state)  # a and b need a third block each: c, the newest, gives way
+    assert state.preempted == ("c",) and [s.seq_id for s in plan.seqs] == ["a", "b"]
+    (victim,) = state.waiting
+    assert victim.seq_id == "c" and victim.num_preemptions == 1
+    assert victim.output_token_ids == (5,) and not victim.block_table
+    assert figures(state).num_preemptions == 1
+
+
+def test_max_num_seqs_caps_the_running_set():
+    news = tuple(request(f"r{i}", [i + 1, i + 2]) for i in range(6))
+    state, plan = step(initial_state(config(max_num_seqs=4)), Events(new_requests=news))
+    assert len(plan.seqs) == 4 and len(state.waiting) == 2
+    f = figures(state)
+    assert (f.num_running, f.num_waiting, f.kv_blocks_used) == (4, 2, 4)
+
+
+def test_decode_plans_carry_one_token_and_no_history():
+    state, _ = step(initial_state(config()), Events(new_requests=(request("a", range(1, 50)),)))
+    state, plan = run(state, sampled_token=8)
+    (s,) = plan.seqs
+    assert (s.token_ids, s.start_pos, s.sample, s.history) == ((8,), 49, True, None)
+    assert plan.num_decode_tokens == 1 and plan.num_prefill_tokens == 0
+    penalised = replace(GREEDY, repetition_penalty=1.2)
+    state, plan = run(state, new_requests=(request("p", [1, 2], penalised),))
+    assert plan.seqs[1].history == pvector([1, 2])
+
+
+# --- traces -------------------------------------------------------------------------------
+
+def record(cfg, rounds):
+    """Run a few steps, returning the trace lines and every (state, plan)."""
+    lines, seen = [header_line(cfg, {"model": "test"})], []
+    state = initial_state(cfg)
+    for i in range(rounds):
+        events = Events(sampled=(i % 7 + 1,) * len(state.sampling_ids),
+                        new_requests=(request(f"r{i}", range(i + 1, i + 20)),) if i < 5 else (),
+                        aborts=("r1",) if i == 3 else ())
+        state, plan = step(state, events)
+        lines.append(step_line(events, plan))
+        seen.append((state, plan))
+    return lines, seen
+
+
+def test_a_trace_replays_every_state_and_plan():
+    lines, seen = record(config(max_num_seqs=2), 12)
+    trace = parse_trace(lines)
+    assert trace.meta == {"model": "test"}
+    assert list(replay(trace, check=True)) == seen
+
+
+def test_a_tampered_trace_fails_its_check():
+    lines, _ = record(config(), 6)
+    row = json.loads(lines[3])
+    row["sampled"] = [t + 1 for t in row["sampled"]]
+    lines[3] = json.dumps(row)
+    # Step 2's own plan is fine; the changed tokens show in a later plan.
+    with pytest.raises(TraceError, match="differs from the recorded one"):
+        list(replay(parse_trace(lines), check=True))
+
+
+@pytest.mark.parametrize("lines, message", [
+    ([], "empty"),
+    (["not json"], "line 1: not JSON"),
+    (['{"format": "other"}'], "not a nanofn-trace header"),
+    (['{"format": "nanofn-trace", "version": 99, "config": {}}'], "version 99 is not supported"),
+])
+def test_unreadable_traces_say_why(lines, message):
+    with pytest.raises(TraceError, match=message):
+        parse_trace(lines)
+
+
+def test_a_broken_step_line_names_its_line_number():
+    lines, _ = record(config(), 3)
+    lines[2] = '{"step": 2}'
+    with pytest.raises(TraceError, match="line 3: KeyError"):
+        parse_trace(lines)
+
+
+# --- configuration and parameters ---------------------------------------------------------
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(block_size=8), r"block_size must be in \[16, 256\]"),
+    (dict(max_num_batched_tokens=2), "must be >= max_num_seqs"),
+    (dict(num_blocks=3), "num_blocks .3. is too few"),
+    (dict(enable_chunked_prefill=False), "without chunked prefill"),
+])
+def test_bad_configurations_are_rejected(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        config(**overrides)
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("temperature", -1, "temperature must be >= 0"),
+    ("top_p", 0, r"top_p must be in \(0, 1\]"),
+    ("top_k", -2, "top_k must be -1 or 0"),
+    ("min_p", 1.5, r"min_p must be in \[0, 1\]"),
+    ("max_tokens", -1, "max_tokens must be an integer >= 1"),
+    ("max_tokens", 0, "max_tokens must be an integer >= 1"),
+    ("min_tokens", 20, r"min_tokens must be <= max_tokens \(16\)"),
+    ("n", 0, "n must be an integer >= 1"),
+    ("presence_penalty", 3, r"presence_penalty must be in \[-2, 2\]"),
+    ("frequency_penalty", -3, r"frequency_penalty must be in \[-2, 2\]"),
+    ("repetition_penalty", 0, "repetition_penalty must be > 0"),
+    ("logprobs", 21, r"logprobs must be an integer in \[0, 20\]"),
+    ("stop", [""], "stop must be a string or a list of non-empty strings"),
+    ("stop_token_ids", [-1], "stop_token_ids must be non-negative integers"),
+    ("seed", 1.5, "seed must be an integer or None"),
+    ("temperature", "hot", "temperature must be a number"),
+    ("ignore_eos", "yes", "ignore_eos must be a bool"),
+])
+def test_sampling_params_name_the_bad_field(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**{field: value})
+
+
+def test_sampling_params_round_trip_through_json():
+    params = SamplingParams(stop="###", stop_token_ids=[3], seed=4, logprobs=2, top_k=5)
+    assert params.stop == ("###",)
+    assert SamplingParams.from_dict(json.loads(json.dumps(params.to_dict()))) == params
+    with pytest.raises(ValueError, match="unknown sampling parameter.*colour"):
+        SamplingParams.from_dict({"colour": 1})
