@@ -1,0 +1,62 @@
+"""Incremental detokenization and stop strings, one ``Detokenizer`` per output sequence."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from tokenizers.decoders import DecodeStream
+
+from nanofn.state.params import SamplingParams
+
+PROMPT_CONTEXT = 6  # prompt tokens fed to the stream first, so the first word spaces right
+
+
+class Detokenizer:
+    """Turns a sequence's tokens into text as they arrive and watches for stop strings.
+
+    Needs a fast (``tokenizers``-backed) Hugging Face tokenizer, whose incremental
+    ``DecodeStream`` handles characters split across tokens.
+
+    Text that could still turn out to start a stop string is held back from ``visible_text``
+    until it is certain, so streamed text never shows a stop string that is cut later.
+    """
+
+    def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int], params: SamplingParams):
+        self.params = params
+        self.text = ""
+        self.stopped = False
+        self._hold = max((len(s) for s in params.stop), default=1) - 1
+        self._backend = tokenizer.backend_tokenizer
+        self._stream = DecodeStream(list(prompt_token_ids[-PROMPT_CONTEXT:]),
+                                    params.skip_special_tokens)
+
+    def add(self, token_id: int, num_output_tokens: int) -> bool:
+        """Take one generated token; return True if the text now reaches a stop string (only
+        once ``min_tokens`` are out, ``num_output_tokens`` counting this one)."""
+        if self.stopped:
+            return True
+        new_text = self._stream.step(self._backend, token_id)
+        if not new_text:
+            return False
+        old_len = len(self.text)
+        self.text += new_text
+        if num_output_tokens >= self.params.min_tokens:
+            self._check_stop(old_len)
+        return self.stopped
+
+    def visible_text(self, finished: bool) -> str:
+        if finished or self.stopped or not self._hold:
+            return self.text
+        return self.text[:max(0, len(self.text) - self._hold)]
+
+    def _check_stop(self, old_len: int) -> None:
+        """Look for a stop string that ends in the new text; cut the text at the first one."""
+        search_from = max(0, old_len - self._hold)
+        hits = [(i, s) for s in self.params.stop if (i := self.text.find(s, search_from)) >= 0]
+        if not hits:
+            return
+        index, stop = min(hits)
+        end = index + len(stop) if self.params.include_stop_str_in_output else index
+        self.text = self.text[:end]
+        self.stopped = True

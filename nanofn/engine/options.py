@@ -1,0 +1,55 @@
+"""Engine options, with vLLM's names and defaults."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    model: str
+    tokenizer: str | None = None  # default: the model folder
+    tensor_parallel_size: int = 1
+    gpu_memory_utilization: float = 0.9
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    max_num_seqs: int = 512
+    max_num_batched_tokens: int = 16384
+    enforce_eager: bool = False
+    dtype: str = "auto"
+    seed: int | None = 0
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    block_size: int = 16
+    trace: str | None = None  # a path: record this run's trace there
+    kv_cache_memory_bytes: int | None = None  # default: from gpu_memory_utilization (GPU), 4 GiB (CPU)
+    num_kv_blocks: int | None = None  # an exact KV cache size, for tests and debugging
+    device: str = "auto"  # "cuda" when there is a GPU, else "cpu"
+
+    def __post_init__(self) -> None:
+        for problem in _problems(self):
+            raise ValueError(problem)
+
+    @classmethod
+    def from_kwargs(cls, model: str, **kwargs: Any) -> EngineOptions:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"unknown option(s): {', '.join(unknown)}; nanofn takes: "
+                            f"{', '.join(sorted(known - {'model'}))}")
+        return cls(model=str(model), **kwargs)
+
+
+def _problems(o: EngineOptions):
+    if not 0 < o.gpu_memory_utilization <= 1:
+        yield f"gpu_memory_utilization must be in (0, 1], got {o.gpu_memory_utilization}"
+    for name in ("tensor_parallel_size", "max_num_seqs", "max_num_batched_tokens", "block_size"):
+        value = getattr(o, name)
+        if not isinstance(value, int) or value < 1:
+            yield f"{name} must be a positive integer, got {value!r}"
+    for name in ("max_model_len", "kv_cache_memory_bytes", "num_kv_blocks"):
+        value = getattr(o, name)
+        if value is not None and (not isinstance(value, int) or value < 1):
+            yield f"{name} must be a positive integer or None, got {value!r}"
+    if o.device not in ("auto", "cpu", "cuda") and not o.device.startswith("cuda:"):
+        yield f"device must be 'auto', 'cpu' or 'cuda[:N]', got {o.device!r}"

@@ -1,0 +1,112 @@
+"""Paged-KV-cache attention, plain-torch references.
+
+Cache layout: ``k_cache`` and ``v_cache`` are ``[num_blocks, block_size, num_kv_heads, head_dim]``;
+a token's slot is ``block * block_size + offset``. Sequence ``i`` owns the blocks listed in
+``block_tables[i]`` (padded with 0 past its last block). Grouped-query attention: query head
+``h`` reads kv head ``h // (num_heads // num_kv_heads)``, as in Hugging Face's ``repeat_kv``.
+
+These functions are the yardstick the Triton kernels are tested against: they favour being
+obviously right over being fast, and compute scores and softmax in float32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def store_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write token ``t`` of ``k``/``v`` (``[T, Hkv, D]``) to slot ``slot_mapping[t]``, in place.
+
+    Negative slots (padding tokens) are skipped.
+    """
+    num_kv_heads, head_dim = k.shape[1:]
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    k_cache.view(-1, num_kv_heads, head_dim)[slots] = k[keep].to(k_cache.dtype)
+    v_cache.view(-1, num_kv_heads, head_dim)[slots] = v[keep].to(v_cache.dtype)
+
+
+def gather_context(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """The first ``seq_len`` tokens of one sequence's paged cache, as ``[seq_len, Hkv, D]``."""
+    block_size = cache.shape[1]
+    num_blocks = -(-seq_len // block_size)
+    blocks = cache[block_table[:num_blocks].long()]
+    return blocks.flatten(0, 1)[:seq_len]
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    query_start: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_lens_host: tuple[int, ...],
+    seq_lens_host: tuple[int, ...],
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention for a flattened batch of query chunks; returns ``[T, H, D]``.
+
+    Sequence ``i``'s queries are the last ``query_lens_host[i]`` positions of its context of
+    ``seq_lens_host[i]`` tokens, all of which (its new tokens included) are already in the cache.
+    ``query_start`` and ``seq_lens`` are the device copies the kernels read; this reference walks
+    the host tuples instead, so it never waits on the device.
+    """
+    out = torch.empty_like(q)
+    start = 0
+    for i, (query_len, seq_len) in enumerate(zip(query_lens_host, seq_lens_host)):
+        end = start + query_len
+        k = gather_context(k_cache, block_tables[i], seq_len)
+        v = gather_context(v_cache, block_tables[i], seq_len)
+        query_positions = torch.arange(seq_len - query_len, seq_len, device=q.device)
+        key_positions = torch.arange(seq_len, device=q.device)
+        visible = key_positions[None, :] <= query_positions[:, None]  # [query_len, seq_len]
+        out[start:end] = _attend(q[start:end], k, v, visible, scale)
+        start = end
+    return out
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of one query per sequence (``q`` is ``[B, H, D]``) at its last position.
+
+    Gathers every sequence's blocks up to the table width and masks keys past ``seq_lens``.
+    A padding row with ``seq_len == 0`` yields finite garbage rather than NaN.
+    """
+    batch_size, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    k = k_cache[block_tables.long()].flatten(1, 2).float()  # [B, L, Hkv, D]
+    v = v_cache[block_tables.long()].flatten(1, 2).float()
+    queries = q.float().view(batch_size, num_kv_heads, group, head_dim)
+    scores = torch.einsum("bkgd,blkd->bkgl", queries, k) * scale
+    key_positions = torch.arange(k.shape[1], device=q.device)
+    visible = key_positions[None, :] < seq_lens[:, None]  # [B, L]
+    scores = scores.masked_fill(~visible[:, None, None, :], torch.finfo(torch.float32).min)
+    out = torch.einsum("bkgl,blkd->bkgd", scores.softmax(dim=-1), v)
+    return out.reshape(batch_size, num_heads, head_dim).to(q.dtype)
+
+
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Masked softmax attention of ``q [Q, H, D]`` over ``k, v [K, Hkv, D]`` in float32."""
+    query_len, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    queries = q.float().view(query_len, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    scores = torch.einsum("qkgd,lkd->kgql", queries, k.float()) * scale
+    scores = scores.masked_fill(~visible, float("-inf"))
+    out = torch.einsum("kgql,lkd->qkgd", scores.softmax(dim=-1), v.float())
+    return out.reshape(query_len, num_heads, head_dim).to(q.dtype)

@@ -1,0 +1,26 @@
+"""RMS normalisation with an optional fused residual add, plain-torch reference."""
+
+from __future__ import annotations
+
+import torch
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Normalise ``x`` over its last dimension and scale by ``weight``.
+
+    With ``residual``, first adds it to ``x`` (in ``x``'s dtype, as a Hugging Face decoder layer
+    does) and returns ``(normed(x + residual), x + residual)``. The statistics are computed in
+    float32 and the result is cast back to ``x``'s dtype *before* the weight multiplies it, which
+    reproduces ``LlamaRMSNorm``/``Qwen3RMSNorm`` bit for bit.
+    """
+    if residual is not None:
+        x = x + residual
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    out = weight * normed.to(x.dtype)
+    return out if residual is None else (out, x)

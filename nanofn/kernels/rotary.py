@@ -1,0 +1,93 @@
+"""Rotary position embeddings (neox-style rotate-half, as in Llama and Qwen), plain-torch reference.
+
+The cache holds one row per position: ``[cos | sin]``, each ``head_dim // 2`` wide, in float32.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def build_cos_sin_cache(
+    head_dim: int,
+    max_positions: int,
+    rope_theta: float,
+    rope_scaling: Mapping[str, Any] | None = None,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """The ``[max_positions, head_dim]`` float32 cos/sin table for positions ``0 .. max_positions-1``.
+
+    ``rope_scaling`` is Hugging Face's dict (``rope_type`` or the older ``type`` key); ``None`` or
+    type ``default`` means no scaling. Types other than those in ``SUPPORTED_ROPE_TYPES`` raise.
+    """
+    inv_freq = _inverse_frequencies(head_dim, rope_theta, device)
+    rope_type = _rope_type(rope_scaling)
+    if rope_type == "linear":
+        inv_freq = inv_freq / rope_scaling["factor"]
+    elif rope_type == "llama3":
+        inv_freq = _llama3_inverse_frequencies(inv_freq, rope_scaling)
+    positions = torch.arange(max_positions, device=device, dtype=torch.float32)
+    angles = torch.outer(positions, inv_freq)
+    return torch.cat([angles.cos(), angles.sin()], dim=-1)
+
+
+def apply_rotary(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate ``q [T, H, D]`` and ``k [T, Hkv, D]`` by the angles of ``positions [T]``.
+
+    Returns new tensors in the inputs' dtypes; the rotation itself is computed in float32.
+    """
+    cos, sin = cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, D/2] each
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    first, second = x.float().chunk(2, dim=-1)
+    rotated = torch.cat([first * cos - second * sin, second * cos + first * sin], dim=-1)
+    return rotated.to(x.dtype)
+
+
+def _rope_type(rope_scaling: Mapping[str, Any] | None) -> str:
+    if not rope_scaling:
+        return "default"
+    rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(
+            f"unsupported rope scaling type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    return rope_type
+
+
+def _inverse_frequencies(head_dim: int, rope_theta: float, device) -> torch.Tensor:
+    """``theta ** (-2i / head_dim)``, computed exactly as Hugging Face does (float32)."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
+    return 1.0 / (rope_theta**exponents)
+
+
+def _llama3_inverse_frequencies(inv_freq: torch.Tensor, scaling: Mapping[str, Any]) -> torch.Tensor:
+    """Llama 3.1 frequency scaling.
+
+    Wavelengths shorter than ``original_max_position_embeddings / high_freq_factor`` keep their
+    frequency, those longer than ``original / low_freq_factor`` are slowed by ``factor``, and the
+    band between blends the two linearly in ``original / wavelength``.
+    """
+    factor = scaling["factor"]
+    low_freq_factor = scaling["low_freq_factor"]
+    high_freq_factor = scaling["high_freq_factor"]
+    original_len = scaling["original_max_position_embeddings"]
+    wavelength = 2 * math.pi / inv_freq
+    slowed = torch.where(wavelength > original_len / low_freq_factor, inv_freq / factor, inv_freq)
+    blend = (original_len / wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    blended = (1 - blend) * slowed / factor + blend * slowed
+    in_band = (wavelength >= original_len / high_freq_factor) & (wavelength <= original_len / low_freq_factor)
+    return torch.where(in_band, blended, slowed)

@@ -1,0 +1,190 @@
+"""``LLM``: offline generation, chat and beam search, as vLLM users know it."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from nanofn.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
+from nanofn.engine.engine import Engine, PromptInput
+from nanofn.engine.options import EngineOptions
+from nanofn.outputs import RequestOutput
+from nanofn.state import SamplingParams
+
+Message = Mapping[str, Any]
+
+
+class LLM:
+    """A model loaded from a local Hugging Face folder, ready to generate.
+
+    ``options`` take vLLM's names (``max_model_len``, ``gpu_memory_utilization``,
+    ``enable_prefix_caching``, ...; see ``EngineOptions``); an unknown one is an error naming
+    it. ``trace="run.jsonl"`` records the run for ``nanofn replay``.
+    """
+
+    def __init__(self, model: str, **options: Any):
+        self.engine = Engine(EngineOptions.from_kwargs(model, **options))
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(self, prompts: PromptInput | Sequence[PromptInput],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Complete every prompt; outputs come back in the order of ``prompts``.
+
+        A prompt is a string, a list of token ids, or ``{"prompt_token_ids": [...]}``. Give one
+        ``SamplingParams`` for all prompts or one per prompt.
+        """
+        prompts = _as_list(prompts)
+        params = _params_per_prompt(sampling_params, len(prompts))
+        ids = self._add_all(prompts, params)
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages: Sequence[Message] | Sequence[Sequence[Message]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             chat_template: str | None = None, add_generation_prompt: bool = True,
+             use_tqdm: bool = True) -> list[RequestOutput]:
+        """Answer one conversation (a list of ``{"role", "content"}`` messages) or several,
+        through the tokenizer's chat template (or ``chat_template``)."""
+        single = bool(messages) and isinstance(messages[0], Mapping)
+        conversations = [messages] if single else list(messages)
+        tokenizer = self.get_tokenizer()
+        if chat_template is None and not getattr(tokenizer, "chat_template", None):
+            raise ValueError("the tokenizer has no chat template; pass chat_template=...")
+        prompts = []
+        for conversation in conversations:
+            text = tokenizer.apply_chat_template(list(conversation), tokenize=False,
+                                                 add_generation_prompt=add_generation_prompt,
+                                                 chat_template=chat_template)
+            prompts.append({"prompt": text,
+                            "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def beam_search(self, prompts: PromptInput | Sequence[PromptInput],
+                    params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """The ``params.beam_width`` best continuations of each prompt, best first."""
+        token_prompts = [self.engine.tokenize(p)[1] for p in _as_list(prompts)]
+        engine = self.engine
+        return beam_search(
+            lambda batch, batch_params: self._run(self._add_all(batch, batch_params), False),
+            token_prompts, params, engine.eos_token_ids, engine.max_model_len,
+            lambda ids: engine.tokenizer.decode(list(ids), skip_special_tokens=True))
+
+    def close(self) -> None:
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- internals ----------------------------------------------------------------------
+
+    def _add_all(self, prompts: list[PromptInput], params: list[SamplingParams]) -> list[str]:
+        """Queue every prompt, or none: a bad one is reported with its index and the ones
+        queued before it are withdrawn."""
+        ids: list[str] = []
+        for index, (prompt, p) in enumerate(zip(prompts, params)):
+            try:
+                ids.append(self.engine.add_request(prompt, p))
+            except ValueError as e:
+                for request_id in ids:
+                    self.engine.abort_request(request_id)
+                self._drain()
+                raise type(e)(f"prompt {index}: {e}") from e
+        return ids
+
+    def _drain(self) -> None:
+        while self.engine.has_unfinished_requests():
+            self.engine.step(only_finished=True)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        progress = _Progress(len(ids), use_tqdm)
+        with progress, _fewer_gc_pauses():
+            while self.engine.has_unfinished_requests():
+                start = time.perf_counter()
+                result = self.engine.step(only_finished=True)
+                progress.update(result, time.perf_counter() - start)
+                finished.update((o.request_id, o) for o in result.outputs)
+        return [finished[i] for i in ids]
+
+
+@dataclass
+class _Progress:
+    """Requests done, and live prefill and decode throughput (tokens/s over recent steps)."""
+
+    total: int
+    enabled: bool
+    bar: Any = None
+    prefill: list[float] = field(default_factory=lambda: [0.0, 0.0])  # tokens, seconds
+    decode: list[float] = field(default_factory=lambda: [0.0, 0.0])
+
+    def __enter__(self) -> _Progress:
+        if self.enabled:
+            self.bar = tqdm(total=self.total, desc="Processed prompts", dynamic_ncols=True)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+    def update(self, result, seconds: float) -> None:
+        if self.bar is None:
+            return
+        tokens = result.num_prefill_tokens + result.num_decode_tokens
+        for counter, n in ((self.prefill, result.num_prefill_tokens),
+                           (self.decode, result.num_decode_tokens)):
+            if tokens:
+                counter[0] += n
+                counter[1] += seconds * n / tokens
+        self.bar.set_postfix_str(f"prefill {_rate(self.prefill)} tok/s, "
+                                 f"decode {_rate(self.decode)} tok/s", refresh=False)
+        self.bar.update(sum(1 for o in result.outputs if o.finished))
+
+
+def _rate(counter: list[float]) -> str:
+    return f"{counter[0] / counter[1]:,.0f}" if counter[1] else "-"
+
+
+@contextlib.contextmanager
+def _fewer_gc_pauses() -> Iterator[None]:
+    """The pure core makes many small immutable objects per step; with Python's default
+    threshold (700) the cyclic collector runs several times a step and doubles the core's
+    cost. Collect less often while generating, and restore the setting afterwards."""
+    previous = gc.get_threshold()
+    gc.set_threshold(20_000, *previous[1:])
+    try:
+        yield
+    finally:
+        gc.set_threshold(*previous)
+
+
+def _as_list(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:
+    if isinstance(prompts, (str, Mapping)):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):  # one prompt of token ids
+        return [prompts]
+    return prompts
+
+
+def _params_per_prompt(params: SamplingParams | Sequence[SamplingParams] | None,
+                       count: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * count
+    if isinstance(params, SamplingParams):
+        return [params] * count
+    params = list(params)
+    if len(params) != count:
+        raise ValueError(f"got {len(params)} sampling params for {count} prompts; give one, "
+                         f"or one per prompt")
+    return params

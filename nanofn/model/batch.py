@@ -1,0 +1,43 @@
+"""The per-step tensors every attention layer reads, passed explicitly through ``forward``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class AttentionBatch:
+    """Where each token of a flattened batch sits in the paged KV cache.
+
+    A batch is ``B`` sequences whose new tokens are laid end to end (``T`` tokens in all).
+    Sequence ``i`` contributes ``query_lens[i]`` new tokens at positions
+    ``seq_lens[i] - query_lens[i] .. seq_lens[i] - 1``; its keys and values for positions
+    ``0 .. seq_lens[i] - 1`` live in the cache blocks ``block_tables[i]``.
+
+    Contract with the runner: every layer first writes the K/V of all ``T`` tokens to their
+    ``slot_mapping`` slots, then attends over the cache. So a sequence may read a block that
+    another sequence of the same batch fills in the same step (a prefix cache hit on a block
+    scheduled in this very step).
+    """
+
+    slot_mapping: torch.Tensor  # [T] int64: block * block_size + offset; -1 skips the write
+    query_start: torch.Tensor  # [B + 1] int32: cumulative query lengths, starting at 0
+    seq_lens: torch.Tensor  # [B] int32: tokens in the cache after this step, per sequence
+    block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0
+    query_lens_host: tuple[int, ...]  # the same lengths on the host: no device sync to read them
+    seq_lens_host: tuple[int, ...]
+    decode_only: bool  # every sequence has exactly one new token
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_host)
+
+    @property
+    def max_query_len(self) -> int:
+        return max(self.query_lens_host, default=0)
+
+    @property
+    def max_seq_len(self) -> int:
+        return max(self.seq_lens_host, default=0)

@@ -1,0 +1,299 @@
+"""One decoder-only transformer covering Qwen3, Qwen2/Qwen2.5, Llama 3.x and Mistral checkpoints.
+
+The architectures differ only in the switches of ``DecoderOptions``. Module and parameter names
+follow Hugging Face's, except the fused ``qkv_proj`` and ``gate_up_proj`` (see ``loader.py``).
+Everything a step needs comes in through ``forward``'s arguments: no global context.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+import nanofn.kernels.attention
+from nanofn.kernels import silu_and_mul
+from nanofn.model.batch import AttentionBatch
+from nanofn.model.config import head_dim, num_kv_heads, rope_settings
+from nanofn.model.layers import RMSNorm, RotaryEmbedding
+from nanofn.model.parallel import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+
+
+class AttentionBackend(Protocol):
+    """The paged-attention kernels a model calls; see ``nanofn.kernels.attention`` for the contract."""
+
+    def store_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None: ...
+
+    def prefill_attention(
+        self, q, k_cache, v_cache, query_start, seq_lens, block_tables, query_lens_host, seq_lens_host, scale
+    ) -> torch.Tensor: ...
+
+    def decode_attention(self, q, k_cache, v_cache, seq_lens, block_tables, scale) -> torch.Tensor: ...
+
+
+TORCH_ATTENTION: AttentionBackend = nanofn.kernels.attention
+
+
+@dataclass(frozen=True)
+class DecoderOptions:
+    """Where the supported architectures differ."""
+
+    qkv_bias: bool
+    o_proj_bias: bool
+    mlp_bias: bool
+    qk_norm: bool  # RMS norm of each query and key head before the rotary embedding (Qwen3)
+
+
+def _qwen3_options(hf_config: Any) -> DecoderOptions:
+    bias = getattr(hf_config, "attention_bias", False)
+    return DecoderOptions(qkv_bias=bias, o_proj_bias=bias, mlp_bias=False, qk_norm=True)
+
+
+def _qwen2_options(hf_config: Any) -> DecoderOptions:
+    return DecoderOptions(qkv_bias=True, o_proj_bias=False, mlp_bias=False, qk_norm=False)
+
+
+def _llama_options(hf_config: Any) -> DecoderOptions:
+    """Llama and Mistral: Mistral configs carry no bias switches, so they read as False."""
+    bias = getattr(hf_config, "attention_bias", False)
+    return DecoderOptions(
+        qkv_bias=bias, o_proj_bias=bias, mlp_bias=getattr(hf_config, "mlp_bias", False), qk_norm=False
+    )
+
+
+ARCHITECTURES: dict[str, Callable[[Any], DecoderOptions]] = {
+    "Qwen3ForCausalLM": _qwen3_options,
+    "Qwen2ForCausalLM": _qwen2_options,
+    "LlamaForCausalLM": _llama_options,
+    "MistralForCausalLM": _llama_options,
+}
+
+
+def decoder_options(hf_config: Any) -> DecoderOptions:
+    """The options of the config's architecture; a ValueError lists the supported ones."""
+    names = getattr(hf_config, "architectures", None) or []
+    for name in names:
+        if name in ARCHITECTURES:
+            return ARCHITECTURES[name](hf_config)
+    raise ValueError(
+        f"unsupported architecture {', '.join(names) or '(none given in config)'}; "
+        f"supported: {', '.join(ARCHITECTURES)}"
+    )
+
+
+class Attention(nn.Module):
+    def __init__(
+        self,
+        hf_config: Any,
+        options: DecoderOptions,
+        rotary: RotaryEmbedding,
+        backend: AttentionBackend,
+        tp_rank: int,
+        tp_size: int,
+    ):
+        super().__init__()
+        dim = head_dim(hf_config)
+        self.qkv_proj = QKVParallelLinear(
+            hf_config.hidden_size,
+            dim,
+            hf_config.num_attention_heads,
+            num_kv_heads(hf_config),
+            bias=options.qkv_bias,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+        )
+        self.o_proj = RowParallelLinear(
+            hf_config.num_attention_heads * dim,
+            hf_config.hidden_size,
+            bias=options.o_proj_bias,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+        )
+        if options.qk_norm:
+            self.q_norm = RMSNorm(dim, hf_config.rms_norm_eps)
+            self.k_norm = RMSNorm(dim, hf_config.rms_norm_eps)
+        self.qk_norm = options.qk_norm
+        self.rotary = rotary
+        self.backend = backend
+        self.head_dim = dim
+        self.scale = dim**-0.5
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        batch: AttentionBatch,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        qkv_proj = self.qkv_proj
+        q, k, v = qkv_proj(hidden).split([qkv_proj.q_size, qkv_proj.kv_size, qkv_proj.kv_size], dim=-1)
+        q = q.view(-1, qkv_proj.num_heads, self.head_dim)
+        k = k.view(-1, qkv_proj.num_kv_heads, self.head_dim)
+        v = v.view(-1, qkv_proj.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        self.backend.store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+        if batch.decode_only:
+            out = self.backend.decode_attention(
+                q, k_cache, v_cache, batch.seq_lens, batch.block_tables, self.scale
+            )
+        else:
+            out = self.backend.prefill_attention(
+                q,
+                k_cache,
+                v_cache,
+                batch.query_start,
+                batch.seq_lens,
+                batch.block_tables,
+                batch.query_lens_host,
+                batch.seq_lens_host,
+                self.scale,
+            )
+        return self.o_proj(out.flatten(1))
+
+
+class MLP(nn.Module):
+    def __init__(self, hf_config: Any, options: DecoderOptions, tp_rank: int, tp_size: int):
+        super().__init__()
+        hidden, intermediate = hf_config.hidden_size, hf_config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden, [intermediate, intermediate], bias=options.mlp_bias, tp_rank=tp_rank, tp_size=tp_size
+        )
+        self.down_proj = RowParallelLinear(
+            intermediate, hidden, bias=options.mlp_bias, tp_rank=tp_rank, tp_size=tp_size
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(
+        self,
+        hf_config: Any,
+        options: DecoderOptions,
+        rotary: RotaryEmbedding,
+        backend: AttentionBackend,
+        tp_rank: int,
+        tp_size: int,
+    ):
+        super().__init__()
+        self.self_attn = Attention(hf_config, options, rotary, backend, tp_rank, tp_size)
+        self.mlp = MLP(hf_config, options, tp_rank, tp_size)
+        self.input_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        batch: AttentionBatch,
+        layer_kv_cache: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns ``(mlp output, residual stream before it)``: the next norm adds them."""
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, batch, layer_kv_cache[0], layer_kv_cache[1])
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class DecoderModel(nn.Module):
+    def __init__(
+        self,
+        hf_config: Any,
+        options: DecoderOptions,
+        backend: AttentionBackend,
+        max_positions: int,
+        tp_rank: int,
+        tp_size: int,
+    ):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(
+            hf_config.vocab_size, hf_config.hidden_size, tp_rank=tp_rank, tp_size=tp_size
+        )
+        rope_theta, rope_scaling = rope_settings(hf_config)
+        self.rotary = RotaryEmbedding(head_dim(hf_config), max_positions, rope_theta, rope_scaling)
+        self.layers = nn.ModuleList(
+            DecoderLayer(hf_config, options, self.rotary, backend, tp_rank, tp_size)
+            for _ in range(hf_config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        batch: AttentionBatch,
+        kv_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        self._check_kv_cache(kv_cache)
+        hidden, residual = self.embed_tokens(input_ids), None
+        for layer, layer_kv_cache in zip(self.layers, kv_cache):
+            hidden, residual = layer(positions, hidden, residual, batch, layer_kv_cache)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+    def _check_kv_cache(self, kv_cache: torch.Tensor) -> None:
+        """A cache sized for another tp_size would be silently misread by the attention kernels."""
+        qkv_proj = self.layers[0].self_attn.qkv_proj
+        expected = (len(self.layers), 2, qkv_proj.num_kv_heads, qkv_proj.head_dim)
+        found = (kv_cache.shape[0], kv_cache.shape[1], *kv_cache.shape[-2:])
+        if kv_cache.dim() != 6 or found != expected:
+            raise ValueError(
+                f"kv_cache must be [num_layers={expected[0]}, 2, num_blocks, block_size, "
+                f"kv_heads={expected[2]}, head_dim={expected[3]}], got {list(kv_cache.shape)}"
+            )
+
+
+class CausalLM(nn.Module):
+    """``forward`` returns final hidden states; ``compute_logits`` projects the ones to sample."""
+
+    def __init__(
+        self,
+        hf_config: Any,
+        options: DecoderOptions,
+        backend: AttentionBackend,
+        max_positions: int,
+        tp_rank: int,
+        tp_size: int,
+    ):
+        super().__init__()
+        self.model = DecoderModel(hf_config, options, backend, max_positions, tp_rank, tp_size)
+        self.lm_head = ParallelLMHead(
+            hf_config.vocab_size, hf_config.hidden_size, tp_rank=tp_rank, tp_size=tp_size
+        )
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        batch: AttentionBatch,
+        kv_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        """``input_ids``, ``positions``: ``[T]`` int64; ``kv_cache``: see ``ModelShape.kv_cache_shape``.
+
+        Returns the final hidden states ``[T, hidden_size]``.
+        """
+        return self.model(input_ids, positions, batch, kv_cache)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[N, vocab_size]`` float32 logits, the full vocabulary on every rank."""
+        return self.lm_head(hidden).float()

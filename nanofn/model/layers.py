@@ -1,0 +1,40 @@
+"""Small modules wrapping the kernels: RMS norm and rotary embedding."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from nanofn.kernels import apply_rotary, build_cos_sin_cache, rms_norm
+from nanofn.model.parallel import load_replicated
+
+
+class RMSNorm(nn.Module):
+    """RMS norm over the last dimension; ``forward(x, residual)`` fuses the residual add."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(size), requires_grad=False)
+        self.weight.weight_loader = load_replicated
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        return rms_norm(x, self.weight, self.eps, residual)
+
+
+class RotaryEmbedding(nn.Module):
+    """Holds the float32 cos/sin table, built on the default device; one instance serves all layers."""
+
+    def __init__(self, head_dim: int, max_positions: int, rope_theta: float, rope_scaling: dict[str, Any] | None):
+        super().__init__()
+        cache = build_cos_sin_cache(head_dim, max_positions, rope_theta, rope_scaling)
+        self.register_buffer("cos_sin_cache", cache, persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return apply_rotary(q, k, positions, self.cos_sin_cache)

@@ -1,0 +1,148 @@
+"""Building a model from a Hugging Face config and filling it from safetensors files."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from nanofn.model.config import check_activation, check_context_fits_window
+from nanofn.model.decoder import TORCH_ATTENTION, AttentionBackend, CausalLM, decoder_options
+
+DTYPES: dict[str, torch.dtype] = {
+    "float16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "float": torch.float32,
+}
+
+# Hugging Face projections that nanofn fuses: checkpoint module name -> (fused name, shard id).
+FUSED_PROJECTIONS: dict[str, tuple[str, str | int]] = {
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+def resolve_dtype(hf_config: Any, dtype: str | torch.dtype = "auto") -> torch.dtype:
+    """The parameter dtype: ``"auto"`` takes the config's ``dtype`` (or ``torch_dtype``), else float32."""
+    if dtype == "auto":
+        dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) or torch.float32
+    if isinstance(dtype, str) and dtype in DTYPES:
+        return DTYPES[dtype]
+    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
+        return dtype
+    raise ValueError(f"unsupported dtype {dtype!r}; choose one of: auto, {', '.join(DTYPES)}")
+
+
+def build_model(
+    hf_config: Any,
+    *,
+    dtype: str | torch.dtype,
+    device: str | torch.device,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    max_model_len: int | None = None,
+    attention_backend: AttentionBackend = TORCH_ATTENTION,
+) -> CausalLM:
+    """An uninitialised model holding this rank's shard; fill it with ``load_weights``.
+
+    ``max_model_len``, the longest context the caller will run, sizes the rotary table (default:
+    the config's ``max_position_embeddings``) and is checked against a sliding window.
+    """
+    options = decoder_options(hf_config)
+    check_activation(hf_config)
+    check_context_fits_window(hf_config, max_model_len)
+    max_positions = max_model_len or hf_config.max_position_embeddings
+    with torch.device(device), _default_dtype(resolve_dtype(hf_config, dtype)):
+        model = CausalLM(hf_config, options, attention_backend, max_positions, tp_rank, tp_size)
+    return model.eval()
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def load_weights(model: CausalLM, model_dir: str | Path) -> None:
+    """Copy this rank's shard of every checkpoint tensor in ``model_dir`` into ``model``.
+
+    Reads one ``*.safetensors`` file or the shards listed in ``model.safetensors.index.json``.
+    Raises when a model parameter has no tensor, a tensor has no parameter, or shapes differ.
+    """
+    files = checkpoint_files(model_dir)
+    params = dict(model.named_parameters())  # a tied lm_head shares, so omits, its weight
+    missing = {name for param_name in params for name in _checkpoint_names(param_name)}
+    for path in files:
+        with safe_open(path, framework="pt", device="cpu") as checkpoint:
+            for name in checkpoint.keys():
+                if _is_ignored(name, model):
+                    continue
+                param_name, shard_id = _parameter_name(name)
+                if param_name not in params:
+                    raise ValueError(f"unexpected tensor {name!r} in {path}: the model has no such parameter")
+                param = params[param_name]
+                try:
+                    param.weight_loader(param, checkpoint.get_tensor(name), shard_id)
+                except ValueError as error:
+                    raise ValueError(f"tensor {name!r} in {path}: {error}") from error
+                missing.discard(name)
+    if missing:
+        raise ValueError(f"checkpoint {model_dir} lacks tensors: {', '.join(sorted(missing))}")
+
+
+def checkpoint_files(model_dir: str | Path) -> list[Path]:
+    """The safetensors files of a checkpoint folder, from its index when it has one."""
+    folder = Path(model_dir)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"model folder not found: {folder}")
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [folder / shard for shard in shards]
+        for file in files:
+            if not file.exists():
+                raise FileNotFoundError(f"{index} lists {file.name}, which is missing")
+        return files
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {folder}")
+    return files
+
+
+def _parameter_name(checkpoint_name: str) -> tuple[str, str | int | None]:
+    """Map a Hugging Face tensor name to ``(nanofn parameter name, shard id)``."""
+    module_path, _, leaf = checkpoint_name.rpartition(".")
+    parent, _, module = module_path.rpartition(".")
+    if module in FUSED_PROJECTIONS:
+        fused, shard_id = FUSED_PROJECTIONS[module]
+        return f"{parent}.{fused}.{leaf}", shard_id
+    return checkpoint_name, None
+
+
+def _checkpoint_names(param_name: str) -> list[str]:
+    """The Hugging Face tensors that together fill one nanofn parameter."""
+    module_path, _, leaf = param_name.rpartition(".")
+    parent, _, module = module_path.rpartition(".")
+    sources = [hf for hf, (fused, _) in FUSED_PROJECTIONS.items() if fused == module]
+    return [f"{parent}.{hf}.{leaf}" for hf in sources] or [param_name]
+
+
+def _is_ignored(checkpoint_name: str, model: CausalLM) -> bool:
+    """Rotary ``inv_freq`` buffers, and an ``lm_head`` copy where the model ties it to the embedding."""
+    if checkpoint_name.endswith("rotary_emb.inv_freq"):
+        return True
+    return model.tie_word_embeddings and checkpoint_name == "lm_head.weight"

@@ -1,0 +1,220 @@
+"""Tensor-parallel layers.
+
+Every layer is told its ``tp_rank`` and ``tp_size`` by the caller and holds only its rank's shard.
+Each parameter carries ``weight_loader(param, full_tensor, shard_id=None)``: given the *full*
+Hugging Face tensor it checks the shape and copies this rank's shard, so checkpoint loading is
+the same code for any ``tp_size``. Cross-rank reductions use the default ``torch.distributed``
+process group, whose ranks are the tensor-parallel ranks.
+
+``partial_forward`` (row-parallel layers, the embedding) and ``shard_logits`` (the LM head) expose
+a rank's contribution before communication; ``forward`` is that plus the collective.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+
+def load_replicated(param: nn.Parameter, loaded: torch.Tensor, shard_id: None = None) -> None:
+    """Weight loader of a parameter every rank holds whole."""
+    _check_shape(loaded, tuple(param.shape))
+    param.data.copy_(loaded)
+
+
+def _check_shape(loaded: torch.Tensor, expected: tuple[int, ...]) -> None:
+    if tuple(loaded.shape) != expected:
+        raise ValueError(f"expected shape {expected}, found {tuple(loaded.shape)}")
+
+
+def _divide(numerator: int, denominator: int, what: str) -> int:
+    if numerator % denominator:
+        raise ValueError(f"{what} ({numerator}) is not divisible by tp_size ({denominator})")
+    return numerator // denominator
+
+
+def _new_parameter(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape), requires_grad=False)
+
+
+class _Linear(nn.Module):
+    """``y = x @ weight.T (+ bias)`` with a local ``weight`` of ``[out_local, in_local]``.
+
+    Subclasses define ``weight_loader``, which both parameters carry.
+    """
+
+    weight_loader: Callable[..., None]
+
+    def __init__(self, in_local: int, out_local: int, bias_size: int | None, tp_rank: int, tp_size: int):
+        super().__init__()
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.weight = _new_parameter(out_local, in_local)
+        self.weight.weight_loader = self.weight_loader
+        if bias_size is None:
+            self.bias = None
+        else:
+            self.bias = _new_parameter(bias_size)
+            self.bias.weight_loader = self.weight_loader
+
+
+class ColumnParallelLinear(_Linear):
+    """Splits the output features across ranks; each rank returns its slice of ``y``."""
+
+    def __init__(self, input_size: int, output_size: int, *, bias: bool, tp_rank: int, tp_size: int):
+        out_local = _divide(output_size, tp_size, "output size")
+        super().__init__(input_size, out_local, out_local if bias else None, tp_rank, tp_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        local = param.shape[0]
+        _check_shape(loaded, (local * self.tp_size, *param.shape[1:]))
+        param.data.copy_(loaded.narrow(0, self.tp_rank * local, local))
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel outputs in one matrix (``gate_up_proj``), loaded one by one.
+
+    Each rank's weight is ``[shard of output 0 | shard of output 1 | ...]``; ``shard_id`` is the
+    index of the output a checkpoint tensor fills.
+    """
+
+    def __init__(self, input_size: int, output_sizes: list[int], *, bias: bool, tp_rank: int, tp_size: int):
+        self.local_sizes = [_divide(size, tp_size, "output size") for size in output_sizes]
+        super().__init__(input_size, sum(output_sizes), bias=bias, tp_rank=tp_rank, tp_size=tp_size)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None) -> None:
+        local = self.local_sizes[shard_id]
+        offset = sum(self.local_sizes[:shard_id])
+        _check_shape(loaded, (local * self.tp_size, *param.shape[1:]))
+        param.data.narrow(0, offset, local).copy_(loaded.narrow(0, self.tp_rank * local, local))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """The fused ``[q | k | v]`` projection, split by attention heads.
+
+    With more ranks than kv heads, each kv head is replicated on ``tp_size // num_kv_heads``
+    consecutive ranks, which are exactly the ranks holding the query heads of its group.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        *,
+        bias: bool,
+        tp_rank: int,
+        tp_size: int,
+    ):
+        self.head_dim = head_dim
+        self.num_heads = _divide(num_heads, tp_size, "number of attention heads")
+        if tp_size >= num_kv_heads:
+            if tp_size % num_kv_heads:
+                raise ValueError(
+                    f"tp_size ({tp_size}) must be a multiple of the number of kv heads ({num_kv_heads})"
+                )
+            self.num_kv_heads = 1
+            self.first_kv_head = tp_rank * num_kv_heads // tp_size
+        else:
+            self.num_kv_heads = _divide(num_kv_heads, tp_size, "number of kv heads")
+            self.first_kv_head = tp_rank * self.num_kv_heads
+        self.total_num_kv_heads = num_kv_heads
+        self.q_size = self.num_heads * head_dim
+        self.kv_size = self.num_kv_heads * head_dim
+        out_total = (self.q_size + 2 * self.kv_size) * tp_size
+        super().__init__(hidden_size, out_total, bias=bias, tp_rank=tp_rank, tp_size=tp_size)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None) -> None:
+        if shard_id == "q":
+            full_rows = self.q_size * self.tp_size
+            first_row, rows, offset = self.tp_rank * self.q_size, self.q_size, 0
+        elif shard_id in ("k", "v"):
+            full_rows = self.total_num_kv_heads * self.head_dim
+            first_row, rows = self.first_kv_head * self.head_dim, self.kv_size
+            offset = self.q_size if shard_id == "k" else self.q_size + self.kv_size
+        else:
+            raise ValueError(f"QKV shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
+        _check_shape(loaded, (full_rows, *param.shape[1:]))
+        param.data.narrow(0, offset, rows).copy_(loaded.narrow(0, first_row, rows))
+
+
+class RowParallelLinear(_Linear):
+    """Splits the input features across ranks; the partial products are summed over ranks."""
+
+    def __init__(self, input_size: int, output_size: int, *, bias: bool, tp_rank: int, tp_size: int):
+        in_local = _divide(input_size, tp_size, "input size")
+        super().__init__(in_local, output_size, output_size if bias else None, tp_rank, tp_size)
+
+    def partial_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's summand of ``x @ weight.T``, without bias (added once, after the sum)."""
+        return F.linear(x, self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.partial_forward(x)
+        if self.tp_size > 1:
+            dist.all_reduce(y)
+        return y if self.bias is None else y + self.bias
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        if param.dim() == 1:  # the bias is replicated
+            load_replicated(param, loaded)
+            return
+        local = param.shape[1]
+        _check_shape(loaded, (param.shape[0], local * self.tp_size))
+        param.data.copy_(loaded.narrow(1, self.tp_rank * local, local))
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Splits the vocabulary into ``tp_size`` equal ranges (the last one padded with zero rows)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, *, tp_rank: int, tp_size: int):
+        super().__init__()
+        self.vocab_size, self.tp_rank, self.tp_size = vocab_size, tp_rank, tp_size
+        self.shard_size = -(-vocab_size // tp_size)
+        self.vocab_start = tp_rank * self.shard_size
+        self.weight = _new_parameter(self.shard_size, hidden_size)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        _check_shape(loaded, (self.vocab_size, param.shape[1]))
+        rows = loaded[self.vocab_start : self.vocab_start + self.shard_size]
+        param.data[: len(rows)].copy_(rows)
+        param.data[len(rows) :].zero_()
+
+    def partial_forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """Embeddings of the tokens in this rank's range, zeros for the others."""
+        if self.tp_size == 1:
+            return F.embedding(token_ids, self.weight)
+        local_ids = token_ids - self.vocab_start
+        in_range = (local_ids >= 0) & (local_ids < self.shard_size)
+        embedded = F.embedding(torch.where(in_range, local_ids, 0), self.weight)
+        return embedded.masked_fill(~in_range.unsqueeze(-1), 0)
+
+    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        embedded = self.partial_forward(token_ids)
+        if self.tp_size > 1:
+            dist.all_reduce(embedded)
+        return embedded
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Projects hidden states onto the vocabulary; every rank ends with the full-vocab logits."""
+
+    def shard_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits of this rank's vocabulary range, ``[N, shard_size]``."""
+        return F.linear(hidden, self.weight)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.shard_logits(hidden)
+        if self.tp_size > 1:
+            shards = [torch.empty_like(logits) for _ in range(self.tp_size)]
+            dist.all_gather(shards, logits)
+            logits = torch.cat(shards, dim=-1)
+        return logits[..., : self.vocab_size]

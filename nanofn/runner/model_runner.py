@@ -1,0 +1,142 @@
+"""Executes batch plans on one device: the model, its paged KV cache and the sampler."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from pyrsistent import pvector
+
+from nanofn.model import build_model, load_weights, model_shape
+from nanofn.runner.inputs import ModelInputs, prepare_inputs
+from nanofn.runner.sampler import SampleOutput, SampleRequest, Sampler
+from nanofn.state.params import SamplingParams
+from nanofn.state.plan import BatchPlan, ScheduledSeq
+
+log = logging.getLogger("nanofn")
+
+CPU_KV_CACHE_BYTES = 4 << 30  # the default KV cache on a CPU, as vLLM's CPU backend
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    model_dir: Path
+    dtype: torch.dtype
+    device: torch.device
+    block_size: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: int | None = None  # overrides the memory-based sizing
+    num_kv_blocks: int | None = None  # overrides everything
+    seed: int | None = None
+    tp_rank: int = 0
+    tp_size: int = 1
+
+
+class ModelRunner:
+    def __init__(self, hf_config: Any, config: RunnerConfig):
+        self.config = config
+        self.device = config.device
+        self.model = build_model(hf_config, dtype=config.dtype, device=config.device,
+                                 tp_rank=config.tp_rank, tp_size=config.tp_size,
+                                 max_model_len=config.max_model_len)
+        load_weights(self.model, config.model_dir)
+        self.shape = model_shape(hf_config, config.tp_size)
+        self.sampler = Sampler(config.seed, config.device)
+        self.num_blocks = self._decide_num_blocks()
+        self.kv_cache = torch.zeros(self.shape.kv_cache_shape(self.num_blocks, config.block_size),
+                                    dtype=config.dtype, device=config.device)
+
+    @torch.inference_mode()
+    def execute(self, plan: BatchPlan) -> SampleOutput:
+        """Run the plan's tokens through the model; sample for the sequences that ask for it,
+        in plan order."""
+        inputs = prepare_inputs(plan, self.device)
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.batch, self.kv_cache)
+        logits = self.model.compute_logits(hidden[inputs.sample_rows])
+        requests = [self._sample_request(s) for s in plan.seqs if s.sample]
+        return self.sampler(logits, requests)
+
+    def _sample_request(self, s: ScheduledSeq) -> SampleRequest:
+        p = s.params
+        num_output = s.context_len - s.num_prompt_tokens
+        suppressed: tuple[int, ...] = ()
+        if num_output < p.min_tokens:  # no stop before min_tokens: make stopping impossible
+            suppressed = p.stop_token_ids + (() if p.ignore_eos else self.config.eos_token_ids)
+        if s.history is None:
+            return SampleRequest(p, s.context_len, suppressed_token_ids=suppressed)
+        return SampleRequest(p, s.context_len, s.history[:s.num_prompt_tokens],
+                             s.history[s.num_prompt_tokens:], suppressed)
+
+    def _decide_num_blocks(self) -> int:
+        c = self.config
+        block_bytes = self.shape.block_bytes(c.block_size, c.dtype)
+        useful = c.max_num_seqs * -(-c.max_model_len // c.block_size)
+        if c.num_kv_blocks is not None:
+            return c.num_kv_blocks
+        if c.kv_cache_memory_bytes is not None:
+            return c.kv_cache_memory_bytes // block_bytes
+        if self.device.type != "cuda":
+            return min(CPU_KV_CACHE_BYTES // block_bytes, useful)
+        return self._profile_cuda_blocks(block_bytes)
+
+    @torch.inference_mode()
+    def _profile_cuda_blocks(self, block_bytes: int) -> int:
+        """Blocks that fit in ``gpu_memory_utilization`` of the GPU once the weights and the
+        activations of the largest step (measured by running one) have their share."""
+        c = self.config
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        used_elsewhere = total - free  # weights, CUDA context, other processes
+        base = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        scratch_bytes = self._run_largest_step()
+        activations = torch.cuda.max_memory_allocated(self.device) - base - scratch_bytes
+        torch.cuda.empty_cache()
+        budget = total * c.gpu_memory_utilization - used_elsewhere - activations
+        num_blocks = int(budget // block_bytes)
+        log.info("KV cache: %d blocks of %d tokens (%.2f GiB); activations %.2f GiB",
+                 num_blocks, c.block_size, num_blocks * block_bytes / 2**30, activations / 2**30)
+        if num_blocks <= 0:
+            raise RuntimeError(
+                f"no GPU memory left for the KV cache: {used_elsewhere / 2**30:.1f} GiB in use "
+                f"before the cache, {activations / 2**30:.1f} GiB of activations, "
+                f"gpu_memory_utilization {c.gpu_memory_utilization}; raise it or lower "
+                f"max_num_batched_tokens")
+        return num_blocks
+
+    def _run_largest_step(self) -> int:
+        """One forward pass of ``max_num_batched_tokens`` prompt tokens spread over
+        ``max_num_seqs`` sequences, plus the logits and a sort of them for every sequence (the
+        sampler's worst case). Returns the bytes of the scratch KV cache it used."""
+        c = self.config
+        num_seqs = min(c.max_num_seqs, c.max_num_batched_tokens)
+        tokens = c.max_num_batched_tokens
+        lens = [tokens // num_seqs + (i < tokens % num_seqs) for i in range(num_seqs)]
+        blocks_per_seq = -(-max(lens) // c.block_size)
+        scratch = torch.zeros(self.shape.kv_cache_shape(num_seqs * blocks_per_seq, c.block_size),
+                              dtype=c.dtype, device=self.device)
+        inputs = _prefill_inputs(lens, blocks_per_seq, c.block_size, self.device)
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.batch, scratch)
+        logits = self.model.compute_logits(hidden[inputs.sample_rows])
+        logits.sort(dim=-1)
+        torch.cuda.synchronize(self.device)
+        return scratch.numel() * scratch.element_size()
+
+
+def _prefill_inputs(lens: list[int], blocks_per_seq: int, block_size: int,
+                    device: torch.device) -> ModelInputs:
+    """Inputs for whole prompts of the given lengths, sequence i owning blocks
+    ``i * blocks_per_seq ...``; used to measure memory."""
+    params = SamplingParams()
+    seqs = tuple(
+        ScheduledSeq(f"profile-{i}", (0,) * n, 0,
+                     pvector(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)), True, params, n)
+        for i, n in enumerate(lens))
+    return prepare_inputs(BatchPlan(0, block_size, seqs), device)

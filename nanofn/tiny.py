@@ -1,0 +1,175 @@
+"""Tiny random-weight Hugging Face checkpoints, for tests and as the CLI's built-in demo model.
+
+A checkpoint here is a real Hugging Face folder (``config.json``, ``generation_config.json``,
+safetensors weights, a byte-level BPE tokenizer with a ChatML chat template) that both
+``transformers`` and nanofn load. Weights are drawn with a large ``initializer_range`` (0.5):
+with the usual 0.02 a tiny model repeats one token whatever the prompt, which would hide
+attention and position bugs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+EOS_TOKEN = "<|endoftext|>"
+SPECIAL_TOKENS = [EOS_TOKEN, "<|im_start|>", "<|im_end|>"]
+TOKENIZER_VOCAB_SIZE = 384
+EXTRA_MODEL_VOCAB = 16  # the model's vocabulary is larger than the tokenizer's, as in Qwen
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+TRAINING_TEXT = """\
+The quick brown fox jumps over the lazy dog. A small model can still tell one prompt from another.
+Once upon a time there was a little engine that served many requests at the same time. It kept
+the keys and values of every sequence in blocks of memory, and it shared the blocks of a common
+prefix between requests. When memory ran out, it paused the newest request and resumed it later.
+The scheduler decided which tokens to compute in each step; the runner computed them on the
+device and sampled the next token of every sequence. Hello world! How are you today? I am fine,
+thank you. What is the capital of France? Paris is the capital of France. Tell me a story about
+a cat, a dog and a bird who lived in a house by the river. They read books, wrote letters and
+played music in the evening. Numbers: one, two, three, four, five, six, seven, eight, nine, ten.
+"""
+
+_COMMON = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    initializer_range=0.5,
+    rms_norm_eps=1e-6,
+)
+_HEAD_DIM = dict(head_dim=16)  # Qwen2's config has no head_dim: it is derived (64 / 4)
+_LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 4.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 256,
+}
+# arch -> (transformers config class name, config settings)
+ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
+    "qwen3": ("Qwen3Config", {**_COMMON, **_HEAD_DIM}),
+    "qwen2": ("Qwen2Config", dict(_COMMON)),
+    "llama": ("LlamaConfig", {**_COMMON, **_HEAD_DIM}),
+    "llama3": ("LlamaConfig", {**_COMMON, **_HEAD_DIM, "rope_parameters": _LLAMA3_ROPE}),
+    "mistral": ("MistralConfig", {**_COMMON, **_HEAD_DIM, "sliding_window": 4096}),
+}
+
+
+def make_tiny_checkpoint(
+    path: str | Path,
+    arch: str = "qwen3",
+    *,
+    seed: int = 0,
+    tie_word_embeddings: bool = True,
+    num_shards: int = 1,
+    dtype: str = "float32",
+    **config_overrides: Any,
+) -> Path:
+    """Write a random-weight checkpoint of ``arch`` (one of ``ARCHS``) into ``path``; return it.
+
+    The same arguments always give the same files. ``num_shards > 1`` splits the weights into
+    that many files with a ``model.safetensors.index.json``.
+    """
+    import transformers
+
+    if arch not in ARCHS:
+        raise ValueError(f"unknown tiny arch {arch!r}; choose one of: {', '.join(ARCHS)}")
+    path = Path(path)
+    tokenizer = _make_tokenizer()
+    eos_token_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
+    config_class, settings = ARCHS[arch]
+    config = getattr(transformers, config_class)(
+        **{
+            **settings,
+            "vocab_size": len(tokenizer) + EXTRA_MODEL_VOCAB,
+            "tie_word_embeddings": tie_word_embeddings,
+            "eos_token_id": eos_token_id,
+            "pad_token_id": eos_token_id,
+            "bos_token_id": None,
+            **config_overrides,
+        }
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = transformers.AutoModelForCausalLM.from_config(config)
+        _perturb_norms_and_biases(model, config.initializer_range)
+    with _quiet_progress_bars(transformers):
+        model.to(getattr(torch, dtype)).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    if num_shards > 1:
+        _reshard(path, num_shards)
+    return path
+
+
+@contextlib.contextmanager
+def _quiet_progress_bars(transformers) -> Iterator[None]:
+    logging = transformers.utils.logging
+    was_enabled = logging.is_progress_bar_enabled()
+    logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            logging.enable_progress_bar()
+
+
+def _perturb_norms_and_biases(model: torch.nn.Module, std: float) -> None:
+    """Hugging Face inits norms to one and biases to zero; random values make loading bugs visible."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.normal_(0.0, std)
+            elif "norm" in name:
+                param.uniform_(0.5, 1.5)
+
+
+def _make_tokenizer():
+    """A byte-level BPE tokenizer trained on ``TRAINING_TEXT`` (deterministic, milliseconds)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TOKENIZER_VOCAB_SIZE,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    bpe.train_from_iterator(TRAINING_TEXT.splitlines(), trainer=trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=EOS_TOKEN, pad_token=EOS_TOKEN)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def _reshard(path: Path, num_shards: int) -> None:
+    """Split ``model.safetensors`` into ``num_shards`` files plus the index Hugging Face writes."""
+    single = path / "model.safetensors"
+    tensors = load_file(single)
+    names = sorted(tensors)
+    weight_map, total_size = {}, 0
+    for shard in range(num_shards):
+        file_name = f"model-{shard + 1:05d}-of-{num_shards:05d}.safetensors"
+        shard_names = names[shard::num_shards]
+        save_file({name: tensors[name] for name in shard_names}, path / file_name, metadata={"format": "pt"})
+        for name in shard_names:
+            weight_map[name] = file_name
+            total_size += tensors[name].numel() * tensors[name].element_size()
+    index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    single.unlink()

@@ -1,0 +1,280 @@
+"""The user-facing API: LLM, SamplingParams, outputs, stop strings, n, seeds, logprobs, chat,
+beam search, the engine-level calls and traces."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from nanofn import LLM, BeamSearchParams, SamplingParams
+from nanofn.engine.engine import Engine
+from nanofn.engine.options import EngineOptions
+from nanofn.state import InvalidRequest, parse_trace, replay
+
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+PROMPTS = ["Hello world! How are", "The quick brown fox", "Once upon a time there was"]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_qwen3):
+    with LLM(str(tiny_qwen3), num_kv_blocks=128, max_model_len=256, seed=0) as llm:
+        yield llm
+
+
+def texts(outputs):
+    return [o.outputs[0].text for o in outputs]
+
+
+# --- construction -------------------------------------------------------------------------
+
+def test_an_unknown_option_is_an_error_naming_it(tiny_qwen3):
+    with pytest.raises(TypeError, match="unknown option.*max_num_sequences"):
+        LLM(str(tiny_qwen3), max_num_sequences=4)
+
+
+def test_a_bad_option_value_names_the_option(tiny_qwen3):
+    with pytest.raises(ValueError, match="gpu_memory_utilization must be in"):
+        LLM(str(tiny_qwen3), gpu_memory_utilization=1.5)
+    with pytest.raises(ValueError, match="max_model_len 5000 is longer than the model's"):
+        LLM(str(tiny_qwen3), max_model_len=5000)
+
+
+def test_a_missing_model_folder_is_an_error_naming_it(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does-not-exist.*does not exist"):
+        LLM(str(tmp_path / "does-not-exist"))
+    with pytest.raises(FileNotFoundError, match="config.json.*is missing"):
+        LLM(str(tmp_path))
+
+
+def test_options_have_vllm_defaults():
+    o = EngineOptions(model="m")
+    assert (o.gpu_memory_utilization, o.max_num_seqs, o.max_num_batched_tokens, o.block_size,
+            o.enable_prefix_caching, o.tensor_parallel_size) == (0.9, 512, 16384, 16, True, 1)
+
+
+# --- generate -----------------------------------------------------------------------------
+
+def test_prompts_as_strings_token_ids_and_dicts_give_the_same_tokens(llm):
+    ids = llm.get_tokenizer().encode(PROMPTS[0])
+    outs = llm.generate([PROMPTS[0], ids, {"prompt_token_ids": ids}], GREEDY, use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids == outs[2].outputs[0].token_ids
+    assert outs[0].prompt == PROMPTS[0] and outs[1].prompt is None
+    assert outs[0].prompt_token_ids == ids
+    (single,) = llm.generate(PROMPTS[0], GREEDY, use_tqdm=False)
+    assert single.outputs[0].token_ids == outs[0].outputs[0].token_ids
+
+
+def test_outputs_come_back_in_input_order_whatever_the_finishing_order(llm):
+    lengths = [12, 2, 7, 1]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
+    outs = llm.generate(PROMPTS + ["Paris"], params, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == lengths
+    assert [o.prompt for o in outs] == PROMPTS + ["Paris"]
+    assert all(o.finished and o.outputs[0].finish_reason == "length" for o in outs)
+
+
+def test_nano_vllm_style_access(llm):
+    (out,) = llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
+    assert out["text"] == out.outputs[0].text and out["token_ids"] == out.outputs[0].token_ids
+    decoded = llm.get_tokenizer().decode(out["token_ids"], skip_special_tokens=True)
+    # The incremental text leaves out a character whose bytes have not all arrived yet.
+    assert decoded.rstrip("\ufffd") == out["text"].rstrip("\ufffd")
+
+
+def test_one_sampling_params_per_prompt_must_match_the_count(llm):
+    with pytest.raises(ValueError, match="got 2 sampling params for 3 prompts"):
+        llm.generate(PROMPTS, [GREEDY, GREEDY], use_tqdm=False)
+
+
+def test_a_bad_prompt_is_reported_by_index_and_the_engine_keeps_serving(llm):
+    too_long = [5] * 300
+    with pytest.raises(ValueError, match="prompt 1: .*longer than max_model_len 256"):
+        llm.generate([PROMPTS[0], too_long, PROMPTS[1]], GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="prompt 0: .*prompt is empty"):
+        llm.generate([[]], GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="prompt token id 99999"):
+        llm.generate([[1, 99999]], GREEDY, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    assert len(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == 3
+
+
+def test_the_progress_bar_reports_requests_and_throughput(llm, capsys):
+    llm.generate(PROMPTS, GREEDY, use_tqdm=True)
+    err = capsys.readouterr().err
+    assert "3/3" in err and "prefill" in err and "decode" in err and "tok/s" in err
+
+
+# --- stop strings, stop tokens, min_tokens ------------------------------------------------
+
+def test_a_stop_string_split_over_tokens_cuts_the_text(llm):
+    tokenizer = llm.get_tokenizer()
+    (free,) = llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
+    ids = free.outputs[0].token_ids
+    # A stop string made of the end of token 3 and the start of token 4.
+    left, right = tokenizer.decode(ids[3:4]), tokenizer.decode(ids[4:5])
+    assert left and right
+    stop = left[-1] + right[0]
+    before = tokenizer.decode(ids[:4])
+    (cut,) = llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=10, stop=[stop]),
+                          use_tqdm=False)
+    c = cut.outputs[0]
+    assert c.finish_reason == "stop"
+    expected = free.outputs[0].text[:free.outputs[0].text.index(stop)]
+    assert c.text == expected and len(expected) <= len(before)
+    assert c.token_ids == ids[:len(c.token_ids)] and len(c.token_ids) <= 5
+    (kept,) = llm.generate(PROMPTS[:1], SamplingParams(
+        temperature=0, max_tokens=10, stop=stop, include_stop_str_in_output=True), use_tqdm=False)
+    assert kept.outputs[0].text == expected + stop
+
+
+def test_stop_token_ids_and_min_tokens(llm):
+    (free,) = llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
+    ids = free.outputs[0].token_ids
+    stop_at = ids[2]
+    (stopped,) = llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=10,
+                                                           stop_token_ids=[stop_at]), use_tqdm=False)
+    assert stopped.outputs[0].token_ids == ids[:ids.index(stop_at) + 1]
+    assert stopped.outputs[0].finish_reason == "stop"
+    # Before min_tokens the stop token cannot even be sampled.
+    params = SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[stop_at], min_tokens=8)
+    (late,) = llm.generate(PROMPTS[:1], params, use_tqdm=False)
+    assert stop_at not in late.outputs[0].token_ids[:8]
+    assert len(late.outputs[0].token_ids) >= 8
+
+
+# --- n, seeds, logprobs -------------------------------------------------------------------
+
+def test_n_samples_differ_share_the_prompt_blocks_and_repeat_with_the_seed(llm):
+    prompt = [7] * 40  # two full blocks to share
+    params = SamplingParams(n=3, temperature=1.0, max_tokens=8, seed=11, ignore_eos=True)
+    before = llm.engine.state.stats
+    (out,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    after = llm.engine.state.stats
+    samples = [tuple(c.token_ids) for c in out.outputs]
+    assert [c.index for c in out.outputs] == [0, 1, 2] and len(set(samples)) == 3
+    assert after.num_cached_tokens - before.num_cached_tokens >= 2 * 32
+    (again,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    assert [tuple(c.token_ids) for c in again.outputs] == samples
+
+
+def test_a_seeded_request_gets_the_same_tokens_alone_or_in_any_batch(llm):
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=10, seed=3, ignore_eos=True)
+    unseeded = SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True)
+    (alone,) = llm.generate(PROMPTS[:1], seeded, use_tqdm=False)
+    batch = llm.generate(PROMPTS[1:] + PROMPTS[:1], [unseeded, unseeded, seeded], use_tqdm=False)
+    assert batch[2].outputs[0].token_ids == alone.outputs[0].token_ids
+
+
+def test_logprobs_of_sampled_and_top_tokens(llm):
+    params = SamplingParams(temperature=0, max_tokens=5, logprobs=3, ignore_eos=True)
+    (out,) = llm.generate(PROMPTS[:1], params, use_tqdm=False)
+    c = out.outputs[0]
+    assert len(c.logprobs) == 5
+    total = 0.0
+    for token, entry in zip(c.token_ids, c.logprobs):
+        assert token in entry and entry[token].rank == 1  # greedy takes the most likely
+        assert len(entry) == 3
+        assert sorted(lp.rank for lp in entry.values()) == [1, 2, 3]
+        assert all(lp.logprob <= 0 for lp in entry.values())
+        total += entry[token].logprob
+    assert math.isclose(c.cumulative_logprob, total, rel_tol=1e-6)
+
+
+def test_top_k_one_is_greedy(llm):
+    (greedy,) = llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
+    (top1,) = llm.generate(PROMPTS[:1], SamplingParams(temperature=1.3, top_k=1, max_tokens=10,
+                                                       ignore_eos=True), use_tqdm=False)
+    assert top1.outputs[0].token_ids == greedy.outputs[0].token_ids
+
+
+# --- chat and beam search -----------------------------------------------------------------
+
+def test_chat_goes_through_the_chat_template(llm):
+    conversation = [{"role": "user", "content": "Hello"}]
+    (out,) = llm.chat(conversation, GREEDY, use_tqdm=False)
+    assert out.prompt == "<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n"
+    two = llm.chat([conversation, conversation + [{"role": "assistant", "content": "Hi"}]],
+                   GREEDY, use_tqdm=False)
+    assert two[0].outputs[0].token_ids == out.outputs[0].token_ids and len(two) == 2
+    (custom,) = llm.chat(conversation, GREEDY, use_tqdm=False,
+                         chat_template="{% for m in messages %}[{{ m['content'] }}]{% endfor %}")
+    assert custom.prompt == "[Hello]"
+
+
+def test_beam_search_returns_the_best_beams_first(llm):
+    (result,) = llm.beam_search([PROMPTS[0]], BeamSearchParams(beam_width=3, max_tokens=5))
+    beams = result.sequences
+    assert len(beams) == 3 and len({b.token_ids for b in beams}) == 3
+    assert all(len(b.token_ids) == 5 for b in beams)
+    scores = [b.cumulative_logprob for b in beams]
+    assert scores == sorted(scores, reverse=True)
+    (greedy,) = llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=5,
+                                                         ignore_eos=True, logprobs=0), use_tqdm=False)
+    assert beams[0].cumulative_logprob >= greedy.outputs[0].cumulative_logprob - 1e-5
+    (one,) = llm.beam_search([PROMPTS[0]], BeamSearchParams(beam_width=1, max_tokens=5))
+    assert list(one.sequences[0].token_ids) == greedy.outputs[0].token_ids
+
+
+def test_beam_search_params_are_validated():
+    with pytest.raises(ValueError, match=r"beam_width must be an integer in \[1, 10\]"):
+        BeamSearchParams(beam_width=11, max_tokens=4)
+    with pytest.raises(ValueError, match="max_tokens must be an integer >= 1"):
+        BeamSearchParams(beam_width=2, max_tokens=0)
+
+
+# --- the engine-level API -----------------------------------------------------------------
+
+def test_add_request_step_abort_and_is_finished(tiny_qwen3):
+    engine = Engine(EngineOptions(model=str(tiny_qwen3), num_kv_blocks=64, max_model_len=256))
+    long = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
+    a = engine.add_request("Hello", long)
+    b = engine.add_request([5, 6, 7], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+                           request_id="mine")
+    c = engine.add_request("never started", long)
+    assert b == "mine" and a != c
+    engine.abort_request(c)  # still queued: it never reaches the core
+    with pytest.raises(InvalidRequest, match="'mine' is already in use"):
+        engine.add_request("x", long, request_id="mine")
+    seen = {}
+    steps = 0
+    while not engine.is_finished():
+        result = engine.step()
+        steps += 1
+        for out in result.outputs:
+            seen[out.request_id] = out
+        if steps == 4:
+            engine.abort_request(a)
+    assert seen[c].outputs[0].finish_reason == "abort" and seen[c].outputs[0].token_ids == []
+    assert seen["mine"].outputs[0].finish_reason == "length"
+    assert len(seen["mine"].outputs[0].token_ids) == 3
+    assert seen[a].outputs[0].finish_reason == "abort" and 0 < len(seen[a].outputs[0].token_ids) < 50
+    assert engine.state.pool.num_free == engine.state.pool.num_blocks
+
+
+def test_step_reports_prefill_and_decode_tokens(tiny_qwen3):
+    engine = Engine(EngineOptions(model=str(tiny_qwen3), num_kv_blocks=64, max_model_len=256))
+    engine.add_request([1, 2, 3, 4, 5], SamplingParams(temperature=0, max_tokens=3))
+    first = engine.step()
+    assert (first.num_prefill_tokens, first.num_decode_tokens, first.outputs) == (5, 0, [])
+    second = engine.step()
+    assert (second.num_prefill_tokens, second.num_decode_tokens) == (0, 1)
+    assert len(second.outputs[0].outputs[0].token_ids) == 1 and not second.outputs[0].finished
+
+
+# --- traces -------------------------------------------------------------------------------
+
+def test_a_recorded_trace_replays_and_checks_clean(tiny_qwen3, tmp_path):
+    path = tmp_path / "run.jsonl"
+    with LLM(str(tiny_qwen3), num_kv_blocks=6, max_model_len=96, trace=str(path)) as llm:
+        outs = llm.generate(PROMPTS * 2, SamplingParams(temperature=0.7, max_tokens=30, seed=1),
+                            use_tqdm=False)
+    lines = path.read_text().splitlines()
+    assert json.loads(lines[0])["meta"]["model"] == str(tiny_qwen3)
+    trace = parse_trace(lines)
+    states = [state for state, _ in replay(trace, check=True)]
+    finished = {seq.seq_id: seq for state in states for seq in state.finished}
+    assert [list(finished[o.request_id].output_token_ids) for o in outs] == \
+        [o.outputs[0].token_ids for o in outs]
+    assert states[-1].stats.num_preemptions > 0  # the small pool made it interesting

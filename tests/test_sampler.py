@@ -1,0 +1,286 @@
+"""The sampler: each filter and penalty against direct computations, then the Sampler end to end."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nanofn.runner.sampler import (
+    Sampler, SampleRequest, apply_min_p, apply_penalties, apply_temperature, apply_top_k,
+    apply_top_p, row_seed, token_counts,
+)
+from nanofn.state.params import SamplingParams
+
+CPU = torch.device("cpu")
+NEG_INF = float("-inf")
+PROBS = [0.05, 0.5, 0.15, 0.3]  # deliberately not sorted by vocabulary position
+
+
+def log_probs(probs: list[float]) -> torch.Tensor:
+    return torch.tensor([probs]).log()
+
+
+def kept(logits: torch.Tensor) -> list[list[int]]:
+    """Token ids left reachable (finite logit), per row."""
+    return [torch.nonzero(row.isfinite()).flatten().tolist() for row in logits]
+
+
+def request(position: int = 0, prompt=None, output=None, **params) -> SampleRequest:
+    return SampleRequest(SamplingParams(**params), position, prompt, output)
+
+
+def draw(sampler: Sampler, logits: torch.Tensor, requests: list[SampleRequest]) -> list[int]:
+    return sampler(logits, requests).token_ids
+
+
+# ----------------------------------------------------------------------------------- penalties
+
+
+def test_token_counts_counts_each_row_and_ignores_padding():
+    counts = token_counts([[1, 1, 3], [], [0]], vocab_size=4, device=CPU)
+    assert counts.tolist() == [[0, 2, 0, 1], [0, 0, 0, 0], [1, 0, 0, 0]]
+
+
+def test_penalties_match_hand_computation():
+    logits = torch.tensor([[2.0, -2.0, 1.0, 0.5, -1.0]])
+    prompt = token_counts([[0, 4]], 5, CPU)
+    output = token_counts([[1, 1, 2]], 5, CPU)
+    penalised = apply_penalties(logits, prompt, output, repetition=torch.tensor([2.0]),
+                                frequency=torch.tensor([0.5]), presence=torch.tensor([0.25]))
+    expected = [
+        2.0 / 2,  # prompt only: positive logit divided
+        -2.0 * 2 - 0.5 * 2 - 0.25,  # output twice: negative logit multiplied, freq, presence
+        1.0 / 2 - 0.5 - 0.25,  # output once
+        0.5,  # never seen
+        -1.0 * 2,  # prompt only: negative logit multiplied
+    ]
+    assert penalised[0].tolist() == pytest.approx(expected)
+
+
+def test_penalties_are_per_row():
+    logits = torch.tensor([[1.0, 1.0], [1.0, 1.0]])
+    counts = token_counts([[0], [0]], 2, CPU)
+    penalised = apply_penalties(logits, counts, counts, repetition=torch.tensor([1.0, 4.0]),
+                                frequency=torch.tensor([1.0, 0.0]),
+                                presence=torch.tensor([0.0, 0.0]))
+    assert penalised.tolist() == [[0.0, 1.0], [0.25, 1.0]]
+
+
+def test_sampler_greedy_follows_penalised_logits_and_leaves_other_rows_alone():
+    logits = torch.tensor([[3.0, 2.0, 0.0], [3.0, 2.0, 0.0]])
+    penalised = request(prompt=[], output=[0], frequency_penalty=2.0, temperature=0.0)
+    plain = request(temperature=0.0, logprobs=0)  # not the fast path, so both rows go together
+    assert draw(Sampler(seed=0, device=CPU), logits, [penalised, plain]) == [1, 0]
+
+
+def test_sampler_refuses_penalties_without_token_lists():
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        Sampler(seed=0, device=CPU)(torch.zeros(1, 3), [request(repetition_penalty=1.5)])
+
+
+# ------------------------------------------------------------------------------------- filters
+
+
+def test_temperature_divides_each_row():
+    scaled = apply_temperature(torch.tensor([[1.0, -2.0], [1.0, -2.0]]), torch.tensor([0.5, 2.0]))
+    assert scaled.tolist() == [[2.0, -4.0], [0.5, -1.0]]
+
+
+@pytest.mark.parametrize("min_p, expected", [
+    (0.0, [0, 1, 2, 3]),
+    (0.09, [0, 1, 2, 3]),  # threshold 0.045 keeps 0.05
+    (0.11, [1, 2, 3]),  # threshold 0.055 drops 0.05
+    (0.35, [1, 3]),  # threshold 0.175 drops 0.15
+    (1.0, [1]),
+])
+def test_min_p_drops_tokens_below_a_fraction_of_the_top_probability(min_p, expected):
+    assert kept(apply_min_p(log_probs(PROBS), torch.tensor([min_p]))) == [expected]
+
+
+@pytest.mark.parametrize("top_k, expected", [
+    (1, [1]), (2, [1, 3]), (3, [1, 2, 3]), (0, [0, 1, 2, 3]), (9, [0, 1, 2, 3]),
+])
+def test_top_k_keeps_the_k_most_likely(top_k, expected):
+    assert kept(apply_top_k(log_probs(PROBS), torch.tensor([top_k]), max(top_k, 1))) == [expected]
+
+
+def test_top_k_is_per_row():
+    logits = torch.cat([log_probs(PROBS)] * 3)
+    assert kept(apply_top_k(logits, torch.tensor([1, 0, 2]), 2)) == [[1], [0, 1, 2, 3], [1, 3]]
+
+
+@pytest.mark.parametrize("top_p, expected", [
+    (0.01, [1]),
+    (0.45, [1]),  # the top token alone already reaches it
+    (0.55, [1, 3]),  # 0.5 is short of it, 0.5 + 0.3 reaches it
+    (0.85, [1, 2, 3]),  # 0.8 is short, 0.95 reaches it
+    (0.97, [0, 1, 2, 3]),
+    (1.0, [0, 1, 2, 3]),
+])
+def test_top_p_keeps_the_smallest_set_reaching_the_mass(top_p, expected):
+    assert kept(apply_top_p(log_probs(PROBS), torch.tensor([top_p]))) == [expected]
+
+
+def test_top_p_is_per_row_and_ignores_already_dropped_tokens():
+    logits = torch.cat([log_probs(PROBS), log_probs(PROBS)])
+    logits[1, 1] = NEG_INF  # renormalised: 0.1, 0, 0.3, 0.6
+    assert kept(apply_top_p(logits, torch.tensor([0.55, 0.55]))) == [[1, 3], [3]]
+
+
+def test_top_p_ranking_only_the_top_k_candidates_gives_the_same_tokens():
+    logits = torch.randn(8, 500, generator=torch.Generator().manual_seed(0))
+    top_k = torch.tensor([5, 40, 1, 100, 7, 40, 2, 60])
+    top_p = torch.tensor([0.3, 0.9, 0.5, 0.95, 0.99, 0.1, 0.7, 1.0])
+    limited = apply_top_k(logits, top_k, 100)
+    assert kept(apply_top_p(limited, top_p, candidates=100)) == kept(apply_top_p(limited, top_p))
+    assert kept(apply_top_p(limited, top_p)) != kept(limited)
+
+
+# ----------------------------------------------------------------------------- greedy, logprobs
+
+
+def test_all_greedy_batch_is_the_argmax_with_first_index_on_ties():
+    logits = torch.tensor([[1.0, 3.0, 3.0, 0.0], [0.0, 0.0, 0.0, 0.5]])
+    out = Sampler(seed=0, device=CPU)(logits, [request(temperature=0.0)] * 2)
+    assert out.token_ids == [1, 3]
+    assert out.logprobs == [None, None]
+
+
+def test_greedy_ties_break_the_same_way_outside_the_fast_path():
+    logits = torch.tensor([[1.0, 3.0, 3.0, 0.0]])
+    assert draw(Sampler(seed=0, device=CPU), logits, [request(temperature=0.0, logprobs=2)]) == [1]
+
+
+def test_logprobs_come_from_the_raw_distribution():
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0, 0.0], [0.0, 0.0, 0.0, 1.0, 0.0]])
+    raw = logits.log_softmax(dim=-1)
+    requests = [
+        # The penalty makes token 1 the greedy choice; its logprob and rank stay the raw ones.
+        request(prompt=[], output=[0], frequency_penalty=2.0, temperature=0.0, logprobs=3),
+        request(temperature=0.0),
+    ]
+    out = Sampler(seed=0, device=CPU)(logits, requests)
+    assert out.token_ids == [1, 3]
+    first = out.logprobs[0]
+    assert (first.token_id, first.rank) == (1, 2)
+    assert first.logprob == pytest.approx(raw[0, 1].item(), abs=1e-6)
+    assert [t for t, _ in first.top] == [0, 1, 2]
+    assert [lp for _, lp in first.top] == pytest.approx(raw[0, [0, 1, 2]].tolist(), abs=1e-6)
+    assert out.logprobs[1] is None
+
+
+def test_logprobs_zero_gives_the_sampled_token_only_and_ranks_count_strictly_better():
+    logits = torch.tensor([[1.0, 3.0, 3.0, 2.0]] * 2)
+    out = Sampler(seed=0, device=CPU)(logits, [request(top_k=1, logprobs=0),
+                                               request(top_p=0.01, logprobs=1)])
+    lp = out.logprobs[0]
+    # top_k=1 keeps both tied logits; whichever is drawn, nothing is strictly more likely.
+    assert lp.token_id in (1, 2) and lp.rank == 1 and lp.top == ()
+    assert lp.logprob == pytest.approx(logits.log_softmax(-1)[0, 1].item(), abs=1e-6)
+    assert len(out.logprobs[1].top) == 1
+
+
+# ------------------------------------------------------------------------------ random sampling
+
+
+def frequencies(tokens: list[int], vocab_size: int) -> list[float]:
+    counts = torch.bincount(torch.tensor(tokens), minlength=vocab_size)
+    return (counts / len(tokens)).tolist()
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
+def test_temperature_sets_the_sampling_frequencies(temperature):
+    base = torch.tensor([0.0, 1.0, 2.0, 0.5])
+    n = 20_000
+    tokens = draw(Sampler(seed=1, device=CPU), base.repeat(n, 1),
+                  [request(temperature=temperature)] * n)
+    expected = (base / temperature).softmax(-1).tolist()
+    assert frequencies(tokens, 4) == pytest.approx(expected, abs=0.015)
+
+
+def test_filters_leave_only_their_tokens_reachable():
+    n = 2_000
+    logits = log_probs(PROBS).repeat(n, 1)
+    filters = [dict(top_k=2), dict(top_p=0.55), dict(min_p=0.35), dict(top_k=3, top_p=0.6)]
+    for params in filters:
+        seeded = [request(position=i, seed=7, **params) for i in range(n // 2)]
+        unseeded = [request(**params)] * (n // 2)
+        tokens = draw(Sampler(seed=2, device=CPU), logits, seeded + unseeded)
+        assert set(tokens) == {1, 3}, params
+
+
+def test_filtered_sampling_renormalises_over_the_kept_tokens():
+    n = 20_000
+    logits = log_probs(PROBS).repeat(n, 1)
+    tokens = draw(Sampler(seed=3, device=CPU), logits, [request(top_k=2)] * n)
+    assert frequencies(tokens, 4) == pytest.approx([0, 0.5 / 0.8, 0, 0.3 / 0.8], abs=0.015)
+
+
+# ----------------------------------------------------------------------------------- seeding
+
+
+VOCAB = 1000
+
+
+def flat_logits(rows: int) -> torch.Tensor:
+    return torch.zeros(rows, VOCAB)
+
+
+def test_seeded_draw_is_independent_of_batch_composition_and_order():
+    target = request(position=5, seed=42)
+    alone = draw(Sampler(seed=0, device=CPU), flat_logits(1), [target])
+    others = [request(), request(position=5, seed=43), request(temperature=0.0),
+              request(position=2, seed=42, top_k=10), request(top_p=0.5)]
+    for sampler_seed, batch in [(1, others[:2] + [target] + others[2:]),
+                                (2, [target] + others[::-1]),
+                                (None, others[3:] + [target])]:
+        logits = torch.randn(len(batch), VOCAB, generator=torch.Generator().manual_seed(9))
+        logits[batch.index(target)] = 0.0
+        assert draw(Sampler(seed=sampler_seed, device=CPU), logits, batch)[batch.index(target)] \
+            == alone[0]
+
+
+def test_seeded_draw_is_stable_across_steps_of_the_same_sampler():
+    sampler = Sampler(seed=0, device=CPU)
+    first = draw(sampler, flat_logits(1), [request(position=3, seed=11)])
+    draw(sampler, flat_logits(2), [request(), request(position=3, seed=12)])
+    assert draw(sampler, flat_logits(1), [request(position=3, seed=11)]) == first
+
+
+def test_different_seeds_or_positions_draw_different_tokens():
+    sampler = Sampler(seed=0, device=CPU)
+    by_seed = draw(sampler, flat_logits(20), [request(position=4, seed=s) for s in range(20)])
+    by_position = draw(sampler, flat_logits(20), [request(position=p, seed=4) for p in range(20)])
+    assert len(set(by_seed)) > 15
+    assert len(set(by_position)) > 15
+
+
+def test_row_seed_separates_nearby_pairs():
+    seeds = {row_seed(s, p) for s in range(-3, 30) for p in range(30)}
+    assert len(seeds) == 33 * 30
+    assert all(0 <= s < 2**64 for s in seeds)
+
+
+def test_unseeded_draws_repeat_for_a_fixed_sampler_seed():
+    requests = [request()] * 20
+
+    def two_steps(seed: int) -> list[int]:
+        sampler = Sampler(seed=seed, device=CPU)
+        return draw(sampler, flat_logits(20), requests) + draw(sampler, flat_logits(20), requests)
+
+    assert two_steps(5) == two_steps(5)
+    assert two_steps(5) != two_steps(6)
+    steps = two_steps(5)
+    assert steps[:20] != steps[20:]  # the generator advances between steps
+
+
+def test_suppressed_tokens_are_never_drawn_but_keep_their_logprobs():
+    logits = torch.tensor([[5.0, 1.0, 0.0], [5.0, 1.0, 0.0]])
+    sampler = Sampler(seed=0, device="cpu")
+    requests = [SampleRequest(SamplingParams(temperature=0, logprobs=1), 5, suppressed_token_ids=(0,)),
+                SampleRequest(SamplingParams(temperature=0), 5)]
+    out = sampler(logits, requests)
+    assert out.token_ids == [1, 0]
+    assert out.logprobs[0].top[0][0] == 0  # logprobs describe the model, not the suppression
+    hot = [SampleRequest(SamplingParams(temperature=5.0), 5, suppressed_token_ids=(0, 2))] * 2
+    assert set(sampler(logits, hot).token_ids) == {1}
