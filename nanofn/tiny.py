@@ -1,10 +1,14 @@
-"""Tiny random-weight Hugging Face checkpoints, for tests and as the CLI's built-in demo model.
+"""Random-weight Hugging Face checkpoints: tiny ones for tests and the CLI's built-in demo model,
+and ones in the shape of a real model (``make_random_checkpoint``) for benchmarks.
 
 A checkpoint here is a real Hugging Face folder (``config.json``, ``generation_config.json``,
 safetensors weights, a byte-level BPE tokenizer with a ChatML chat template) that both
-``transformers`` and nanofn load. Weights are drawn with a large ``initializer_range`` (0.5):
-with the usual 0.02 a tiny model repeats one token whatever the prompt, which would hide
+``transformers`` and nanofn load. Tiny weights are drawn with a large ``initializer_range``
+(0.5): with the usual 0.02 a tiny model repeats one token whatever the prompt, which would hide
 attention and position bugs.
+
+Importing this module does not load torch (the CLI lists ``PRESETS`` in its help); the functions
+that write weights import it.
 """
 
 from __future__ import annotations
@@ -13,10 +17,10 @@ import contextlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from safetensors.torch import load_file, save_file
+if TYPE_CHECKING:
+    import torch
 
 EOS_TOKEN = "<|endoftext|>"
 SPECIAL_TOKENS = [EOS_TOKEN, "<|im_start|>", "<|im_end|>"]
@@ -68,6 +72,38 @@ ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
     "mistral": ("MistralConfig", {**_COMMON, **_HEAD_DIM, "sliding_window": 4096}),
 }
 
+# Shapes of real Qwen3-architecture models (Qwen3Config settings), for make_random_checkpoint.
+PRESETS: dict[str, dict[str, Any]] = {
+    "qwen3-0.6b": dict(
+        num_hidden_layers=28,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+        max_position_embeddings=40960,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+    ),
+    # The same architecture in miniature: for tests and quick CPU runs of `nanofn bench`.
+    "qwen3-tiny": dict(
+        num_hidden_layers=2,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=512,
+        tie_word_embeddings=True,
+        max_position_embeddings=4096,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+    ),
+}
+RANDOM_WEIGHT_STD = 0.02
+
 
 def make_tiny_checkpoint(
     path: str | Path,
@@ -84,6 +120,7 @@ def make_tiny_checkpoint(
     The same arguments always give the same files. ``num_shards > 1`` splits the weights into
     that many files with a ``model.safetensors.index.json``.
     """
+    import torch
     import transformers
 
     if arch not in ARCHS:
@@ -115,6 +152,73 @@ def make_tiny_checkpoint(
     return path
 
 
+def make_random_checkpoint(path: str | Path, preset: str = "qwen3-0.6b", *,
+                           dtype: str = "bfloat16", seed: int = 0) -> Path:
+    """Write a checkpoint with the config of ``preset`` (one of ``PRESETS``) and random weights
+    into ``path``; return it. For benchmarks: the text it generates is noise.
+
+    Weights (normal, std 0.02; norms 1) go straight to safetensors without building a
+    transformers model, so that 0.6B parameters take seconds. The tokenizer is the
+    tiny one: its vocabulary is smaller than the model's, which token-id prompts do not mind.
+    """
+    import torch
+    import transformers
+    from safetensors.torch import save_file
+
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose one of: {', '.join(PRESETS)}")
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = _make_tokenizer()
+    eos_token_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
+    config = transformers.Qwen3Config(
+        **PRESETS[preset],
+        architectures=["Qwen3ForCausalLM"],
+        initializer_range=RANDOM_WEIGHT_STD,
+        dtype=dtype,
+        eos_token_id=eos_token_id,
+        pad_token_id=eos_token_id,
+        bos_token_id=None,
+    )
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, shape in _qwen3_weight_shapes(config).items():
+        tensor = torch.empty(shape, dtype=getattr(torch, dtype))
+        if len(shape) == 1:  # a norm's weight
+            tensors[name] = tensor.fill_(1.0)
+        else:
+            tensors[name] = tensor.normal_(0.0, RANDOM_WEIGHT_STD, generator=generator)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    config.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def _qwen3_weight_shapes(c: Any) -> dict[str, tuple[int, ...]]:
+    """Hugging Face parameter names and shapes of a Qwen3 model (vectors are norm weights)."""
+    hidden, inter, head_dim = c.hidden_size, c.intermediate_size, c.head_dim
+    q_size, kv_size = c.num_attention_heads * head_dim, c.num_key_value_heads * head_dim
+    shapes = {"model.embed_tokens.weight": (c.vocab_size, hidden), "model.norm.weight": (hidden,)}
+    for i in range(c.num_hidden_layers):
+        layer = f"model.layers.{i}."
+        shapes.update({
+            layer + "input_layernorm.weight": (hidden,),
+            layer + "post_attention_layernorm.weight": (hidden,),
+            layer + "self_attn.q_proj.weight": (q_size, hidden),
+            layer + "self_attn.k_proj.weight": (kv_size, hidden),
+            layer + "self_attn.v_proj.weight": (kv_size, hidden),
+            layer + "self_attn.o_proj.weight": (hidden, q_size),
+            layer + "self_attn.q_norm.weight": (head_dim,),
+            layer + "self_attn.k_norm.weight": (head_dim,),
+            layer + "mlp.gate_proj.weight": (inter, hidden),
+            layer + "mlp.up_proj.weight": (inter, hidden),
+            layer + "mlp.down_proj.weight": (hidden, inter),
+        })
+    if not c.tie_word_embeddings:
+        shapes["lm_head.weight"] = (c.vocab_size, hidden)
+    return shapes
+
+
 @contextlib.contextmanager
 def _quiet_progress_bars(transformers) -> Iterator[None]:
     logging = transformers.utils.logging
@@ -129,6 +233,8 @@ def _quiet_progress_bars(transformers) -> Iterator[None]:
 
 def _perturb_norms_and_biases(model: torch.nn.Module, std: float) -> None:
     """Hugging Face inits norms to one and biases to zero; random values make loading bugs visible."""
+    import torch
+
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("bias"):
@@ -159,6 +265,8 @@ def _make_tokenizer():
 
 def _reshard(path: Path, num_shards: int) -> None:
     """Split ``model.safetensors`` into ``num_shards`` files plus the index Hugging Face writes."""
+    from safetensors.torch import load_file, save_file
+
     single = path / "model.safetensors"
     tensors = load_file(single)
     names = sorted(tensors)

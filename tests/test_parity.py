@@ -87,3 +87,13 @@ def test_bfloat16_weights_run_on_cpu_too(tiny_qwen3):
     prompts = random_prompts([10, 30], seed=3)
     got, _ = nanofn_greedy(tiny_qwen3, prompts, dtype="bfloat16")
     assert [len(t) for t in got] == [NEW_TOKENS] * 2
+
+
+def test_tensor_parallel_ranks_give_the_same_tokens(shared_prefix_case):
+    """Two ranks (worker process + this one, gloo on the CPU): each holds half the heads and
+    half the vocabulary; with a pool small enough to preempt."""
+    model_dir, prompts, expected = shared_prefix_case
+    got, figures = nanofn_greedy(model_dir, prompts, tensor_parallel_size=2, num_kv_blocks=5,
+                                 max_model_len=80)
+    assert got == expected
+    assert figures.num_preemptions > 0

@@ -24,6 +24,7 @@ from nanofn.model import resolve_dtype
 from nanofn.outputs import CompletionOutput, Logprob, RequestOutput
 from nanofn.runner.model_runner import ModelRunner, RunnerConfig
 from nanofn.runner.sampler import SampleOutput, TokenLogprobs
+from nanofn.runner.tensor_parallel import TensorParallelExecutor
 from nanofn.state import (BatchPlan, EngineState, Events, Figures, InvalidRequest, NewRequest,
                           SamplingParams, SchedulerConfig, check_new_request, figures,
                           header_line, initial_state, step, step_line)
@@ -73,9 +74,7 @@ class Engine:
         self.eos_token_ids = _eos_token_ids(model_dir, self.hf_config, self.tokenizer)
         device = torch.device(options.device if options.device != "auto" else
                               "cuda" if torch.cuda.is_available() else "cpu")
-        if options.tensor_parallel_size != 1:
-            raise NotImplementedError("tensor_parallel_size > 1 is not available yet")
-        self.runner = ModelRunner(self.hf_config, RunnerConfig(
+        runner_config = RunnerConfig(
             model_dir=model_dir,
             dtype=resolve_dtype(self.hf_config, options.dtype),
             device=device,
@@ -88,7 +87,10 @@ class Engine:
             kv_cache_memory_bytes=options.kv_cache_memory_bytes,
             num_kv_blocks=options.num_kv_blocks,
             seed=options.seed,
-        ))
+            tp_size=options.tensor_parallel_size,
+        )
+        self.runner = (ModelRunner(self.hf_config, runner_config) if runner_config.tp_size == 1
+                       else TensorParallelExecutor(self.hf_config, runner_config))
         self.scheduler_config = SchedulerConfig(
             num_blocks=self.runner.num_blocks,
             block_size=options.block_size,
@@ -105,7 +107,8 @@ class Engine:
         if options.trace:
             self._trace = open(options.trace, "w", buffering=1)
             self._trace.write(header_line(self.scheduler_config, {
-                "model": str(model_dir), "dtype": str(self.runner.config.dtype)}) + "\n")
+                "model": str(model_dir), "dtype": str(runner_config.dtype),
+                "tensor_parallel_size": runner_config.tp_size}) + "\n")
         self._ids = itertools.count()
         self._requests: dict[str, _Request] = {}
         self._completions: dict[str, tuple[_Request, _Completion]] = {}  # by seq id
@@ -260,6 +263,8 @@ class Engine:
         if self._trace is not None:
             self._trace.close()
             self._trace = None
+        if isinstance(self.runner, TensorParallelExecutor):
+            self.runner.close()
 
 
 def _children(request_id: str, params: SamplingParams) -> list[tuple[str, SamplingParams]]:

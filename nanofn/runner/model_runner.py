@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from pyrsistent import pvector
 
 from nanofn.model import build_model, load_weights, model_shape
@@ -50,6 +51,10 @@ class ModelRunner:
         self.shape = model_shape(hf_config, config.tp_size)
         self.sampler = Sampler(config.seed, config.device)
         self.num_blocks = self._decide_num_blocks()
+        if config.tp_size > 1:  # every rank must hold the same blocks: take the smallest
+            agreed = torch.tensor([self.num_blocks], device=config.device)
+            dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+            self.num_blocks = int(agreed.item())
         self.kv_cache = torch.zeros(self.shape.kv_cache_shape(self.num_blocks, config.block_size),
                                     dtype=config.dtype, device=config.device)
 
@@ -57,11 +62,17 @@ class ModelRunner:
     def execute(self, plan: BatchPlan) -> SampleOutput:
         """Run the plan's tokens through the model; sample for the sequences that ask for it,
         in plan order."""
-        inputs = prepare_inputs(plan, self.device)
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.batch, self.kv_cache)
-        logits = self.model.compute_logits(hidden[inputs.sample_rows])
+        logits = self.forward(plan)
         requests = [self._sample_request(s) for s in plan.seqs if s.sample]
         return self.sampler(logits, requests)
+
+    @torch.inference_mode()
+    def forward(self, plan: BatchPlan) -> torch.Tensor:
+        """The logits of the sampling sequences, ``[S, vocab]`` float32 (every rank runs this;
+        rank 0 samples)."""
+        inputs = prepare_inputs(plan, self.device)
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.batch, self.kv_cache)
+        return self.model.compute_logits(hidden[inputs.sample_rows])
 
     def _sample_request(self, s: ScheduledSeq) -> SampleRequest:
         p = s.params

@@ -1,0 +1,206 @@
+"""The standard offline-throughput workload, its measurement, and its physical floor.
+
+The workload is nano-vllm's ``bench.py``: seeded with 0, 256 requests of U(100, 1024) random
+token ids in [0, 10000], each with ``max_tokens`` U(100, 1024), ``ignore_eos``, temperature 0.6;
+all prompts are drawn first, then all output lengths. The floor is the roofline of
+``tools/roofline.py`` (kept outside the package) as a function of the model's shape: prefill
+FLOPs at the matmul rate, plus, for every decode step with all requests running together,
+the larger of its FLOPs at the matmul rate and its bytes (every weight once, the K/V of every
+running token once) at the memory bandwidth.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from nanofn.state import SamplingParams
+
+DEFAULT_BANDWIDTH_GBPS = 3028.0  # H100 80GB HBM3, measured device-to-device copy
+DEFAULT_TFLOPS = 813.0  # H100 80GB HBM3, measured bf16 8192^3 matmul
+MAX_TOKEN_ID = 10000
+WARMUP_PROMPT = list(range(1, 17))
+
+
+@dataclass(frozen=True)
+class Workload:
+    prompts: list[list[int]]  # token ids
+    max_tokens: list[int]
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(map(len, self.prompts))
+
+    def sampling_params(self) -> list[SamplingParams]:
+        return [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n)
+                for n in self.max_tokens]
+
+
+def standard_workload(num_seqs: int = 256, max_input_len: int = 1024,
+                      max_output_len: int = 1024, vocab_size: int | None = None) -> Workload:
+    """nano-vllm's benchmark requests: the numbers its ``random.seed(0)`` and ``randint`` calls
+    give, in its order.
+
+    Lengths are U(100, max), or U(1, max) when max is below 100 (small CPU runs). With a
+    ``vocab_size`` of 10000 or less (tiny test models), token ids are taken modulo it.
+    """
+    rng = random.Random(0)
+    prompts = [[rng.randint(0, MAX_TOKEN_ID) for _ in range(_draw_len(rng, max_input_len))]
+               for _ in range(num_seqs)]
+    max_tokens = [_draw_len(rng, max_output_len) for _ in range(num_seqs)]
+    if vocab_size is not None and vocab_size <= MAX_TOKEN_ID:
+        prompts = [[t % vocab_size for t in prompt] for prompt in prompts]
+    return Workload(prompts, max_tokens)
+
+
+def _draw_len(rng: random.Random, max_len: int) -> int:
+    return rng.randint(100, max_len) if max_len >= 100 else rng.randint(1, max_len)
+
+
+# --- the floor ------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ModelDims:
+    """The sizes the floor depends on (attention and MLP matmuls, the LM head, the KV cache)."""
+
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    tie_word_embeddings: bool
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> ModelDims:
+        """From a Hugging Face ``config.json`` (as a dict)."""
+        heads = config["num_attention_heads"]
+        return cls(
+            num_layers=config["num_hidden_layers"],
+            hidden_size=config["hidden_size"],
+            intermediate_size=config["intermediate_size"],
+            num_heads=heads,
+            num_kv_heads=config.get("num_key_value_heads") or heads,
+            head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+            vocab_size=config["vocab_size"],
+            tie_word_embeddings=config.get("tie_word_embeddings", False),
+        )
+
+    @property
+    def body_params(self) -> int:
+        """Matmul weights of all decoder layers: q/k/v, o, and the gated MLP."""
+        h, d = self.hidden_size, self.head_dim
+        per_layer = (h * (self.num_heads + 2 * self.num_kv_heads) * d + self.num_heads * d * h
+                     + 3 * h * self.intermediate_size)
+        return self.num_layers * per_layer
+
+    @property
+    def lm_head_params(self) -> int:
+        return self.vocab_size * self.hidden_size
+
+    @property
+    def num_params(self) -> int:
+        """Matmul and embedding weights (norms left out); an untied embedding counts apart. It
+        is stored but not read whole: a step gathers only its tokens' rows."""
+        embedding = 0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size
+        return self.body_params + self.lm_head_params + embedding
+
+
+@dataclass(frozen=True)
+class Floor:
+    prefill_s: float
+    decode_s: float
+    num_output_tokens: int
+
+    @property
+    def seconds(self) -> float:
+        return self.prefill_s + self.decode_s
+
+    @property
+    def output_tok_s(self) -> float:
+        return self.num_output_tokens / self.seconds
+
+    def describe(self) -> str:
+        """As ``tools/roofline.py`` prints it."""
+        return (f"prefill {format_seconds(self.prefill_s)} + decode "
+                f"{format_seconds(self.decode_s)} = {format_seconds(self.seconds)}  ->  "
+                f"{self.output_tok_s:,.0f} output tok/s")
+
+
+def format_seconds(x: float) -> str:
+    return f"{x:.2f} s" if x >= 0.1 else f"{x:.2g} s"  # tiny CPU models give microseconds
+
+
+def floor(dims: ModelDims, prompt_lens: Sequence[int], output_lens: Sequence[int], *,
+          bandwidth_gbps: float = DEFAULT_BANDWIDTH_GBPS, tflops: float = DEFAULT_TFLOPS,
+          bytes_per_param: int = 2) -> Floor:
+    """The least time any engine needs for this workload on a device with these rates.
+
+    ``bytes_per_param`` is the size of a weight and of a cached K or V element (2, bf16, in
+    ``tools/roofline.py``). The first output token of a request comes from its prefill; each later one from a decode
+    step that runs every unfinished request at once.
+    """
+    layers, heads, head_dim = dims.num_layers, dims.num_heads, dims.head_dim
+    body, lm_head = dims.body_params, dims.lm_head_params
+    weight_bytes = bytes_per_param * (body + lm_head)
+    kv_bytes_per_token = layers * 2 * dims.num_kv_heads * head_dim * bytes_per_param
+    bandwidth, peak = bandwidth_gbps * 1e9, tflops * 1e12
+
+    def attention_flops(query_tokens: int, context: int) -> int:  # QK^T and PV
+        return 4 * layers * heads * head_dim * context * query_tokens
+
+    # a prompt's token i attends to i + 1 keys; the LM head runs on its last token only
+    prefill_flops = sum(2 * body * n + 2 * lm_head + 4 * layers * heads * head_dim * n * (n + 1) / 2
+                        for n in prompt_lens)
+    decode_s = 0.0
+    for s in range(1, max(output_lens)):  # decode step s makes output token s + 1
+        contexts = [n + s for n, o in zip(prompt_lens, output_lens) if s < o]
+        if not contexts:
+            break
+        flops = (len(contexts) * (2 * body + 2 * lm_head)
+                 + sum(attention_flops(1, c) for c in contexts))
+        step_bytes = weight_bytes + kv_bytes_per_token * sum(contexts)
+        decode_s += max(flops / peak, step_bytes / bandwidth)
+    return Floor(prefill_flops / peak, decode_s, sum(output_lens))
+
+
+# --- the measurement ------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Measurement:
+    num_requests: int
+    num_prompt_tokens: int
+    num_output_tokens: int
+    elapsed_s: float
+    num_preemptions: int
+    prefix_cache_hit_rate: float  # of this workload's admissions (the warm-up left out)
+
+    @property
+    def output_tok_s(self) -> float:
+        return self.num_output_tokens / self.elapsed_s
+
+
+def measure(llm: Any, workload: Workload) -> Measurement:
+    """Warm up with one short request, then time one ``generate`` of the whole workload."""
+    vocab_size = llm.engine.hf_config.vocab_size
+    llm.generate([[t % vocab_size for t in WARMUP_PROMPT]],
+                 SamplingParams(max_tokens=16, ignore_eos=True), use_tqdm=False)
+    before = llm.engine.state.stats
+    start = time.perf_counter()
+    outputs = llm.generate(workload.prompts, workload.sampling_params(), use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    after = llm.engine.state.stats
+    admitted = after.num_admitted_tokens - before.num_admitted_tokens
+    cached = after.num_cached_tokens - before.num_cached_tokens
+    return Measurement(
+        num_requests=len(outputs),
+        num_prompt_tokens=workload.num_prompt_tokens,
+        num_output_tokens=sum(len(o.outputs[0].token_ids) for o in outputs),
+        elapsed_s=elapsed,
+        num_preemptions=after.num_preemptions - before.num_preemptions,
+        prefix_cache_hit_rate=cached / admitted if admitted else 0.0,
+    )

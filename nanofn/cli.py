@@ -1,0 +1,478 @@
+"""The ``nanofn`` command: ``generate`` text, ``bench`` throughput, ``replay`` a trace.
+
+Problems with what the user asked for (a bad flag value, a missing model folder, an unreadable
+trace) are reported in one line on stderr with exit code 2. torch is imported only by the
+subcommands that run a model, so ``--help`` and ``replay`` start fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from nanofn.bench import (DEFAULT_BANDWIDTH_GBPS, DEFAULT_TFLOPS, ModelDims, floor,
+                          format_seconds, measure, standard_workload)
+from nanofn.state import (EngineState, SamplingParams, Seq, TraceError, figures, parse_trace,
+                          replay)
+from nanofn.state.plan import BatchPlan, ScheduledSeq
+
+DEMO_MODEL = "demo-qwen3"
+DEFAULT_PROMPTS = ["Hello, my name is", "The capital of France is"]
+SHOWN_ITEMS = 12  # a longer list of tokens or blocks is shortened to its ends
+
+# EngineOptions field -> argparse settings; a flag the user leaves out is None and not passed,
+# so that LLM keeps its own default.
+ENGINE_FLAGS: dict[str, dict[str, Any]] = {
+    "max_model_len": dict(type=int, metavar="N",
+                          help="longest prompt + output (default: the model's "
+                               "max_position_embeddings)"),
+    "dtype": dict(choices=["auto", "float16", "bfloat16", "float32"],
+                  help="weight and KV cache dtype (default: auto, the checkpoint's)"),
+    "device": dict(help="auto, cpu, cuda or cuda:N (default: auto, cuda when there is a GPU)"),
+    "max_num_seqs": dict(type=int, metavar="N", help="most sequences per step (default: 512)"),
+    "max_num_batched_tokens": dict(type=int, metavar="N",
+                                   help="most tokens per step (default: 16384)"),
+    "block_size": dict(type=int, metavar="N", help="tokens per KV cache block (default: 16)"),
+    "gpu_memory_utilization": dict(type=float, metavar="F",
+                                   help="share of GPU memory for weights, activations and KV "
+                                        "cache (default: 0.9)"),
+    "tensor_parallel_size": dict(type=int, metavar="N", help="GPUs to split the model over "
+                                                             "(default: 1)"),
+    "enforce_eager": dict(action="store_const", const=True,
+                          help="run the model eagerly, without CUDA graphs"),
+    "enable_prefix_caching": dict(flag="--no-prefix-caching", action="store_const", const=False,
+                                  help="do not reuse the KV cache of shared prompt prefixes"),
+    "enable_chunked_prefill": dict(flag="--no-chunked-prefill", action="store_const",
+                                   const=False, help="compute each prompt in one step"),
+    "kv_cache_memory_bytes": dict(type=int, metavar="BYTES",
+                                  help="KV cache size in bytes (default: from "
+                                       "--gpu-memory-utilization on a GPU, 4 GiB on a CPU)"),
+    "num_kv_blocks": dict(type=int, metavar="N", help="exact number of KV cache blocks"),
+    "trace": dict(metavar="PATH", help="record the run's trace here, for `nanofn replay`"),
+}
+
+# SamplingParams field -> argparse settings, as for ENGINE_FLAGS.
+SAMPLING_FLAGS: dict[str, dict[str, Any]] = {
+    "max_tokens": dict(type=int, metavar="N", help="most tokens to generate (default: 16)"),
+    "temperature": dict(type=float, metavar="T", help="0 is greedy (default: 1.0)"),
+    "top_p": dict(type=float, metavar="P", help="nucleus sampling mass, in (0, 1] (default: 1)"),
+    "top_k": dict(type=int, metavar="K", help="sample among the K likeliest tokens; 0 or -1: "
+                                             "all (default: 0)"),
+    "min_p": dict(type=float, metavar="P", help="drop tokens less likely than P times the "
+                                               "likeliest (default: 0)"),
+    "seed": dict(type=int, metavar="N", help="seed of this request's sampling"),
+    "n": dict(type=int, metavar="N", help="outputs per prompt (default: 1)"),
+    "stop": dict(flag="--stop", action="append", metavar="TEXT",
+                 help="stop when the output contains TEXT (repeatable)"),
+    "stop_token_ids": dict(flag="--stop-token-id", action="append", type=int, metavar="ID",
+                           help="stop after generating token ID (repeatable)"),
+    "ignore_eos": dict(action="store_const", const=True,
+                       help="keep generating after an end-of-sequence token"),
+    "min_tokens": dict(type=int, metavar="N", help="generate at least N tokens before any "
+                                                  "stop (default: 0)"),
+    "presence_penalty": dict(type=float, metavar="F", help="lower the logits of tokens already "
+                                                          "generated by F, in [-2, 2] "
+                                                          "(default: 0)"),
+    "frequency_penalty": dict(type=float, metavar="F", help="lower them by F per occurrence, "
+                                                           "in [-2, 2] (default: 0)"),
+    "repetition_penalty": dict(type=float, metavar="F", help="scale down the logits of tokens "
+                                                            "in the prompt or output, F > 0; 1 "
+                                                            "is none (default: 1)"),
+    "logprobs": dict(type=int, metavar="N", help="also compute the log-probabilities of the "
+                                                "N likeliest tokens, and print the output's"),
+}
+
+
+class UsageError(Exception):
+    """A problem with what the user asked for: reported in one line, exit code 2."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the ``nanofn`` command line; return its exit code."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help, or a malformed command line (argparse said why)
+        return int(e.code or 0)
+    try:
+        return args.run(args)
+    except UsageError as e:
+        print(f"nanofn {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="nanofn", description="nanofn: an LLM inference engine with a pure, replayable "
+                                   "scheduling core.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_generate(commands)
+    _add_bench(commands)
+    _add_replay(commands)
+    return parser
+
+
+# --- shared flags ---------------------------------------------------------------------------
+
+def add_flags(parser: argparse.ArgumentParser, title: str,
+              flags: dict[str, dict[str, Any]]) -> None:
+    """Add a group of flags named after the fields they set (``--max-model-len`` sets
+    ``max_model_len``); they default to None, meaning "not given"."""
+    group = parser.add_argument_group(title)
+    for name, settings in flags.items():
+        settings = dict(settings)
+        flag = settings.pop("flag", "--" + name.replace("_", "-"))
+        group.add_argument(flag, dest=name, default=None, **settings)
+
+
+def given(args: argparse.Namespace, flags: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The flags of ``flags`` that the user gave, by field name."""
+    return {name: getattr(args, name) for name in flags if getattr(args, name) is not None}
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """``LLM`` keyword arguments from the engine flags the user gave."""
+    return given(args, ENGINE_FLAGS)
+
+
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    with _user_errors():
+        return SamplingParams(**given(args, SAMPLING_FLAGS))
+
+
+def load_llm(model: str | Path, args: argparse.Namespace) -> Any:
+    from nanofn.llm import LLM
+
+    with _user_errors():
+        return LLM(str(model), **engine_kwargs(args))
+
+
+@contextmanager
+def _user_errors() -> Iterator[None]:
+    """Bad option values and missing folders become one-line errors, not tracebacks."""
+    try:
+        yield
+    except (ValueError, FileNotFoundError) as e:
+        raise UsageError(str(e)) from e
+
+
+# --- models in the cache folder -------------------------------------------------------------
+
+def cache_dir() -> Path:
+    """``$NANOFN_CACHE``, else ``~/.cache/nanofn``."""
+    return Path(os.environ.get("NANOFN_CACHE") or Path.home() / ".cache" / "nanofn")
+
+
+def cached_checkpoint(name: str, build: Callable[[Path], object]) -> Path:
+    """``<cache>/<name>``, made by ``build(folder)`` on first use.
+
+    It is built in a temporary folder and renamed into place, so a folder under that name is
+    always complete, even when a build is interrupted or two processes build at once.
+    """
+    final = cache_dir() / name
+    if final.is_dir():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    print(f"nanofn: building {final} (once)", file=sys.stderr)
+    staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=final.parent))
+    staging.chmod(0o755)  # mkdtemp's folder is private; the cache is not
+    try:
+        build(staging)
+        os.rename(staging, final)
+    except OSError:
+        if not final.is_dir():  # else another process got there first: use its folder
+            raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return final
+
+
+def demo_model() -> Path:
+    from nanofn.tiny import make_tiny_checkpoint
+
+    path = cached_checkpoint(DEMO_MODEL, lambda folder: make_tiny_checkpoint(folder, "qwen3"))
+    print(f"nanofn: no MODEL given, so using the built-in demo model {path}.\n"
+          f"  It has RANDOM weights: its text is gibberish by design. It shows the whole pipeline\n"
+          f"  running (tokenizer, scheduler, paged KV cache, model, sampler, detokenizer).\n"
+          f"  To run a real checkpoint, pass its local Hugging Face folder:\n"
+          f"  nanofn generate /path/to/Qwen3-0.6B --prompt '...'", file=sys.stderr)
+    return path
+
+
+# --- generate -------------------------------------------------------------------------------
+
+def _add_generate(commands: Any) -> None:
+    p = commands.add_parser(
+        "generate", help="complete prompts with a model",
+        description="Complete each prompt with a local Hugging Face model and print the "
+                    "outputs. Without MODEL, a tiny built-in random-weight model is used.",
+        epilog="example: nanofn generate /models/Qwen3-0.6B --chat --prompt 'Hello!' "
+               "--max-tokens 64 --temperature 0.6")
+    p.add_argument("model", nargs="?", metavar="MODEL",
+                   help="a local Hugging Face model folder (default: the built-in demo model)")
+    p.add_argument("--prompt", action="append", metavar="TEXT",
+                   help="a prompt (repeatable; default: a couple of examples)")
+    p.add_argument("--chat", action="store_true",
+                   help="send each prompt as a user message through the chat template")
+    add_flags(p, "sampling", SAMPLING_FLAGS)
+    add_flags(p, "engine options", ENGINE_FLAGS)
+    p.set_defaults(run=run_generate)
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    params = sampling_params(args)
+    llm = load_llm(args.model or demo_model(), args)
+    prompts = args.prompt or DEFAULT_PROMPTS
+    with llm, _user_errors():
+        if args.chat:
+            outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params,
+                               use_tqdm=False)
+        else:
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+    for index, (prompt, output) in enumerate(zip(prompts, outputs)):
+        print(f"Prompt {index}: {prompt!r}")
+        for completion in output.outputs:
+            label = "Output" if len(output.outputs) == 1 else f"Output {completion.index}"
+            details = f"finish: {completion.finish_reason}, {len(completion.token_ids)} tokens"
+            if completion.cumulative_logprob is not None:
+                details += f", logprob {completion.cumulative_logprob:.2f}"
+            print(f"  {label}: {completion.text!r} ({details})")
+    if args.trace:
+        print(f"nanofn: trace written to {args.trace}; inspect it with: nanofn replay "
+              f"{args.trace}", file=sys.stderr)
+    return 0
+
+
+# --- bench ----------------------------------------------------------------------------------
+
+def _add_bench(commands: Any) -> None:
+    from nanofn.tiny import PRESETS
+
+    p = commands.add_parser(
+        "bench", help="measure offline throughput on the standard workload",
+        description="Time nano-vllm's offline-throughput workload (seed 0: random token-id "
+                    "prompts of U(100, 1024) tokens, U(100, 1024) output tokens each, "
+                    "ignore_eos, temperature 0.6) after one warm-up request, and compare it "
+                    "with the physical floor of the model's shape on the workload. Prints "
+                    "the tokens, the elapsed time, output tok/s, the fraction of the floor "
+                    "reached and the engine's figures. Give MODEL or --random-weights.",
+        epilog="example: nanofn bench --random-weights qwen3-0.6b --json result.json")
+    model = p.add_mutually_exclusive_group(required=True)
+    model.add_argument("model", nargs="?", metavar="MODEL",
+                       help="a local Hugging Face model folder")
+    model.add_argument("--random-weights", choices=list(PRESETS), metavar="PRESET",
+                       help=f"a random-weight checkpoint of this shape, built once into the "
+                            f"cache folder (choices: {', '.join(PRESETS)})")
+    p.add_argument("--num-seqs", type=int, default=256, metavar="N",
+                   help="number of requests (default: 256)")
+    p.add_argument("--max-input-len", type=int, default=1024, metavar="N",
+                   help="prompt lengths are U(100, N), or U(1, N) below 100 (default: 1024)")
+    p.add_argument("--max-output-len", type=int, default=1024, metavar="N",
+                   help="output lengths are U(100, N), or U(1, N) below 100 (default: 1024)")
+    p.add_argument("--bw", type=float, default=DEFAULT_BANDWIDTH_GBPS, metavar="GBPS",
+                   help=f"memory bandwidth for the floor, GB/s (default: "
+                        f"{DEFAULT_BANDWIDTH_GBPS:g}, an H100's)")
+    p.add_argument("--tflops", type=float, default=DEFAULT_TFLOPS, metavar="T",
+                   help=f"matmul rate for the floor, TFLOP/s (default: {DEFAULT_TFLOPS:g}, an "
+                        f"H100's bf16)")
+    p.add_argument("--json", metavar="PATH", help="also write the figures to PATH as JSON")
+    add_flags(p, "engine options", ENGINE_FLAGS)
+    p.set_defaults(run=run_bench)
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    for flag in ("num_seqs", "max_input_len", "max_output_len", "bw", "tflops"):
+        if getattr(args, flag) <= 0:
+            raise UsageError(f"--{flag.replace('_', '-')} must be positive, got "
+                             f"{getattr(args, flag)}")
+    from nanofn.model import resolve_dtype
+
+    model = args.model or random_weights_model(args.random_weights)
+    llm = load_llm(model, args)
+    engine = llm.engine
+    workload = standard_workload(args.num_seqs, args.max_input_len, args.max_output_len,
+                                 vocab_size=engine.hf_config.vocab_size)
+    with llm, _user_errors():
+        result = measure(llm, workload)
+    dtype = resolve_dtype(engine.hf_config, engine.options.dtype)
+    dims = ModelDims.from_config(engine.hf_config.to_dict())
+    best = floor(dims, [len(p) for p in workload.prompts], workload.max_tokens,
+                 bandwidth_gbps=args.bw, tflops=args.tflops, bytes_per_param=dtype.itemsize)
+    fraction = best.seconds / result.elapsed_s
+    config = engine.scheduler_config
+    setup = {"model": str(model), "device": _device_name(engine.options),
+             "dtype": str(dtype).removeprefix("torch."),
+             "tensor_parallel_size": engine.options.tensor_parallel_size}
+    parallel = (f" x {setup['tensor_parallel_size']}" if setup["tensor_parallel_size"] > 1
+                else "")
+    print(f"model: {model} ({dims.num_layers} layers, {dims.num_params / 1e6:.3g}M parameters, "
+          f"{setup['dtype']} on {setup['device']}{parallel})")
+    print(f"requests {result.num_requests}, prompt tokens {result.num_prompt_tokens:,}, "
+          f"output tokens {result.num_output_tokens:,}")
+    print(f"elapsed {format_seconds(result.elapsed_s)}  ->  {result.output_tok_s:,.0f} output "
+          f"tok/s")
+    print(f"floor: {best.describe()} (at {args.bw:g} GB/s, {args.tflops:g} TFLOP/s); this run: "
+          f"{_percent(fraction)} of the floor")
+    print(f"engine: preemptions {result.num_preemptions}, prefix cache hit rate "
+          f"{result.prefix_cache_hit_rate:.1%}, KV blocks {config.num_blocks:,} of "
+          f"{config.block_size} tokens")
+    if args.json:
+        report = {
+            **setup,
+            "workload": {"num_seqs": args.num_seqs, "max_input_len": args.max_input_len,
+                         "max_output_len": args.max_output_len},
+            "engine_options": engine_kwargs(args),
+            **asdict(result), "output_tok_s": result.output_tok_s,
+            "floor_prefill_s": best.prefill_s, "floor_decode_s": best.decode_s,
+            "floor_s": best.seconds, "floor_output_tok_s": best.output_tok_s,
+            "fraction_of_floor": fraction, "bw_gbps": args.bw, "tflops": args.tflops,
+            "num_kv_blocks": config.num_blocks, "block_size": config.block_size,
+        }
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+def _device_name(options: Any) -> str:
+    """The GPU's name (as in "NVIDIA H100 80GB HBM3"), or "cpu"."""
+    import torch
+
+    if options.device == "cpu" or not torch.cuda.is_available():
+        return "cpu"
+    return torch.cuda.get_device_name(None if options.device == "auto" else options.device)
+
+
+def _percent(x: float) -> str:
+    return f"{x:.1%}" if x >= 0.01 else f"{100 * x:.2g}%"
+
+
+def random_weights_model(preset: str) -> Path:
+    from nanofn.tiny import make_random_checkpoint
+
+    return cached_checkpoint(f"random-{preset}",
+                             lambda folder: make_random_checkpoint(folder, preset))
+
+
+# --- replay ---------------------------------------------------------------------------------
+
+def _add_replay(commands: Any) -> None:
+    p = commands.add_parser(
+        "replay", help="replay a recorded trace without a model",
+        description="Rebuild every scheduler state and plan of a run recorded with "
+                    "LLM(..., trace=PATH) or --trace PATH. Lists one line per step: the "
+                    "scheduled sequences as id@start+len (* when it samples), the preempted "
+                    "and the finished ones.")
+    p.add_argument("trace", metavar="TRACE", help="a trace file (JSON lines)")
+    what = p.add_mutually_exclusive_group()
+    what.add_argument("--step", type=int, metavar="N",
+                      help="show the whole state after step N: sequences, block pool, "
+                           "figures and the plan")
+    what.add_argument("--check", action="store_true",
+                      help="verify every replayed plan against the trace's digests "
+                           "(exit 1 on the first difference)")
+    p.set_defaults(run=run_replay)
+
+
+def run_replay(args: argparse.Namespace) -> int:
+    try:
+        with open(args.trace) as f:
+            trace = parse_trace(f)
+    except (OSError, UnicodeDecodeError, TraceError) as e:
+        raise UsageError(f"cannot read trace {args.trace}: {e}") from e
+    except (KeyError, TypeError, ValueError) as e:  # SchedulerConfig.from_dict of the header
+        raise UsageError(f"cannot read trace {args.trace}: its header has no valid config "
+                         f"({type(e).__name__}: {e})") from e
+    steps = [t.step for t in trace.steps]
+    if args.step is not None and args.step not in steps:
+        bounds = f"steps {steps[0]} to {steps[-1]}" if steps else "no steps"
+        raise UsageError(f"step {args.step} is not in the trace (it has {bounds})")
+    try:
+        if args.check:
+            count = sum(1 for _ in replay(trace, check=True))
+            print(f"trace OK: {count} steps")
+        elif args.step is not None:
+            state, plan = next((s, p) for s, p in replay(trace) if p.step == args.step)
+            _print_state(state, plan, len(steps))
+        else:
+            c = trace.config
+            print(f"trace {args.trace}: {len(steps)} steps, {c.num_blocks} KV blocks of "
+                  f"{c.block_size} tokens, model {trace.meta.get('model', '?')}")
+            for state, plan in replay(trace):
+                print(_step_line(state, plan))
+    except ValueError as e:  # a TraceError, or step() refusing the events: a broken trace
+        print(f"nanofn replay: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _step_line(state: EngineState, plan: BatchPlan) -> str:
+    parts = [f"step {plan.step}: {len(plan.seqs)} seqs, prefill {plan.num_prefill_tokens}, "
+             f"decode {plan.num_decode_tokens}"]
+    if plan.seqs:
+        parts.append(" ".join(_scheduled(s) for s in plan.seqs))
+    if state.preempted:
+        parts.append("preempted " + " ".join(state.preempted))
+    if state.finished:
+        parts.append("finished " + " ".join(seq.seq_id for seq in state.finished))
+    return " | ".join(parts)
+
+
+def _scheduled(s: ScheduledSeq) -> str:
+    return f"{s.seq_id}@{s.start_pos}+{s.num_tokens}{'*' if s.sample else ''}"
+
+
+def _print_state(state: EngineState, plan: BatchPlan, num_steps: int) -> None:
+    print(f"state after step {state.step} of {num_steps}")
+    print(f"sequences ({len(state.running)} running, {len(state.waiting)} waiting, "
+          f"{len(state.finished)} finished at this step):")
+    for seq in (*state.running, *state.waiting, *state.finished):
+        print(_describe_seq(seq))
+    pool = state.pool
+    owned = [f"{block}:{count}" for block, count in enumerate(pool.ref_counts) if count]
+    print(f"block pool: {pool.num_blocks} blocks, {pool.num_used} owned, "
+          f"{pool.num_plain_free} plain free, {pool.cached_free.size} cached free, "
+          f"{len(pool.cached)} in the prefix cache")
+    print(f"  cached free, first evicted first: {_short(list(pool.cached_free))}")
+    print(f"  reference counts of owned blocks (block:count): {_short(owned)}")
+    f = figures(state)
+    print(f"figures: KV usage {f.kv_cache_usage:.1%} ({f.kv_blocks_used} of {f.kv_blocks_total} "
+          f"blocks), prefix cache hit rate {f.prefix_cache_hit_rate:.1%}, preemptions "
+          f"{f.num_preemptions}, finished so far {f.num_finished}")
+    print(f"plan of step {plan.step}: {len(plan.seqs)} seqs, prefill {plan.num_prefill_tokens} "
+          f"tokens, decode {plan.num_decode_tokens} tokens")
+    for s in plan.seqs:
+        print(f"  {_scheduled(s)} tokens {_short(s.token_ids)} blocks {_short(s.block_table)}")
+
+
+def _describe_seq(seq: Seq) -> str:
+    status = seq.status.value
+    if seq.finish_reason is not None:
+        status += f" ({seq.finish_reason.value})"
+    return (f"  {seq.seq_id}: {status}, {seq.num_tokens} tokens ({seq.num_prompt_tokens} prompt "
+            f"+ {seq.num_output_tokens} output), computed {seq.num_computed}, cached at "
+            f"admission {seq.num_cached_tokens}, preemptions {seq.num_preemptions}\n"
+            f"      blocks {_short(seq.block_table)}\n"
+            f"      tokens {_short(seq.token_ids)}")
+
+
+def _short(items: Sequence[Any]) -> str:
+    """``[a, b, c]``, or its ends around ``... (N more) ...`` when long."""
+    items = list(items)
+    if len(items) <= SHOWN_ITEMS:
+        return "[" + ", ".join(map(str, items)) + "]"
+    head, tail = items[:SHOWN_ITEMS - 4], items[-4:]
+    hidden = len(items) - len(head) - len(tail)
+    return ("[" + ", ".join(map(str, head)) + f", ... ({hidden} more) ..., "
+            + ", ".join(map(str, tail)) + "]")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,116 @@
+"""Tensor parallelism: rank 0 runs in the engine's process, ranks 1.. in worker processes.
+
+Every rank holds its shard of the weights and of the KV cache (its share of the KV heads) and
+runs every plan; the layers' collectives go through ``torch.distributed`` (NCCL on GPUs, gloo on
+CPUs). Plans reach the workers through pipes; only rank 0 samples, and its tokens are the
+result.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import socket
+import traceback
+from dataclasses import replace
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from nanofn.runner.model_runner import ModelRunner, RunnerConfig
+from nanofn.runner.sampler import SampleOutput
+from nanofn.state.plan import BatchPlan
+
+COLLECTIVE_TIMEOUT = timedelta(minutes=5)
+
+
+class TensorParallelExecutor:
+    def __init__(self, hf_config: Any, config: RunnerConfig):
+        size = config.tp_size
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        context = multiprocessing.get_context("spawn")
+        self._pipes, self._workers = [], []
+        for rank in range(1, size):
+            ours, theirs = context.Pipe()
+            worker = context.Process(target=_worker_main, daemon=True, name=f"nanofn-tp{rank}",
+                                     args=(hf_config, _rank_config(config, rank), init_method, theirs))
+            worker.start()
+            self._pipes.append(ours)
+            self._workers.append(worker)
+        self._wait_for_workers()
+        _join_group(config, 0, init_method)
+        self.runner = ModelRunner(hf_config, _rank_config(config, 0))
+        self.num_blocks = self.runner.num_blocks
+
+    def execute(self, plan: BatchPlan) -> SampleOutput:
+        self._check_workers()
+        for pipe in self._pipes:
+            pipe.send(plan)
+        return self.runner.execute(plan)
+
+    def close(self) -> None:
+        for pipe in self._pipes:
+            pipe.send(None)
+        for worker in self._workers:
+            worker.join(timeout=30)
+        self._pipes, self._workers = [], []
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def _wait_for_workers(self) -> None:
+        """Each worker says hello before joining the process group; one that dies first
+        (typically: a script without a main guard re-running itself) is reported at once
+        instead of after the rendezvous timeout."""
+        for rank, (pipe, worker) in enumerate(zip(self._pipes, self._workers), start=1):
+            while not pipe.poll(0.1):
+                if not worker.is_alive():
+                    raise RuntimeError(
+                        f"tensor-parallel rank {rank} exited while starting (code "
+                        f"{worker.exitcode}). Workers are spawned processes: a script that "
+                        f"creates an LLM with tensor_parallel_size > 1 must do so under "
+                        f"`if __name__ == '__main__':`")
+            pipe.recv()
+
+    def _check_workers(self) -> None:
+        for rank, (pipe, worker) in enumerate(zip(self._pipes, self._workers), start=1):
+            if pipe.poll():
+                raise RuntimeError(f"tensor-parallel rank {rank} failed:\n{pipe.recv()}")
+            if not worker.is_alive():
+                raise RuntimeError(f"tensor-parallel rank {rank} exited (code {worker.exitcode})")
+
+
+def _rank_config(config: RunnerConfig, rank: int) -> RunnerConfig:
+    device = config.device
+    if device.type == "cuda":
+        device = torch.device("cuda", rank)
+    return replace(config, tp_rank=rank, device=device)
+
+
+def _join_group(config: RunnerConfig, rank: int, init_method: str) -> None:
+    if config.device.type == "cuda":
+        torch.cuda.set_device(_rank_config(config, rank).device)
+    backend = "nccl" if config.device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=init_method, rank=rank,
+                            world_size=config.tp_size, timeout=COLLECTIVE_TIMEOUT)
+
+
+def _worker_main(hf_config: Any, config: RunnerConfig, init_method: str, pipe) -> None:
+    try:
+        pipe.send("started")
+        _join_group(config, config.tp_rank, init_method)
+        runner = ModelRunner(hf_config, config)
+        while (plan := pipe.recv()) is not None:
+            runner.forward(plan)
+    except Exception:
+        pipe.send(traceback.format_exc())
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,314 @@
+"""The ``nanofn`` command (generate, bench, replay), the benchmark workload and its floor, and
+random-weight checkpoints of a real model's shape."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+import transformers
+
+from nanofn import LLM, SamplingParams
+from nanofn.bench import ModelDims, floor, standard_workload
+from nanofn.cli import build_parser, engine_kwargs, main, sampling_params
+from nanofn.tiny import PRESETS, _qwen3_weight_shapes, make_random_checkpoint
+
+SMALL_ENGINE = ["--num-kv-blocks", "64", "--max-model-len", "256"]
+GREEDY_FLAGS = ["--max-tokens", "6", "--temperature", "0", "--ignore-eos"]
+GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+# Three prompts that outgrow 6 KV blocks together: the run preempts.
+CROWDED_PROMPTS = ["Once upon a time there was a little engine",
+                   "The quick brown fox jumps over the lazy dog.",
+                   "Tell me a story about a cat, a dog and a bird"]
+# Qwen3-0.6B, as /work/shared/tools/roofline.py hard-codes it.
+QWEN3_0_6B = ModelDims(num_layers=28, hidden_size=1024, intermediate_size=3072, num_heads=16,
+                       num_kv_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_qwen3):
+    with LLM(str(tiny_qwen3), num_kv_blocks=64, max_model_len=256) as llm:
+        yield llm
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+# --- generate -------------------------------------------------------------------------------
+
+def test_generate_prints_each_prompt_with_the_engines_completion(tiny_qwen3, llm, capsys):
+    prompts = ["Hello world! How are", "The quick brown fox"]
+    code, out, _ = run(capsys, "generate", str(tiny_qwen3), "--prompt", prompts[0],
+                       "--prompt", prompts[1], *GREEDY_FLAGS, *SMALL_ENGINE)
+    assert code == 0
+    expected = llm.generate(prompts, GREEDY, use_tqdm=False)
+    for index, (prompt, output) in enumerate(zip(prompts, expected)):
+        assert (f"Prompt {index}: {prompt!r}\n  Output: {output.outputs[0].text!r} "
+                f"(finish: length, 6 tokens)") in out
+
+
+def test_generate_prints_n_outputs_with_their_logprobs(tiny_qwen3, capsys):
+    code, out, _ = run(capsys, "generate", str(tiny_qwen3), "--prompt", "Paris", "--n", "2",
+                       "--seed", "3", "--logprobs", "1", "--max-tokens", "4", *SMALL_ENGINE)
+    assert code == 0
+    assert "Output 0: " in out and "Output 1: " in out and out.count("logprob -") == 2
+
+
+def test_chat_mode_sends_prompts_through_the_chat_template(tiny_qwen3, llm, capsys):
+    code, out, _ = run(capsys, "generate", str(tiny_qwen3), "--chat", "--prompt", "Hi there",
+                       *GREEDY_FLAGS, *SMALL_ENGINE)
+    assert code == 0
+    (expected,) = llm.chat([{"role": "user", "content": "Hi there"}], GREEDY, use_tqdm=False)
+    (plain,) = llm.generate(["Hi there"], GREEDY, use_tqdm=False)
+    assert expected.outputs[0].text != plain.outputs[0].text
+    assert f"Prompt 0: 'Hi there'\n  Output: {expected.outputs[0].text!r}" in out
+
+
+def test_flags_become_sampling_params_and_only_given_engine_options():
+    args = build_parser().parse_args([
+        "generate", "model", "--max-tokens", "7", "--temperature", "0.5", "--top-p", "0.9",
+        "--top-k", "5", "--min-p", "0.1", "--seed", "4", "--n", "2", "--stop", "a", "--stop",
+        "b c", "--stop-token-id", "3", "--stop-token-id", "9", "--ignore-eos", "--min-tokens",
+        "2", "--presence-penalty", "0.5", "--frequency-penalty", "-0.5",
+        "--repetition-penalty", "1.2", "--logprobs", "3", "--dtype", "float32",
+        "--no-prefix-caching", "--enforce-eager", "--max-num-seqs", "4", "--trace", "t.jsonl"])
+    assert sampling_params(args) == SamplingParams(
+        max_tokens=7, temperature=0.5, top_p=0.9, top_k=5, min_p=0.1, seed=4, n=2,
+        stop=("a", "b c"), stop_token_ids=(3, 9), ignore_eos=True, min_tokens=2,
+        presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.2, logprobs=3)
+    assert engine_kwargs(args) == {"dtype": "float32", "enable_prefix_caching": False,
+                                   "enforce_eager": True, "max_num_seqs": 4,
+                                   "trace": "t.jsonl"}
+    defaults = build_parser().parse_args(["generate"])
+    assert engine_kwargs(defaults) == {} and sampling_params(defaults) == SamplingParams()
+
+
+def test_without_a_model_the_demo_is_built_once_and_announced(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("NANOFN_CACHE", str(tmp_path))
+    code, out, err = run(capsys, "generate", "--max-tokens", "3", "--num-kv-blocks", "64")
+    assert code == 0
+    assert "RANDOM weights" in err and "gibberish" in err and "nanofn generate /path/to" in err
+    assert "Prompt 0: 'Hello, my name is'" in out and "Prompt 1: " in out
+    assert [p.name for p in tmp_path.iterdir()] == ["demo-qwen3"]  # no half-built folder left
+
+    def no_rebuild(*args, **kwargs):
+        raise AssertionError("the demo model was built again")
+
+    monkeypatch.setattr("nanofn.tiny.make_tiny_checkpoint", no_rebuild)
+    code, out2, err = run(capsys, "generate", "--max-tokens", "3", "--num-kv-blocks", "64")
+    assert code == 0 and "RANDOM weights" in err and "building" not in err
+
+
+@pytest.mark.parametrize("flags, problem", [
+    (["--max-tokens", "-3"], "max_tokens must be an integer >= 1"),
+    (["--temperature", "-1"], "temperature must be >= 0"),
+    (["--top-p", "0"], "top_p must be in (0, 1]"),
+    (["--logprobs", "99"], "logprobs must be an integer in [0, 20]"),
+    (["--gpu-memory-utilization", "1.5"], "gpu_memory_utilization must be in (0, 1]"),
+    (["--max-num-seqs", "0"], "max_num_seqs must be a positive integer"),
+    (["--block-size", "7"], "block_size must be in [16, 256]"),
+    (["--max-model-len", "8"], "longer than max_model_len 8"),
+    (["--device", "tpu"], "device must be 'auto', 'cpu' or 'cuda[:N]'"),
+])
+def test_invalid_values_are_one_line_errors_with_exit_code_2(tiny_qwen3, capsys, flags, problem):
+    code, out, err = run(capsys, "generate", str(tiny_qwen3), "--prompt", "Hello world",
+                         "--num-kv-blocks", "64", *flags)
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and err.startswith("nanofn generate: error: ")
+    assert problem in err, err
+
+
+def test_a_missing_model_folder_or_a_malformed_flag_exits_2(tmp_path, capsys):
+    code, _, err = run(capsys, "generate", str(tmp_path / "nowhere"))
+    assert code == 2 and "nowhere" in err and "does not exist" in err and "Traceback" not in err
+    code, _, err = run(capsys, "generate", "--max-tokens", "many")
+    assert code == 2 and "argument --max-tokens: invalid int value: 'many'" in err
+
+
+# --- bench ----------------------------------------------------------------------------------
+
+def test_bench_prints_the_figures_and_writes_json(tiny_qwen3, tmp_path, capsys):
+    report = tmp_path / "bench.json"
+    code, out, _ = run(capsys, "bench", str(tiny_qwen3), "--num-seqs", "3", "--max-input-len",
+                       "40", "--max-output-len", "8", "--num-kv-blocks", "6",
+                       "--max-model-len", "64", "--json", str(report))
+    assert code == 0
+    workload = standard_workload(3, 40, 8)
+    figures = json.loads(report.read_text())
+    assert figures["num_requests"] == 3
+    assert figures["num_prompt_tokens"] == workload.num_prompt_tokens
+    assert figures["num_output_tokens"] == sum(workload.max_tokens)
+    assert figures["output_tok_s"] == pytest.approx(sum(workload.max_tokens)
+                                                    / figures["elapsed_s"])
+    assert figures["fraction_of_floor"] == pytest.approx(figures["floor_s"]
+                                                         / figures["elapsed_s"])
+    assert figures["num_kv_blocks"] == 6 and figures["dtype"] == "float32"
+    assert figures["engine_options"] == {"num_kv_blocks": 6, "max_model_len": 64}
+    assert (f"requests 3, prompt tokens {workload.num_prompt_tokens}, output tokens "
+            f"{sum(workload.max_tokens)}") in out
+    assert "output tok/s" in out and "of the floor" in out
+    assert (f"engine: preemptions {figures['num_preemptions']}, prefix cache hit rate "
+            f"{figures['prefix_cache_hit_rate']:.1%}, KV blocks 6 of 16 tokens") in out
+
+
+def test_bench_builds_a_random_weight_model_into_the_cache(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("NANOFN_CACHE", str(tmp_path))
+    code, out, err = run(capsys, "bench", "--random-weights", "qwen3-tiny", "--num-seqs", "2",
+                         "--max-input-len", "20", "--max-output-len", "4", "--num-kv-blocks",
+                         "300")
+    assert code == 0 and "building" in err
+    assert f"model: {tmp_path / 'random-qwen3-tiny'} (2 layers" in out and "bfloat16" in out
+
+
+def test_bench_takes_a_model_or_random_weights_not_both(tiny_qwen3, capsys):
+    code, _, err = run(capsys, "bench", str(tiny_qwen3), "--random-weights", "qwen3-tiny")
+    assert code == 2 and "not allowed with argument MODEL" in err
+    code, _, err = run(capsys, "bench", str(tiny_qwen3), "--num-seqs", "0")
+    assert code == 2 and "--num-seqs must be positive, got 0" in err
+
+
+def test_the_workload_is_nano_vllms_draws():
+    w = standard_workload()
+    assert len(w.prompts) == 256 and w.num_prompt_tokens == 142827
+    assert sum(w.max_tokens) == 133966 and min(w.max_tokens) >= 100
+    assert max(t for p in w.prompts for t in p) == 10000
+    assert all(p.ignore_eos and p.temperature == 0.6 for p in w.sampling_params())
+    small = standard_workload(50, max_input_len=40, max_output_len=8, vocab_size=400)
+    assert all(1 <= len(p) <= 40 and max(p) < 400 for p in small.prompts)
+    assert all(1 <= n <= 8 for n in small.max_tokens)
+    assert small.prompts[0] == [t % 400 for t in standard_workload(1, 40, 8).prompts[0]]
+
+
+def test_the_floor_reproduces_roofline_py_for_qwen3_0_6b():
+    w = standard_workload()
+    f = floor(QWEN3_0_6B, [len(p) for p in w.prompts], w.max_tokens)
+    # roofline.py prints: floor: prefill 0.17 s + decode 4.98 s = 5.15 s  ->  26,030 output tok/s
+    assert f.prefill_s == pytest.approx(0.16871824309687578, rel=1e-12)
+    assert f.decode_s == pytest.approx(4.977920873849407, rel=1e-12)
+    assert f.describe() == "prefill 0.17 s + decode 4.98 s = 5.15 s  ->  26,030 output tok/s"
+    assert ModelDims.from_config(PRESETS["qwen3-0.6b"]) == QWEN3_0_6B
+    slower = floor(QWEN3_0_6B, [len(p) for p in w.prompts], w.max_tokens, bandwidth_gbps=1514,
+                   tflops=406.5)
+    assert slower.seconds == pytest.approx(2 * f.seconds)
+
+
+# --- random-weight checkpoints --------------------------------------------------------------
+
+def test_the_qwen3_0_6b_preset_has_the_real_models_parameters():
+    config = transformers.Qwen3Config(**PRESETS["qwen3-0.6b"])
+    assert sum(math.prod(s) for s in _qwen3_weight_shapes(config).values()) == 596_049_920
+    assert QWEN3_0_6B.num_params == 595_984_384  # the same, less the norms
+
+
+def test_a_random_checkpoint_loads_in_nanofn_and_transformers(tmp_path):
+    path = make_random_checkpoint(tmp_path / "random", "qwen3-tiny", dtype="float32", seed=1)
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(path,
+                                                                    output_loading_info=True)
+    assert not any(info.values()), info  # no missing, unexpected or mismatched weights
+    assert type(model).__name__ == "Qwen3ForCausalLM"
+    assert model.config.num_key_value_heads == 2 and model.config.tie_word_embeddings
+    assert model.model.layers[0].mlp.up_proj.weight.std().item() == pytest.approx(0.02, rel=0.1)
+    prompt = [5, 300, 7, 450]
+    expected = model.generate(torch.tensor([prompt]), max_new_tokens=4,
+                              do_sample=False)[0, len(prompt):].tolist()
+    with LLM(str(path), num_kv_blocks=16, max_model_len=128) as llm:
+        (out,) = llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0,
+                                                       ignore_eos=True), use_tqdm=False)
+    assert out.outputs[0].token_ids == expected
+
+
+# --- replay ---------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def trace_path(tiny_qwen3, tmp_path_factory):
+    """A run recorded through ``generate --trace``, crowded enough to preempt."""
+    path = tmp_path_factory.mktemp("trace") / "run.jsonl"
+    argv = ["generate", str(tiny_qwen3), "--num-kv-blocks", "6", "--max-model-len", "64",
+            "--max-tokens", "30", "--ignore-eos", "--temperature", "0", "--trace", str(path)]
+    for prompt in CROWDED_PROMPTS:
+        argv += ["--prompt", prompt]
+    assert main(argv) == 0
+    return path
+
+
+def test_replay_lists_one_line_per_step(trace_path, capsys):
+    code, out, _ = run(capsys, "replay", str(trace_path))
+    assert code == 0
+    header, *steps = out.splitlines()
+    num_steps = len(trace_path.read_text().splitlines()) - 1
+    assert f"{num_steps} steps, 6 KV blocks of 16 tokens" in header
+    assert len(steps) == num_steps
+    assert steps[0].startswith("step 1: 3 seqs, prefill ") and "0@0+" in steps[0]
+    assert steps[1].startswith("step 2: ") and "decode 3 | 0@" in steps[1] and "+1*" in steps[1]
+    assert any("| preempted " in line for line in steps)
+    finished = [i for line in steps if "| finished " in line
+                for i in line.split("| finished ")[1].split()]
+    assert sorted(finished) == ["0", "1", "2"]
+
+
+def test_replay_step_shows_the_whole_state(trace_path, capsys):
+    code, out, _ = run(capsys, "replay", str(trace_path), "--step", "2")
+    assert code == 0
+    assert out.startswith("state after step 2 of ")
+    assert "sequences (3 running, 0 waiting, 0 finished at this step):" in out
+    assert "  0: running, " in out and "  2: running, " in out and "blocks [" in out
+    assert "block pool: 6 blocks, " in out and "cached free, first evicted first: [" in out
+    assert "reference counts of owned blocks (block:count): [0:1, " in out
+    assert "figures: KV usage " in out and "prefix cache hit rate " in out
+    assert "plan of step 2: 3 seqs, prefill 0 tokens, decode 3 tokens" in out
+
+
+def test_replay_check_passes_on_a_real_trace_and_fails_on_a_tampered_one(trace_path, tmp_path,
+                                                                         capsys):
+    lines = trace_path.read_text().splitlines()
+    code, out, _ = run(capsys, "replay", str(trace_path), "--check")
+    assert code == 0 and out == f"trace OK: {len(lines) - 1} steps\n"
+    row = json.loads(lines[5])
+    row["plan"] = "0" * 16
+    lines[5] = json.dumps(row)
+    tampered = tmp_path / "tampered.jsonl"
+    tampered.write_text("\n".join(lines) + "\n")
+    code, out, err = run(capsys, "replay", str(tampered), "--check")
+    assert code == 1 and f"step {row['step']}: the replayed plan differs" in err
+
+
+def test_replay_of_an_unreadable_trace_or_a_missing_step_exits_2(trace_path, tmp_path, capsys):
+    garbage = tmp_path / "garbage.jsonl"
+    garbage.write_text("not json\n")
+    no_config = tmp_path / "no-config.jsonl"
+    no_config.write_text('{"format": "nanofn-trace", "version": 1}\n')
+    for path in (garbage, no_config, tmp_path / "missing.jsonl"):
+        code, _, err = run(capsys, "replay", str(path))
+        assert code == 2 and err.startswith("nanofn replay: error: cannot read trace")
+        assert err.count("\n") == 1
+    code, _, err = run(capsys, "replay", str(trace_path), "--step", "9999")
+    assert code == 2 and "step 9999 is not in the trace (it has steps 1 to " in err
+
+
+# --- help -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("command, options", [
+    ([], ["generate", "bench", "replay"]),
+    (["generate"], ["--prompt", "--chat", "--max-tokens", "--stop-token-id", "--logprobs",
+                    "--max-model-len", "--no-prefix-caching", "--num-kv-blocks", "--trace"]),
+    (["bench"], ["--random-weights", "qwen3-0.6b", "--num-seqs", "--max-input-len",
+                 "--max-output-len", "--bw", "--tflops", "--json", "--max-num-seqs"]),
+    (["replay"], ["TRACE", "--step", "--check"]),
+])
+def test_help_of_every_command_exits_0_and_names_its_options(capsys, command, options):
+    code, out, _ = run(capsys, *command, "--help")
+    assert code == 0
+    assert all(option in out for option in options)
+
+
+def test_python_dash_m_nanofn_runs_the_command():
+    result = subprocess.run([sys.executable, "-m", "nanofn", "replay", "--help"],
+                            capture_output=True, text=True, check=False)
+    assert result.returncode == 0 and "--check" in result.stdout
