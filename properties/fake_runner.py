@@ -26,18 +26,25 @@ class FakeRunner:
         self.block_size = block_size
         self.vocab_size = vocab_size
         self.slots: list[tuple[int, int] | None] = [None] * (num_blocks * block_size)
+        self.tables: dict[str, list[int]] = {}  # kept by appends, as the real runner does
 
     def slot(self, block_table: Sequence[int], position: int) -> int:
         return block_table[position // self.block_size] * self.block_size + position % self.block_size
 
     def execute(self, plan: BatchPlan) -> tuple[int, ...]:
         """Write every scheduled token, then read each sampling sequence's whole context back
-        and return the next token of each, in plan order (the runner's contract)."""
+        and return the next token of each, in plan order (the runner's contract). Block tables
+        come from copies kept by appending, which the plan's ``released`` makes safe."""
+        for seq_id in plan.released:
+            self.tables.pop(seq_id, None)
         for s in plan.seqs:
+            table = self.tables.setdefault(s.seq_id, [])
+            table.extend(s.block_table[len(table):])
+            assert table == list(s.block_table), f"{s.seq_id}'s block table changed unreleased"
             for i, token in enumerate(s.token_ids):
                 position = s.start_pos + i
-                self.slots[self.slot(s.block_table, position)] = (token, position)
-        return tuple(next_token(self.read(s.block_table, s.context_len), self.vocab_size)
+                self.slots[self.slot(table, position)] = (token, position)
+        return tuple(next_token(self.read(self.tables[s.seq_id], s.context_len), self.vocab_size)
                      for s in plan.seqs if s.sample)
 
     def read(self, block_table: Sequence[int], length: int) -> list[int]:

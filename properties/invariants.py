@@ -92,6 +92,7 @@ def check_plan(state: EngineState, plan: BatchPlan) -> None:
         if not c.enable_chunked_prefill:
             assert s.sample, "a chunk without chunked prefill"
     assert state.sampling_ids == tuple(s.seq_id for s in plan.seqs if s.sample)
+    assert set(plan.released) == {s.seq_id for s in state.finished} | set(state.preempted)
 
 
 def check_all(state: EngineState, plan: BatchPlan) -> None:

@@ -87,6 +87,8 @@ class Engine:
             kv_cache_memory_bytes=options.kv_cache_memory_bytes,
             num_kv_blocks=options.num_kv_blocks,
             seed=options.seed,
+            enforce_eager=options.enforce_eager,
+            attention_backend=options.attention_backend,
             tp_size=options.tensor_parallel_size,
         )
         self.runner = (ModelRunner(self.hf_config, runner_config) if runner_config.tp_size == 1

@@ -8,6 +8,7 @@ from itertools import accumulate, chain
 import torch
 
 from nanofn.model.batch import AttentionBatch
+from nanofn.runner.block_tables import DeviceBlockTables
 from nanofn.state.plan import BatchPlan
 
 
@@ -19,11 +20,12 @@ class ModelInputs:
     sample_rows: torch.Tensor  # [S] int64: the token rows whose logits are sampled, in plan order
 
 
-def prepare_inputs(plan: BatchPlan, device: torch.device) -> ModelInputs:
+def prepare_inputs(plan: BatchPlan, block_tables: DeviceBlockTables,
+                   device: torch.device) -> ModelInputs:
     """Lay the plan's tokens end to end and say where each goes in the paged cache.
 
-    Host work is a few flat lists; the per-token arithmetic (positions, cache slots) runs as
-    tensor operations on ``device``.
+    Host work is a few flat lists, sent in one copy; the per-token arithmetic (positions,
+    cache slots) runs as tensor operations on ``device``.
     """
     seqs = plan.seqs
     query_lens = tuple(s.num_tokens for s in seqs)
@@ -31,22 +33,20 @@ def prepare_inputs(plan: BatchPlan, device: torch.device) -> ModelInputs:
     query_start = [0, *accumulate(query_lens)]
     sample_rows = [end - 1 for end, s in zip(query_start[1:], seqs) if s.sample]
     decode_only = all(n == 1 for n in query_lens)
-
     input_ids = list(chain.from_iterable(s.token_ids for s in seqs))
-    tables = [s.block_table for s in seqs]
-    width = max(map(len, tables))
-    padded = list(chain.from_iterable(chain(t, (0,) * (width - len(t))) for t in tables))
+    rows, table_updates = block_tables.plan_updates(plan)
+    width = max(len(s.block_table) for s in seqs)
 
-    # One host-to-device copy for everything.
     packed = torch.tensor([*input_ids, *(s.start_pos for s in seqs), *query_start, *seq_lens,
-                           *sample_rows, *padded], dtype=torch.int64)
+                           *sample_rows, *rows, *table_updates], dtype=torch.int64)
     if device.type == "cuda":
         packed = packed.pin_memory()
     num_tokens, num_seqs = len(input_ids), len(seqs)
-    ids, starts, query_start_t, seq_lens_t, sample_rows_t, table_t = packed.to(
-        device, non_blocking=True).split(
-        [num_tokens, num_seqs, num_seqs + 1, num_seqs, len(sample_rows), num_seqs * width])
-    block_tables = table_t.view(num_seqs, width)
+    ids, starts, query_start_t, seq_lens_t, sample_rows_t, rows_t, updates_t = packed.to(
+        device, non_blocking=True).split([num_tokens, num_seqs, num_seqs + 1, num_seqs,
+                                          len(sample_rows), num_seqs, len(table_updates)])
+    block_tables.apply(updates_t)
+    tables = block_tables.table[rows_t, :width]
 
     if decode_only:
         seq_index = torch.arange(num_seqs, device=device)
@@ -57,13 +57,13 @@ def prepare_inputs(plan: BatchPlan, device: torch.device) -> ModelInputs:
         offsets = torch.arange(num_tokens, device=device) - query_start_t[seq_index]
         positions = starts[seq_index] + offsets
     bs = plan.block_size
-    slots = block_tables[seq_index, positions // bs] * bs + positions % bs
+    slots = tables[seq_index, positions // bs].long() * bs + positions % bs
 
     batch = AttentionBatch(
         slot_mapping=slots,
         query_start=query_start_t.to(torch.int32),
         seq_lens=seq_lens_t.to(torch.int32),
-        block_tables=block_tables.to(torch.int32),
+        block_tables=tables,
         query_lens_host=query_lens,
         seq_lens_host=seq_lens,
         decode_only=decode_only,

@@ -11,8 +11,11 @@ import torch
 import torch.distributed as dist
 from pyrsistent import pvector
 
-from nanofn.model import build_model, load_weights, model_shape
-from nanofn.runner.inputs import ModelInputs, prepare_inputs
+from nanofn.model import (TORCH_ATTENTION, AttentionBackend, build_model, load_weights,
+                          model_shape)
+from nanofn.runner.cuda_graphs import DecodeGraphs
+from nanofn.runner.block_tables import DeviceBlockTables
+from nanofn.runner.inputs import prepare_inputs
 from nanofn.runner.sampler import SampleOutput, SampleRequest, Sampler
 from nanofn.state.params import SamplingParams
 from nanofn.state.plan import BatchPlan, ScheduledSeq
@@ -36,6 +39,8 @@ class RunnerConfig:
     kv_cache_memory_bytes: int | None = None  # overrides the memory-based sizing
     num_kv_blocks: int | None = None  # overrides everything
     seed: int | None = None
+    enforce_eager: bool = False  # no CUDA graphs
+    attention_backend: str = "auto"
     tp_rank: int = 0
     tp_size: int = 1
 
@@ -46,7 +51,8 @@ class ModelRunner:
         self.device = config.device
         self.model = build_model(hf_config, dtype=config.dtype, device=config.device,
                                  tp_rank=config.tp_rank, tp_size=config.tp_size,
-                                 max_model_len=config.max_model_len)
+                                 max_model_len=config.max_model_len,
+                                 attention_backend=attention_backend(config))
         load_weights(self.model, config.model_dir)
         self.shape = model_shape(hf_config, config.tp_size)
         self.sampler = Sampler(config.seed, config.device)
@@ -57,6 +63,12 @@ class ModelRunner:
             self.num_blocks = int(agreed.item())
         self.kv_cache = torch.zeros(self.shape.kv_cache_shape(self.num_blocks, config.block_size),
                                     dtype=config.dtype, device=config.device)
+        max_blocks_per_seq = -(-config.max_model_len // config.block_size)
+        self.block_tables = DeviceBlockTables(config.max_num_seqs, max_blocks_per_seq, self.device)
+        self.graphs = None
+        if self.device.type == "cuda" and not config.enforce_eager:
+            self.graphs = DecodeGraphs(self.model, self.kv_cache, min(config.max_num_seqs, 512),
+                                       max_blocks_per_seq, hf_config.hidden_size)
 
     @torch.inference_mode()
     def execute(self, plan: BatchPlan) -> SampleOutput:
@@ -70,8 +82,12 @@ class ModelRunner:
     def forward(self, plan: BatchPlan) -> torch.Tensor:
         """The logits of the sampling sequences, ``[S, vocab]`` float32 (every rank runs this;
         rank 0 samples)."""
-        inputs = prepare_inputs(plan, self.device)
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.batch, self.kv_cache)
+        inputs = prepare_inputs(plan, self.block_tables, self.device)
+        batch = inputs.batch
+        if self.graphs is not None and batch.decode_only and batch.num_seqs <= self.graphs.max_batch:
+            hidden = self.graphs.forward(inputs.input_ids, inputs.positions, batch)
+        else:
+            hidden = self.model(inputs.input_ids, inputs.positions, batch, self.kv_cache)
         return self.model.compute_logits(hidden[inputs.sample_rows])
 
     def _sample_request(self, s: ScheduledSeq) -> SampleRequest:
@@ -133,7 +149,9 @@ class ModelRunner:
         blocks_per_seq = -(-max(lens) // c.block_size)
         scratch = torch.zeros(self.shape.kv_cache_shape(num_seqs * blocks_per_seq, c.block_size),
                               dtype=c.dtype, device=self.device)
-        inputs = _prefill_inputs(lens, blocks_per_seq, c.block_size, self.device)
+        tables = DeviceBlockTables(num_seqs, blocks_per_seq, self.device)
+        inputs = prepare_inputs(_prefill_plan(lens, blocks_per_seq, c.block_size), tables,
+                                self.device)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.batch, scratch)
         logits = self.model.compute_logits(hidden[inputs.sample_rows])
         logits.sort(dim=-1)
@@ -141,13 +159,24 @@ class ModelRunner:
         return scratch.numel() * scratch.element_size()
 
 
-def _prefill_inputs(lens: list[int], blocks_per_seq: int, block_size: int,
-                    device: torch.device) -> ModelInputs:
-    """Inputs for whole prompts of the given lengths, sequence i owning blocks
-    ``i * blocks_per_seq ...``; used to measure memory."""
+def attention_backend(config: RunnerConfig) -> AttentionBackend:
+    """The attention kernels, chosen once per engine: Triton on CUDA, the torch references
+    elsewhere (or as asked)."""
+    name = config.attention_backend
+    if name == "auto":
+        name = "triton" if config.device.type == "cuda" else "torch"
+    if name == "triton":
+        from nanofn.kernels.triton_attention import TRITON_ATTENTION
+        return TRITON_ATTENTION
+    return TORCH_ATTENTION
+
+
+def _prefill_plan(lens: list[int], blocks_per_seq: int, block_size: int) -> BatchPlan:
+    """Whole prompts of the given lengths, sequence i owning blocks ``i * blocks_per_seq ...``;
+    used to measure memory."""
     params = SamplingParams()
     seqs = tuple(
         ScheduledSeq(f"profile-{i}", (0,) * n, 0,
                      pvector(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)), True, params, n)
         for i, n in enumerate(lens))
-    return prepare_inputs(BatchPlan(0, block_size, seqs), device)
+    return BatchPlan(0, block_size, seqs)

@@ -45,9 +45,14 @@ class ScheduledSeq:
 
 @dataclass(frozen=True, slots=True)
 class BatchPlan:
+    """What one step computes. ``released`` names the sequences that stopped running at this
+    step (finished, aborted or preempted): a runner may drop what it keeps for them. Between
+    two releases a sequence's block table only grows, so a runner may keep a copy and append."""
+
     step: int
     block_size: int
     seqs: tuple[ScheduledSeq, ...]
+    released: tuple[str, ...] = ()
 
     @property
     def is_empty(self) -> bool:
@@ -73,7 +78,7 @@ class BatchPlan:
 def plan_digest(plan: BatchPlan) -> str:
     """A short fingerprint of everything in a plan that decides what the runner computes."""
     h = xxhash.xxh64()
-    h.update(f"{plan.step}|{plan.block_size}|".encode())
+    h.update(f"{plan.step}|{plan.block_size}|{plan.released}|".encode())
     for s in plan.seqs:
         h.update(f"{s.seq_id}|{s.start_pos}|{int(s.sample)}|{s.token_ids}|{list(s.block_table)}|"
                  .encode())

@@ -74,7 +74,9 @@ def schedule(state: EngineState) -> tuple[EngineState, BatchPlan]:
     stats = replace(stats, num_preemptions=stats.num_preemptions + len(preempted),
                     num_admitted_tokens=stats.num_admitted_tokens + admitted_tokens,
                     num_cached_tokens=stats.num_cached_tokens + cached_tokens)
-    plan = BatchPlan(state.step, c.block_size, tuple(_scheduled(seq, start) for seq, start in chunks))
+    released = tuple(seq.seq_id for seq in state.finished) + tuple(preempted)
+    plan = BatchPlan(state.step, c.block_size,
+                     tuple(_scheduled(seq, start) for seq, start in chunks), released)
     new_state = replace(state, pool=pool, waiting=waiting, running=tuple(running),
                         sampling_ids=plan.sampling_seq_ids, preempted=tuple(preempted),
                         stats=stats)

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# One call on a GPU machine: the GPU test suite, then the benchmarks, logs under $OUT and a
+# short table last. Usage: bash benchmarks/gpu_run.sh [tests|bench|all|baseline] (default: all;
+# baseline: the torch reference attention, eager, for comparison)
+# Expects the wheels of ../shared/tools/gpu-wheels.sh in .whl/ (pyrsistent is missing there).
+set -u
+what=${1:-all}
+OUT=${OUT:-/tmp/nanofn-out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 NANOFN_CACHE=/tmp/nanofn-cache
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+git log -1 --format=%H 2>/dev/null | tee "$OUT/commit.txt"
+
+if [ "$what" = tests ] || [ "$what" = all ]; then
+  timeout 420 python3 -m pytest tests/gpu -q -rs 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
+fi
+bench() {  # name, then nanofn bench flags
+  local name=$1; shift
+  timeout 300 python3 -m nanofn bench --random-weights qwen3-0.6b --max-model-len 4096 \
+    --json "$OUT/bench-$name.json" "$@" 2>&1 | tee "$OUT/bench-$name.log" | tail -8
+}
+single() {  # name, then LLM options
+  local name=$1; shift
+  timeout 150 python3 benchmarks/single_request.py --random-weights qwen3-0.6b \
+    --json "$OUT/single-$name.json" "$@" 2>&1 | tee "$OUT/single-$name.log" | tail -3
+}
+if [ "$what" = bench ] || [ "$what" = all ]; then
+  bench triton-graphs
+  single triton-graphs
+fi
+if [ "$what" = baseline ]; then
+  single torch-eager --attention-backend torch --enforce-eager true
+  bench torch-eager --attention-backend torch --enforce-eager
+fi
+python3 - "$OUT" <<'PY'
+import json, pathlib, sys
+out = pathlib.Path(sys.argv[1])
+print("\n| run | elapsed s | output tok/s | fraction of floor |")
+print("|---|---|---|---|")
+for f in sorted(out.glob("bench-*.json")):
+    d = json.loads(f.read_text())
+    print(f"| {f.stem} | {d.get('elapsed_s', 0):.2f} | {d.get('output_tok_s', 0):,.0f} | {d.get('fraction_of_floor', 0):.1%} |")
+for f in sorted(out.glob("single-*.json")):
+    d = json.loads(f.read_text())
+    print(f"| {f.stem} | prefill {d['prefill_ms']:.0f} ms | {d['decode_tok_s']:,.0f} | {d['fraction_of_floor']:.1%} |")
+PY

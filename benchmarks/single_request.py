@@ -1,0 +1,75 @@
+"""Decode speed of one request alone: a 512-token prompt, 512 new tokens (ignore_eos).
+
+Usage: python benchmarks/single_request.py (MODEL | --random-weights qwen3-0.6b) [--json PATH]
+       [LLM options as --key value, e.g. --enforce-eager true]
+
+Times one generate of 1 token (the prefill) and one of 513 tokens on another prompt of the
+same length; decode tok/s = 512 / the difference. The floor is tools/roofline.py's single-
+request figure: every decode step reads all weights and the request's own K/V.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from pathlib import Path
+
+from nanofn import LLM, SamplingParams
+from nanofn.bench import ModelDims, floor
+from nanofn.cli import random_weights_model
+
+PROMPT_LEN, NEW_TOKENS = 512, 512
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model", nargs="?")
+    ap.add_argument("--random-weights")
+    ap.add_argument("--json")
+    args, extra = ap.parse_known_args()
+    options = {"max_model_len": 4096, **_options(extra)}
+    model = args.model or random_weights_model(args.random_weights)
+    llm = LLM(str(model), **options)
+    vocab = llm.engine.hf_config.vocab_size
+    rng = random.Random(1)
+    prompts = [[rng.randrange(min(vocab, 10000)) for _ in range(PROMPT_LEN)] for _ in range(3)]
+    llm.generate([prompts[0]], SamplingParams(max_tokens=32, ignore_eos=True), use_tqdm=False)
+    prefill_s = _time(llm, prompts[1], 1)
+    total_s = _time(llm, prompts[2], NEW_TOKENS + 1)
+    decode_tok_s = NEW_TOKENS / (total_s - prefill_s)
+    dims = ModelDims.from_config(json.loads((Path(model) / "config.json").read_text()))
+    floor_tok_s = NEW_TOKENS / floor(dims, [PROMPT_LEN], [NEW_TOKENS + 1]).decode_s
+    result = {"prefill_ms": prefill_s * 1e3, "decode_tok_s": decode_tok_s,
+              "floor_tok_s": floor_tok_s, "fraction_of_floor": decode_tok_s / floor_tok_s,
+              "options": options}
+    print(f"single request: prefill of {PROMPT_LEN} tokens {prefill_s * 1e3:.1f} ms, decode "
+          f"{decode_tok_s:,.0f} tok/s ({decode_tok_s / floor_tok_s:.1%} of the floor "
+          f"{floor_tok_s:,.0f} tok/s)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+
+
+def _time(llm: LLM, prompt: list[int], max_tokens: int) -> float:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    start = time.perf_counter()
+    llm.generate([prompt], params, use_tqdm=False)
+    return time.perf_counter() - start
+
+
+def _options(extra: list[str]) -> dict:
+    """``--key value`` pairs as LLM options (ints, floats and true/false understood)."""
+    options = {}
+    for key, value in zip(extra[::2], extra[1::2]):
+        for parse in (int, float, {"true": True, "false": False}.__getitem__, str):
+            try:
+                options[key.lstrip("-").replace("-", "_")] = parse(value)
+                break
+            except (ValueError, KeyError):
+                continue
+    return options
+
+
+if __name__ == "__main__":
+    main()

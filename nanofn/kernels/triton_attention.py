@@ -1,0 +1,398 @@
+"""Paged-KV-cache attention as Triton kernels, with the signatures of ``nanofn.kernels.attention``.
+
+Layouts and semantics are those of the torch references in ``nanofn.kernels.attention``.
+
+- ``store_kv``: one program per token writes all of its kv heads.
+- ``decode_attention``: one program per (sequence, kv head), whose tile rows are the query heads
+  of that kv head's GQA group, so each K/V tile is read once per group. For small batches a third
+  grid dimension splits the context into partitions ("flash decoding"); a second kernel merges
+  their partial results.
+- ``prefill_attention``: flash attention, one program per (query tile, kv head). A tile's rows
+  are ``BLOCK_M // group`` queries times the group's heads, again reading K/V once per group.
+
+Key tiles are gathered row by row through the block table, so a tile may span several cache
+blocks. Softmax runs in float32 and in base 2: scores are pre-multiplied by log2(e). Grids
+depend only on shapes and host tuples, never on device values: no host sync, and decode can be
+captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import functools
+from types import SimpleNamespace
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2_E = 1.4426950408889634
+DECODE_BLOCK_N = 64  # keys per decode tile
+PREFILL_BLOCK_M = 128  # rows per prefill query tile: (queries of one sequence) x (heads of one group)
+PREFILL_BLOCK_N = 64  # keys per prefill tile
+MIN_PARTITION_KEYS = 256  # a split-K partition shorter than this costs more to merge than it saves
+PROGRAMS_PER_SM = 2  # decode splits the context until the grid has this many programs per SM
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernels
+
+
+@triton.jit
+def _store_kv_kernel(
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_block, stride_slot, stride_head, num_kv_heads,
+    BLOCK_SIZE: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+):
+    token = tl.program_id(0)
+    slot = tl.load(slot_mapping_ptr + token)
+    heads = tl.arange(0, KV_HEADS)[:, None]
+    dims = tl.arange(0, HEAD_DIM)[None, :]
+    mask = (heads < num_kv_heads) & (slot >= 0)
+    block, offset = slot // BLOCK_SIZE, slot % BLOCK_SIZE
+    cache = block * stride_block + offset * stride_slot + heads * stride_head + dims
+    k = tl.load(k_ptr + token * stride_kt + heads * stride_kh + dims, mask=mask)
+    v = tl.load(v_ptr + token * stride_vt + heads * stride_vh + dims, mask=mask)
+    tl.store(k_cache_ptr + cache, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + cache, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _attend_keys(
+    acc, row_sum, row_max, q, query_pos,
+    k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, key_begin, key_end, qk_scale,
+    stride_block, stride_slot, stride_head,
+    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+):
+    """Online-softmax update of ``acc``, ``row_sum``, ``row_max`` with keys ``key_begin .. key_end - 1``.
+
+    Without ``MASKED`` every key in the range must be visible to every row: the caller passes
+    only whole tiles before the causal diagonal, which then skip building a mask. With it, row
+    ``r`` sees key ``n`` when ``n <= query_pos[r]`` and ``n < key_end``.
+    """
+    dims = tl.arange(0, HEAD_DIM)
+    for tile_begin in range(key_begin, key_end, BLOCK_N):
+        keys = tile_begin + tl.arange(0, BLOCK_N)
+        in_range = keys < key_end
+        blocks = tl.load(block_table_ptr + keys // BLOCK_SIZE, mask=in_range, other=0).to(tl.int64)
+        rows = blocks * stride_block + (keys % BLOCK_SIZE) * stride_slot + kv_head * stride_head
+        offsets = rows[:, None] + dims[None, :]
+        k = tl.load(k_cache_ptr + offsets, mask=in_range[:, None], other=0.0)
+        v = tl.load(v_cache_ptr + offsets, mask=in_range[:, None], other=0.0)
+        scores = tl.dot(q, tl.trans(k)) * qk_scale
+        if MASKED:
+            visible = (keys[None, :] <= query_pos[:, None]) & in_range[None, :]
+            scores = tl.where(visible, scores, float("-inf"))
+        new_max = tl.maximum(row_max, tl.max(scores, 1))
+        correction = tl.exp2(row_max - new_max)
+        probs = tl.exp2(scores - new_max[:, None])
+        row_sum = row_sum * correction + tl.sum(probs, 1)
+        acc = acc * correction[:, None] + tl.dot(probs.to(v.dtype), v)
+        row_max = new_max
+    return acc, row_sum, row_max
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr,
+    seq_lens_ptr, block_tables_ptr,
+    stride_qb, stride_qh, stride_ob, stride_oh, stride_block, stride_slot, stride_head, stride_table,
+    partition_len, qk_scale,
+    GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
+):
+    """Program (sequence, kv head, partition): the group's query heads over one context partition.
+
+    With ``SPLIT_K`` it writes the unnormalised output, row max and row sum of its partition
+    for ``_decode_merge_kernel``; otherwise (one partition) the final output.
+    """
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    rows = tl.arange(0, BLOCK_M)  # the group's query heads, padded to a tile of at least 16 rows
+    heads = kv_head * GROUP + rows
+    row_mask = rows < GROUP
+    dims = tl.arange(0, HEAD_DIM)
+    q_offsets = seq * stride_qb + heads[:, None] * stride_qh + dims[None, :]
+    q = tl.load(q_ptr + q_offsets, mask=row_mask[:, None], other=0.0)
+
+    key_begin = split * partition_len
+    key_end = tl.maximum(tl.minimum(key_begin + partition_len, seq_len), key_begin)
+    whole_tiles_end = key_begin + (key_end - key_begin) // BLOCK_N * BLOCK_N
+    query_pos = tl.zeros([BLOCK_M], dtype=tl.int32) + seq_len - 1
+    # A finite starting max keeps empty partitions (and seq_len 0 padding rows) free of NaN.
+    row_max = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    block_table_ptr = block_tables_ptr + seq * stride_table
+    acc, row_sum, row_max = _attend_keys(
+        acc, row_sum, row_max, q, query_pos, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head,
+        key_begin, whole_tiles_end, qk_scale, stride_block, stride_slot, stride_head,
+        BLOCK_SIZE, HEAD_DIM, BLOCK_N, False,
+    )
+    acc, row_sum, row_max = _attend_keys(
+        acc, row_sum, row_max, q, query_pos, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head,
+        whole_tiles_end, key_end, qk_scale, stride_block, stride_slot, stride_head,
+        BLOCK_SIZE, HEAD_DIM, BLOCK_N, True,
+    )
+
+    if SPLIT_K:
+        num_splits = tl.num_programs(2)
+        partial = (seq * tl.num_programs(1) * GROUP + heads) * num_splits + split
+        tl.store(partial_max_ptr + partial, row_max, mask=row_mask)
+        tl.store(partial_sum_ptr + partial, row_sum, mask=row_mask)
+        tl.store(partial_out_ptr + partial[:, None] * HEAD_DIM + dims[None, :], acc, mask=row_mask[:, None])
+    else:
+        out = acc / tl.where(row_sum > 0, row_sum, 1.0)[:, None]
+        out_offsets = seq * stride_ob + heads[:, None] * stride_oh + dims[None, :]
+        tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
+
+
+@triton.jit
+def _decode_merge_kernel(
+    partial_out_ptr, partial_max_ptr, partial_sum_ptr, out_ptr, stride_ob, stride_oh, num_splits,
+    HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr,
+):
+    """Program (sequence, query head): rescale each partition's result to the global max and sum."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    splits = tl.arange(0, SPLITS)
+    split_mask = splits < num_splits
+    partials = (seq * tl.num_programs(1) + head) * num_splits + splits
+    part_max = tl.load(partial_max_ptr + partials, mask=split_mask, other=float("-inf"))
+    part_sum = tl.load(partial_sum_ptr + partials, mask=split_mask, other=0.0)
+    weights = tl.exp2(part_max - tl.max(part_max, 0))
+    total = tl.sum(weights * part_sum, 0)
+    dims = tl.arange(0, HEAD_DIM)
+    part_out_offsets = partials[:, None] * HEAD_DIM + dims[None, :]
+    part_out = tl.load(partial_out_ptr + part_out_offsets, mask=split_mask[:, None], other=0.0)
+    out = tl.sum(part_out * weights[:, None], 0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + seq * stride_ob + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, query_start_ptr, seq_lens_ptr, block_tables_ptr, tiles_ptr,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_block, stride_slot, stride_head, stride_table,
+    qk_scale,
+    GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Program (kv head, tile): ``BLOCK_Q`` queries of one sequence times the group's heads.
+
+    ``tiles_ptr`` maps the program to ``(sequence, query tile within the sequence)``.
+    """
+    kv_head = tl.program_id(0)
+    seq = tl.load(tiles_ptr + 2 * tl.program_id(1))
+    q_tile = tl.load(tiles_ptr + 2 * tl.program_id(1) + 1)
+    query_begin = tl.load(query_start_ptr + seq)
+    query_len = tl.load(query_start_ptr + seq + 1) - query_begin
+    seq_len = tl.load(seq_lens_ptr + seq)
+
+    rows = tl.arange(0, BLOCK_M)
+    queries = q_tile * BLOCK_Q + rows // GROUP  # within the sequence's chunk
+    heads = kv_head * GROUP + rows % GROUP
+    row_mask = (rows < BLOCK_Q * GROUP) & (queries < query_len)
+    tokens = query_begin + queries
+    dims = tl.arange(0, HEAD_DIM)
+    q_offsets = tokens[:, None] * stride_qt + heads[:, None] * stride_qh + dims[None, :]
+    q = tl.load(q_ptr + q_offsets, mask=row_mask[:, None], other=0.0)
+
+    query_pos = seq_len - query_len + queries
+    first_pos = seq_len - query_len + q_tile * BLOCK_Q
+    key_end = tl.minimum(first_pos + BLOCK_Q, seq_len)  # one past the tile's last query position
+    visible_tiles_end = (first_pos + 1) // BLOCK_N * BLOCK_N  # key tiles every query sees whole
+    row_max = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    block_table_ptr = block_tables_ptr + seq * stride_table
+    acc, row_sum, row_max = _attend_keys(
+        acc, row_sum, row_max, q, query_pos, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head,
+        0, visible_tiles_end, qk_scale, stride_block, stride_slot, stride_head,
+        BLOCK_SIZE, HEAD_DIM, BLOCK_N, False,
+    )
+    acc, row_sum, row_max = _attend_keys(
+        acc, row_sum, row_max, q, query_pos, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head,
+        visible_tiles_end, key_end, qk_scale, stride_block, stride_slot, stride_head,
+        BLOCK_SIZE, HEAD_DIM, BLOCK_N, True,
+    )
+    out = acc / row_sum[:, None]  # every row sees at least key 0
+    out_offsets = tokens[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :]
+    tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
+
+
+# ---------------------------------------------------------------------------------------------
+# Host side
+
+
+def store_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write token ``t`` of ``k``/``v`` (``[T, Hkv, D]``) to slot ``slot_mapping[t]``; skip negative slots."""
+    num_tokens, num_kv_heads, head_dim = k.shape
+    _check_layout(k_cache, v_cache, k, v)
+    if num_tokens == 0:
+        return
+    _store_kv_kernel[(num_tokens,)](
+        k, v, k_cache, v_cache, slot_mapping,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), num_kv_heads,
+        BLOCK_SIZE=k_cache.shape[1], KV_HEADS=triton.next_power_of_2(num_kv_heads), HEAD_DIM=head_dim,
+    )
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Attention of one query per sequence (``q`` is ``[B, H, D]``) at its last position.
+
+    ``num_splits`` asks for that many context partitions (split-K; fewer if the block table is
+    too narrow for them); by default ``decode_num_splits`` picks it. A padding row with
+    ``seq_len == 0`` yields zeros.
+    """
+    batch_size, num_heads, head_dim = q.shape
+    _check_layout(k_cache, v_cache, q)
+    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    group = num_heads // num_kv_heads
+    out = torch.empty(batch_size, num_heads, head_dim, dtype=q.dtype, device=q.device)
+    if batch_size == 0:
+        return out
+    max_context = block_tables.shape[1] * block_size
+    if num_splits is None:
+        num_splits = decode_num_splits(batch_size, num_kv_heads, max_context, _num_sms(q.device))
+    partition_len = _round_up(-(-max_context // num_splits), DECODE_BLOCK_N)
+    num_splits = -(-max_context // partition_len)
+    split_k = num_splits > 1
+    if split_k:
+        partial_shape = (batch_size, num_heads, num_splits)
+        partial_max = torch.empty(partial_shape, dtype=torch.float32, device=q.device)
+        partial_sum = torch.empty(partial_shape, dtype=torch.float32, device=q.device)
+        partial_out = torch.empty(*partial_shape, head_dim, dtype=torch.float32, device=q.device)
+    else:
+        partial_max = partial_sum = partial_out = out  # placeholders: one partition writes out directly
+
+    _decode_kernel[(batch_size, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, out, partial_out, partial_max, partial_sum, seq_lens, block_tables,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        partition_len, scale * LOG2_E,
+        GROUP=group, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
+        BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_N=DECODE_BLOCK_N, SPLIT_K=split_k,
+        num_warps=4,
+    )
+    if split_k:
+        _decode_merge_kernel[(batch_size, num_heads)](
+            partial_out, partial_max, partial_sum, out, out.stride(0), out.stride(1), num_splits,
+            HEAD_DIM=head_dim, SPLITS=triton.next_power_of_2(num_splits),
+        )
+    return out
+
+
+def decode_num_splits(batch_size: int, num_kv_heads: int, max_context: int, num_sms: int) -> int:
+    """Context partitions per sequence, from host-known sizes only.
+
+    A (sequence, kv head) program per SM leaves most of the GPU idle at small batch sizes, so
+    the context is split until there are about ``PROGRAMS_PER_SM`` programs per SM, keeping every
+    partition at least ``MIN_PARTITION_KEYS`` long. ``max_context`` (block-table width times block
+    size) is an upper bound: the true lengths are on the device.
+    """
+    wanted = -(-PROGRAMS_PER_SM * num_sms // (batch_size * num_kv_heads))
+    return max(1, min(wanted, max_context // MIN_PARTITION_KEYS))
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    query_start: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_lens_host: tuple[int, ...],
+    seq_lens_host: tuple[int, ...],
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention for a flattened batch of query chunks; returns ``[T, H, D]``.
+
+    Sequence ``i``'s queries are the last ``query_lens_host[i]`` positions of its context of
+    ``seq_lens_host[i]`` tokens, all of which are already in the cache.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    _check_layout(k_cache, v_cache, q)
+    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    group = num_heads // num_kv_heads
+    block_m = max(PREFILL_BLOCK_M, triton.next_power_of_2(group))
+    block_q = block_m // group
+    out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
+    tiles = _prefill_tiles(query_lens_host, seq_lens_host, block_q, q.device)
+    if len(tiles) == 0:
+        return out
+    _prefill_kernel[(num_kv_heads, len(tiles))](
+        q, k_cache, v_cache, out, query_start, seq_lens, block_tables, tiles,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        scale * LOG2_E,
+        GROUP=group, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
+        BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=PREFILL_BLOCK_N,
+        num_warps=8 if head_dim >= 128 else 4,
+    )
+    return out
+
+
+@functools.lru_cache(maxsize=8)
+def _prefill_tiles(
+    query_lens: tuple[int, ...], seq_lens: tuple[int, ...], block_q: int, device: torch.device
+) -> torch.Tensor:
+    """``[num_tiles, 2]`` int32 rows ``(sequence, query tile)``, the tiles that see the most keys first.
+
+    Built from the host tuples, so the grid needs no device sync. Heavy tiles go first so that
+    light ones fill the tail of the launch. Cached: every layer of a step asks for the same map,
+    so it crosses to the device once per step.
+    """
+    tiles = [(seq, tile) for seq, n in enumerate(query_lens) for tile in range(-(-n // block_q))]
+
+    def keys_seen(tile: tuple[int, int]) -> int:
+        seq, index = tile
+        return seq_lens[seq] - query_lens[seq] + min((index + 1) * block_q, query_lens[seq])
+
+    tiles.sort(key=keys_seen, reverse=True)
+    host = torch.tensor(tiles, dtype=torch.int32).view(-1, 2)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device; an H100's count elsewhere (Triton's interpreter)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _check_layout(k_cache: torch.Tensor, v_cache: torch.Tensor, *inputs: torch.Tensor) -> None:
+    """What the kernels assume: a power-of-two head_dim of at least 16 (``tl.arange``, ``tl.dot``),
+    contiguous last dimensions, and one set of strides for both caches."""
+    head_dim = k_cache.shape[-1]
+    is_power_of_two = (head_dim & (head_dim - 1)) == 0
+    assert head_dim >= 16 and is_power_of_two, f"head_dim {head_dim} is not a power of two >= 16"
+    assert all(t.stride(-1) == 1 for t in (k_cache, v_cache, *inputs)), "last dimensions must be contiguous"
+    assert k_cache.stride() == v_cache.stride(), "the K and V caches must share strides"
+
+
+# Satisfies ``nanofn.model.decoder.AttentionBackend``.
+TRITON_ATTENTION = SimpleNamespace(
+    store_kv=store_kv, decode_attention=decode_attention, prefill_attention=prefill_attention
+)

@@ -1,0 +1,134 @@
+"""The parity checks on a GPU, in bfloat16: nanofn against transformers, CUDA graphs against
+eager, the Triton backend against the torch references. Skipped without CUDA."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+import transformers
+from pyrsistent import pvector
+
+from nanofn import LLM, SamplingParams
+from nanofn.state import BatchPlan, ScheduledSeq
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+NEW_TOKENS = 24
+ARCHS = ["qwen3", "qwen2", "llama", "llama3", "mistral"]
+GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+
+
+def prompts_for(seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 380, (n,), generator=g).tolist() for n in (7, 33, 70, 150)]
+
+
+@torch.inference_mode()
+def hf_logits(model_dir, tokens: list[int], dtype: torch.dtype) -> torch.Tensor:
+    """Teacher-forced logits of every position, float32 ``[len(tokens), vocab]``."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=dtype, attn_implementation="eager").cuda()
+    return model(torch.tensor([tokens], device="cuda")).logits[0].float()
+
+
+@torch.inference_mode()
+def hf_greedy(model_dir, prompt: list[int], dtype: torch.dtype) -> list[int]:
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=dtype, attn_implementation="eager").cuda()
+    ids = torch.tensor([prompt], device="cuda")
+    for _ in range(NEW_TOKENS):
+        ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return ids[0, len(prompt):].tolist()
+
+
+@torch.inference_mode()
+def nanofn_teacher_forced(llm: LLM, tokens: list[int], prompt_len: int) -> torch.Tensor:
+    """nanofn's logits along ``tokens``: the prompt as one prefill, then one decode step per
+    token, through the engine's runner and paged cache (blocks 0, 1, 2, ...)."""
+    runner = llm.engine.runner
+    bs = llm.engine.scheduler_config.block_size
+    table = pvector(range(-(-len(tokens) // bs)))
+    params = SamplingParams(temperature=0)
+    rows = []
+    start, end = 0, prompt_len
+    while end <= len(tokens):
+        seq = ScheduledSeq("tf", tuple(tokens[start:end]), start, table, True, params, prompt_len)
+        rows.append(runner.forward(BatchPlan(0, bs, (seq,)))[0])
+        start, end = end, end + 1
+    return torch.stack(rows)
+
+
+def first_divergence(got: list[int], expected: list[int]) -> int | None:
+    return next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), None)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_bf16_greedy_and_teacher_forced_logits_match_transformers(arch, tiny_checkpoint):
+    model_dir = tiny_checkpoint(arch)
+    prompts = prompts_for(len(arch))
+    with LLM(str(model_dir), dtype="bfloat16", gpu_memory_utilization=0.3, max_model_len=512) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+        for prompt, out in zip(prompts, outs):
+            got = out.outputs[0].token_ids
+            expected = hf_greedy(model_dir, prompt, torch.bfloat16)
+            tokens = prompt + expected
+            exact = hf_logits(model_dir, tokens, torch.float32)[len(prompt) - 1:-1]
+            rounded = hf_logits(model_dir, tokens, torch.bfloat16)[len(prompt) - 1:-1]
+            ours = nanofn_teacher_forced(llm, tokens, len(prompt))[:-1]
+            # bf16 tolerance: nanofn is about as far from the float32 logits as transformers'
+            # own bf16 run is.
+            noise = (rounded - exact).norm() / exact.norm()
+            error = (ours - exact).norm() / exact.norm()
+            assert error <= 2 * noise + 1e-3, (arch, float(error), float(noise))
+            # Greedy tokens agree until the reference's top two logits are within rounding.
+            i = first_divergence(got, expected)
+            if i is not None:
+                top2 = rounded[i].topk(2).values
+                rounding = (rounded[i] - exact[i]).abs().max()
+                assert top2[0] - top2[1] <= 4 * rounding, (arch, i, float(top2[0] - top2[1]))
+
+
+@pytest.fixture(scope="module")
+def float32_prompts(tiny_qwen3):
+    return tiny_qwen3, prompts_for(5) * 3  # 12 sequences, padded to a graph of 16
+
+
+def run(model_dir, prompts, **options):
+    with LLM(str(model_dir), dtype="float32", gpu_memory_utilization=0.3, max_model_len=512,
+             **options) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs]
+
+
+def test_cuda_graphs_give_the_eager_tokens(float32_prompts):
+    model_dir, prompts = float32_prompts
+    assert run(model_dir, prompts) == run(model_dir, prompts, enforce_eager=True)
+
+
+def test_preemption_and_chunked_prefill_on_the_gpu(float32_prompts):
+    model_dir, prompts = float32_prompts
+    plain = run(model_dir, prompts, enable_prefix_caching=False)
+    assert run(model_dir, prompts, num_kv_blocks=12, max_num_batched_tokens=64) == plain
+
+
+def kv_blocks(model_dir, utilization: float) -> int:
+    with LLM(str(model_dir), gpu_memory_utilization=utilization, max_model_len=512) as llm:
+        return llm.engine.runner.num_blocks
+
+
+def test_the_kv_cache_is_sized_from_gpu_memory(tiny_qwen3):
+    small = kv_blocks(tiny_qwen3, 0.2)
+    gc.collect()
+    torch.cuda.empty_cache()
+    large = kv_blocks(tiny_qwen3, 0.4)
+    assert 0 < small < large
+    # Twice the share of the GPU, and the weights and activations are tiny: about twice the blocks.
+    assert 1.8 < large / small < 2.2
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_tensor_parallel_on_two_gpus(float32_prompts):
+    model_dir, prompts = float32_prompts
+    assert run(model_dir, prompts, tensor_parallel_size=2) == run(model_dir, prompts)

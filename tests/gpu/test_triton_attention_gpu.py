@@ -1,0 +1,195 @@
+"""The Triton attention kernels against the torch references on a CUDA GPU, in bf16 at real sizes.
+
+Qwen3-0.6B's attention shape: head_dim 128, 16 query heads over 8 kv heads, block size 16. The
+references run in float32 on upcast copies of the inputs; errors are measured as
+``|out - ref| / |ref|`` over the whole output. ``benchmark()`` prints timings, asserting nothing.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import triton.testing
+
+import nanofn.kernels.attention as reference
+import nanofn.kernels.triton_attention as triton_attention
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 16, 8, 128, 16
+SCALE = HEAD_DIM**-0.5
+DTYPE = torch.bfloat16
+
+
+@pytest.fixture(autouse=True)
+def nan_filled_allocations(monkeypatch):
+    """Every float tensor the kernels' host code allocates starts as NaN: an unwritten output fails
+    (the caching allocator would otherwise hand back the memory of an earlier, correct output)."""
+    empty = torch.empty
+
+    def nan_empty(*args, **kwargs):
+        tensor = empty(*args, **kwargs)
+        return tensor.fill_(float("nan")) if tensor.is_floating_point() else tensor
+
+    monkeypatch.setattr(torch, "empty", nan_empty)
+
+
+class PagedCache:
+    """A random bf16 K/V cache whose shuffled blocks hold sequences of the given lengths."""
+
+    def __init__(self, seq_lens, num_kv_heads=NUM_KV_HEADS, seed=0, extra_blocks=1):
+        generator = torch.Generator(device="cuda").manual_seed(seed)
+        blocks_per_seq = [-(-n // BLOCK_SIZE) for n in seq_lens]
+        num_blocks = sum(blocks_per_seq) + 8
+        shape = (num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM)
+        self.k_cache = torch.randn(shape, generator=generator, device="cuda").to(DTYPE)
+        self.v_cache = torch.randn(shape, generator=generator, device="cuda").to(DTYPE)
+        free_blocks = torch.randperm(num_blocks, generator=generator, device="cuda").tolist()
+        width = max(blocks_per_seq) + extra_blocks
+        tables = [[free_blocks.pop() for _ in range(n)] + [0] * (width - n) for n in blocks_per_seq]
+        self.block_tables = torch.tensor(tables, dtype=torch.int32, device="cuda")
+        self.seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
+
+
+def random_queries(num_tokens, num_heads=NUM_HEADS, seed=1):
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    return torch.randn(num_tokens, num_heads, HEAD_DIM, generator=generator, device="cuda").to(DTYPE)
+
+
+def random_lengths(count, low, high, seed):
+    return torch.randint(low, high + 1, (count,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def upcast(*tensors):
+    return [t.float() if t.is_floating_point() else t for t in tensors]
+
+
+def assert_relative_error_below(out, expected, tolerance=1e-2):
+    assert out.dtype == DTYPE and out.shape == expected.shape
+    error = ((out.float() - expected).norm() / expected.norm()).item()
+    assert error < tolerance, f"relative error {error:.2e}"
+
+
+def test_store_kv_matches_reference():
+    generator = torch.Generator(device="cuda").manual_seed(2)
+    num_tokens, num_blocks = 4096, 400
+    shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    k_cache = torch.randn(shape, generator=generator, device="cuda").to(DTYPE)
+    v_cache = torch.randn(shape, generator=generator, device="cuda").to(DTYPE)
+    qkv_shape = (num_tokens, NUM_HEADS + 2 * NUM_KV_HEADS, HEAD_DIM)
+    qkv = torch.randn(qkv_shape, generator=generator, device="cuda").to(DTYPE)
+    k, v = qkv[:, NUM_HEADS : NUM_HEADS + NUM_KV_HEADS], qkv[:, NUM_HEADS + NUM_KV_HEADS :]
+    slot_mapping = torch.randperm(num_blocks * BLOCK_SIZE, generator=generator, device="cuda")[:num_tokens]
+    slot_mapping[::7] = -1
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    reference.store_kv(k, v, expected_k, expected_v, slot_mapping)
+
+    triton_attention.store_kv(k, v, k_cache, v_cache, slot_mapping)
+
+    assert torch.equal(k_cache, expected_k)
+    assert torch.equal(v_cache, expected_v)
+
+
+DECODE_BATCHES = {
+    "batch-64": random_lengths(64, 1, 2048, seed=3),
+    "long-contexts": [32768, 5001, 1, 0],  # a padding row with no context too
+}
+
+
+@pytest.mark.parametrize("batch", DECODE_BATCHES)
+@pytest.mark.parametrize("num_splits", [None, 1, 8], ids=["heuristic", "one-partition", "split-k-8"])
+def test_decode_attention_matches_reference(batch, num_splits):
+    seq_lens = DECODE_BATCHES[batch]
+    cache = PagedCache(seq_lens, seed=4)
+    q = random_queries(len(seq_lens), seed=5)
+    args = (q, cache.k_cache, cache.v_cache, cache.seq_lens, cache.block_tables)
+
+    out = triton_attention.decode_attention(*args, SCALE, num_splits=num_splits)
+
+    assert out.isfinite().all()
+    context_rows = [i for i, n in enumerate(seq_lens) if n > 0]
+    expected = reference.decode_attention(*upcast(*args), SCALE)
+    assert_relative_error_below(out[context_rows], expected[context_rows])
+
+
+@pytest.mark.parametrize("num_splits", [1, 8])
+def test_decode_attention_replays_from_a_cuda_graph(num_splits):
+    seq_lens = random_lengths(32, 2, 1024, seed=6)  # still >= 1 after the decrement below
+    cache = PagedCache(seq_lens, seed=7)
+    q = random_queries(len(seq_lens), seed=8)
+    args = (q, cache.k_cache, cache.v_cache, cache.seq_lens, cache.block_tables, SCALE)
+    triton_attention.decode_attention(*args, num_splits=num_splits)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = triton_attention.decode_attention(*args, num_splits=num_splits)
+
+    q.copy_(random_queries(len(seq_lens), seed=9))
+    cache.seq_lens.sub_(1)
+    graph.replay()
+
+    assert_relative_error_below(out, reference.decode_attention(*upcast(*args[:-1]), SCALE))
+
+
+# (query_len, seq_len): whole prompts, chunks after a cached prefix, decodes batched with prefills.
+PREFILL_SEQUENCES = [(2048, 2048), (1024, 3072), (1, 1500), (300, 300), (17, 1000), (2000, 2100), (1, 1)]
+
+
+@pytest.mark.parametrize("num_heads, num_kv_heads", [(16, 8), (28, 4)], ids=["group-2", "group-7"])
+def test_prefill_attention_matches_reference(num_heads, num_kv_heads):
+    query_lens, seq_lens = zip(*PREFILL_SEQUENCES)
+    cache = PagedCache(seq_lens, num_kv_heads, seed=10)
+    q = random_queries(sum(query_lens), num_heads, seed=11)
+    query_start = torch.tensor([0, *itertools.accumulate(query_lens)], dtype=torch.int32, device="cuda")
+    args = (q, cache.k_cache, cache.v_cache, query_start, cache.seq_lens, cache.block_tables)
+
+    out = triton_attention.prefill_attention(*args, query_lens, seq_lens, SCALE)
+
+    expected = reference.prefill_attention(*upcast(*args), query_lens, seq_lens, SCALE)
+    assert_relative_error_below(out, expected)
+
+
+def benchmark() -> None:
+    """Print median times of the Triton kernels and the torch references, bf16, Qwen3-0.6B shape."""
+    seq_lens = [1024] * 256
+    cache = PagedCache(seq_lens, seed=12, extra_blocks=0)
+    q = random_queries(len(seq_lens), seed=13)
+    decode_args = (q, cache.k_cache, cache.v_cache, cache.seq_lens, cache.block_tables, SCALE)
+    kv_bytes = 2 * sum(seq_lens) * NUM_KV_HEADS * HEAD_DIM * DTYPE.itemsize
+    _report("decode 256 x 1024", kv_bytes / 1e9, "GB/s",
+            lambda: triton_attention.decode_attention(*decode_args),
+            lambda: reference.decode_attention(*decode_args))
+
+    seq_lens = [16384] * 4
+    cache = PagedCache(seq_lens, seed=14, extra_blocks=0)
+    q = random_queries(len(seq_lens), seed=15)
+    decode_args = (q, cache.k_cache, cache.v_cache, cache.seq_lens, cache.block_tables, SCALE)
+    kv_bytes = 2 * sum(seq_lens) * NUM_KV_HEADS * HEAD_DIM * DTYPE.itemsize
+    _report("decode 4 x 16384 (split-K)", kv_bytes / 1e9, "GB/s",
+            lambda: triton_attention.decode_attention(*decode_args),
+            lambda: reference.decode_attention(*decode_args))
+
+    query_lens = seq_lens = (1024,) * 8
+    cache = PagedCache(seq_lens, seed=16, extra_blocks=0)
+    q = random_queries(sum(query_lens), seed=17)
+    query_start = torch.tensor([0, *itertools.accumulate(query_lens)], dtype=torch.int32, device="cuda")
+    prefill_args = (q, cache.k_cache, cache.v_cache, query_start, cache.seq_lens, cache.block_tables,
+                    query_lens, seq_lens, SCALE)
+    causal_flops = sum(4 * n * (n + 1) // 2 * NUM_HEADS * HEAD_DIM for n in query_lens)
+    _report("prefill 8 x 1024", causal_flops / 1e12, "TFLOP/s",
+            lambda: triton_attention.prefill_attention(*prefill_args),
+            lambda: reference.prefill_attention(*prefill_args))
+
+
+def _report(name, work, unit, triton_call, torch_call) -> None:
+    """One line: median milliseconds of both, the Triton kernel's rate (``work`` per second in
+    ``unit``), and its speed-up over the reference."""
+    triton_ms = triton.testing.do_bench(triton_call, return_mode="median")
+    torch_ms = triton.testing.do_bench(torch_call, return_mode="median")
+    print(f"{name}: triton {triton_ms:.3f} ms ({work / (triton_ms / 1e3):.0f} {unit}), "
+          f"torch {torch_ms:.3f} ms, {torch_ms / triton_ms:.1f}x")
+
+
+if __name__ == "__main__":
+    benchmark()

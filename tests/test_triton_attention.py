@@ -1,0 +1,227 @@
+"""The Triton attention kernels against the torch references, on CPU through Triton's interpreter.
+
+The interpreter computes bf16 ``tl.dot`` wrongly, so these run float32 and float16; the GPU
+tests in ``tests/gpu`` cover bf16.
+"""
+
+from __future__ import annotations
+
+import itertools
+import multiprocessing
+import os
+from concurrent.futures import ProcessPoolExecutor
+from unittest import mock
+
+import pytest
+import torch
+import triton.runtime.interpreter
+from transformers import AutoConfig
+
+import nanofn.kernels.attention as reference
+import nanofn.kernels.triton_attention as triton_attention
+from nanofn.model import TORCH_ATTENTION, AttentionBatch, build_model, load_weights, model_shape
+
+TOLERANCES = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.float16: dict(atol=3e-3, rtol=0)}
+
+
+@pytest.fixture(scope="module")
+def interpreter():
+    """``run(function, *args, **kwargs)`` in a child process whose Triton kernels run in the interpreter.
+
+    ``@triton.jit`` (Triton's own ``tl.sum`` and ``tl.zeros`` included) picks interpreter or
+    compiler from TRITON_INTERPRET when triton is first imported, and in a test session
+    transformers imports it long before this module. So the kernels run in a spawned child that
+    starts with the variable set; the references run here. A child that crashes (say, on a write
+    out of bounds) fails the test at once instead of hanging it.
+    """
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(1, mp_context=context, initializer=prepare_interpreter_process) as executor:
+        with mock.patch.dict(os.environ, {"TRITON_INTERPRET": "1"}):
+            executor.submit(int).result()  # the first task starts the child, inheriting the variable
+        yield lambda function, *args, **kwargs: executor.submit(function, *args, **kwargs).result(timeout=120)
+
+
+def prepare_interpreter_process() -> None:
+    """Set up the interpreter child: one thread, a fix for numpy 2.4, NaN-filled allocations."""
+    torch.set_num_threads(1)
+
+    # Triton 3.6's interpreter turns a loop bound read from memory into an int by calling ``int()``
+    # on a one-element array, which numpy 2.4 refuses (triton-lang/triton#9171): use ``.item()``.
+    patch_lang_tensor = triton.runtime.interpreter._patch_lang_tensor
+
+    def patch_with_item_index(tensor, scope):
+        patch_lang_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+
+    triton.runtime.interpreter._patch_lang_tensor = patch_with_item_index
+
+    # Every float tensor the kernels' host code allocates starts as NaN: an unwritten output fails.
+    empty = torch.empty
+
+    def nan_empty(*args, **kwargs):
+        tensor = empty(*args, **kwargs)
+        return tensor.fill_(float("nan")) if tensor.is_floating_point() else tensor
+
+    torch.empty = nan_empty
+
+
+def store_kv_and_return_caches(k, v, k_cache, v_cache, slot_mapping):
+    triton_attention.store_kv(k, v, k_cache, v_cache, slot_mapping)
+    return k_cache, v_cache
+
+
+class PagedCache:
+    """A random K/V cache whose shuffled blocks hold sequences of the given lengths.
+
+    The block tables are ``extra_blocks`` wider than needed, padded with 0: the padding must be ignored.
+    """
+
+    def __init__(self, seq_lens, block_size, num_kv_heads, head_dim, dtype, seed, extra_blocks=1):
+        generator = torch.Generator().manual_seed(seed)
+        blocks_per_seq = [-(-n // block_size) for n in seq_lens]
+        num_blocks = sum(blocks_per_seq) + 3
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.k_cache = torch.randn(shape, generator=generator).to(dtype)
+        self.v_cache = torch.randn(shape, generator=generator).to(dtype)
+        free_blocks = torch.randperm(num_blocks, generator=generator).tolist()
+        width = max(blocks_per_seq) + extra_blocks
+        tables = [[free_blocks.pop() for _ in range(n)] + [0] * (width - n) for n in blocks_per_seq]
+        self.block_tables = torch.tensor(tables, dtype=torch.int32)
+        self.seq_lens = torch.tensor(seq_lens, dtype=torch.int32)
+
+
+def random_queries(num_tokens, num_heads, head_dim, dtype, seed):
+    """``[T, H, D]`` queries as a strided view into a wider projection output, as the model passes them."""
+    generator = torch.Generator().manual_seed(seed)
+    projection = torch.randn(num_tokens, (num_heads + 3) * head_dim, generator=generator).to(dtype)
+    return projection[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("num_kv_heads", [1, 3])
+def test_store_kv_writes_each_token_to_its_slot_and_skips_negative_slots(interpreter, dtype, num_kv_heads):
+    generator = torch.Generator().manual_seed(0)
+    num_tokens, block_size, head_dim = 23, 16, 32
+    k_cache = torch.randn(5, block_size, num_kv_heads, head_dim, generator=generator).to(dtype)
+    v_cache = torch.randn(5, block_size, num_kv_heads, head_dim, generator=generator).to(dtype)
+    kv = torch.randn(num_tokens, 2, num_kv_heads, head_dim, generator=generator).to(dtype)
+    k, v = kv[:, 0], kv[:, 1]  # strided views, as split from a fused projection
+    slot_mapping = torch.randperm(5 * block_size, generator=generator)[:num_tokens]
+    slot_mapping[[0, 7, 22]] = -1
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    reference.store_kv(k, v, expected_k, expected_v, slot_mapping)
+
+    k_cache, v_cache = interpreter(store_kv_and_return_caches, k, v, k_cache, v_cache, slot_mapping)
+
+    assert torch.equal(k_cache, expected_k)
+    assert torch.equal(v_cache, expected_v)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("group", [1, 2, 3, 4])
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("num_splits", [1, 4], ids=["one-partition", "split-k"])
+def test_decode_attention_matches_reference(interpreter, dtype, group, block_size, num_splits):
+    num_kv_heads, head_dim = 2, 32
+    seq_lens = [1, 17, 100, 130]
+    # Tables 256 keys wider than needed: with split-K, some partitions lie past every sequence's end.
+    extra_blocks = 256 // block_size
+    cache = PagedCache(seq_lens, block_size, num_kv_heads, head_dim, dtype, seed=1, extra_blocks=extra_blocks)
+    q = random_queries(len(seq_lens), num_kv_heads * group, head_dim, dtype, seed=2)
+    args = (q, cache.k_cache, cache.v_cache, cache.seq_lens, cache.block_tables, head_dim**-0.5)
+
+    out = interpreter(triton_attention.decode_attention, *args, num_splits=num_splits)
+
+    torch.testing.assert_close(out, reference.decode_attention(*args), **TOLERANCES[dtype])
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_attention_of_a_padding_row_with_no_context_is_finite(interpreter, num_splits):
+    head_dim = 16
+    cache = PagedCache([0, 40, 0], 16, 2, head_dim, torch.float32, seed=3, extra_blocks=8)
+    q = random_queries(3, 4, head_dim, torch.float32, seed=4)
+    args = (q, cache.k_cache, cache.v_cache, cache.seq_lens, cache.block_tables, head_dim**-0.5)
+
+    out = interpreter(triton_attention.decode_attention, *args, num_splits=num_splits)
+
+    assert out.isfinite().all()
+    torch.testing.assert_close(out[1], reference.decode_attention(*args)[1], **TOLERANCES[torch.float32])
+
+
+def test_decode_splits_the_context_only_when_the_batch_leaves_the_gpu_idle():
+    num_sms = 132
+    assert triton_attention.decode_num_splits(256, 8, 2048, num_sms) == 1
+    assert triton_attention.decode_num_splits(1, 8, 32768, num_sms) == 33  # 8 x 33 programs >= 2 per SM
+    assert triton_attention.decode_num_splits(4, 8, 1024, num_sms) == 4  # partitions of 256 keys at least
+    assert triton_attention.decode_num_splits(4, 8, 200, num_sms) == 1
+
+
+# (query_len, seq_len) per sequence: whole prompts over several query and key tiles, chunks
+# after a cached prefix, single tokens (decodes batched with prefills), a one-token prompt.
+PREFILL_SEQUENCES = [(150, 150), (40, 100), (1, 37), (70, 70), (1, 1), (65, 195)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("group", [1, 2, 3, 4])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_prefill_attention_matches_reference(interpreter, dtype, group, block_size):
+    num_kv_heads, head_dim = 2, 16
+    query_lens, seq_lens = zip(*PREFILL_SEQUENCES)
+    cache = PagedCache(seq_lens, block_size, num_kv_heads, head_dim, dtype, seed=5)
+    q = random_queries(sum(query_lens), num_kv_heads * group, head_dim, dtype, seed=6)
+    query_start = torch.tensor([0, *itertools.accumulate(query_lens)], dtype=torch.int32)
+    args = (q, cache.k_cache, cache.v_cache, query_start, cache.seq_lens, cache.block_tables,
+            query_lens, seq_lens, head_dim**-0.5)
+
+    out = interpreter(triton_attention.prefill_attention, *args)
+
+    torch.testing.assert_close(out, reference.prefill_attention(*args), **TOLERANCES[dtype])
+
+
+BACKENDS = {"torch": TORCH_ATTENTION, "triton": triton_attention.TRITON_ATTENTION}
+
+
+def hidden_states_of_steps(checkpoint, backend, steps, block_size=16):
+    """A model's hidden states over a few steps, each ``{sequence: (first position, new tokens)}``."""
+    config = AutoConfig.from_pretrained(checkpoint)
+    model = build_model(config, dtype="float32", device="cpu", attention_backend=BACKENDS[backend])
+    load_weights(model, checkpoint)
+    cache_shape = model_shape(config).kv_cache_shape(num_blocks=12, block_size=block_size)
+    kv_cache = torch.randn(cache_shape, generator=torch.Generator().manual_seed(7))
+    tables = {"a": [9, 2, 5], "b": [0, 7, 11], "c": [4, 1, 0]}  # shuffled blocks; c's last is padding
+    hidden = []
+    for step in steps:
+        chunks = step.values()
+        input_ids = [token for _, tokens in chunks for token in tokens]
+        owners = [name for name, (_, tokens) in step.items() for _ in tokens]
+        positions = [p for start, tokens in chunks for p in range(start, start + len(tokens))]
+        slots = [tables[name][p // block_size] * block_size + p % block_size
+                 for name, p in zip(owners, positions)]
+        query_lens = [len(tokens) for _, tokens in chunks]
+        seq_lens = [start + len(tokens) for start, tokens in chunks]
+        batch = AttentionBatch(
+            slot_mapping=torch.tensor(slots),
+            query_start=torch.tensor([0, *itertools.accumulate(query_lens)], dtype=torch.int32),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            block_tables=torch.tensor([tables[name] for name in step], dtype=torch.int32),
+            query_lens_host=tuple(query_lens),
+            seq_lens_host=tuple(seq_lens),
+            decode_only=all(n == 1 for n in query_lens),
+        )
+        with torch.inference_mode():
+            hidden.append(model(torch.tensor(input_ids), torch.tensor(positions), batch, kv_cache))
+    return torch.cat(hidden)
+
+
+def test_model_with_the_triton_backend_matches_the_torch_backend(interpreter, tiny_qwen3):
+    tokens = torch.randint(3, 300, (3, 45), generator=torch.Generator().manual_seed(8)).tolist()
+    steps = [
+        {"a": (0, tokens[0][:40]), "b": (0, tokens[1][:20])},  # prefill
+        {"a": (40, tokens[0][40:41]), "b": (20, tokens[1][20:45]), "c": (0, tokens[2][:30])},  # mixed
+        {"a": (41, tokens[0][41:42]), "b": (45, tokens[1][:1]), "c": (30, tokens[2][30:31])},  # decode
+    ]
+
+    hidden = interpreter(hidden_states_of_steps, tiny_qwen3, "triton", steps)
+
+    expected = hidden_states_of_steps(tiny_qwen3, "torch", steps)
+    torch.testing.assert_close(hidden, expected, atol=1e-4, rtol=1e-4)
