@@ -110,7 +110,8 @@ def test_cuda_graphs_give_the_eager_tokens(float32_prompts):
 def test_preemption_and_chunked_prefill_on_the_gpu(float32_prompts):
     model_dir, prompts = float32_prompts
     plain = run(model_dir, prompts, enable_prefix_caching=False)
-    assert run(model_dir, prompts, num_kv_blocks=12, max_num_batched_tokens=64) == plain
+    assert run(model_dir, prompts, num_kv_blocks=12, max_num_batched_tokens=64,
+               max_num_seqs=8) == plain
 
 
 def kv_blocks(model_dir, utilization: float) -> int:

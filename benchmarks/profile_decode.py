@@ -1,0 +1,56 @@
+"""Where a decode step's time goes: cProfile of the host side and torch.profiler of the GPU.
+
+Usage: python benchmarks/profile_decode.py (MODEL | --random-weights qwen3-0.6b) [--batch N]
+Runs N requests of 512-token prompts into steady decode, then profiles 50 engine steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import random
+import time
+
+import torch
+
+from nanofn import LLM, SamplingParams
+from nanofn.cli import random_weights_model
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model", nargs="?")
+    ap.add_argument("--random-weights")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=50)
+    args = ap.parse_args()
+    llm = LLM(str(args.model or random_weights_model(args.random_weights)), max_model_len=4096)
+    engine = llm.engine
+    rng = random.Random(0)
+    params = SamplingParams(temperature=0.6, max_tokens=1000, ignore_eos=True)
+    for _ in range(args.batch):
+        engine.add_request([rng.randrange(10000) for _ in range(512)], params)
+    for _ in range(20):  # prefill and warm up
+        engine.step(only_finished=True)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        engine.step(only_finished=True)
+    per_step = (time.perf_counter() - start) / args.steps
+    print(f"batch {args.batch}: {per_step * 1e3:.2f} ms per decode step")
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(args.steps):
+        engine.step(only_finished=True)
+    profiler.disable()
+    pstats.Stats(profiler).sort_stats("cumulative").print_stats(25)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(10):
+            engine.step(only_finished=True)
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))
+
+
+if __name__ == "__main__":
+    main()
