@@ -96,8 +96,8 @@ def float32_prompts(tiny_qwen3):
 
 
 def run(model_dir, prompts, **options):
-    with LLM(str(model_dir), dtype="float32", gpu_memory_utilization=0.3, max_model_len=512,
-             **options) as llm:
+    options = {"dtype": "float32", "gpu_memory_utilization": 0.3, "max_model_len": 512, **options}
+    with LLM(str(model_dir), **options) as llm:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
         return [o.outputs[0].token_ids for o in outs]
 
@@ -110,8 +110,9 @@ def test_cuda_graphs_give_the_eager_tokens(float32_prompts):
 def test_preemption_and_chunked_prefill_on_the_gpu(float32_prompts):
     model_dir, prompts = float32_prompts
     plain = run(model_dir, prompts, enable_prefix_caching=False)
-    assert run(model_dir, prompts, num_kv_blocks=12, max_num_batched_tokens=64,
-               max_num_seqs=8) == plain
+    # 12 blocks of 16 tokens: one sequence of up to 192 tokens at a time, the others wait.
+    assert run(model_dir, prompts, num_kv_blocks=12, max_model_len=192,
+               max_num_batched_tokens=64, max_num_seqs=8) == plain
 
 
 def kv_blocks(model_dir, utilization: float) -> int:
