@@ -30,8 +30,8 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
   single triton-graphs
 fi
 if [ "$what" = baseline ]; then
-  single torch-eager --attention-backend torch --enforce-eager true
-  bench torch-eager --attention-backend torch --enforce-eager
+  single torch-eager --kernel-backend torch --enforce-eager true
+  bench torch-eager --kernel-backend torch --enforce-eager
 fi
 python3 - "$OUT" <<'PY'
 import json, pathlib, sys

@@ -39,6 +39,8 @@ def main() -> None:
         engine.step(only_finished=True)
     per_step = (time.perf_counter() - start) / args.steps
     print(f"batch {args.batch}: {per_step * 1e3:.2f} ms per decode step")
+    phases = _time_phases(engine, args.steps)
+    print("  " + ", ".join(f"{name} {ms:.2f} ms" for name, ms in phases.items()))
     profiler = cProfile.Profile()
     profiler.enable()
     for _ in range(args.steps):
@@ -50,6 +52,35 @@ def main() -> None:
         for _ in range(10):
             engine.step(only_finished=True)
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))
+
+
+def _time_phases(engine, steps: int) -> dict[str, float]:
+    """Wall time per step of each phase, by wrapping the functions that make it up (the GPU
+    work of a plan shows under 'sampler' and 'forward', where the host waits for it)."""
+    import nanofn.engine.engine as engine_module
+    runner, sampler = engine.runner, engine.runner.sampler
+    totals: dict[str, float] = {}
+
+    def timed(name, fn):
+        def wrapper(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                totals[name] = totals.get(name, 0.0) + time.perf_counter() - t
+        return wrapper
+
+    originals = (engine_module.step, runner.forward, runner.sampler, engine._take_sampled)
+    engine_module.step = timed("core step", engine_module.step)
+    runner.forward = timed("forward", runner.forward)
+    runner.sampler = timed("sampler", sampler)
+    engine._take_sampled = timed("detokenize", engine._take_sampled)
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step(only_finished=True)
+    totals["whole step"] = time.perf_counter() - start
+    engine_module.step, runner.forward, runner.sampler, engine._take_sampled = originals
+    return {name: seconds / steps * 1e3 for name, seconds in totals.items()}
 
 
 if __name__ == "__main__":

@@ -25,10 +25,10 @@ def main() -> None:
                             params) for i in range(a.num_seqs))
     state, plan = step(initial_state(config), Events(new_requests=news))
     while plan.num_prefill_tokens:
-        state, plan = step(state, Events(sampled=(1,) * len(state.sampling_ids)))
+        state, plan = step(state, Events(sampled=(1,) * len(state.awaiting[0])))
     t0 = time.perf_counter()
     for k in range(a.steps):
-        state, plan = step(state, Events(sampled=(k % 1000 + 2,) * len(state.sampling_ids)))
+        state, plan = step(state, Events(sampled=(k % 1000 + 2,) * len(state.awaiting[0])))
     dt = time.perf_counter() - t0
     assert len(plan.seqs) == a.num_seqs
     print(f"{a.num_seqs} seqs, {a.steps} decode steps: {dt / a.steps * 1e3:.3f} ms/step, "

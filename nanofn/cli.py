@@ -57,9 +57,12 @@ ENGINE_FLAGS: dict[str, dict[str, Any]] = {
                                   help="KV cache size in bytes (default: from "
                                        "--gpu-memory-utilization on a GPU, 4 GiB on a CPU)"),
     "num_kv_blocks": dict(type=int, metavar="N", help="exact number of KV cache blocks"),
-    "attention_backend": dict(choices=["auto", "torch", "triton"],
-                              help="attention kernels (default: auto, triton on CUDA and the "
-                                   "torch references on a CPU)"),
+    "async_scheduling": dict(flag="--no-async-scheduling", action="store_const", const=False,
+                             help="schedule each step only after the previous one's tokens "
+                                  "are known (simpler traces, slower)"),
+    "kernel_backend": dict(choices=["auto", "torch", "triton"],
+                           help="kernels for attention, norms, rotary and activation (default: "
+                                "auto, triton on CUDA and the torch references on a CPU)"),
     "trace": dict(metavar="PATH", help="record the run's trace here, for `nanofn replay`"),
 }
 

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import xxhash
 
 from nanofn.state import BatchPlan, EngineState
+from nanofn.state.plan import PENDING_TOKEN
 
 EOS = 0
 
@@ -27,6 +28,7 @@ class FakeRunner:
         self.vocab_size = vocab_size
         self.slots: list[tuple[int, int] | None] = [None] * (num_blocks * block_size)
         self.tables: dict[str, list[int]] = {}  # kept by appends, as the real runner does
+        self.last_sampled: dict[str, int] = {}  # the previous plan's tokens, for PENDING_TOKEN
 
     def slot(self, block_table: Sequence[int], position: int) -> int:
         return block_table[position // self.block_size] * self.block_size + position % self.block_size
@@ -41,11 +43,16 @@ class FakeRunner:
             table = self.tables.setdefault(s.seq_id, [])
             table.extend(s.block_table[len(table):])
             assert table == list(s.block_table), f"{s.seq_id}'s block table changed unreleased"
+            assert PENDING_TOKEN not in s.token_ids[:-1], "a pending token before the last"
             for i, token in enumerate(s.token_ids):
+                if token == PENDING_TOKEN:
+                    token = self.last_sampled[s.seq_id]
                 position = s.start_pos + i
                 self.slots[self.slot(table, position)] = (token, position)
-        return tuple(next_token(self.read(self.tables[s.seq_id], s.context_len), self.vocab_size)
-                     for s in plan.seqs if s.sample)
+        sampled = tuple(next_token(self.read(self.tables[s.seq_id], s.context_len),
+                                   self.vocab_size) for s in plan.seqs if s.sample)
+        self.last_sampled = dict(zip(plan.sampling_seq_ids, sampled))
+        return sampled
 
     def read(self, block_table: Sequence[int], length: int) -> list[int]:
         tokens = []
@@ -71,7 +78,9 @@ def stop_string_hit(output: Sequence[int]) -> bool:
 
 
 def check_running_contexts(runner: FakeRunner, state: EngineState) -> None:
-    """Each running sequence's computed tokens are in the cache where its block table says."""
+    """Each running sequence's computed, known tokens are in the cache where its block table
+    says."""
     for seq in state.running:
-        read = runner.read(seq.block_table, seq.num_computed)
-        assert read == list(seq.token_ids[:seq.num_computed]), f"{seq.seq_id} reads {read}"
+        known = min(seq.num_computed, seq.num_tokens)
+        read = runner.read(seq.block_table, known)
+        assert read == list(seq.token_ids[:known]), f"{seq.seq_id} reads {read}"

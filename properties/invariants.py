@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 
 from nanofn.state import BatchPlan, EngineState, SeqStatus
+from nanofn.state.plan import PENDING_TOKEN
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -58,7 +59,7 @@ def check_sequences(state: EngineState) -> None:
     for seq in state.running:
         assert seq.status is SeqStatus.RUNNING
         assert len(seq.block_table) == blocks_for(seq.num_computed, bs), seq.seq_id
-        assert seq.num_computed <= seq.num_tokens <= state.config.max_model_len
+        assert seq.num_computed <= seq.num_positions <= state.config.max_model_len
     for seq in state.waiting:
         assert seq.status is SeqStatus.WAITING
         assert len(seq.block_table) == 0 and seq.num_computed == 0, seq.seq_id
@@ -86,13 +87,19 @@ def check_plan(state: EngineState, plan: BatchPlan) -> None:
         assert s.num_tokens >= 1
         assert s.context_len <= c.max_model_len
         assert s.context_len == seq.num_computed
-        assert tuple(seq.token_ids[s.start_pos:s.context_len]) == s.token_ids
-        assert s.sample == (s.context_len == seq.num_tokens)
+        known = tuple(seq.token_ids[s.start_pos:s.context_len])
+        pending = s.context_len - s.start_pos - len(known)
+        assert pending in (0, 1) and s.token_ids == known + (PENDING_TOKEN,) * pending
+        if pending:  # only the last token, and never for a sequence that needs its history
+            assert s.sample and s.history is None
+        if s.sample:
+            assert seq.num_uncomputed == 1 and seq.num_pending >= 1
         assert s.block_table == seq.block_table
         if not c.enable_chunked_prefill:
-            assert s.sample, "a chunk without chunked prefill"
-    assert state.sampling_ids == tuple(s.seq_id for s in plan.seqs if s.sample)
-    assert set(plan.released) == {s.seq_id for s in state.finished} | set(state.preempted)
+            assert s.sample or pending, "a chunk without chunked prefill"
+    assert (state.awaiting[-1] if plan.seqs else ()) == plan.sampling_seq_ids
+    assert set(plan.released) >= {s.seq_id for s in state.finished} | set(state.preempted)
+    assert state.unreported_releases == (() if plan.seqs else plan.released)
 
 
 def check_all(state: EngineState, plan: BatchPlan) -> None:

@@ -14,6 +14,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from nanofn.state import (Events, InvalidRequest, NewRequest, SamplingParams, check_new_request,
                           parse_trace, replay, step)
 from nanofn.state import scheduler
+from nanofn.state.plan import PENDING_TOKEN
 from properties.driver import Driver
 from properties.fake_runner import check_running_contexts
 from properties.invariants import check_all
@@ -31,9 +32,9 @@ def _spying_preempt(pool, seq):
 
 
 class EngineMachine(RuleBasedStateMachine):
-    @initialize(config=configs())
-    def start(self, config):
-        self.driver = Driver(config)
+    @initialize(config=configs(), pipelined=st.booleans())
+    def start(self, config, pipelined):
+        self.driver = Driver(config, pipelined)
         self.new: list[NewRequest] = []
         self.aborts: list[str] = []
         self.stops: list[str] = []
@@ -131,10 +132,14 @@ def _note_coverage(old, new, plan) -> None:
         event("eviction or reuse of a cached free block")
     for seq in new.finished:
         event(f"finished: {seq.finish_reason.value}")
+    if any(PENDING_TOKEN in s.token_ids for s in plan.seqs):
+        event("pending token scheduled")
+    if any(seq.num_pending for seq in new.waiting):
+        event("preempted with a token in flight")
 
 
 def _events(driver: Driver, new):
-    return Events(sampled=driver.sampled, new_requests=tuple(new))
+    return Events(sampled=driver.ready, new_requests=tuple(new))
 
 
 EngineMachine.TestCase.settings = settings(

@@ -21,15 +21,16 @@ PLAIN = SchedulerConfig(num_blocks=64, block_size=BLOCK_SIZE, max_num_seqs=1,
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(workload=workloads, config=configs(caching=st.just(True), chunking=st.just(True)))
-def test_outputs_equal_a_plain_run(workload, config):
-    assert run_workload(config, workload) == run_workload(PLAIN, workload)
+@given(workload=workloads, config=configs(caching=st.just(True), chunking=st.just(True)),
+       pipelined=st.booleans())
+def test_outputs_equal_a_plain_run(workload, config, pipelined):
+    assert run_workload(config, workload, pipelined) == run_workload(PLAIN, workload)
 
 
 @settings(max_examples=100, deadline=None)
-@given(workload=workloads, config=configs())
-def test_outputs_equal_under_any_configuration(workload, config):
-    assert run_workload(config, workload) == run_workload(PLAIN, workload)
+@given(workload=workloads, config=configs(), pipelined=st.booleans())
+def test_outputs_equal_under_any_configuration(workload, config, pipelined):
+    assert run_workload(config, workload, pipelined) == run_workload(PLAIN, workload)
 
 
 def test_a_tight_pool_really_preempts_and_hits_the_cache():
@@ -43,7 +44,7 @@ def test_a_tight_pool_really_preempts_and_hits_the_cache():
     driver = Driver(tight)
     _, plan = driver.advance([NewRequest(f"r{i}", p, params) for i, p in enumerate(prompts)])
     chunked = any(not s.sample for s in plan.seqs)
-    while driver.state.has_unfinished or driver.sampled:
+    while driver.busy:
         _, plan = driver.advance()
         chunked |= any(not s.sample for s in plan.seqs)
     stats = driver.state.stats

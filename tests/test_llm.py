@@ -253,14 +253,36 @@ def test_add_request_step_abort_and_is_finished(tiny_qwen3):
     assert engine.state.pool.num_free == engine.state.pool.num_blocks
 
 
-def test_step_reports_prefill_and_decode_tokens(tiny_qwen3):
-    engine = Engine(EngineOptions(model=str(tiny_qwen3), num_kv_blocks=64, max_model_len=256))
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_step_reports_prefill_and_decode_tokens(tiny_qwen3, pipelined):
+    engine = Engine(EngineOptions(model=str(tiny_qwen3), num_kv_blocks=64, max_model_len=256,
+                                  async_scheduling=pipelined))
     engine.add_request([1, 2, 3, 4, 5], SamplingParams(temperature=0, max_tokens=3))
     first = engine.step()
     assert (first.num_prefill_tokens, first.num_decode_tokens, first.outputs) == (5, 0, [])
     second = engine.step()
     assert (second.num_prefill_tokens, second.num_decode_tokens) == (0, 1)
-    assert len(second.outputs[0].outputs[0].token_ids) == 1 and not second.outputs[0].finished
+    # One step ahead, the second step schedules before the first token is back on the host.
+    seen = engine.step().outputs if pipelined else second.outputs
+    assert len(seen[0].outputs[0].token_ids) == 1 and not seen[0].finished
+
+
+def test_async_scheduling_gives_the_tokens_of_sync_scheduling(tiny_qwen3):
+    """Pending tokens, one-step-late finishing and discarded extra samples change nothing a
+    user sees: stop strings, stop tokens, EOS-like stops, lengths, n, seeds."""
+    def run(pipelined):
+        with LLM(str(tiny_qwen3), num_kv_blocks=12, max_model_len=160,
+                 async_scheduling=pipelined) as llm:
+            free = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+            stop_token = free[0].outputs[0].token_ids[4]
+            params = [SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop_token]),
+                      SamplingParams(temperature=0.9, max_tokens=9, seed=4, n=2),
+                      SamplingParams(temperature=0, max_tokens=20, stop=[free[2]["text"][6:9]])]
+            outs = llm.generate(PROMPTS, params, use_tqdm=False)
+            return [[(c.token_ids, c.text, c.finish_reason) for c in o.outputs] for o in outs]
+    sync = run(False)
+    assert run(True) == sync
+    assert [o[0][2] for o in sync] == ["stop", "length", "stop"]
 
 
 # --- traces -------------------------------------------------------------------------------

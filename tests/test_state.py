@@ -18,6 +18,7 @@ from nanofn.state import (Events, FinishReason, InvalidRequest, NewRequest, Samp
 from nanofn.state.block_pool import (CachedBlock, allocate, cache_block, find_cached_prefix,
                                      new_block_pool, release)
 from nanofn.state.hashing import ROOT_HASH, block_hash
+from nanofn.state.plan import PENDING_TOKEN
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
 
@@ -28,8 +29,13 @@ def config(**overrides) -> SchedulerConfig:
     return SchedulerConfig(**{**base, **overrides})
 
 
+def deliver(state, token=5):
+    """The tokens of the oldest undelivered plan, all ``token``; None if none is awaited."""
+    return (token,) * len(state.awaiting[0]) if state.awaiting else None
+
+
 def run(state, sampled_token=5, **events):
-    return step(state, Events(sampled=(sampled_token,) * len(state.sampling_ids), **events))
+    return step(state, Events(sampled=deliver(state, sampled_token), **events))
 
 
 def request(rid: str, prompt, params=GREEDY) -> NewRequest:
@@ -117,10 +123,35 @@ def test_a_duplicate_live_id_is_rejected_but_a_finished_id_can_be_reused():
     check_new_request(state, request("a", [3]))
 
 
-def test_the_sampled_tokens_must_match_the_last_plan():
+def test_deliveries_must_match_the_plan_they_belong_to():
     state, _ = step(initial_state(config()), Events(new_requests=(request("a", [1, 2]),)))
-    with pytest.raises(ValueError, match="got 0 sampled tokens, the last plan sampled 1"):
-        step(state, Events())
+    with pytest.raises(ValueError, match="got 2 sampled tokens, the plan they belong to sampled 1"):
+        step(state, Events(sampled=(3, 4)))
+    with pytest.raises(ValueError, match="no plan is waiting for its tokens"):
+        step(initial_state(config()), Events(sampled=()))
+
+
+def test_a_runner_one_step_ahead_gets_plans_with_pending_tokens():
+    """Tokens delivered one plan late: the next plan computes the pending token in place
+    (PENDING_TOKEN), and finishing by length never schedules beyond the last token."""
+    params = replace(GREEDY, max_tokens=3)
+    state, plan = step(initial_state(config()), Events(new_requests=(request("a", [1, 2]),)))
+    state, plan = step(state, Events())  # nothing delivered yet
+    (s,) = plan.seqs
+    assert (s.token_ids, s.start_pos, s.sample) == ((PENDING_TOKEN,), 2, True)
+    assert state.running[0].num_pending == 2
+    state, plan = step(state, Events(sampled=(7,)))  # the first plan's token
+    assert state.running[0].token_ids[-1] == 7 and plan.seqs[0].start_pos == 3
+    state, plan = step(state, Events(sampled=(8,)))
+    assert plan.seqs == () or plan.seqs[0].start_pos == 4
+    late = step(initial_state(config()), Events(new_requests=(request("b", [1, 2], params),)))[0]
+    for _ in range(3):
+        late, plan = step(late, Events())
+    assert plan.is_empty  # three tokens pending: b has all it may have
+    for token in (4, 5, 6):
+        late, _ = step(late, Events(sampled=(token,)))
+    (seq,) = late.finished
+    assert seq.output_token_ids == (4, 5, 6) and seq.finish_reason is FinishReason.LENGTH
 
 
 # --- finishing ----------------------------------------------------------------------------
@@ -259,7 +290,7 @@ def record(cfg, rounds):
     lines, seen = [header_line(cfg, {"model": "test"})], []
     state = initial_state(cfg)
     for i in range(rounds):
-        events = Events(sampled=(i % 7 + 1,) * len(state.sampling_ids),
+        events = Events(sampled=deliver(state, i % 7 + 1),
                         new_requests=(request(f"r{i}", range(i + 1, i + 20)),) if i < 5 else (),
                         aborts=("r1",) if i == 3 else ())
         state, plan = step(state, events)

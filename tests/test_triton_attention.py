@@ -6,63 +6,27 @@ tests in ``tests/gpu`` cover bf16.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
-import multiprocessing
-import os
-from concurrent.futures import ProcessPoolExecutor
-from unittest import mock
 
 import pytest
 import torch
-import triton.runtime.interpreter
 from transformers import AutoConfig
+from triton_interpreter import interpreter_process
 
 import nanofn.kernels.attention as reference
 import nanofn.kernels.triton_attention as triton_attention
-from nanofn.model import TORCH_ATTENTION, AttentionBatch, build_model, load_weights, model_shape
+from nanofn.kernels import TORCH_KERNELS
+from nanofn.model import AttentionBatch, build_model, load_weights, model_shape
 
 TOLERANCES = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.float16: dict(atol=3e-3, rtol=0)}
 
 
 @pytest.fixture(scope="module")
 def interpreter():
-    """``run(function, *args, **kwargs)`` in a child process whose Triton kernels run in the interpreter.
-
-    ``@triton.jit`` (Triton's own ``tl.sum`` and ``tl.zeros`` included) picks interpreter or
-    compiler from TRITON_INTERPRET when triton is first imported, and in a test session
-    transformers imports it long before this module. So the kernels run in a spawned child that
-    starts with the variable set; the references run here. A child that crashes (say, on a write
-    out of bounds) fails the test at once instead of hanging it.
-    """
-    context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(1, mp_context=context, initializer=prepare_interpreter_process) as executor:
-        with mock.patch.dict(os.environ, {"TRITON_INTERPRET": "1"}):
-            executor.submit(int).result()  # the first task starts the child, inheriting the variable
-        yield lambda function, *args, **kwargs: executor.submit(function, *args, **kwargs).result(timeout=120)
-
-
-def prepare_interpreter_process() -> None:
-    """Set up the interpreter child: one thread, a fix for numpy 2.4, NaN-filled allocations."""
-    torch.set_num_threads(1)
-
-    # Triton 3.6's interpreter turns a loop bound read from memory into an int by calling ``int()``
-    # on a one-element array, which numpy 2.4 refuses (triton-lang/triton#9171): use ``.item()``.
-    patch_lang_tensor = triton.runtime.interpreter._patch_lang_tensor
-
-    def patch_with_item_index(tensor, scope):
-        patch_lang_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
-
-    triton.runtime.interpreter._patch_lang_tensor = patch_with_item_index
-
-    # Every float tensor the kernels' host code allocates starts as NaN: an unwritten output fails.
-    empty = torch.empty
-
-    def nan_empty(*args, **kwargs):
-        tensor = empty(*args, **kwargs)
-        return tensor.fill_(float("nan")) if tensor.is_floating_point() else tensor
-
-    torch.empty = nan_empty
+    """``run(function, *args, **kwargs)``: ``function`` in a child whose kernels run in the interpreter."""
+    with interpreter_process() as run:
+        yield run
 
 
 def store_kv_and_return_caches(k, v, k_cache, v_cache, slot_mapping):
@@ -178,13 +142,22 @@ def test_prefill_attention_matches_reference(interpreter, dtype, group, block_si
     torch.testing.assert_close(out, reference.prefill_attention(*args), **TOLERANCES[dtype])
 
 
-BACKENDS = {"torch": TORCH_ATTENTION, "triton": triton_attention.TRITON_ATTENTION}
+# The torch references throughout, but for the attention kernels of the "triton" backend.
+BACKENDS = {
+    "torch": TORCH_KERNELS,
+    "triton": dataclasses.replace(
+        TORCH_KERNELS,
+        store_kv=triton_attention.store_kv,
+        prefill_attention=triton_attention.prefill_attention,
+        decode_attention=triton_attention.decode_attention,
+    ),
+}
 
 
 def hidden_states_of_steps(checkpoint, backend, steps, block_size=16):
     """A model's hidden states over a few steps, each ``{sequence: (first position, new tokens)}``."""
     config = AutoConfig.from_pretrained(checkpoint)
-    model = build_model(config, dtype="float32", device="cpu", attention_backend=BACKENDS[backend])
+    model = build_model(config, dtype="float32", device="cpu", kernels=BACKENDS[backend])
     load_weights(model, checkpoint)
     cache_shape = model_shape(config).kv_cache_shape(num_blocks=12, block_size=block_size)
     kv_cache = torch.randn(cache_shape, generator=torch.Generator().manual_seed(7))

@@ -1,15 +1,20 @@
 """The engine shell: tokenizer, the pure core's ``step``, the runner and the trace, connected.
 
 One ``step()``:
-1. the tokens the runner sampled last time are detokenized (stop strings are found here);
+1. the tokens of the oldest plan not yet delivered are detokenized (stop strings are found
+   here);
 2. they, the stop-string hits, the aborts and the new requests go to ``state.step`` as events;
-3. the new plan is written to the trace and executed; its tokens wait for the next call.
-So the outputs of a call show the tokens sampled by the previous call's plan.
+3. the new plan is written to the trace and launched on the device;
+4. the oldest launched plan's tokens are fetched for the next call. With async scheduling
+   (the default) a plan launched alone is not waited for: the next call schedules while the
+   device computes, and its plan reads the pending tokens on the device.
+So the outputs of a call show tokens sampled by earlier calls' plans.
 """
 
 from __future__ import annotations
 
 import itertools
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -22,7 +27,7 @@ from nanofn.engine.detokenizer import Detokenizer
 from nanofn.engine.options import EngineOptions
 from nanofn.model import resolve_dtype
 from nanofn.outputs import CompletionOutput, Logprob, RequestOutput
-from nanofn.runner.model_runner import ModelRunner, RunnerConfig
+from nanofn.runner.model_runner import LaunchedStep, ModelRunner, RunnerConfig
 from nanofn.runner.sampler import SampleOutput, TokenLogprobs
 from nanofn.runner.tensor_parallel import TensorParallelExecutor
 from nanofn.state import (BatchPlan, EngineState, Events, Figures, InvalidRequest, NewRequest,
@@ -88,7 +93,7 @@ class Engine:
             num_kv_blocks=options.num_kv_blocks,
             seed=options.seed,
             enforce_eager=options.enforce_eager,
-            attention_backend=options.attention_backend,
+            kernel_backend=options.kernel_backend,
             tp_size=options.tensor_parallel_size,
         )
         self.runner = (ModelRunner(self.hf_config, runner_config) if runner_config.tp_size == 1
@@ -117,7 +122,8 @@ class Engine:
         self._new: list[NewRequest] = []
         self._aborts: list[str] = []
         self._aborted_before_start: list[_Request] = []
-        self._last: tuple[BatchPlan, SampleOutput] | None = None
+        self._in_flight: deque[tuple[BatchPlan, LaunchedStep]] = deque()  # launched, not waited for
+        self._ready: tuple[BatchPlan, SampleOutput] | None = None  # waited for, not delivered
 
     # --- requests -------------------------------------------------------------------------
 
@@ -188,19 +194,33 @@ class Engine:
             self._trace.write(step_line(events, plan) + "\n")
         finished = self._finish(self.state.finished) + self._aborted_before_start
         self._aborted_before_start = []
-        self._last = (plan, self.runner.execute(plan)) if plan.seqs else None
+        if plan.seqs:
+            self._in_flight.append((plan, self.runner.launch(plan)))
+        self._wait_for_tokens(launched_alone=bool(plan.seqs) and len(self._in_flight) == 1)
         reported = finished if only_finished else _unique(advanced + finished)
         return StepResult([self._output(r) for r in reported],
                           plan.num_prefill_tokens, plan.num_decode_tokens)
 
-    def _take_sampled(self) -> tuple[tuple[int, ...], tuple[str, ...], list[_Request]]:
-        """Hand the last plan's tokens to their completions; find stop strings."""
-        if self._last is None:
-            return (), (), []
-        plan, out = self._last
-        self._last = None
+    def _wait_for_tokens(self, launched_alone: bool) -> None:
+        """Bring the oldest launched plan's tokens to the host for the next step. With async
+        scheduling, a plan just launched with nothing ahead of it is not waited for: the next
+        step is scheduled while the device works on it."""
+        if not self._in_flight or (self.options.async_scheduling and launched_alone):
+            return
+        plan, launched = self._in_flight.popleft()
+        self._ready = (plan, launched.wait())
+
+    def _take_sampled(self) -> tuple[tuple[int, ...] | None, tuple[str, ...], list[_Request]]:
+        """Hand the delivered tokens to their completions; find stop strings. Tokens of
+        sequences that finished meanwhile (they were sampled one step ahead) are dropped."""
+        if self._ready is None:
+            return None, (), []
+        plan, out = self._ready
+        self._ready = None
         stop_hits, advanced = [], []
         for seq_id, token, logprobs in zip(plan.sampling_seq_ids, out.token_ids, out.logprobs):
+            if seq_id not in self._completions:
+                continue
             request, completion = self._completions[seq_id]
             completion.token_ids.append(token)
             if logprobs is not None:

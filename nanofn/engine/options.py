@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
+KERNEL_BACKENDS = ("auto", "torch", "triton")
 
 
 @dataclass(frozen=True)
@@ -27,7 +27,8 @@ class EngineOptions:
     kv_cache_memory_bytes: int | None = None  # default: from gpu_memory_utilization (GPU), 4 GiB (CPU)
     num_kv_blocks: int | None = None  # an exact KV cache size, for tests and debugging
     device: str = "auto"  # "cuda" when there is a GPU, else "cpu"
-    attention_backend: str = "auto"  # "triton" on CUDA, "torch" (the references) on CPU
+    kernel_backend: str = "auto"  # "triton" on CUDA, "torch" (the references) on CPU
+    async_scheduling: bool = True  # schedule the next step while the device runs this one
 
     def __post_init__(self) -> None:
         for problem in _problems(self):
@@ -54,8 +55,8 @@ def _problems(o: EngineOptions):
         value = getattr(o, name)
         if value is not None and (not isinstance(value, int) or value < 1):
             yield f"{name} must be a positive integer or None, got {value!r}"
-    if o.attention_backend not in ATTENTION_BACKENDS:
-        yield (f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
-               f"got {o.attention_backend!r}")
+    if o.kernel_backend not in KERNEL_BACKENDS:
+        yield (f"kernel_backend must be one of {', '.join(KERNEL_BACKENDS)}, "
+               f"got {o.kernel_backend!r}")
     if o.device not in ("auto", "cpu", "cuda") and not o.device.startswith("cuda:"):
         yield f"device must be 'auto', 'cpu' or 'cuda[:N]', got {o.device!r}"

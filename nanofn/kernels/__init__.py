@@ -1,12 +1,49 @@
-"""Compute kernels. Each module holds the plain-torch reference that defines a kernel's contract."""
+"""Compute kernels. Each module holds the plain-torch reference that defines a kernel's contract.
+
+A model calls its kernels through one ``KernelBackend``, chosen once per engine: ``TORCH_KERNELS``
+(the references, defined here) or ``nanofn.kernels.triton_ops.TRITON_KERNELS`` (imported only
+where asked for, so that importing this package loads no Triton).
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
 
 from nanofn.kernels.activation import silu_and_mul
 from nanofn.kernels.attention import decode_attention, prefill_attention, store_kv
 from nanofn.kernels.norm import rms_norm
 from nanofn.kernels.rotary import SUPPORTED_ROPE_TYPES, apply_rotary, build_cos_sin_cache
 
+
+@dataclass(frozen=True)
+class KernelBackend:
+    """Every kernel a model calls besides its matrix multiplies and embedding lookups.
+
+    Each field has the signature and contract of the torch reference of the same name.
+    """
+
+    store_kv: Callable[..., None]
+    prefill_attention: Callable[..., torch.Tensor]
+    decode_attention: Callable[..., torch.Tensor]
+    rms_norm: Callable[..., torch.Tensor | tuple[torch.Tensor, torch.Tensor]]
+    apply_rotary: Callable[..., tuple[torch.Tensor, torch.Tensor]]  # optionally with Qwen3's q/k norm
+    silu_and_mul: Callable[..., torch.Tensor]
+
+
+TORCH_KERNELS = KernelBackend(
+    store_kv=store_kv,
+    prefill_attention=prefill_attention,
+    decode_attention=decode_attention,
+    rms_norm=rms_norm,
+    apply_rotary=apply_rotary,
+    silu_and_mul=silu_and_mul,
+)
+
 __all__ = [
     "SUPPORTED_ROPE_TYPES",
+    "TORCH_KERNELS",
+    "KernelBackend",
     "apply_rotary",
     "build_cos_sin_cache",
     "decode_attention",

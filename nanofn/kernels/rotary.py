@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from nanofn.kernels.norm import rms_norm
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -42,11 +44,19 @@ def apply_rotary(
     k: torch.Tensor,
     positions: torch.Tensor,
     cos_sin_cache: torch.Tensor,
+    q_norm_weight: torch.Tensor | None = None,
+    k_norm_weight: torch.Tensor | None = None,
+    norm_eps: float = 1e-6,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate ``q [T, H, D]`` and ``k [T, Hkv, D]`` by the angles of ``positions [T]``.
 
-    Returns new tensors in the inputs' dtypes; the rotation itself is computed in float32.
+    With ``q_norm_weight`` and ``k_norm_weight`` (``[D]``, Qwen3's ``q_norm``/``k_norm``), each
+    query and key head is first RMS-normalised over ``D`` exactly as ``rms_norm`` does; the
+    Triton kernel fuses the two steps. Returns new tensors in the inputs' dtypes; the rotation
+    itself is computed in float32.
     """
+    if q_norm_weight is not None:
+        q, k = rms_norm(q, q_norm_weight, norm_eps), rms_norm(k, k_norm_weight, norm_eps)
     cos, sin = cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, D/2] each
     return _rotate(q, cos, sin), _rotate(k, cos, sin)
 

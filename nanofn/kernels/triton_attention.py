@@ -19,7 +19,6 @@ captured in a CUDA graph.
 from __future__ import annotations
 
 import functools
-from types import SimpleNamespace
 
 import torch
 import triton
@@ -391,8 +390,3 @@ def _check_layout(k_cache: torch.Tensor, v_cache: torch.Tensor, *inputs: torch.T
     assert all(t.stride(-1) == 1 for t in (k_cache, v_cache, *inputs)), "last dimensions must be contiguous"
     assert k_cache.stride() == v_cache.stride(), "the K and V caches must share strides"
 
-
-# Satisfies ``nanofn.model.decoder.AttentionBackend``.
-TRITON_ATTENTION = SimpleNamespace(
-    store_kv=store_kv, decode_attention=decode_attention, prefill_attention=prefill_attention
-)

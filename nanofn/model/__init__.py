@@ -2,13 +2,11 @@
 
 from nanofn.model.batch import AttentionBatch
 from nanofn.model.config import ModelShape, model_shape
-from nanofn.model.decoder import ARCHITECTURES, TORCH_ATTENTION, AttentionBackend, CausalLM
+from nanofn.model.decoder import ARCHITECTURES, CausalLM
 from nanofn.model.loader import build_model, load_weights, resolve_dtype
 
 __all__ = [
     "ARCHITECTURES",
-    "TORCH_ATTENTION",
-    "AttentionBackend",
     "AttentionBatch",
     "CausalLM",
     "ModelShape",

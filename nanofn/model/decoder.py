@@ -2,20 +2,20 @@
 
 The architectures differ only in the switches of ``DecoderOptions``. Module and parameter names
 follow Hugging Face's, except the fused ``qkv_proj`` and ``gate_up_proj`` (see ``loader.py``).
-Everything a step needs comes in through ``forward``'s arguments: no global context.
+Everything a step needs comes in through ``forward``'s arguments and every kernel other than
+the matrix multiplies through the ``KernelBackend`` given at construction: no global context.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import nn
 
-import nanofn.kernels.attention
-from nanofn.kernels import silu_and_mul
+from nanofn.kernels import KernelBackend
 from nanofn.model.batch import AttentionBatch
 from nanofn.model.config import head_dim, num_kv_heads, rope_settings
 from nanofn.model.layers import RMSNorm, RotaryEmbedding
@@ -26,21 +26,6 @@ from nanofn.model.parallel import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-
-
-class AttentionBackend(Protocol):
-    """The paged-attention kernels a model calls; see ``nanofn.kernels.attention`` for the contract."""
-
-    def store_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None: ...
-
-    def prefill_attention(
-        self, q, k_cache, v_cache, query_start, seq_lens, block_tables, query_lens_host, seq_lens_host, scale
-    ) -> torch.Tensor: ...
-
-    def decode_attention(self, q, k_cache, v_cache, seq_lens, block_tables, scale) -> torch.Tensor: ...
-
-
-TORCH_ATTENTION: AttentionBackend = nanofn.kernels.attention
 
 
 @dataclass(frozen=True)
@@ -96,7 +81,7 @@ class Attention(nn.Module):
         hf_config: Any,
         options: DecoderOptions,
         rotary: RotaryEmbedding,
-        backend: AttentionBackend,
+        kernels: KernelBackend,
         tp_rank: int,
         tp_size: int,
     ):
@@ -118,12 +103,11 @@ class Attention(nn.Module):
             tp_rank=tp_rank,
             tp_size=tp_size,
         )
-        if options.qk_norm:
-            self.q_norm = RMSNorm(dim, hf_config.rms_norm_eps)
-            self.k_norm = RMSNorm(dim, hf_config.rms_norm_eps)
-        self.qk_norm = options.qk_norm
+        # Qwen3's per-head norms: weight holders here, applied inside the rotary kernel.
+        self.q_norm = RMSNorm(dim, hf_config.rms_norm_eps, kernels) if options.qk_norm else None
+        self.k_norm = RMSNorm(dim, hf_config.rms_norm_eps, kernels) if options.qk_norm else None
         self.rotary = rotary
-        self.backend = backend
+        self.kernels = kernels
         self.head_dim = dim
         self.scale = dim**-0.5
 
@@ -140,16 +124,14 @@ class Attention(nn.Module):
         q = q.view(-1, qkv_proj.num_heads, self.head_dim)
         k = k.view(-1, qkv_proj.num_kv_heads, self.head_dim)
         v = v.view(-1, qkv_proj.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        self.backend.store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+        q, k = self.rotary(positions, q, k, self.q_norm, self.k_norm)
+        self.kernels.store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
         if batch.decode_only:
-            out = self.backend.decode_attention(
+            out = self.kernels.decode_attention(
                 q, k_cache, v_cache, batch.seq_lens, batch.block_tables, self.scale
             )
         else:
-            out = self.backend.prefill_attention(
+            out = self.kernels.prefill_attention(
                 q,
                 k_cache,
                 v_cache,
@@ -164,7 +146,9 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, hf_config: Any, options: DecoderOptions, tp_rank: int, tp_size: int):
+    def __init__(
+        self, hf_config: Any, options: DecoderOptions, kernels: KernelBackend, tp_rank: int, tp_size: int
+    ):
         super().__init__()
         hidden, intermediate = hf_config.hidden_size, hf_config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(
@@ -173,9 +157,10 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(
             intermediate, hidden, bias=options.mlp_bias, tp_rank=tp_rank, tp_size=tp_size
         )
+        self.kernels = kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.kernels.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -184,15 +169,15 @@ class DecoderLayer(nn.Module):
         hf_config: Any,
         options: DecoderOptions,
         rotary: RotaryEmbedding,
-        backend: AttentionBackend,
+        kernels: KernelBackend,
         tp_rank: int,
         tp_size: int,
     ):
         super().__init__()
-        self.self_attn = Attention(hf_config, options, rotary, backend, tp_rank, tp_size)
-        self.mlp = MLP(hf_config, options, tp_rank, tp_size)
-        self.input_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+        self.self_attn = Attention(hf_config, options, rotary, kernels, tp_rank, tp_size)
+        self.mlp = MLP(hf_config, options, kernels, tp_rank, tp_size)
+        self.input_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, kernels)
+        self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, kernels)
 
     def forward(
         self,
@@ -217,7 +202,7 @@ class DecoderModel(nn.Module):
         self,
         hf_config: Any,
         options: DecoderOptions,
-        backend: AttentionBackend,
+        kernels: KernelBackend,
         max_positions: int,
         tp_rank: int,
         tp_size: int,
@@ -227,12 +212,12 @@ class DecoderModel(nn.Module):
             hf_config.vocab_size, hf_config.hidden_size, tp_rank=tp_rank, tp_size=tp_size
         )
         rope_theta, rope_scaling = rope_settings(hf_config)
-        self.rotary = RotaryEmbedding(head_dim(hf_config), max_positions, rope_theta, rope_scaling)
+        self.rotary = RotaryEmbedding(head_dim(hf_config), max_positions, rope_theta, rope_scaling, kernels)
         self.layers = nn.ModuleList(
-            DecoderLayer(hf_config, options, self.rotary, backend, tp_rank, tp_size)
+            DecoderLayer(hf_config, options, self.rotary, kernels, tp_rank, tp_size)
             for _ in range(hf_config.num_hidden_layers)
         )
-        self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+        self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, kernels)
 
     def forward(
         self,
@@ -267,13 +252,13 @@ class CausalLM(nn.Module):
         self,
         hf_config: Any,
         options: DecoderOptions,
-        backend: AttentionBackend,
+        kernels: KernelBackend,
         max_positions: int,
         tp_rank: int,
         tp_size: int,
     ):
         super().__init__()
-        self.model = DecoderModel(hf_config, options, backend, max_positions, tp_rank, tp_size)
+        self.model = DecoderModel(hf_config, options, kernels, max_positions, tp_rank, tp_size)
         self.lm_head = ParallelLMHead(
             hf_config.vocab_size, hf_config.hidden_size, tp_rank=tp_rank, tp_size=tp_size
         )

@@ -7,34 +7,54 @@ from typing import Any
 import torch
 from torch import nn
 
-from nanofn.kernels import apply_rotary, build_cos_sin_cache, rms_norm
+from nanofn.kernels import KernelBackend, build_cos_sin_cache
 from nanofn.model.parallel import load_replicated
 
 
 class RMSNorm(nn.Module):
     """RMS norm over the last dimension; ``forward(x, residual)`` fuses the residual add."""
 
-    def __init__(self, size: int, eps: float):
+    def __init__(self, size: int, eps: float, kernels: KernelBackend):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(size), requires_grad=False)
         self.weight.weight_loader = load_replicated
+        self.kernels = kernels
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        return rms_norm(x, self.weight, self.eps, residual)
+        return self.kernels.rms_norm(x, self.weight, self.eps, residual)
 
 
 class RotaryEmbedding(nn.Module):
     """Holds the float32 cos/sin table, built on the default device; one instance serves all layers."""
 
-    def __init__(self, head_dim: int, max_positions: int, rope_theta: float, rope_scaling: dict[str, Any] | None):
+    def __init__(
+        self,
+        head_dim: int,
+        max_positions: int,
+        rope_theta: float,
+        rope_scaling: dict[str, Any] | None,
+        kernels: KernelBackend,
+    ):
         super().__init__()
         cache = build_cos_sin_cache(head_dim, max_positions, rope_theta, rope_scaling)
         self.register_buffer("cos_sin_cache", cache, persistent=False)
+        self.kernels = kernels
 
     def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        q_norm: RMSNorm | None = None,
+        k_norm: RMSNorm | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return apply_rotary(q, k, positions, self.cos_sin_cache)
+        """Rotated ``q [T, H, D]`` and ``k [T, Hkv, D]``; with ``q_norm`` and ``k_norm`` (Qwen3) each
+        head is RMS-normalised first, in the same kernel."""
+        if q_norm is None:
+            return self.kernels.apply_rotary(q, k, positions, self.cos_sin_cache)
+        return self.kernels.apply_rotary(
+            q, k, positions, self.cos_sin_cache, q_norm.weight, k_norm.weight, q_norm.eps
+        )

@@ -11,8 +11,9 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from nanofn.kernels import TORCH_KERNELS, KernelBackend
 from nanofn.model.config import check_activation, check_context_fits_window
-from nanofn.model.decoder import TORCH_ATTENTION, AttentionBackend, CausalLM, decoder_options
+from nanofn.model.decoder import CausalLM, decoder_options
 
 DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
@@ -51,19 +52,20 @@ def build_model(
     tp_rank: int = 0,
     tp_size: int = 1,
     max_model_len: int | None = None,
-    attention_backend: AttentionBackend = TORCH_ATTENTION,
+    kernels: KernelBackend = TORCH_KERNELS,
 ) -> CausalLM:
     """An uninitialised model holding this rank's shard; fill it with ``load_weights``.
 
     ``max_model_len``, the longest context the caller will run, sizes the rotary table (default:
     the config's ``max_position_embeddings``) and is checked against a sliding window.
+    ``kernels`` are the non-matmul kernels every layer calls (attention, norms, rotary, activation).
     """
     options = decoder_options(hf_config)
     check_activation(hf_config)
     check_context_fits_window(hf_config, max_model_len)
     max_positions = max_model_len or hf_config.max_position_embeddings
     with torch.device(device), _default_dtype(resolve_dtype(hf_config, dtype)):
-        model = CausalLM(hf_config, options, attention_backend, max_positions, tp_rank, tp_size)
+        model = CausalLM(hf_config, options, kernels, max_positions, tp_rank, tp_size)
     return model.eval()
 
 

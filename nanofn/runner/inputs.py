@@ -9,7 +9,7 @@ import torch
 
 from nanofn.model.batch import AttentionBatch
 from nanofn.runner.block_tables import DeviceBlockTables
-from nanofn.state.plan import BatchPlan
+from nanofn.state.plan import PENDING_TOKEN, BatchPlan
 
 
 @dataclass(frozen=True)
@@ -20,32 +20,48 @@ class ModelInputs:
     sample_rows: torch.Tensor  # [S] int64: the token rows whose logits are sampled, in plan order
 
 
-def prepare_inputs(plan: BatchPlan, block_tables: DeviceBlockTables,
-                   device: torch.device) -> ModelInputs:
+@dataclass(frozen=True)
+class PreviousSamples:
+    """The tokens the previous plan sampled, still on the device, and the row of each
+    sequence's token: a plan's ``PENDING_TOKEN`` is read from here."""
+
+    tokens: torch.Tensor  # [S] int64
+    rows: dict[str, int]
+
+
+def prepare_inputs(plan: BatchPlan, block_tables: DeviceBlockTables, device: torch.device,
+                   previous: PreviousSamples | None = None) -> ModelInputs:
     """Lay the plan's tokens end to end and say where each goes in the paged cache.
 
     Host work is a few flat lists, sent in one copy; the per-token arithmetic (positions,
-    cache slots) runs as tensor operations on ``device``.
+    cache slots, pending tokens) runs as tensor operations on ``device``.
     """
     seqs = plan.seqs
     query_lens = tuple(s.num_tokens for s in seqs)
     seq_lens = tuple(s.context_len for s in seqs)
     query_start = [0, *accumulate(query_lens)]
     sample_rows = [end - 1 for end, s in zip(query_start[1:], seqs) if s.sample]
+    pending_at = [end - 1 for end, s in zip(query_start[1:], seqs)
+                  if s.token_ids[-1] == PENDING_TOKEN]
+    pending_from = [previous.rows[s.seq_id] for s in seqs if s.token_ids[-1] == PENDING_TOKEN]
     decode_only = all(n == 1 for n in query_lens)
     input_ids = list(chain.from_iterable(s.token_ids for s in seqs))
     rows, table_updates = block_tables.plan_updates(plan)
     width = max(len(s.block_table) for s in seqs)
 
     packed = torch.tensor([*input_ids, *(s.start_pos for s in seqs), *query_start, *seq_lens,
-                           *sample_rows, *rows, *table_updates], dtype=torch.int64)
+                           *sample_rows, *rows, *table_updates, *pending_at, *pending_from],
+                          dtype=torch.int64)
     if device.type == "cuda":
         packed = packed.pin_memory()
     num_tokens, num_seqs = len(input_ids), len(seqs)
-    ids, starts, query_start_t, seq_lens_t, sample_rows_t, rows_t, updates_t = packed.to(
-        device, non_blocking=True).split([num_tokens, num_seqs, num_seqs + 1, num_seqs,
-                                          len(sample_rows), num_seqs, len(table_updates)])
+    ids, starts, query_start_t, seq_lens_t, sample_rows_t, rows_t, updates_t, at_t, from_t = \
+        packed.to(device, non_blocking=True).split(
+            [num_tokens, num_seqs, num_seqs + 1, num_seqs, len(sample_rows), num_seqs,
+             len(table_updates), len(pending_at), len(pending_from)])
     block_tables.apply(updates_t)
+    if pending_at:
+        ids[at_t] = previous.tokens[from_t]
     tables = block_tables.table[rows_t, :width]
 
     if decode_only:

@@ -11,11 +11,11 @@ import torch
 import torch.distributed as dist
 from pyrsistent import pvector
 
-from nanofn.model import (TORCH_ATTENTION, AttentionBackend, build_model, load_weights,
-                          model_shape)
+from nanofn.kernels import TORCH_KERNELS, KernelBackend
+from nanofn.model import build_model, load_weights, model_shape
 from nanofn.runner.cuda_graphs import DecodeGraphs
 from nanofn.runner.block_tables import DeviceBlockTables
-from nanofn.runner.inputs import prepare_inputs
+from nanofn.runner.inputs import PreviousSamples, prepare_inputs
 from nanofn.runner.sampler import SampleOutput, SampleRequest, Sampler
 from nanofn.state.params import SamplingParams
 from nanofn.state.plan import BatchPlan, ScheduledSeq
@@ -40,9 +40,19 @@ class RunnerConfig:
     num_kv_blocks: int | None = None  # overrides everything
     seed: int | None = None
     enforce_eager: bool = False  # no CUDA graphs
-    attention_backend: str = "auto"
+    kernel_backend: str = "auto"
     tp_rank: int = 0
     tp_size: int = 1
+
+
+@dataclass
+class LaunchedStep:
+    """A plan handed to the device; ``wait()`` returns its sampled tokens on the host."""
+
+    output: SampleOutput
+
+    def wait(self) -> SampleOutput:
+        return self.output
 
 
 class ModelRunner:
@@ -52,7 +62,7 @@ class ModelRunner:
         self.model = build_model(hf_config, dtype=config.dtype, device=config.device,
                                  tp_rank=config.tp_rank, tp_size=config.tp_size,
                                  max_model_len=config.max_model_len,
-                                 attention_backend=attention_backend(config))
+                                 kernels=kernel_backend(config))
         load_weights(self.model, config.model_dir)
         self.shape = model_shape(hf_config, config.tp_size)
         self.sampler = Sampler(config.seed, config.device)
@@ -65,24 +75,44 @@ class ModelRunner:
                                     dtype=config.dtype, device=config.device)
         max_blocks_per_seq = -(-config.max_model_len // config.block_size)
         self.block_tables = DeviceBlockTables(config.max_num_seqs, max_blocks_per_seq, self.device)
+        self._previous: PreviousSamples | None = None
         self.graphs = None
         if self.device.type == "cuda" and not config.enforce_eager:
             self.graphs = DecodeGraphs(self.model, self.kv_cache, min(config.max_num_seqs, 512),
                                        max_blocks_per_seq, hf_config.hidden_size)
 
-    @torch.inference_mode()
     def execute(self, plan: BatchPlan) -> SampleOutput:
-        """Run the plan's tokens through the model; sample for the sequences that ask for it,
-        in plan order."""
+        """Run the plan's tokens through the model and sample for the sequences that ask for
+        it, in plan order."""
+        return self.launch(plan).wait()
+
+    @torch.inference_mode()
+    def launch(self, plan: BatchPlan) -> LaunchedStep:
+        """Queue the plan's work on the device; its tokens stay there for the next plan's
+        ``PENDING_TOKEN``s, and ``wait()`` brings them to the host."""
         logits = self.forward(plan)
         requests = [self._sample_request(s) for s in plan.seqs if s.sample]
-        return self.sampler(logits, requests)
+        output = self.sampler(logits, requests)
+        tokens = torch.tensor(output.token_ids, dtype=torch.int64, device=self.device)
+        self.follow_samples(plan, tokens)
+        return LaunchedStep(output)
+
+    def follow_samples(self, plan: BatchPlan, tokens: torch.Tensor | None = None) -> None:
+        """Keep the plan's sampled tokens for the next plan; with several ranks, rank 0's
+        tokens (``tokens``) reach the others (``None``) by broadcast."""
+        if self.config.tp_size > 1 and plan.sampling_seq_ids:
+            if tokens is None:
+                tokens = torch.empty(len(plan.sampling_seq_ids), dtype=torch.int64,
+                                     device=self.device)
+            dist.broadcast(tokens, src=0)
+        rows = {seq_id: i for i, seq_id in enumerate(plan.sampling_seq_ids)}
+        self._previous = PreviousSamples(tokens, rows) if rows else None
 
     @torch.inference_mode()
     def forward(self, plan: BatchPlan) -> torch.Tensor:
         """The logits of the sampling sequences, ``[S, vocab]`` float32 (every rank runs this;
         rank 0 samples)."""
-        inputs = prepare_inputs(plan, self.block_tables, self.device)
+        inputs = prepare_inputs(plan, self.block_tables, self.device, self._previous)
         batch = inputs.batch
         if self.graphs is not None and batch.decode_only and batch.num_seqs <= self.graphs.max_batch:
             hidden = self.graphs.forward(inputs.input_ids, inputs.positions, batch)
@@ -159,16 +189,16 @@ class ModelRunner:
         return scratch.numel() * scratch.element_size()
 
 
-def attention_backend(config: RunnerConfig) -> AttentionBackend:
-    """The attention kernels, chosen once per engine: Triton on CUDA, the torch references
-    elsewhere (or as asked)."""
-    name = config.attention_backend
+def kernel_backend(config: RunnerConfig) -> KernelBackend:
+    """The model's kernels (attention, norms, rotary, activation), chosen once per engine: Triton
+    on CUDA, the torch references elsewhere (or as ``config.kernel_backend`` asks)."""
+    name = config.kernel_backend
     if name == "auto":
         name = "triton" if config.device.type == "cuda" else "torch"
     if name == "triton":
-        from nanofn.kernels.triton_attention import TRITON_ATTENTION
-        return TRITON_ATTENTION
-    return TORCH_ATTENTION
+        from nanofn.kernels.triton_ops import TRITON_KERNELS
+        return TRITON_KERNELS
+    return TORCH_KERNELS
 
 
 def _prefill_plan(lens: list[int], blocks_per_seq: int, block_size: int) -> BatchPlan:

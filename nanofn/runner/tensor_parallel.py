@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from nanofn.runner.model_runner import ModelRunner, RunnerConfig
+from nanofn.runner.model_runner import LaunchedStep, ModelRunner, RunnerConfig
 from nanofn.runner.sampler import SampleOutput
 from nanofn.state.plan import BatchPlan
 
@@ -44,10 +44,13 @@ class TensorParallelExecutor:
         self.num_blocks = self.runner.num_blocks
 
     def execute(self, plan: BatchPlan) -> SampleOutput:
+        return self.launch(plan).wait()
+
+    def launch(self, plan: BatchPlan) -> LaunchedStep:
         self._check_workers()
         for pipe in self._pipes:
             pipe.send(plan)
-        return self.runner.execute(plan)
+        return self.runner.launch(plan)
 
     def close(self) -> None:
         for pipe in self._pipes:
@@ -102,6 +105,7 @@ def _worker_main(hf_config: Any, config: RunnerConfig, init_method: str, pipe) -
         runner = ModelRunner(hf_config, config)
         while (plan := pipe.recv()) is not None:
             runner.forward(plan)
+            runner.follow_samples(plan)
     except Exception:
         pipe.send(traceback.format_exc())
         raise

@@ -26,9 +26,10 @@ class Stats:
 class EngineState:
     """Every live sequence is in exactly one of ``waiting`` and ``running``.
 
-    ``finished`` and ``preempted`` say what the step that produced this state did;
-    ``sampling_ids`` are the sequences of its plan that expect a sampled token, in plan
-    order: the next step's events must carry exactly one token for each.
+    ``finished`` and ``preempted`` say what the step that produced this state did.
+    ``awaiting`` lists, oldest first, for every plan whose sampled tokens have not been
+    delivered, the sequences that sampled, in plan order: the next delivery must carry one
+    token for each sequence of ``awaiting[0]``.
     """
 
     config: SchedulerConfig
@@ -37,7 +38,8 @@ class EngineState:
     waiting: PDeque  # of Seq: the head is admitted first
     running: tuple[Seq, ...]  # in admission order: preemption takes the last
     live_ids: PSet
-    sampling_ids: tuple[str, ...] = ()
+    awaiting: tuple[tuple[str, ...], ...] = ()
+    unreported_releases: tuple[str, ...] = ()  # released since the last plan with work
     finished: tuple[Seq, ...] = ()
     preempted: tuple[str, ...] = ()
     stats: Stats = Stats()

@@ -9,6 +9,8 @@ from pyrsistent import PVector
 
 from nanofn.state.params import SamplingParams
 
+PENDING_TOKEN = -1  # a token the previous plan sampled, not known to the scheduler yet
+
 
 @dataclass(frozen=True, slots=True)
 class ScheduledSeq:
@@ -16,8 +18,12 @@ class ScheduledSeq:
     ``start_pos, start_pos + 1, ...`` into the blocks of ``block_table``; if ``sample``, the
     last of them is the sequence's last token and the next token is sampled from its logits.
 
+    The last of ``token_ids`` may be ``PENDING_TOKEN``: the token this sequence sampled in
+    the previous plan, which the runner still holds and the scheduler has not seen yet.
+
     ``block_table`` is the sequence's persistent vector itself (no copy). ``history`` is all
-    of the sequence's tokens, given only when sampling needs them (penalties)."""
+    of the sequence's tokens, given only when sampling needs them (penalties); such a
+    sequence is never scheduled with a pending token."""
 
     seq_id: str
     token_ids: tuple[int, ...]
@@ -45,9 +51,10 @@ class ScheduledSeq:
 
 @dataclass(frozen=True, slots=True)
 class BatchPlan:
-    """What one step computes. ``released`` names the sequences that stopped running at this
-    step (finished, aborted or preempted): a runner may drop what it keeps for them. Between
-    two releases a sequence's block table only grows, so a runner may keep a copy and append."""
+    """What one step computes. ``released`` names the sequences that stopped running
+    (finished, aborted or preempted) since the last plan that had work: a runner may drop what
+    it keeps for them. Between two releases a sequence's block table only grows, so a runner
+    may keep a copy and append."""
 
     step: int
     block_size: int

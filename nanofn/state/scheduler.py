@@ -5,6 +5,9 @@
    needs a block when none is free preempts the most recently admitted running sequence
    (possibly itself), which gives back every block and returns to the head of the waiting
    queue to be recomputed later.
+   A sequence whose last token is still pending (sampled by the plan in flight) is
+   scheduled with that token as ``PENDING_TOKEN``, unless it needs its history (penalties),
+   more than one token is pending, or that token is its last by length: then it waits.
 2. Then, unless this step preempted, waiting sequences first come first served while the
    budget, ``max_num_seqs`` and the free blocks allow. A waiting sequence starts from the
    longest prefix found in the prefix cache; its prompt is cut to the budget left (chunked
@@ -23,7 +26,7 @@ from nanofn.state.block_pool import (BlockPool, CachedBlock, allocate, cache_blo
 from nanofn.state.config import SchedulerConfig
 from nanofn.state.engine_state import EngineState
 from nanofn.state.hashing import parent_hash_of
-from nanofn.state.plan import BatchPlan, ScheduledSeq
+from nanofn.state.plan import PENDING_TOKEN, BatchPlan, ScheduledSeq
 from nanofn.state.records import Seq, SeqStatus
 
 
@@ -33,14 +36,14 @@ def schedule(state: EngineState) -> tuple[EngineState, BatchPlan]:
     budget = c.max_num_batched_tokens
     queue = list(state.running)
     running: list[Seq] = []  # the running sequences after this step, in admission order
-    chunks: list[tuple[Seq, int]] = []  # (sequence after scheduling, first scheduled position)
+    chunks: list[ScheduledSeq] = []
     preempted: list[str] = []
 
     i = 0
     while i < len(queue):
         seq = queue[i]
         i += 1
-        if budget == 0:
+        if budget == 0 or not _ready(seq, c):
             running.append(seq)
             continue
         wanted = min(seq.num_uncomputed, budget)
@@ -52,21 +55,22 @@ def schedule(state: EngineState) -> tuple[EngineState, BatchPlan]:
             if victim.seq_id == seq.seq_id:
                 break
         if count:
-            pool, start, seq = _schedule_chunk(pool, seq, count, c)
+            pool, chunk, seq = _schedule_chunk(pool, seq, count, c)
             running.append(seq)
-            chunks.append((seq, start))
+            chunks.append(chunk)
             budget -= count
 
     admitted_tokens = cached_tokens = 0
-    while (not preempted and waiting and budget > 0 and len(running) < c.max_num_seqs):
+    while (not preempted and waiting and budget > 0 and len(running) < c.max_num_seqs
+           and waiting.left.num_pending == 0):
         admission = _admit(pool, waiting.left, budget, c)
         if admission is None:
             break
-        pool, start, seq = admission
+        pool, chunk, seq = admission
         waiting = waiting.popleft()
         running.append(seq)
-        chunks.append((seq, start))
-        budget -= seq.num_computed - start
+        chunks.append(chunk)
+        budget -= chunk.num_tokens
         admitted_tokens += seq.num_tokens
         cached_tokens += seq.num_cached_tokens
 
@@ -74,17 +78,35 @@ def schedule(state: EngineState) -> tuple[EngineState, BatchPlan]:
     stats = replace(stats, num_preemptions=stats.num_preemptions + len(preempted),
                     num_admitted_tokens=stats.num_admitted_tokens + admitted_tokens,
                     num_cached_tokens=stats.num_cached_tokens + cached_tokens)
-    released = tuple(seq.seq_id for seq in state.finished) + tuple(preempted)
-    plan = BatchPlan(state.step, c.block_size,
-                     tuple(_scheduled(seq, start) for seq, start in chunks), released)
+    # Runners skip empty plans: a release rides along until a plan with work carries it.
+    released = (state.unreported_releases + tuple(seq.seq_id for seq in state.finished)
+                + tuple(preempted))
+    plan = BatchPlan(state.step, c.block_size, tuple(chunks), released)
+    awaiting = state.awaiting + (plan.sampling_seq_ids,) if chunks else state.awaiting
     new_state = replace(state, pool=pool, waiting=waiting, running=tuple(running),
-                        sampling_ids=plan.sampling_seq_ids, preempted=tuple(preempted),
-                        stats=stats)
+                        awaiting=awaiting, preempted=tuple(preempted), stats=stats,
+                        unreported_releases=() if chunks else released)
     return new_state, plan
 
 
 def _blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
+
+
+def _ready(seq: Seq, c: SchedulerConfig) -> bool:
+    """Whether a running sequence can be scheduled now (see the module docstring)."""
+    pending = seq.num_pending
+    if pending == 0:
+        return True
+    p = seq.params
+    return pending == 1 and not p.has_penalties and not _at_length_limit(seq, c)
+
+
+def _at_length_limit(seq: Seq, c: SchedulerConfig) -> bool:
+    """Counting pending tokens, the sequence has all the tokens it may have."""
+    max_tokens = seq.params.max_tokens
+    return ((max_tokens is not None and seq.num_positions - seq.num_prompt_tokens >= max_tokens)
+            or seq.num_positions >= c.max_model_len)
 
 
 def _tokens_that_fit(seq: Seq, wanted: int, pool: BlockPool, block_size: int) -> int:
@@ -103,31 +125,37 @@ def preempt(pool: BlockPool, seq: Seq) -> tuple[BlockPool, Seq]:
 
 
 def _schedule_chunk(pool: BlockPool, seq: Seq, count: int,
-                    c: SchedulerConfig) -> tuple[BlockPool, int, Seq]:
-    """Give the sequence blocks for ``count`` more tokens, record the blocks they fill in the
-    prefix cache, and count the tokens as computed (the runner computes them this step)."""
+                    c: SchedulerConfig) -> tuple[BlockPool, ScheduledSeq, Seq]:
+    """Give the sequence blocks for ``count`` more positions, record the blocks they fill in
+    the prefix cache, and count them as computed (the runner computes them this step). A
+    chunk that reaches the sequence's last position samples a token, pending until delivered."""
     start = seq.num_computed
     end = start + count
     table = seq.block_table
     if (missing := _blocks_for(end, c.block_size) - len(table)) > 0:
         pool, new_blocks = allocate(pool, missing)
         table = table.extend(new_blocks)
-    if c.enable_prefix_caching and end // c.block_size > start // c.block_size:
-        pool = _cache_filled_blocks(pool, seq, table, start, end, c.block_size)
-    return pool, start, seq.with_progress(table, end)
+    sample = end == seq.num_positions
+    new_seq = seq.with_progress(table, end, seq.num_pending + sample)
+    if c.enable_prefix_caching:
+        pool = cache_known_blocks(pool, new_seq, min(start, seq.num_tokens), c.block_size)
+    return pool, _scheduled(new_seq, start, end, sample), new_seq
 
 
-def _cache_filled_blocks(pool: BlockPool, seq: Seq, table, start: int, end: int,
-                         block_size: int) -> BlockPool:
+def cache_known_blocks(pool: BlockPool, seq: Seq, old_limit: int, block_size: int) -> BlockPool:
+    """Record in the prefix cache the blocks that became full of computed, known tokens since
+    the first ``old_limit`` positions were."""
+    limit = min(seq.num_computed, seq.num_tokens)
     hashes = seq.block_hashes
-    for j in range(start // block_size, end // block_size):
+    for j in range(old_limit // block_size, limit // block_size):
         tokens = tuple(seq.token_ids[j * block_size:(j + 1) * block_size])
-        pool = cache_block(pool, table[j], CachedBlock(hashes[j], parent_hash_of(hashes, j), tokens))
+        pool = cache_block(pool, seq.block_table[j],
+                           CachedBlock(hashes[j], parent_hash_of(hashes, j), tokens))
     return pool
 
 
 def _admit(pool: BlockPool, seq: Seq, budget: int,
-           c: SchedulerConfig) -> tuple[BlockPool, int, Seq] | None:
+           c: SchedulerConfig) -> tuple[BlockPool, ScheduledSeq, Seq] | None:
     """Start a waiting sequence, or None if it must wait (not enough budget or blocks)."""
     bs = c.block_size
     hits: tuple[int, ...] = ()
@@ -151,15 +179,20 @@ def _admit(pool: BlockPool, seq: Seq, budget: int,
     return _schedule_chunk(pool, seq, count, c)
 
 
-def _scheduled(seq: Seq, start: int) -> ScheduledSeq:
-    end = seq.num_computed
-    tokens = (seq.token_ids[start],) if end - start == 1 else tuple(seq.token_ids[start:end])
+def _scheduled(seq: Seq, start: int, end: int, sample: bool) -> ScheduledSeq:
+    known = min(end, seq.num_tokens)
+    if known - start == 1:
+        tokens = (seq.token_ids[start],)
+    else:
+        tokens = tuple(seq.token_ids[start:known])
+    if end > known:
+        tokens += (PENDING_TOKEN,)
     return ScheduledSeq(
         seq_id=seq.seq_id,
         token_ids=tokens,
         start_pos=start,
         block_table=seq.block_table,
-        sample=end == seq.num_tokens,
+        sample=sample,
         params=seq.params,
         num_prompt_tokens=seq.num_prompt_tokens,
         history=seq.token_ids if seq.params.has_penalties else None,

@@ -13,60 +13,86 @@ from nanofn.state.hashing import extend_block_hashes
 from nanofn.state.plan import BatchPlan
 from nanofn.state.records import FinishReason, Seq, SeqStatus
 from nanofn.state.requests import NewRequest, add_requests
-from nanofn.state.scheduler import schedule
+from nanofn.state.scheduler import cache_known_blocks, schedule
 
 
 @dataclass(frozen=True, slots=True)
 class Events:
     """What happened since the last step, in the order ``step`` applies it.
 
-    ``sampled`` holds one token per sequence of the last plan that sampled, in plan order.
-    ``stop_hits`` are sequences whose text reached a stop string (seen by the shell's
-    detokenizer); they finish with reason ``stop`` after taking their sampled token.
-    Aborts and stop hits of sequences that are not live are ignored (they may have just
-    finished on their own).
+    ``sampled`` delivers the tokens of the oldest plan whose tokens are not delivered yet,
+    one per sequence of that plan that sampled, in plan order; ``None`` delivers nothing (a
+    runner one step ahead has not finished that plan). ``stop_hits`` are sequences whose
+    text reached a stop string (seen by the shell's detokenizer); they finish with reason
+    ``stop`` after taking their delivered token. Aborts and stop hits of sequences that are
+    not live are ignored (they may have just finished on their own); so are delivered tokens
+    of sequences no longer live, or live under a reused id but expecting no token.
     """
 
-    sampled: tuple[int, ...] = ()
+    sampled: tuple[int, ...] | None = None
     stop_hits: tuple[str, ...] = ()
     aborts: tuple[str, ...] = ()
     new_requests: tuple[NewRequest, ...] = ()
 
 
 def step(state: EngineState, events: Events) -> tuple[EngineState, BatchPlan]:
-    if len(events.sampled) != len(state.sampling_ids):
-        raise ValueError(f"step {state.step + 1}: got {len(events.sampled)} sampled tokens, "
-                         f"the last plan sampled {len(state.sampling_ids)} sequences")
+    if events.sampled is not None:
+        _check_delivery(state, events.sampled)
     state = replace(state, step=state.step + 1, finished=(), preempted=())
-    state = apply_sampled(state, events.sampled, frozenset(events.stop_hits))
+    if events.sampled is not None:
+        state = apply_sampled(state, events.sampled, frozenset(events.stop_hits))
     state = finish_by_id(state, events.stop_hits, FinishReason.STOP)
     state = finish_by_id(state, events.aborts, FinishReason.ABORT)
     state = add_requests(state, events.new_requests)
     return schedule(state)
 
 
+def _check_delivery(state: EngineState, sampled: tuple[int, ...]) -> None:
+    if not state.awaiting:
+        raise ValueError(f"step {state.step + 1}: {len(sampled)} sampled tokens delivered, but "
+                         f"no plan is waiting for its tokens")
+    if len(sampled) != len(state.awaiting[0]):
+        raise ValueError(f"step {state.step + 1}: got {len(sampled)} sampled tokens, the plan "
+                         f"they belong to sampled {len(state.awaiting[0])} sequences")
+
+
 def apply_sampled(state: EngineState, sampled: tuple[int, ...],
                   stop_hits: frozenset[str]) -> EngineState:
-    """Append each sampled token to its sequence and finish the sequences it ends."""
-    if not sampled:
+    """Append each delivered token to its sequence and finish the sequences it ends."""
+    tokens = dict(zip(state.awaiting[0], sampled))
+    state = replace(state, awaiting=state.awaiting[1:])
+    if not tokens:
         return state
-    tokens = dict(zip(state.sampling_ids, sampled))
-    c, pool = state.config, state.pool
+    pool, finished = state.pool, list(state.finished)
     running: list[Seq] = []
-    finished = list(state.finished)
     for seq in state.running:
-        token = tokens.get(seq.seq_id)
-        if token is None:
-            running.append(seq)
-            continue
-        seq = append_token(seq, token, c)
-        reason = FinishReason.STOP if seq.seq_id in stop_hits else finish_reason(seq, token, c)
-        if reason is None:
-            running.append(seq)
-        else:
-            pool, seq = _finish(pool, seq, reason)
-            finished.append(seq)
-    return _with_finished(state, pool, tuple(running), state.waiting, finished)
+        if seq.seq_id in tokens and seq.num_pending:
+            pool, seq = _take_token(pool, seq, tokens.pop(seq.seq_id), stop_hits, state.config)
+            if seq.is_finished:
+                finished.append(seq)
+                continue
+        running.append(seq)
+    waiting = state.waiting
+    if any(seq_id in state.live_ids for seq_id in tokens):  # preempted while in flight
+        kept = []
+        for seq in state.waiting:
+            if seq.seq_id in tokens and seq.num_pending:
+                pool, seq = _take_token(pool, seq, tokens.pop(seq.seq_id), stop_hits,
+                                        state.config)
+            (finished if seq.is_finished else kept).append(seq)
+        waiting = pdeque(kept)
+    return _with_finished(state, pool, tuple(running), waiting, finished)
+
+
+def _take_token(pool: BlockPool, seq: Seq, token: int, stop_hits: frozenset[str],
+                c: SchedulerConfig) -> tuple[BlockPool, Seq]:
+    """The sequence with its delivered token, finished if the token ends it."""
+    seq = append_token(seq, token, c)
+    if c.enable_prefix_caching:  # a block whose last token was pending may be complete now
+        pool = cache_known_blocks(pool, seq, min(seq.num_computed, seq.num_tokens - 1),
+                                  c.block_size)
+    reason = FinishReason.STOP if seq.seq_id in stop_hits else finish_reason(seq, token, c)
+    return _finish(pool, seq, reason) if reason is not None else (pool, seq)
 
 
 def append_token(seq: Seq, token: int, c: SchedulerConfig) -> Seq:
@@ -74,7 +100,7 @@ def append_token(seq: Seq, token: int, c: SchedulerConfig) -> Seq:
     hashes = seq.block_hashes
     if c.enable_prefix_caching and len(token_ids) % c.block_size == 0:
         hashes = extend_block_hashes(hashes, token_ids, c.block_size)
-    return seq.with_tokens(token_ids, hashes)
+    return seq.with_token(token_ids, hashes)
 
 
 def finish_reason(seq: Seq, last_token: int, c: SchedulerConfig) -> FinishReason | None:

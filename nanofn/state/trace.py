@@ -3,7 +3,8 @@
 Format (JSON lines, versioned): a header ``{"format": "nanofn-trace", "version": 1,
 "config": {...}, "meta": {...}}``, then one line per step ``{"step": n, "sampled": [...],
 "stop_hits": [...], "aborts": [...], "new": [{"id", "prompt", "params"}], "plan": digest}``
-(empty lists left out). Since ``step`` is pure, the events alone rebuild every state and plan;
+(empty lists left out, except "sampled": present, even empty, on every step that delivered
+the tokens of a plan). Since ``step`` is pure, the events alone rebuild every state and plan;
 the digest of each recorded plan lets a replay prove it.
 """
 
@@ -50,7 +51,7 @@ def header_line(config: SchedulerConfig, meta: dict[str, Any] | None = None) -> 
 
 def step_line(events: Events, plan: BatchPlan) -> str:
     line: dict[str, Any] = {"step": plan.step}
-    if events.sampled:
+    if events.sampled is not None:  # [] delivers the tokens of a plan that sampled nothing
         line["sampled"] = list(events.sampled)
     if events.stop_hits:
         line["stop_hits"] = list(events.stop_hits)
@@ -85,7 +86,7 @@ def _parse_step(line_number: int, row: str) -> TracedStep:
     try:
         d = json.loads(row)
         events = Events(
-            sampled=tuple(d.get("sampled", ())),
+            sampled=tuple(d["sampled"]) if "sampled" in d else None,
             stop_hits=tuple(d.get("stop_hits", ())),
             aborts=tuple(d.get("aborts", ())),
             new_requests=tuple(NewRequest(r["id"], tuple(r["prompt"]),

@@ -1,0 +1,216 @@
+"""The elementwise kernels of a decoder layer as Triton kernels, and ``TRITON_KERNELS``.
+
+Same signatures and semantics as the torch references in ``norm.py``, ``rotary.py`` and
+``activation.py``. Unfused, those are several small kernels each (RMS norm alone is about six);
+in a decode step of a small model such launches take most of the time. Here each is one launch:
+
+- ``rms_norm``: one program per row, the whole row in one tile; with ``residual`` the add is fused.
+- ``apply_rotary``: one program per token, rotating all of its query and key heads; with norm
+  weights it first RMS-normalises each head (Qwen3's ``q_norm``/``k_norm``), in the same pass.
+- ``silu_and_mul``: one program per (row, block of ``SILU_BLOCK`` columns).
+
+Arithmetic is float32 but intermediate results are rounded to the input dtype where the
+references round them, so the kernels reproduce the references up to the order of a sum and the
+accuracy of ``rsqrt``. Grids depend only on shapes: no host sync, and all of them can be captured
+in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+import nanofn.kernels.triton_attention as triton_attention
+from nanofn.kernels import KernelBackend
+
+SILU_BLOCK = 1024  # columns per silu_and_mul program
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernels
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
+    stride_x, stride_residual, stride_out, stride_residual_out, size, eps,
+    BLOCK: tl.constexpr, ADD_RESIDUAL: tl.constexpr,
+):
+    """Program ``row``: ``out = weight * normed(x + residual)``; with ``ADD_RESIDUAL`` it also
+    writes ``x + residual``, which is rounded to x's dtype before it is normalised."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < size
+    dtype = x_ptr.dtype.element_ty
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if ADD_RESIDUAL:
+        residual = tl.load(residual_ptr + row * stride_residual + cols, mask=mask, other=0.0)
+        summed = (x + residual.to(tl.float32)).to(dtype)
+        tl.store(residual_out_ptr + row * stride_residual_out + cols, summed, mask=mask)
+        x = summed.to(tl.float32)
+    inv_rms = tl.rsqrt(tl.sum(x * x, 0) / size + eps)
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    out = weight * (x * inv_rms).to(dtype).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, out.to(dtype), mask=mask)
+
+
+@triton.jit
+def _rotate_heads(
+    x_ptr, out_ptr, norm_weight_ptr, cos, sin, token, stride_token, stride_head, num_heads, eps,
+    HEADS: tl.constexpr, HALF_DIM: tl.constexpr, NORM: tl.constexpr,
+):
+    """Rotate (with ``NORM``, first RMS-normalise) the ``num_heads`` heads of one token of ``x``
+    into the contiguous ``out``. ``cos`` and ``sin`` are the token's ``[1, HALF_DIM]`` angles."""
+    heads = tl.arange(0, HEADS)[:, None]
+    dims = tl.arange(0, HALF_DIM)[None, :]
+    mask = heads < num_heads
+    dtype = x_ptr.dtype.element_ty
+    first_half = x_ptr + token * stride_token + heads * stride_head + dims
+    first = tl.load(first_half, mask=mask, other=0.0).to(tl.float32)
+    second = tl.load(first_half + HALF_DIM, mask=mask, other=0.0).to(tl.float32)
+    if NORM:
+        mean_square = (tl.sum(first * first, 1) + tl.sum(second * second, 1)) / (2 * HALF_DIM)
+        inv_rms = tl.rsqrt(mean_square + eps)[:, None]
+        first_weight = tl.load(norm_weight_ptr + dims).to(tl.float32)
+        second_weight = tl.load(norm_weight_ptr + HALF_DIM + dims).to(tl.float32)
+        # Rounded where rms_norm rounds: the normed head, then its product with the weight.
+        first = (first_weight * (first * inv_rms).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        second = (second_weight * (second * inv_rms).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    out_first_half = out_ptr + (token * num_heads + heads) * (2 * HALF_DIM) + dims
+    tl.store(out_first_half, (first * cos - second * sin).to(dtype), mask=mask)
+    tl.store(out_first_half + HALF_DIM, (second * cos + first * sin).to(dtype), mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(
+    q_ptr, k_ptr, q_out_ptr, k_out_ptr, positions_ptr, cos_sin_ptr, q_norm_weight_ptr, k_norm_weight_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_cos_sin, num_heads, num_kv_heads, eps,
+    Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF_DIM: tl.constexpr, NORM: tl.constexpr,
+):
+    """Program ``token``: all query and key heads of one token, at its position."""
+    token = tl.program_id(0).to(tl.int64)
+    position = tl.load(positions_ptr + token)
+    dims = tl.arange(0, HALF_DIM)[None, :]
+    cos = tl.load(cos_sin_ptr + position * stride_cos_sin + dims)
+    sin = tl.load(cos_sin_ptr + position * stride_cos_sin + HALF_DIM + dims)
+    _rotate_heads(
+        q_ptr, q_out_ptr, q_norm_weight_ptr, cos, sin, token, stride_qt, stride_qh, num_heads, eps,
+        Q_HEADS, HALF_DIM, NORM,
+    )
+    _rotate_heads(
+        k_ptr, k_out_ptr, k_norm_weight_ptr, cos, sin, token, stride_kt, stride_kh, num_kv_heads, eps,
+        KV_HEADS, HALF_DIM, NORM,
+    )
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, size, BLOCK: tl.constexpr):
+    """Program (row, column block): ``out = silu(gate) * up``, the silu rounded to x's dtype
+    before the product as in the reference."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < size
+    dtype = x_ptr.dtype.element_ty
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + size + cols, mask=mask, other=0.0).to(tl.float32)
+    activated = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, (activated * up).to(dtype), mask=mask)
+
+
+# ---------------------------------------------------------------------------------------------
+# Host side
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Normalise ``x`` over its last dimension and scale by ``weight`` (in ``x``'s dtype).
+
+    With ``residual`` returns ``(normed(x + residual), x + residual)``.
+    """
+    size = x.shape[-1]
+    rows = x.reshape(-1, size)
+    out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    if residual is None:
+        residual_rows = residual_out = rows  # placeholders, never read or written
+    else:
+        residual_rows = residual.reshape(-1, size)
+        residual_out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    assert rows.stride(-1) == residual_rows.stride(-1) == weight.stride(-1) == 1, "rows must be contiguous"
+    if len(rows) > 0:
+        block = triton.next_power_of_2(size)
+        _rms_norm_kernel[(len(rows),)](
+            rows, residual_rows, weight, out, residual_out,
+            rows.stride(0), residual_rows.stride(0), out.stride(0), residual_out.stride(0), size, eps,
+            BLOCK=block, ADD_RESIDUAL=residual is not None, num_warps=_row_warps(block),
+        )
+    if residual is None:
+        return out.view(x.shape)
+    return out.view(x.shape), residual_out.view(x.shape)
+
+
+def apply_rotary(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    q_norm_weight: torch.Tensor | None = None,
+    k_norm_weight: torch.Tensor | None = None,
+    norm_eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate ``q [T, H, D]`` and ``k [T, Hkv, D]`` by the angles of ``positions [T]``, after an
+    RMS norm of each head when the norm weights are given. Returns new contiguous tensors.
+
+    ``q`` and ``k`` may be strided views (of the fused qkv projection) with contiguous heads.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    assert head_dim >= 2 and head_dim & (head_dim - 1) == 0, f"head_dim {head_dim} is not a power of two"
+    assert q.stride(-1) == k.stride(-1) == cos_sin_cache.stride(-1) == 1, "heads must be contiguous"
+    norm = q_norm_weight is not None
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    if num_tokens > 0:
+        _rotary_kernel[(num_tokens,)](
+            q, k, q_out, k_out, positions, cos_sin_cache,
+            q_norm_weight if norm else q, k_norm_weight if norm else k,  # placeholders when not norm
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0),
+            num_heads, num_kv_heads, norm_eps,
+            Q_HEADS=triton.next_power_of_2(num_heads), KV_HEADS=triton.next_power_of_2(num_kv_heads),
+            HALF_DIM=head_dim // 2, NORM=norm,
+        )
+    return q_out, k_out
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for ``x = [gate | up]`` of shape ``[..., 2 * I]``; returns ``[..., I]``."""
+    size = x.shape[-1] // 2
+    rows = x.reshape(-1, 2 * size)
+    assert rows.stride(-1) == 1, "rows must be contiguous"
+    out = torch.empty(len(rows), size, dtype=x.dtype, device=x.device)
+    block = min(SILU_BLOCK, triton.next_power_of_2(size))
+    if len(rows) > 0:
+        _silu_and_mul_kernel[(len(rows), triton.cdiv(size, block))](
+            rows, out, rows.stride(0), out.stride(0), size, BLOCK=block, num_warps=4,
+        )
+    return out.view(*x.shape[:-1], size)
+
+
+def _row_warps(block: int) -> int:
+    """Warps for a program that holds a row of ``block`` elements: 8 elements a thread, from one
+    warp up to 16 (a 4096-wide row); wider rows put more elements on each thread."""
+    return min(16, max(1, block // 256))
+
+
+TRITON_KERNELS = KernelBackend(
+    store_kv=triton_attention.store_kv,
+    prefill_attention=triton_attention.prefill_attention,
+    decode_attention=triton_attention.decode_attention,
+    rms_norm=rms_norm,
+    apply_rotary=apply_rotary,
+    silu_and_mul=silu_and_mul,
+)

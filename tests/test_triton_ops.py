@@ -1,0 +1,155 @@
+"""The Triton norm, rotary and activation kernels against the torch references, on CPU through
+Triton's interpreter (float32 and float16), and a model run with ``TRITON_KERNELS`` against one
+with ``TORCH_KERNELS``. The GPU tests in ``tests/gpu`` cover bf16."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from transformers import AutoConfig
+from triton_interpreter import interpreter_process
+
+import nanofn.kernels.triton_ops as triton_ops
+from nanofn.kernels import TORCH_KERNELS, apply_rotary, build_cos_sin_cache, rms_norm, silu_and_mul
+from nanofn.kernels.triton_ops import TRITON_KERNELS
+from nanofn.model import AttentionBatch, build_model, load_weights, model_shape
+
+DTYPES = [torch.float32, torch.float16]
+# The kernels round where the references round: they differ only by the order of a sum and rsqrt.
+TOLERANCES = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=1e-3, rtol=2e-3)}
+LLAMA3_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 256,
+}
+
+
+@pytest.fixture(scope="module")
+def interpreter():
+    """``run(function, *args, **kwargs)``: ``function`` in a child whose kernels run in the interpreter."""
+    with interpreter_process() as run:
+        yield run
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [64, 96, 1000])
+@pytest.mark.parametrize("add_residual", [False, True], ids=["norm", "add-and-norm"])
+def test_rms_norm_matches_reference(interpreter, dtype, hidden, add_residual):
+    generator = torch.Generator().manual_seed(hidden)
+    x = (torch.randn(37, hidden + 8, generator=generator) * 3).to(dtype)[:, :hidden]  # strided rows
+    weight = (torch.rand(hidden, generator=generator) + 0.5).to(dtype)
+    residual = torch.randn(37, hidden, generator=generator).to(dtype) if add_residual else None
+
+    out = interpreter(triton_ops.rms_norm, x, weight, 1e-6, residual)
+
+    expected = rms_norm(x, weight, 1e-6, residual)
+    if add_residual:
+        (out, summed), (expected, expected_summed) = out, expected
+        assert torch.equal(summed, expected_summed)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out, expected, **TOLERANCES[dtype])
+
+
+def test_rms_norm_keeps_leading_dimensions(interpreter):
+    generator = torch.Generator().manual_seed(1)
+    x, residual = torch.randn(2, 2, 3, 64, generator=generator)
+    weight = torch.rand(64, generator=generator)
+
+    out, summed = interpreter(triton_ops.rms_norm, x, weight, 1e-5, residual)
+
+    expected, expected_summed = rms_norm(x, weight, 1e-5, residual)
+    assert torch.equal(summed, expected_summed)
+    torch.testing.assert_close(out, expected, **TOLERANCES[torch.float32])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "num_heads, num_kv_heads, head_dim", [(4, 2, 16), (3, 1, 32), (16, 8, 128)], ids=["16", "32", "128"]
+)
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["rotary", "qk-norm-and-rotary"])
+def test_apply_rotary_matches_reference(interpreter, dtype, num_heads, num_kv_heads, head_dim, qk_norm):
+    generator = torch.Generator().manual_seed(head_dim)
+    num_tokens, max_positions = 19, 2048
+    cache = build_cos_sin_cache(head_dim, max_positions, 500000.0, LLAMA3_SCALING)
+    positions = torch.randint(0, max_positions, (num_tokens,), generator=generator)
+    # q and k are views into the fused projection, as the model passes them.
+    qkv = (torch.randn(num_tokens, num_heads + 2 * num_kv_heads, head_dim, generator=generator) * 3).to(dtype)
+    q, k = qkv[:, :num_heads], qkv[:, num_heads : num_heads + num_kv_heads]
+    norm = {}
+    if qk_norm:
+        q_norm_weight, k_norm_weight = (torch.rand(2, head_dim, generator=generator) + 0.5).to(dtype)
+        norm = dict(q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight, norm_eps=1e-5)
+
+    q_out, k_out = interpreter(triton_ops.apply_rotary, q, k, positions, cache, **norm)
+
+    q_expected, k_expected = apply_rotary(q, k, positions, cache, **norm)
+    assert q_out.dtype == k_out.dtype == dtype
+    torch.testing.assert_close(q_out, q_expected, **TOLERANCES[dtype])
+    torch.testing.assert_close(k_out, k_expected, **TOLERANCES[dtype])
+
+
+def test_apply_rotary_requires_a_power_of_two_head_dim():
+    q, k = torch.zeros(2, 4, 48), torch.zeros(2, 2, 48)
+    with pytest.raises(AssertionError, match="head_dim 48 is not a power of two"):
+        triton_ops.apply_rotary(q, k, torch.zeros(2, dtype=torch.int64), torch.zeros(8, 48))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(37, 64), (1, 96), (2, 3, 1500)], ids=str)
+def test_silu_and_mul_matches_reference(interpreter, dtype, shape):
+    *leading, size = shape  # 1500 spans two column blocks, the second one partly
+    x = (torch.randn(*leading, 2 * size, generator=torch.Generator().manual_seed(size)) * 3).to(dtype)
+
+    out = interpreter(triton_ops.silu_and_mul, x)
+
+    assert out.dtype == dtype
+    torch.testing.assert_close(out, silu_and_mul(x), **TOLERANCES[dtype])
+
+
+def logits_of_prefill_and_decode(checkpoint, kernels, prompts, block_size=16):
+    """The logits of a prefill of ``prompts`` and of one decode step of each, through ``kernels``."""
+    config = AutoConfig.from_pretrained(checkpoint)
+    model = build_model(config, dtype="float32", device="cpu", kernels=kernels)
+    load_weights(model, checkpoint)
+    kv_cache = torch.zeros(model_shape(config).kv_cache_shape(num_blocks=8, block_size=block_size))
+    tables = [[5, 2, 7], [0, 3, 6]]  # shuffled blocks
+    prompt_lens = [len(prompt) for prompt in prompts]
+    steps = [(prompts, [0, 0]), ([[3], [4]], prompt_lens)]  # (new tokens, first position) per sequence
+    logits = []
+    for chunks, starts in steps:
+        query_lens = [len(chunk) for chunk in chunks]
+        positions = [p for start, n in zip(starts, query_lens) for p in range(start, start + n)]
+        owners = [seq for seq, n in enumerate(query_lens) for _ in range(n)]
+        slots = [tables[seq][p // block_size] * block_size + p % block_size
+                 for seq, p in zip(owners, positions)]
+        seq_lens = [start + n for start, n in zip(starts, query_lens)]
+        batch = AttentionBatch(
+            slot_mapping=torch.tensor(slots),
+            query_start=torch.tensor([0, *itertools.accumulate(query_lens)], dtype=torch.int32),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            block_tables=torch.tensor(tables, dtype=torch.int32),
+            query_lens_host=tuple(query_lens),
+            seq_lens_host=tuple(seq_lens),
+            decode_only=all(n == 1 for n in query_lens),
+        )
+        input_ids = torch.tensor([token for chunk in chunks for token in chunk])
+        with torch.inference_mode():
+            hidden = model(input_ids, torch.tensor(positions), batch, kv_cache)
+            logits.append(model.compute_logits(hidden))
+    return torch.cat(logits)
+
+
+@pytest.mark.parametrize("checkpoint", ["tiny_qwen3", "tiny_llama3"])
+def test_model_with_triton_kernels_matches_torch_kernels(interpreter, request, checkpoint):
+    path = request.getfixturevalue(checkpoint)
+    generator = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 300, (n,), generator=generator).tolist() for n in (40, 23)]
+
+    logits = interpreter(logits_of_prefill_and_decode, path, TRITON_KERNELS, prompts)
+
+    expected = logits_of_prefill_and_decode(path, TORCH_KERNELS, prompts)
+    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
