@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: the GPU test suite, then the benchmarks, logs under $OUT and a
-# short table last. Usage: bash benchmarks/gpu_run.sh [tests|bench|all|baseline] (default: all;
+# short table last. Usage: bash benchmarks/gpu_run.sh [tests|bench|all|kernels|baseline] (default: all;
 # baseline: the torch reference attention, eager, for comparison)
 # Expects the wheels of ../shared/tools/gpu-wheels.sh in .whl/ (pyrsistent is missing there).
 set -u
@@ -28,6 +28,17 @@ single() {  # name, then LLM options
 if [ "$what" = bench ] || [ "$what" = all ]; then
   bench triton-graphs
   single triton-graphs
+  for b in 1 256; do
+    timeout 120 python3 benchmarks/profile_decode.py --random-weights qwen3-0.6b --batch $b \
+      > "$OUT/profile-$b.txt" 2>&1
+    grep -A1 "per decode step" "$OUT/profile-$b.txt"
+  done
+fi
+if [ "$what" = kernels ]; then
+  for f in tests/gpu/test_triton_attention_gpu.py tests/gpu/test_triton_ops_gpu.py \
+           tests/gpu/test_triton_sampling_gpu.py; do
+    timeout 120 python3 "$f" 2>&1 | tee -a "$OUT/kernels.txt" | tail -15
+  done
 fi
 if [ "$what" = baseline ]; then
   single torch-eager --kernel-backend torch --enforce-eager true

@@ -23,7 +23,7 @@ from nanofn.bench import (DEFAULT_BANDWIDTH_GBPS, DEFAULT_TFLOPS, ModelDims, flo
                           format_seconds, measure, standard_workload)
 from nanofn.state import (EngineState, SamplingParams, Seq, TraceError, figures, parse_trace,
                           replay)
-from nanofn.state.plan import BatchPlan, ScheduledSeq
+from nanofn.state.plan import PENDING_TOKEN, BatchPlan, ScheduledSeq
 
 DEMO_MODEL = "demo-qwen3"
 DEFAULT_PROMPTS = ["Hello, my name is", "The capital of France is"]
@@ -432,6 +432,7 @@ def _step_line(state: EngineState, plan: BatchPlan) -> str:
 
 
 def _scheduled(s: ScheduledSeq) -> str:
+    """``id@start+count``, with ``*`` when the chunk samples the next token."""
     return f"{s.seq_id}@{s.start_pos}+{s.num_tokens}{'*' if s.sample else ''}"
 
 
@@ -455,15 +456,17 @@ def _print_state(state: EngineState, plan: BatchPlan, num_steps: int) -> None:
     print(f"plan of step {plan.step}: {len(plan.seqs)} seqs, prefill {plan.num_prefill_tokens} "
           f"tokens, decode {plan.num_decode_tokens} tokens")
     for s in plan.seqs:
-        print(f"  {_scheduled(s)} tokens {_short(s.token_ids)} blocks {_short(s.block_table)}")
+        tokens = ["pending" if t == PENDING_TOKEN else t for t in s.token_ids]
+        print(f"  {_scheduled(s)} tokens {_short(tokens)} blocks {_short(s.block_table)}")
 
 
 def _describe_seq(seq: Seq) -> str:
     status = seq.status.value
     if seq.finish_reason is not None:
         status += f" ({seq.finish_reason.value})"
+    pending = f" + {seq.num_pending} pending" if seq.num_pending else ""
     return (f"  {seq.seq_id}: {status}, {seq.num_tokens} tokens ({seq.num_prompt_tokens} prompt "
-            f"+ {seq.num_output_tokens} output), computed {seq.num_computed}, cached at "
+            f"+ {seq.num_output_tokens} output){pending}, computed {seq.num_computed}, cached at "
             f"admission {seq.num_cached_tokens}, preemptions {seq.num_preemptions}\n"
             f"      blocks {_short(seq.block_table)}\n"
             f"      tokens {_short(seq.token_ids)}")

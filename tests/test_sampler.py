@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -71,6 +74,18 @@ def test_sampler_greedy_follows_penalised_logits_and_leaves_other_rows_alone():
     penalised = request(prompt=[], output=[0], frequency_penalty=2.0, temperature=0.0)
     plain = request(temperature=0.0, logprobs=0)  # not the fast path, so both rows go together
     assert draw(Sampler(seed=0, device=CPU), logits, [penalised, plain]) == [1, 0]
+
+
+def test_the_cpu_sampler_does_not_need_triton():
+    code = """
+import sys, torch
+from nanofn.runner.sampler import Sampler, SampleRequest
+from nanofn.state.params import SamplingParams
+requests = [SampleRequest(SamplingParams(seed=1), 0), SampleRequest(SamplingParams(top_k=2), 0)]
+Sampler(seed=0, device="cpu")(torch.zeros(2, 5), requests)
+assert "triton" not in sys.modules
+"""
+    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_sampler_refuses_penalties_without_token_lists():

@@ -16,7 +16,7 @@ from nanofn.model import build_model, load_weights, model_shape
 from nanofn.runner.cuda_graphs import DecodeGraphs
 from nanofn.runner.block_tables import DeviceBlockTables
 from nanofn.runner.inputs import PreviousSamples, prepare_inputs
-from nanofn.runner.sampler import SampleOutput, SampleRequest, Sampler
+from nanofn.runner.sampler import DeviceSample, SampleOutput, SampleRequest, Sampler
 from nanofn.state.params import SamplingParams
 from nanofn.state.plan import BatchPlan, ScheduledSeq
 
@@ -49,10 +49,10 @@ class RunnerConfig:
 class LaunchedStep:
     """A plan handed to the device; ``wait()`` returns its sampled tokens on the host."""
 
-    output: SampleOutput
+    sample: DeviceSample
 
     def wait(self) -> SampleOutput:
-        return self.output
+        return self.sample.to_host()
 
 
 class ModelRunner:
@@ -92,10 +92,9 @@ class ModelRunner:
         ``PENDING_TOKEN``s, and ``wait()`` brings them to the host."""
         logits = self.forward(plan)
         requests = [self._sample_request(s) for s in plan.seqs if s.sample]
-        output = self.sampler(logits, requests)
-        tokens = torch.tensor(output.token_ids, dtype=torch.int64, device=self.device)
-        self.follow_samples(plan, tokens)
-        return LaunchedStep(output)
+        sample = self.sampler.sample(logits, requests)
+        self.follow_samples(plan, sample.token_ids)
+        return LaunchedStep(sample)
 
     def follow_samples(self, plan: BatchPlan, tokens: torch.Tensor | None = None) -> None:
         """Keep the plan's sampled tokens for the next plan; with several ranks, rank 0's

@@ -5,19 +5,31 @@ and top_p, then a draw. Greedy rows take the argmax of the penalised logits. Log
 the raw distribution the model gave, before any of these steps.
 
 The draw is the exponential race: ``argmax(probs / q)`` with ``q ~ Exp(1)`` per token picks token
-``i`` with probability ``probs[i]``, and needs no cumulative sum. A seeded row draws its ``q``
-from a generator seeded by ``(seed, position)`` alone, so its tokens do not depend on the rest
-of the batch; unseeded rows share the sampler's generator.
+``i`` with probability ``probs[i]``, and needs no cumulative sum. A seeded row's ``q`` depends on
+``(seed, position)`` alone, so its tokens do not depend on the rest of the batch.
 
-Everything per row is a tensor over the batch; Python loops run only over seeded rows and over
-the token lists that penalties count. The single host synchronisation is the final copy of the
-results.
+Two implementations of the same semantics:
+
+- torch (CPU, and CUDA on request): each step a pass over the batch; a seeded row draws its ``q``
+  from a generator seeded by ``row_seed(seed, position)``, unseeded rows share the sampler's
+  generator.
+- Triton (CUDA by default, ``nanofn.kernels.triton_sampling``): every row's ``q`` comes from a
+  counter-based generator keyed by the row (``row_seed(seed, position)`` if seeded, else a base
+  drawn once per call plus the row index) and the token index. Rows with only a temperature
+  ("plain" rows, the common case) are drawn by one fused kernel, in the Gumbel-max form of the
+  race; rows with penalties, suppressed tokens or filters go through the torch steps with that
+  same noise. A seeded row's token thus depends on its seed, position, logits and parameters
+  only, whichever path the other rows take.
+
+Everything per row is a tensor over the batch; Python loops run only over the rows (to gather
+their parameters), seeded rows and the token lists that penalties count. The single host
+synchronisation is the final copy of the results.
 """
 
 from __future__ import annotations
 
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +37,7 @@ import torch
 from nanofn.state.params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
+_BASE_KEYS = 1 << 62  # unseeded rows' keys are base + row index: keep the sum within int64
 
 
 @dataclass(frozen=True)
@@ -173,13 +186,21 @@ def _splitmix64(x: int) -> int:
 
 
 class Sampler:
-    """Samples one token per row of logits; see the module docstring for the semantics."""
+    """Samples one token per row of logits; see the module docstring for the semantics.
 
-    def __init__(self, seed: int | None = None, device: torch.device | str | None = None) -> None:
+    ``use_triton``: draw with the Triton kernels (default: on CUDA). The CPU engine never imports
+    Triton.
+    """
+
+    def __init__(self, seed: int | None = None, device: torch.device | str | None = None,
+                 use_triton: bool | None = None) -> None:
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
-        self.generator = torch.Generator(self.device)  # unseeded rows
+        self.use_triton = self.device.type == "cuda" if use_triton is None else use_triton
+        # Unseeded rows: the torch path draws their noise from it; the Triton path draws one base
+        # key per call from it, on the host, which needs no synchronisation.
+        self.generator = torch.Generator("cpu" if self.use_triton else self.device)
         if seed is None:
             self.generator.seed()
         else:
@@ -188,18 +209,60 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, requests: Sequence[SampleRequest]) -> SampleOutput:
         """Sample from ``logits`` (float32 ``[len(requests), vocab]``), one token per request."""
+        return self.sample(logits, requests).to_host()
+
+    def sample(self, logits: torch.Tensor, requests: Sequence[SampleRequest]) -> DeviceSample:
+        """As ``__call__``, but the tokens stay on the device (the next step may read them
+        there) while their copy to the host proceeds in the background."""
         if all(_plain_greedy(r) for r in requests):
-            return SampleOutput(logits.argmax(dim=-1).tolist(), [None] * len(requests))
+            return DeviceSample.start(logits.argmax(dim=-1), len(requests))
+        if self.use_triton:
+            token_ids = self._draw_with_triton(logits, requests)
+        else:
+            def noise(rows: list[int]) -> torch.Tensor:
+                return self._torch_noise([requests[i] for i in rows], logits.shape[-1])
+
+            token_ids = self._draw(logits, requests, noise)
+        return self._output(logits, token_ids, requests)
+
+    def _draw_with_triton(self, logits: torch.Tensor,
+                          requests: Sequence[SampleRequest]) -> torch.Tensor:
+        """Every row through the fused kernel (cheaper than gathering the plain ones), then the
+        other rows through the torch steps, with the same noise, over the fused kernel's tokens."""
+        from nanofn.kernels.triton_sampling import exponential_noise, sample_plain
+
+        base = int(torch.randint(_BASE_KEYS, (), generator=self.generator))
+        keys = _to_device(array("q", (base + i if r.params.seed is None
+                                      else _as_int64(row_seed(r.params.seed, r.position))
+                                      for i, r in enumerate(requests))), torch.int64, self.device)
+        temperatures = array("f", (r.params.temperature for r in requests))
+        token_ids = sample_plain(logits, _to_device(temperatures, torch.float32, self.device), keys)
+        others = [i for i, r in enumerate(requests) if not _plain(r)]
+        if others:
+            rows = self._rows(others)
+            other_keys = keys[rows]
+
+            def noise(sub_rows: list[int]) -> torch.Tensor:
+                return exponential_noise(other_keys[self._rows(sub_rows)], logits.shape[-1])
+
+            token_ids[rows] = self._draw(logits[rows], [requests[i] for i in others], noise)
+        return token_ids
+
+    def _draw(self, logits: torch.Tensor, requests: Sequence[SampleRequest],
+              noise: Callable[[list[int]], torch.Tensor]) -> torch.Tensor:
+        """The torch steps: penalties and suppressed tokens, then the argmax for greedy rows, the
+        filters and the exponential race for the others. ``noise(rows)`` gives Exp(1) noise
+        ``[len(rows), vocab]`` for those rows of ``requests``."""
         penalised = suppress_tokens(self._penalised(logits, requests), requests)
         random_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
         if len(random_rows) == len(requests):
-            token_ids = self._sample(penalised, requests)
-        else:
-            token_ids = penalised.argmax(dim=-1)
-            if random_rows:
-                rows = self._rows(random_rows)
-                token_ids[rows] = self._sample(penalised[rows], [requests[i] for i in random_rows])
-        return self._output(logits, token_ids, requests)
+            return self._sample(penalised, requests, noise(random_rows))
+        token_ids = penalised.argmax(dim=-1)
+        if random_rows:
+            rows = self._rows(random_rows)
+            token_ids[rows] = self._sample(penalised[rows], [requests[i] for i in random_rows],
+                                           noise(random_rows))
+        return token_ids
 
     def _penalised(self, logits: torch.Tensor, requests: Sequence[SampleRequest]) -> torch.Tensor:
         """``logits`` with each row's penalties applied (the same tensor if no row has any)."""
@@ -224,7 +287,8 @@ class Sampler:
         logits[rows] = penalised
         return logits
 
-    def _sample(self, logits: torch.Tensor, requests: Sequence[SampleRequest]) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, requests: Sequence[SampleRequest],
+                noise: torch.Tensor) -> torch.Tensor:
         """Filter and draw for rows that are not greedy; a step runs only if some row needs it."""
         params = [r.params for r in requests]
         if any(p.temperature != 1.0 for p in params):
@@ -237,45 +301,37 @@ class Sampler:
         if any(p.top_p < 1 for p in params):
             candidates = max(top_ks) if all(top_ks) else None
             logits = apply_top_p(logits, self._floats([p.top_p for p in params]), candidates)
-        probs = logits.softmax(dim=-1)
-        return exponential_race(probs, self._noise(probs, requests))
+        return exponential_race(logits.softmax(dim=-1), noise)
 
-    def _noise(self, probs: torch.Tensor, requests: Sequence[SampleRequest]) -> torch.Tensor:
-        """Exp(1) noise like ``probs``; a seeded row's noise depends on (seed, position) only."""
-        noise = torch.empty_like(probs)
+    def _torch_noise(self, requests: Sequence[SampleRequest], vocab_size: int) -> torch.Tensor:
+        """Exp(1) noise ``[len(requests), vocab_size]``; a seeded row's depends on (seed, position)
+        only."""
+        noise = torch.empty(len(requests), vocab_size, device=self.device)
         if any(r.params.seed is None for r in requests):
             noise.exponential_(generator=self.generator)
         for row, request in enumerate(requests):
             if request.params.seed is not None:
                 self._row_generator.manual_seed(row_seed(request.params.seed, request.position))
                 # A fresh tensor, so the stream cannot depend on where the row sits in memory.
-                row_noise = torch.empty(probs.shape[-1], device=probs.device)
+                row_noise = torch.empty(vocab_size, device=self.device)
                 noise[row] = row_noise.exponential_(generator=self._row_generator)
         return noise
 
     def _output(self, logits: torch.Tensor, token_ids: torch.Tensor,
-                requests: Sequence[SampleRequest]) -> SampleOutput:
-        """Copy the tokens (and the logprobs asked for) to the host in one synchronisation."""
+                requests: Sequence[SampleRequest]) -> DeviceSample:
+        """The tokens, plus the logprobs asked for (from the raw logits)."""
         logprob_rows = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
         if not logprob_rows:
-            return SampleOutput(token_ids.tolist(), [None] * len(requests))
+            return DeviceSample.start(token_ids, len(requests))
         rows = self._rows(logprob_rows)
         raw = logits[rows].log_softmax(dim=-1)
         chosen = raw.gather(-1, token_ids[rows][:, None])
         ranks = (raw > chosen).sum(dim=-1) + 1
         num_top = max(requests[i].params.logprobs for i in logprob_rows)
         top = raw.topk(num_top, dim=-1)
-        host_tokens, host_chosen, host_ranks, top_ids, top_logprobs = _to_host(
-            token_ids, chosen, ranks, top.indices, top.values)
-        token_list = [int(t) for t in host_tokens]
-        logprobs: list[TokenLogprobs | None] = [None] * len(requests)
-        for j, i in enumerate(logprob_rows):
-            start = j * num_top
-            wanted = range(start, start + requests[i].params.logprobs)
-            logprobs[i] = TokenLogprobs(
-                token_id=token_list[i], logprob=host_chosen[j], rank=int(host_ranks[j]),
-                top=tuple((int(top_ids[k]), top_logprobs[k]) for k in wanted))
-        return SampleOutput(token_list, logprobs)
+        wanted = {i: requests[i].params.logprobs for i in logprob_rows}
+        return DeviceSample.start(token_ids, len(requests), wanted,
+                                  (chosen, ranks, top.indices, top.values))
 
     def _rows(self, indices: list[int]) -> torch.Tensor:
         return _to_device(indices, torch.long, self.device)
@@ -289,6 +345,19 @@ def _plain_greedy(request: SampleRequest) -> bool:
     return p.greedy and not p.has_penalties and p.logprobs is None and not request.suppressed_token_ids
 
 
+def _plain(request: SampleRequest) -> bool:
+    """Whether the fused kernel alone draws the row: no penalties, no suppressed tokens, and no
+    filters unless the row is greedy (filters never change the argmax)."""
+    p = request.params
+    unfiltered = p.min_p == 0 and p.top_k <= 0 and p.top_p >= 1
+    return (unfiltered or p.greedy) and not (p.has_penalties or request.suppressed_token_ids)
+
+
+def _as_int64(key: int) -> int:
+    """A 64-bit unsigned key as the int64 of the same bits."""
+    return key - (1 << 64) if key >= 1 << 63 else key
+
+
 def _seen_tokens(request: SampleRequest, field: str) -> Sequence[int]:
     tokens = getattr(request, field)
     if tokens is None:
@@ -296,23 +365,61 @@ def _seen_tokens(request: SampleRequest, field: str) -> Sequence[int]:
     return tokens
 
 
-def _to_device(values: list | torch.Tensor, dtype: torch.dtype,
+def _to_device(values: list | array | torch.Tensor, dtype: torch.dtype,
                device: torch.device) -> torch.Tensor:
-    """Host values as a tensor on ``device``, copied without waiting for it (pinned on CUDA)."""
-    host = torch.as_tensor(values, dtype=dtype)
+    """Host values as a tensor on ``device``, copied without waiting for it (pinned on CUDA).
+
+    A non-empty ``array`` of ``dtype``'s type code converts several times faster than a list.
+    """
+    if isinstance(values, array):
+        host = torch.frombuffer(values, dtype=dtype)
+    else:
+        host = torch.as_tensor(values, dtype=dtype)
     if device.type == "cpu":
         return host
     return host.pin_memory().to(device, non_blocking=True)
 
 
-def _to_host(*tensors: torch.Tensor) -> list[list[float]]:
-    """Copy small tensors to the host with one synchronisation; each comes back as a flat list.
+@dataclass
+class DeviceSample:
+    """Sampled tokens (and logprobs) on the device, with their copy to the host under way;
+    ``to_host`` waits for the copy. Everything travels as one float64 tensor, which holds token
+    ids, ranks and float32 logprobs exactly."""
 
-    They travel as float64, which holds token ids, ranks and float32 logprobs exactly.
-    """
-    flat = torch.cat([t.reshape(-1).to(torch.float64) for t in tensors]).tolist()
-    lists, start = [], 0
-    for t in tensors:
-        lists.append(flat[start:start + t.numel()])
-        start += t.numel()
-    return lists
+    token_ids: torch.Tensor  # [S] int64, on the device
+    num_rows: int
+    logprob_rows: dict[int, int]  # row -> number of top logprobs asked for
+    host: torch.Tensor  # the flat copy: tokens, then per logprob row: chosen, rank, top ids, top values
+    copied: torch.cuda.Event | None
+
+    @classmethod
+    def start(cls, token_ids: torch.Tensor, num_rows: int, logprob_rows: dict[int, int] | None = None,
+              logprob_parts: tuple[torch.Tensor, ...] = ()) -> DeviceSample:
+        flat = torch.cat([t.reshape(-1).to(torch.float64) for t in (token_ids, *logprob_parts)])
+        if flat.device.type != "cuda":
+            return cls(token_ids, num_rows, logprob_rows or {}, flat, None)
+        host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+        host.copy_(flat, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        return cls(token_ids, num_rows, logprob_rows or {}, host, copied)
+
+    def to_host(self) -> SampleOutput:
+        if self.copied is not None:
+            self.copied.synchronize()
+        values = self.host.tolist()
+        n = self.num_rows
+        tokens = [int(t) for t in values[:n]]
+        logprobs: list[TokenLogprobs | None] = [None] * n
+        if self.logprob_rows:
+            k, num_top = len(self.logprob_rows), max(self.logprob_rows.values())
+            chosen, ranks = values[n:n + k], values[n + k:n + 2 * k]
+            top_ids = values[n + 2 * k:n + 2 * k + k * num_top]
+            top_values = values[n + 2 * k + k * num_top:]
+            for j, (row, wanted) in enumerate(self.logprob_rows.items()):
+                first = j * num_top
+                logprobs[row] = TokenLogprobs(
+                    token_id=tokens[row], logprob=chosen[j], rank=int(ranks[j]),
+                    top=tuple((int(top_ids[first + m]), top_values[first + m])
+                              for m in range(wanted)))
+        return SampleOutput(tokens, logprobs)

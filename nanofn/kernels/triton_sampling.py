@@ -1,0 +1,231 @@
+"""Sampling in Triton: the draw of plain rows fused into one pass, and the noise of filtered rows.
+
+Both draw from one deterministic stream per row. Token ``t`` of a row keyed by ``seed`` takes its
+noise from Philox4x32-10 (Triton's ``tl.randint4x``) keyed by ``seed`` at counter ``t % quarter``,
+``quarter = ceil(vocab_size / 4)``: of the four 32-bit words one call returns, word
+``t // quarter`` is token ``t``'s. One Philox call thus serves four tokens, and a token's noise
+depends on (seed, t, vocab size) alone: not on the batch, the grid or the path that draws it.
+
+A word becomes a uniform ``u = (2k + 1) / 2**24`` from its top 23 bits ``k`` (exact in float32,
+never 0 or 1), then Exp(1) noise ``E = -ln u``.
+
+- ``exponential_noise`` writes ``E`` for every token of the given rows; the torch path (penalties,
+  min_p, top_k, top_p) draws ``argmax(probs / E)``, the exponential race.
+- ``sample_plain`` draws rows that have only a temperature in one pass over the logits:
+  ``argmax(logits / T - ln E)``, the Gumbel-max form of the same race (``-ln E`` is Gumbel noise),
+  so the same ``E`` picks the same token as the torch path up to float rounding, with no softmax.
+  It runs in base 2, where the logarithms are cheapest: ``logits * log2(e) / T - log2(-log2 u)``
+  differs from the natural-log value by a factor and a constant only. Rows whose temperature is
+  below the greedy threshold take the plain argmax, with no noise.
+
+Argmaxes rank like ``torch.argmax``: NaN above everything, ties to the lower index.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from nanofn.state.params import GREEDY_TEMPERATURE
+
+BLOCK_COUNTERS = 1024  # Philox counters per tile, so 4 * 1024 tokens
+NUM_WARPS = 8  # with BLOCK_COUNTERS, 4 counters per thread: one 16-byte load per quarter
+PROGRAMS_PER_SM = 4  # sample_plain splits rows into at most this many programs per SM: one wave
+
+_LOG2_E = tl.constexpr(1.4426950408889634)
+_LN_2 = tl.constexpr(0.6931471805599453)
+_TWO_POW_MINUS_24 = tl.constexpr(5.9604644775390625e-08)
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernels
+
+
+@triton.jit
+def _open_unit(word):
+    """A uint32 word's top 23 bits ``k`` as ``(2k + 1) / 2**24``: exact, never 0 or 1."""
+    return ((word >> 9).to(tl.float32) * 2.0 + 1.0) * _TWO_POW_MINUS_24
+
+
+@triton.jit
+def _uniforms(seed, counters):
+    """Four uniforms in (0, 1) per counter from one Philox4x32-10 call keyed by ``seed``."""
+    w0, w1, w2, w3 = tl.randint4x(seed, counters)
+    return _open_unit(w0), _open_unit(w1), _open_unit(w2), _open_unit(w3)
+
+
+@triton.jit
+def _exponential_in_base_2(u):
+    """``-log2(u)``: Exp(1) noise over ln 2. Its true minimum is 2**-24 * log2(e); the floor
+    below that only keeps it positive if ``log2`` is inexact close to 1."""
+    return tl.maximum(-tl.log2(u), _TWO_POW_MINUS_24)
+
+
+@triton.jit
+def _argmax_combine(value_a, token_a, value_b, token_b):
+    """The better of two (value, token) pairs as ``torch.argmax`` ranks them: NaN above
+    everything, then the larger value, then the lower token."""
+    a_nan = value_a != value_a
+    b_nan = value_b != value_b
+    same = (value_a == value_b) | (a_nan & b_nan)
+    a_wins = (value_a > value_b) | (a_nan & (b_nan == 0)) | (same & (token_a < token_b))
+    return tl.where(a_wins, value_a, value_b), tl.where(a_wins, token_a, token_b)
+
+
+@triton.jit
+def _argmax(values, tokens):
+    """The best (value, token) of a block, ranked as by ``_argmax_combine`` (two plain reductions,
+    which Triton's interpreter runs far faster than a reduction with a combine function)."""
+    nan = values != values
+    any_nan = tl.max(nan.to(tl.int32), axis=0) > 0
+    largest = tl.max(tl.where(nan, float("-inf"), values), axis=0)
+    candidates = tl.where(any_nan, nan, values == largest)
+    token = tl.min(tl.where(candidates, tokens, 2147483647), axis=0)
+    return tl.where(any_nan, float("nan"), largest), token
+
+
+@triton.jit
+def _best_of_quarter(row_logits, counters, k, quarter, vocab_size, scale, log2_noise,
+                     best_value, best_token):
+    """Fold the tokens of quarter ``k`` at ``counters`` into each lane's running best."""
+    tokens = counters + k * quarter
+    mask = (counters < quarter) & (tokens < vocab_size)
+    logits = tl.load(row_logits + tokens, mask=mask, other=float("-inf")).to(tl.float32)
+    return _argmax_combine(logits * scale - log2_noise, tokens, best_value, best_token)
+
+
+@triton.jit
+def _sample_plain_kernel(
+    logits_ptr, temperature_ptr, seed_ptr, split_value_ptr, split_token_ptr,
+    stride_row, vocab_size, quarter, counters_per_split,
+    GREEDY: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Program (row, split): the best (value, token) of its range of counters, in all quarters."""
+    row = tl.program_id(0)
+    split = tl.program_id(1)
+    temperature = tl.load(temperature_ptr + row)
+    seed = tl.load(seed_ptr + row)
+    greedy = temperature < GREEDY
+    scale = tl.where(greedy, 1.0, _LOG2_E / temperature)
+    row_logits = logits_ptr + row.to(tl.int64) * stride_row
+    # (-inf, token 0) loses to any larger value; for a row of -inf, token 0 is torch's answer too.
+    best_value = tl.full([BLOCK], float("-inf"), tl.float32)
+    best_token = tl.zeros([BLOCK], tl.int32)
+    first = split * counters_per_split
+    for start in range(first, first + counters_per_split, BLOCK):
+        counters = start + tl.arange(0, BLOCK)
+        if greedy:
+            n0 = tl.zeros([BLOCK], tl.float32)
+            n1 = n0
+            n2 = n0
+            n3 = n0
+        else:
+            u0, u1, u2, u3 = _uniforms(seed, counters)
+            n0 = tl.log2(_exponential_in_base_2(u0))
+            n1 = tl.log2(_exponential_in_base_2(u1))
+            n2 = tl.log2(_exponential_in_base_2(u2))
+            n3 = tl.log2(_exponential_in_base_2(u3))
+        best_value, best_token = _best_of_quarter(row_logits, counters, 0, quarter, vocab_size,
+                                                  scale, n0, best_value, best_token)
+        best_value, best_token = _best_of_quarter(row_logits, counters, 1, quarter, vocab_size,
+                                                  scale, n1, best_value, best_token)
+        best_value, best_token = _best_of_quarter(row_logits, counters, 2, quarter, vocab_size,
+                                                  scale, n2, best_value, best_token)
+        best_value, best_token = _best_of_quarter(row_logits, counters, 3, quarter, vocab_size,
+                                                  scale, n3, best_value, best_token)
+    value, token = _argmax(best_value, best_token)
+    tl.store(split_value_ptr + row * tl.num_programs(1) + split, value)
+    tl.store(split_token_ptr + row * tl.num_programs(1) + split, token)
+
+
+@triton.jit
+def _pick_split_kernel(split_value_ptr, split_token_ptr, token_ptr, num_splits,
+                       SPLITS: tl.constexpr):
+    """Program per row: the token of its best split."""
+    row = tl.program_id(0)
+    splits = tl.arange(0, SPLITS)
+    mask = splits < num_splits
+    values = tl.load(split_value_ptr + row * num_splits + splits, mask=mask, other=float("-inf"))
+    tokens = tl.load(split_token_ptr + row * num_splits + splits, mask=mask, other=0)
+    _, token = _argmax(values, tokens)
+    tl.store(token_ptr + row, token.to(tl.int64))
+
+
+@triton.jit
+def _store_quarter(row_noise, counters, k, quarter, vocab_size, u):
+    tokens = counters + k * quarter
+    mask = (counters < quarter) & (tokens < vocab_size)
+    tl.store(row_noise + tokens, _exponential_in_base_2(u) * _LN_2, mask=mask)
+
+
+@triton.jit
+def _exponential_noise_kernel(seed_ptr, noise_ptr, vocab_size, quarter, BLOCK: tl.constexpr):
+    """Program (row, tile of counters): the noise of those counters' tokens in all four quarters."""
+    row = tl.program_id(0)
+    counters = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    u0, u1, u2, u3 = _uniforms(tl.load(seed_ptr + row), counters)
+    row_noise = noise_ptr + row.to(tl.int64) * vocab_size
+    _store_quarter(row_noise, counters, 0, quarter, vocab_size, u0)
+    _store_quarter(row_noise, counters, 1, quarter, vocab_size, u1)
+    _store_quarter(row_noise, counters, 2, quarter, vocab_size, u2)
+    _store_quarter(row_noise, counters, 3, quarter, vocab_size, u3)
+
+
+# ---------------------------------------------------------------------------------------------
+# Host functions
+
+
+def sample_plain(logits: torch.Tensor, temperature: torch.Tensor, row_seeds: torch.Tensor,
+                 num_splits: int | None = None) -> torch.Tensor:
+    """One token per row: ``argmax(logits / T + Gumbel noise)`` keyed by the row's seed, or the
+    plain argmax where ``T`` is below the greedy threshold.
+
+    ``logits``: ``[B, V]`` float32 with unit stride along V; ``temperature``: ``[B]`` float32;
+    ``row_seeds``: ``[B]`` int64 Philox keys. Returns ``[B]`` int64.
+
+    Each row is split into ``num_splits`` ranges of counters (by default as many as fit
+    ``PROGRAMS_PER_SM`` programs per SM, since a batch of 256 rows is only two rows per SM of an
+    H100); a second kernel picks each row's best split. The tokens do not depend on the split.
+    """
+    num_rows, vocab_size = logits.shape
+    quarter = triton.cdiv(vocab_size, 4)
+    num_blocks = triton.cdiv(quarter, BLOCK_COUNTERS)
+    if num_splits is None:
+        num_splits = PROGRAMS_PER_SM * _num_sms(logits.device) // num_rows
+    blocks_per_split = triton.cdiv(num_blocks, max(1, min(num_splits, num_blocks)))
+    num_splits = triton.cdiv(num_blocks, blocks_per_split)
+    split_values = torch.empty(num_rows, num_splits, dtype=torch.float32, device=logits.device)
+    split_tokens = torch.empty(num_rows, num_splits, dtype=torch.int32, device=logits.device)
+    tokens = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
+    _sample_plain_kernel[(num_rows, num_splits)](
+        logits, temperature, row_seeds, split_values, split_tokens,
+        logits.stride(0), vocab_size, quarter, blocks_per_split * BLOCK_COUNTERS,
+        GREEDY=GREEDY_TEMPERATURE, BLOCK=BLOCK_COUNTERS, num_warps=NUM_WARPS,
+    )
+    _pick_split_kernel[(num_rows,)](
+        split_values, split_tokens, tokens, num_splits, SPLITS=triton.next_power_of_2(num_splits),
+    )
+    return tokens
+
+
+def exponential_noise(row_seeds: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Exp(1) noise ``[len(row_seeds), vocab_size]`` float32, from each row's Philox key: the
+    noise ``sample_plain`` uses for a row of the same seed."""
+    num_rows = row_seeds.shape[0]
+    noise = torch.empty(num_rows, vocab_size, dtype=torch.float32, device=row_seeds.device)
+    quarter = triton.cdiv(vocab_size, 4)
+    _exponential_noise_kernel[(num_rows, triton.cdiv(quarter, BLOCK_COUNTERS))](
+        row_seeds, noise, vocab_size, quarter, BLOCK=BLOCK_COUNTERS, num_warps=NUM_WARPS,
+    )
+    return noise
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    """SMs of a CUDA device; 1 elsewhere (Triton's interpreter runs one program at a time)."""
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count

@@ -1,0 +1,223 @@
+"""The Triton sampling kernels and the Sampler's Triton path, on CPU through Triton's interpreter.
+
+The noise is checked bit for bit against a numpy Philox4x32-10 (itself checked against Random123's
+known answer) and for its distribution; the fused draw against the exponential race over that
+noise, against ``torch.argmax`` for greedy rows and for its frequencies. The interpreter runs a
+program in tens of milliseconds, so batches stay small. ``tests/gpu`` repeats this at full size.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from triton_interpreter import interpreter_process
+
+from nanofn.kernels.triton_sampling import exponential_noise, sample_plain
+from nanofn.runner.sampler import Sampler, SampleRequest, exponential_race, row_seed
+from nanofn.state.params import SamplingParams
+
+VOCAB = 1000
+WIDE_VOCAB = 20_000  # five tiles of counters per row: room for several splits
+
+
+@pytest.fixture(scope="module")
+def interpreter():
+    """``run(function, *args, **kwargs)``: ``function`` in a child whose kernels are interpreted."""
+    with interpreter_process() as run:
+        yield run
+
+
+def keys(*seeds: int) -> torch.Tensor:
+    """Philox keys as the sampler makes them for seeded rows (at position 0), as int64."""
+    unsigned = [row_seed(s, 0) for s in seeds]
+    return torch.tensor([k - (1 << 64) if k >= 1 << 63 else k for k in unsigned])
+
+
+def random_logits(rows: int, vocab: int, seed: int, scale: float = 3.0) -> torch.Tensor:
+    return torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+# ---------------------------------------------------------------------------------------- noise
+
+
+def philox4x32_10(key: int, counters: np.ndarray) -> list[np.ndarray]:
+    """Random123's Philox4x32-10 of the counters ``(c, 0, 0, 0)`` under a 64-bit key: the four
+    32-bit words, as uint64 arrays. The 32 x 32-bit products are exact in uint64."""
+    mask = np.uint64(0xFFFFFFFF)
+    zero = np.zeros_like(counters, dtype=np.uint64)
+    c0, c1, c2, c3 = counters.astype(np.uint64), zero, zero, zero
+    k0, k1 = np.uint64(key & 0xFFFFFFFF), np.uint64((key >> 32) & 0xFFFFFFFF)
+    for _ in range(10):
+        p0, p2 = np.uint64(0xD2511F53) * c0, np.uint64(0xCD9E8D57) * c2
+        high0, high2 = p0 >> np.uint64(32), p2 >> np.uint64(32)
+        c0, c1, c2, c3 = high2 ^ c1 ^ k0, p2 & mask, high0 ^ c3 ^ k1, p0 & mask
+        k0, k1 = (k0 + np.uint64(0x9E3779B9)) & mask, (k1 + np.uint64(0xBB67AE85)) & mask
+    return [c0, c1, c2, c3]
+
+
+def expected_noise(key: int, vocab: int) -> np.ndarray:
+    """The module's definition: token t gets word t // quarter at counter t % quarter, as
+    ``-ln((2k + 1) / 2**24)`` of the word's top 23 bits ``k``."""
+    quarter = -(-vocab // 4)
+    words = philox4x32_10(key & ((1 << 64) - 1), np.arange(quarter))
+    tokens = np.arange(vocab)
+    chosen = np.stack(words)[tokens // quarter, tokens % quarter]
+    return -np.log(((chosen >> np.uint64(9)).astype(np.float64) * 2 + 1) / 2**24)
+
+
+def test_reference_philox_gives_random123_known_answer():
+    words = philox4x32_10(0, np.zeros(1, dtype=np.uint64))
+    assert [int(w[0]) for w in words] == [0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8]
+
+
+@pytest.mark.parametrize("vocab", [10, 4099])  # 4099: a partial quarter and a partial tile
+def test_noise_is_philox_keyed_by_the_row_seed_and_the_token(interpreter, vocab):
+    row_keys = torch.cat([torch.tensor([0, -1, 1 << 40]), keys(7)])  # high and low key halves
+    noise = interpreter(exponential_noise, row_keys, vocab)
+    expected = np.stack([expected_noise(int(k), vocab) for k in row_keys])
+    np.testing.assert_allclose(noise.numpy(), expected, rtol=1e-6)
+
+
+def test_noise_is_exponential_deterministic_and_per_row(interpreter):
+    row_keys = keys(1, 2, 3, 4)
+    noise = interpreter(exponential_noise, row_keys, 40_000)
+    again = interpreter(exponential_noise, row_keys[[2, 0]], 40_000)
+    assert torch.equal(again, noise[[2, 0]])
+    assert noise.min() > 0 and noise.max() < 17  # -ln(2**-24) = 16.6
+    assert noise.mean().item() == pytest.approx(1.0, abs=0.015)
+    for x in (0.1, 1.0, 3.0):  # P(E > x) = exp(-x)
+        assert (noise > x).float().mean().item() == pytest.approx(math.exp(-x), abs=0.005)
+    assert not torch.equal(noise[0], noise[1])
+
+
+# ----------------------------------------------------------------------------------- fused draw
+
+
+def test_greedy_rows_take_the_argmax_with_torch_tie_and_nan_rules(interpreter):
+    logits = random_logits(8, VOCAB, seed=0)
+    logits[1, [10, 600]] = 100.0  # a tie: the lower index
+    logits[2, [5, 900]] = float("nan")  # NaN ranks above everything: the first one
+    logits[3] = float("-inf")  # nothing finite: token 0
+    logits[4, :] = float("-inf")
+    logits[4, 777] = -5.0
+    logits[5, [300, 301]] = float("inf")
+    temperature = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1e-6, 0.0])
+    tokens = interpreter(sample_plain, logits, temperature, keys(*range(8)))
+    assert tokens.dtype == torch.int64
+    assert tokens.tolist() == logits.argmax(dim=-1).tolist()
+    assert tokens.tolist()[1:6] == [10, 5, 0, 777, 300]
+
+
+def test_draw_is_the_exponential_race_over_the_same_noise(interpreter):
+    logits = random_logits(8, VOCAB, seed=1)
+    temperature = torch.tensor([0.2, 0.5, 0.6, 0.8, 1.0, 1.0, 1.5, 4.0])
+    row_keys = keys(*range(100, 108))
+    tokens = interpreter(sample_plain, logits, temperature, row_keys)
+    noise = interpreter(exponential_noise, row_keys, VOCAB)
+    race = exponential_race((logits / temperature[:, None]).softmax(dim=-1), noise)
+    assert tokens.tolist() == race.tolist()
+    assert len(set(tokens.tolist())) > 1
+
+
+def test_tokens_do_not_depend_on_the_split(interpreter):
+    logits = random_logits(4, WIDE_VOCAB, seed=2)
+    logits[0, [3, 17_000]] = 50.0  # a greedy tie across splits
+    logits[1, [19_000, 12_000]] = float("nan")  # in different splits; the first NaN wins
+    temperature = torch.tensor([0.0, 0.5, 1.0, 2.0])
+    row_keys = keys(5, 6, 7, 8)
+    by_split = [interpreter(sample_plain, logits, temperature, row_keys, num_splits=n).tolist()
+                for n in (1, 2, 5)]
+    assert by_split[0] == by_split[1] == by_split[2]
+    assert by_split[0][:2] == [3, 12_000]
+
+
+def test_a_concentrated_row_always_returns_its_token(interpreter):
+    logits = random_logits(12, VOCAB, seed=3, scale=1.0)
+    hot = torch.arange(12) * 83
+    logits[torch.arange(12), hot] += 80.0  # at T = 2, the other tokens share e**-38 of the mass
+    logits[11] = float("-inf")  # the only finite logit
+    logits[11, hot[11]] = -3.0
+    temperature = torch.tensor([0.5, 1.0, 2.0] * 3 + [5.0, 5.0, 100.0])
+    tokens = interpreter(sample_plain, logits, temperature, keys(*range(12)))
+    assert tokens.tolist() == hot.tolist()
+
+
+def test_frequencies_follow_the_softmax_of_the_tempered_logits(interpreter):
+    draws, temperature = 300, 0.7
+    logits = torch.tensor([1.0, 0.2, -0.5, 0.6])
+    tokens = interpreter(sample_plain, logits.repeat(draws, 1), torch.full((draws,), temperature),
+                         keys(*range(draws)))
+    frequencies = torch.bincount(tokens, minlength=4) / draws
+    expected = (logits / temperature).softmax(dim=-1)
+    assert frequencies.tolist() == pytest.approx(expected.tolist(), abs=0.08)
+
+
+# --------------------------------------------------------------------- the Sampler's Triton path
+
+
+def request(position: int = 0, **params) -> SampleRequest:
+    return SampleRequest(SamplingParams(**params), position, prompt_token_ids=[1, 2],
+                         output_token_ids=[3])
+
+
+def sample_with_triton(sampler_seed, batches):
+    """The token ids of each (logits, requests) batch, drawn by one Triton-path sampler."""
+    sampler = Sampler(seed=sampler_seed, device="cpu", use_triton=True)
+    return [sampler(logits, requests).token_ids for logits, requests in batches]
+
+
+def test_seeded_rows_do_not_depend_on_the_batch_or_the_other_rows_paths(interpreter):
+    plain = request(position=5, seed=42, temperature=0.8)
+    filtered = request(position=9, seed=42, top_k=40, top_p=0.9)
+    others = [request(), request(position=5, seed=43), request(temperature=0.0),
+              request(top_p=0.5), request(frequency_penalty=0.5, seed=1),
+              SampleRequest(SamplingParams(min_p=0.2), 3, suppressed_token_ids=(1, 2)),
+              request(logprobs=2, temperature=0.0)]
+    target_logits = random_logits(2, VOCAB, seed=4)
+    layouts = [[plain, filtered], others[:3] + [filtered] + others[3:] + [plain],
+               [plain] + others[::-1] + [filtered], [filtered, others[4], plain, others[0]]]
+    batches = []
+    for i, batch in enumerate(layouts):
+        logits = random_logits(len(batch), VOCAB, seed=10 + i)
+        logits[batch.index(plain)] = target_logits[0]
+        logits[batch.index(filtered)] = target_logits[1]
+        batches.append((logits, batch))
+    drawn = interpreter(sample_with_triton, None, batches)
+    plain_tokens = {tokens[batch.index(plain)] for tokens, (_, batch) in zip(drawn, batches)}
+    filtered_tokens = {tokens[batch.index(filtered)] for tokens, (_, batch) in zip(drawn, batches)}
+    assert len(plain_tokens) == 1 and len(filtered_tokens) == 1
+
+
+def test_plain_and_filtered_paths_draw_from_the_same_stream(interpreter):
+    """Filters that keep every token send a row through the torch steps, with the same noise."""
+    logits = random_logits(1, VOCAB, seed=5, scale=1.0).repeat(8, 1)
+    positions = range(8)
+    plain = [request(position=p, seed=11, temperature=0.9) for p in positions]
+    keep_all = [request(position=p, seed=11, temperature=0.9, top_k=VOCAB) for p in positions]
+    tiny_min_p = [request(position=p, seed=11, temperature=0.9, min_p=1e-20) for p in positions]
+    drawn = interpreter(sample_with_triton, 0,
+                        [(logits, plain), (logits, keep_all), (logits, tiny_min_p)])
+    assert drawn[0] == drawn[1] == drawn[2]
+    assert len(set(drawn[0])) > 4  # the position changes the noise
+
+
+def test_unseeded_rows_repeat_for_a_fixed_sampler_seed_and_change_between_steps(interpreter):
+    steps = [(random_logits(6, VOCAB, seed=6, scale=0.1), [request(), request(top_k=50)] * 3)] * 2
+    first, second = interpreter(sample_with_triton, 5, steps)
+    assert interpreter(sample_with_triton, 5, steps) == [first, second]
+    assert first != second
+    assert interpreter(sample_with_triton, 6, steps) != [first, second]
+
+
+def test_penalties_suppression_and_greedy_rows_on_the_triton_path(interpreter):
+    logits = torch.tensor([[3.0, 2.0, 0.0, -1.0]] * 4)
+    requests = [  # the penalty takes token 0 (seen once in the output) from 3 to 1
+        SampleRequest(SamplingParams(temperature=0.0, frequency_penalty=2.0), 0, [], [0]),
+        SampleRequest(SamplingParams(temperature=0.0), 0, suppressed_token_ids=(0,)),
+        SampleRequest(SamplingParams(temperature=5.0), 0, suppressed_token_ids=(0, 1, 3)),
+        SampleRequest(SamplingParams(temperature=0.0, top_k=2, logprobs=1), 0),
+    ]
+    assert interpreter(sample_with_triton, 0, [(logits, requests)]) == [[1, 1, 2, 0]]
