@@ -6,15 +6,17 @@ noise from Philox4x32-10 (Triton's ``tl.randint4x``) keyed by ``seed`` at counte
 ``t // quarter`` is token ``t``'s. One Philox call thus serves four tokens, and a token's noise
 depends on (seed, t, vocab size) alone: not on the batch, the grid or the path that draws it.
 
-A word becomes a uniform ``u = (2k + 1) / 2**24`` from its top 23 bits ``k`` (exact in float32,
-never 0 or 1), then Exp(1) noise ``E = -ln u``.
+A word ``w`` becomes Exp(1) noise ``E = -ln(1 - v)`` with ``v = (w + 1/2) / 2**32``, to float32's
+full relative precision at both ends. Small ``E`` is what lets an unlikely token win the race: a
+plain ``-ln(u)`` of a 24-bit uniform would make tokens less likely than about 1e-8 of the
+favourite's probability impossible to draw.
 
 - ``exponential_noise`` writes ``E`` for every token of the given rows; the torch path (penalties,
   min_p, top_k, top_p) draws ``argmax(probs / E)``, the exponential race.
 - ``sample_plain`` draws rows that have only a temperature in one pass over the logits:
   ``argmax(logits / T - ln E)``, the Gumbel-max form of the same race (``-ln E`` is Gumbel noise),
   so the same ``E`` picks the same token as the torch path up to float rounding, with no softmax.
-  It runs in base 2, where the logarithms are cheapest: ``logits * log2(e) / T - log2(-log2 u)``
+  It runs in base 2, where the logarithms are cheapest: ``logits * log2(e) / T - log2(E / ln 2)``
   differs from the natural-log value by a factor and a constant only. Rows whose temperature is
   below the greedy threshold take the plain argmax, with no noise.
 
@@ -37,7 +39,7 @@ PROGRAMS_PER_SM = 4  # sample_plain splits rows into at most this many programs 
 
 _LOG2_E = tl.constexpr(1.4426950408889634)
 _LN_2 = tl.constexpr(0.6931471805599453)
-_TWO_POW_MINUS_24 = tl.constexpr(5.9604644775390625e-08)
+_TWO_POW_MINUS_32 = tl.constexpr(2.3283064365386963e-10)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -45,23 +47,23 @@ _TWO_POW_MINUS_24 = tl.constexpr(5.9604644775390625e-08)
 
 
 @triton.jit
-def _open_unit(word):
-    """A uint32 word's top 23 bits ``k`` as ``(2k + 1) / 2**24``: exact, never 0 or 1."""
-    return ((word >> 9).to(tl.float32) * 2.0 + 1.0) * _TWO_POW_MINUS_24
+def _exponential_in_base_2(word):
+    """Exp(1) noise over ln 2 from a uint32 word (see the module docstring)."""
+    v = (word.to(tl.float32) + 0.5) * _TWO_POW_MINUS_32
+    one_minus_v = ((word ^ 0xFFFFFFFF).to(tl.float32) + 0.5) * _TWO_POW_MINUS_32
+    # -ln(1 - v) for v < 1/2 by Kahan's log1p: u is 1 - v rounded, and 1 - u is exact, so
+    # ln(u) / (u - 1) * v makes up for the rounding.
+    u = 1.0 - v
+    small = tl.where(u == 1.0, v, -tl.log(u) * (v / (1.0 - u)))
+    return tl.where(v < 0.5, small, -tl.log(one_minus_v)) * _LOG2_E
 
 
 @triton.jit
-def _uniforms(seed, counters):
-    """Four uniforms in (0, 1) per counter from one Philox4x32-10 call keyed by ``seed``."""
+def _noise(seed, counters):
+    """Four base-2 exponentials per counter from one Philox4x32-10 call keyed by ``seed``."""
     w0, w1, w2, w3 = tl.randint4x(seed, counters)
-    return _open_unit(w0), _open_unit(w1), _open_unit(w2), _open_unit(w3)
-
-
-@triton.jit
-def _exponential_in_base_2(u):
-    """``-log2(u)``: Exp(1) noise over ln 2. Its true minimum is 2**-24 * log2(e); the floor
-    below that only keeps it positive if ``log2`` is inexact close to 1."""
-    return tl.maximum(-tl.log2(u), _TWO_POW_MINUS_24)
+    return (_exponential_in_base_2(w0), _exponential_in_base_2(w1),
+            _exponential_in_base_2(w2), _exponential_in_base_2(w3))
 
 
 @triton.jit
@@ -123,11 +125,11 @@ def _sample_plain_kernel(
             n2 = n0
             n3 = n0
         else:
-            u0, u1, u2, u3 = _uniforms(seed, counters)
-            n0 = tl.log2(_exponential_in_base_2(u0))
-            n1 = tl.log2(_exponential_in_base_2(u1))
-            n2 = tl.log2(_exponential_in_base_2(u2))
-            n3 = tl.log2(_exponential_in_base_2(u3))
+            e0, e1, e2, e3 = _noise(seed, counters)
+            n0 = tl.log2(e0)
+            n1 = tl.log2(e1)
+            n2 = tl.log2(e2)
+            n3 = tl.log2(e3)
         best_value, best_token = _best_of_quarter(row_logits, counters, 0, quarter, vocab_size,
                                                   scale, n0, best_value, best_token)
         best_value, best_token = _best_of_quarter(row_logits, counters, 1, quarter, vocab_size,
@@ -155,10 +157,10 @@ def _pick_split_kernel(split_value_ptr, split_token_ptr, token_ptr, num_splits,
 
 
 @triton.jit
-def _store_quarter(row_noise, counters, k, quarter, vocab_size, u):
+def _store_quarter(row_noise, counters, k, quarter, vocab_size, noise_in_base_2):
     tokens = counters + k * quarter
     mask = (counters < quarter) & (tokens < vocab_size)
-    tl.store(row_noise + tokens, _exponential_in_base_2(u) * _LN_2, mask=mask)
+    tl.store(row_noise + tokens, noise_in_base_2 * _LN_2, mask=mask)
 
 
 @triton.jit
@@ -166,12 +168,12 @@ def _exponential_noise_kernel(seed_ptr, noise_ptr, vocab_size, quarter, BLOCK: t
     """Program (row, tile of counters): the noise of those counters' tokens in all four quarters."""
     row = tl.program_id(0)
     counters = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    u0, u1, u2, u3 = _uniforms(tl.load(seed_ptr + row), counters)
+    e0, e1, e2, e3 = _noise(tl.load(seed_ptr + row), counters)
     row_noise = noise_ptr + row.to(tl.int64) * vocab_size
-    _store_quarter(row_noise, counters, 0, quarter, vocab_size, u0)
-    _store_quarter(row_noise, counters, 1, quarter, vocab_size, u1)
-    _store_quarter(row_noise, counters, 2, quarter, vocab_size, u2)
-    _store_quarter(row_noise, counters, 3, quarter, vocab_size, u3)
+    _store_quarter(row_noise, counters, 0, quarter, vocab_size, e0)
+    _store_quarter(row_noise, counters, 1, quarter, vocab_size, e1)
+    _store_quarter(row_noise, counters, 2, quarter, vocab_size, e2)
+    _store_quarter(row_noise, counters, 3, quarter, vocab_size, e3)
 
 
 # ---------------------------------------------------------------------------------------------
