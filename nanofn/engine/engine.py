@@ -13,6 +13,7 @@ So the outputs of a call show tokens sampled by earlier calls' plans.
 
 from __future__ import annotations
 
+import gc
 import itertools
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -124,6 +125,11 @@ class Engine:
         self._aborted_before_start: list[_Request] = []
         self._in_flight: deque[tuple[BatchPlan, LaunchedStep]] = deque()  # launched, not waited for
         self._ready: tuple[BatchPlan, SampleOutput] | None = None  # waited for, not delivered
+        # Everything loaded so far lives as long as the engine: keep it out of the cyclic
+        # collector's way, which would otherwise walk the model's objects every full
+        # collection, while the scheduler makes many short-lived records per step.
+        gc.collect()
+        gc.freeze()
 
     # --- requests -------------------------------------------------------------------------
 

@@ -131,15 +131,17 @@ def _schedule_chunk(pool: BlockPool, seq: Seq, count: int,
     chunk that reaches the sequence's last position samples a token, pending until delivered."""
     start = seq.num_computed
     end = start + count
+    bs = c.block_size
     table = seq.block_table
-    if (missing := _blocks_for(end, c.block_size) - len(table)) > 0:
-        pool, new_blocks = allocate(pool, missing)
+    if end > len(table) * bs:
+        pool, new_blocks = allocate(pool, _blocks_for(end, bs) - len(table))
         table = table.extend(new_blocks)
-    sample = end == seq.num_positions
+    known = len(seq.token_ids)
+    sample = end == known + seq.num_pending
     new_seq = seq.with_progress(table, end, seq.num_pending + sample)
-    if c.enable_prefix_caching:
-        pool = cache_known_blocks(pool, new_seq, min(start, seq.num_tokens), c.block_size)
-    return pool, _scheduled(new_seq, start, end, sample), new_seq
+    if c.enable_prefix_caching and min(end, known) // bs > min(start, known) // bs:
+        pool = cache_known_blocks(pool, new_seq, min(start, known), bs)
+    return pool, _scheduled(new_seq, start, end, known, sample), new_seq
 
 
 def cache_known_blocks(pool: BlockPool, seq: Seq, old_limit: int, block_size: int) -> BlockPool:
@@ -179,21 +181,20 @@ def _admit(pool: BlockPool, seq: Seq, budget: int,
     return _schedule_chunk(pool, seq, count, c)
 
 
-def _scheduled(seq: Seq, start: int, end: int, sample: bool) -> ScheduledSeq:
-    known = min(end, seq.num_tokens)
-    if known - start == 1:
-        tokens = (seq.token_ids[start],)
+_PENDING_ONLY = (PENDING_TOKEN,)
+
+
+def _scheduled(seq: Seq, start: int, end: int, known: int, sample: bool) -> ScheduledSeq:
+    """The plan's entry for positions ``start .. end - 1`` of ``seq``, of which the first
+    ``known`` are known tokens."""
+    if end <= known:
+        tokens = (seq.token_ids[start],) if end - start == 1 else tuple(seq.token_ids[start:end])
+    elif start == known:
+        tokens = _PENDING_ONLY
     else:
-        tokens = tuple(seq.token_ids[start:known])
-    if end > known:
-        tokens += (PENDING_TOKEN,)
-    return ScheduledSeq(
-        seq_id=seq.seq_id,
-        token_ids=tokens,
-        start_pos=start,
-        block_table=seq.block_table,
-        sample=sample,
-        params=seq.params,
-        num_prompt_tokens=seq.num_prompt_tokens,
-        history=seq.token_ids if seq.params.has_penalties else None,
-    )
+        tokens = tuple(seq.token_ids[start:known]) + _PENDING_ONLY
+    request = seq.request
+    params = request.params
+    return ScheduledSeq(request.request_id, tokens, start, seq.block_table, sample, params,
+                        len(request.prompt_token_ids),
+                        seq.token_ids if params.has_penalties else None)

@@ -88,9 +88,9 @@ def _take_token(pool: BlockPool, seq: Seq, token: int, stop_hits: frozenset[str]
                 c: SchedulerConfig) -> tuple[BlockPool, Seq]:
     """The sequence with its delivered token, finished if the token ends it."""
     seq = append_token(seq, token, c)
-    if c.enable_prefix_caching:  # a block whose last token was pending may be complete now
-        pool = cache_known_blocks(pool, seq, min(seq.num_computed, seq.num_tokens - 1),
-                                  c.block_size)
+    known = len(seq.token_ids)
+    if c.enable_prefix_caching and known % c.block_size == 0:  # it completed a known block
+        pool = cache_known_blocks(pool, seq, min(seq.num_computed, known - 1), c.block_size)
     reason = FinishReason.STOP if seq.seq_id in stop_hits else finish_reason(seq, token, c)
     return _finish(pool, seq, reason) if reason is not None else (pool, seq)
 
