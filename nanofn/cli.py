@@ -114,6 +114,9 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as e:
         print(f"nanofn {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader went away (``nanofn replay t.jsonl | head``)
+        sys.stderr.close()
+        return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
