@@ -13,6 +13,7 @@ import pytest
 from pyrsistent import pvector
 
 from nanofn.state import (Events, FinishReason, InvalidRequest, NewRequest, SamplingParams,
+                          ScheduledSeq,
                           SchedulerConfig, TraceError, check_new_request, figures, header_line,
                           initial_state, parse_trace, replay, step, step_line)
 from nanofn.state.block_pool import (CachedBlock, allocate, cache_block, find_cached_prefix,
@@ -377,3 +378,20 @@ def test_sampling_params_round_trip_through_json():
     assert SamplingParams.from_dict(json.loads(json.dumps(params.to_dict()))) == params
     with pytest.raises(ValueError, match="unknown sampling parameter.*colour"):
         SamplingParams.from_dict({"colour": 1})
+
+
+def test_the_hot_path_record_builders_set_every_field():
+    """Seq.with_token/with_progress and the plan entries are built field by field for speed: a
+    field added to the records but not to those builders must fail here."""
+    from dataclasses import fields
+    state, plan = step(initial_state(config()), Events(new_requests=(request("a", range(1, 20)),)))
+    seq = state.running[0]
+    built = [seq.with_token(seq.token_ids.append(3), seq.block_hashes),
+             seq.with_progress(seq.block_table, 7, 2), plan.seqs[0]]
+    expected = [replace(seq, token_ids=seq.token_ids.append(3), num_pending=seq.num_pending - 1),
+                replace(seq, num_computed=7, num_pending=2),
+                ScheduledSeq(**{f.name: getattr(plan.seqs[0], f.name)
+                                for f in fields(ScheduledSeq)})]
+    for got, want in zip(built, expected):
+        assert all(hasattr(got, f.name) for f in fields(got))
+        assert got == want

@@ -41,7 +41,7 @@ class Detokenizer:
             return False
         old_len = len(self.text)
         self.text += new_text
-        if num_output_tokens >= self.params.min_tokens:
+        if self.params.stop and num_output_tokens >= self.params.min_tokens:
             self._check_stop(old_len)
         return self.stopped
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import xxhash
 from pyrsistent import PVector
@@ -60,26 +60,29 @@ class BatchPlan:
     block_size: int
     seqs: tuple[ScheduledSeq, ...]
     released: tuple[str, ...] = ()
+    # Derived from ``seqs`` once, when the plan is made (several readers need them each step).
+    sampling_seq_ids: tuple[str, ...] = field(init=False)
+    num_tokens: int = field(init=False)
+    num_decode_tokens: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        sampling, num_tokens, num_decode = [], 0, 0
+        for s in self.seqs:
+            if s.sample:
+                sampling.append(s.seq_id)
+            num_tokens += len(s.token_ids)
+            num_decode += s.is_decode
+        object.__setattr__(self, "sampling_seq_ids", tuple(sampling))
+        object.__setattr__(self, "num_tokens", num_tokens)
+        object.__setattr__(self, "num_decode_tokens", num_decode)
 
     @property
     def is_empty(self) -> bool:
         return not self.seqs
 
     @property
-    def num_tokens(self) -> int:
-        return sum(len(s.token_ids) for s in self.seqs)
-
-    @property
-    def num_decode_tokens(self) -> int:
-        return sum(1 for s in self.seqs if s.is_decode)
-
-    @property
     def num_prefill_tokens(self) -> int:
         return self.num_tokens - self.num_decode_tokens
-
-    @property
-    def sampling_seq_ids(self) -> tuple[str, ...]:
-        return tuple(s.seq_id for s in self.seqs if s.sample)
 
 
 def plan_digest(plan: BatchPlan) -> str:

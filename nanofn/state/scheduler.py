@@ -27,7 +27,7 @@ from nanofn.state.config import SchedulerConfig
 from nanofn.state.engine_state import EngineState
 from nanofn.state.hashing import parent_hash_of
 from nanofn.state.plan import PENDING_TOKEN, BatchPlan, ScheduledSeq
-from nanofn.state.records import Seq, SeqStatus
+from nanofn.state.records import Seq, SeqStatus, slot_setters
 
 
 def schedule(state: EngineState) -> tuple[EngineState, BatchPlan]:
@@ -94,19 +94,18 @@ def _blocks_for(num_tokens: int, block_size: int) -> int:
 
 
 def _ready(seq: Seq, c: SchedulerConfig) -> bool:
-    """Whether a running sequence can be scheduled now (see the module docstring)."""
+    """Whether a running sequence can be scheduled now: nothing pending, or only its last
+    token, which is not its last by length and whose history nobody needs (penalties)."""
     pending = seq.num_pending
     if pending == 0:
         return True
-    p = seq.params
-    return pending == 1 and not p.has_penalties and not _at_length_limit(seq, c)
-
-
-def _at_length_limit(seq: Seq, c: SchedulerConfig) -> bool:
-    """Counting pending tokens, the sequence has all the tokens it may have."""
-    max_tokens = seq.params.max_tokens
-    return ((max_tokens is not None and seq.num_positions - seq.num_prompt_tokens >= max_tokens)
-            or seq.num_positions >= c.max_model_len)
+    params = seq.request.params
+    if pending > 1 or params.has_penalties:
+        return False
+    positions = len(seq.token_ids) + 1
+    max_tokens = params.max_tokens
+    return positions < c.max_model_len and (
+        max_tokens is None or positions - len(seq.request.prompt_token_ids) < max_tokens)
 
 
 def _tokens_that_fit(seq: Seq, wanted: int, pool: BlockPool, block_size: int) -> int:
@@ -195,6 +194,18 @@ def _scheduled(seq: Seq, start: int, end: int, known: int, sample: bool) -> Sche
         tokens = tuple(seq.token_ids[start:known]) + _PENDING_ONLY
     request = seq.request
     params = request.params
-    return ScheduledSeq(request.request_id, tokens, start, seq.block_table, sample, params,
-                        len(request.prompt_token_ids),
-                        seq.token_ids if params.has_penalties else None)
+    entry = _new(ScheduledSeq)  # the slot setters: half the cost of the frozen __init__
+    _set_seq_id(entry, request.request_id)
+    _set_token_ids(entry, tokens)
+    _set_start_pos(entry, start)
+    _set_block_table(entry, seq.block_table)
+    _set_sample(entry, sample)
+    _set_params(entry, params)
+    _set_num_prompt_tokens(entry, len(request.prompt_token_ids))
+    _set_history(entry, seq.token_ids if params.has_penalties else None)
+    return entry
+
+
+_new = object.__new__
+(_set_seq_id, _set_token_ids, _set_start_pos, _set_block_table, _set_sample, _set_params,
+ _set_num_prompt_tokens, _set_history) = slot_setters(ScheduledSeq)
