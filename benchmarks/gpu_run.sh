@@ -10,7 +10,7 @@ mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 NANOFN_CACHE=/tmp/nanofn-cache
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
-git log -1 --format=%H 2>/dev/null | tee "$OUT/commit.txt"
+(cat .commit 2>/dev/null || git log -1 --format=%h 2>/dev/null) | tee "$OUT/commit.txt"
 
 if [ "$what" = tests ] || [ "$what" = all ]; then
   timeout 420 python3 -m pytest tests/gpu -q -rs 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
