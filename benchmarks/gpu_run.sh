@@ -2,7 +2,8 @@
 # One call on a GPU machine: the GPU test suite, then the benchmarks, logs under $OUT and a
 # short table last. Usage: bash benchmarks/gpu_run.sh [tests|bench|all|kernels|baseline] (default: all;
 # baseline: the torch reference attention, eager, for comparison)
-# Expects the wheels of ../shared/tools/gpu-wheels.sh in .whl/ (pyrsistent is missing there).
+# Expects the wheels of ../shared/tools/gpu-wheels.sh in .whl/ (pyrsistent is missing there);
+# set NANOFN_COMMIT to the commit being measured (the device copy has no .git).
 set -u
 what=${1:-all}
 OUT=${OUT:-/tmp/nanofn-out}
@@ -10,7 +11,7 @@ mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 NANOFN_CACHE=/tmp/nanofn-cache
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
-(cat .commit 2>/dev/null || git log -1 --format=%h 2>/dev/null) | tee "$OUT/commit.txt"
+echo "${NANOFN_COMMIT:-unknown commit}" | tee "$OUT/commit.txt"  # the device copy has no .git
 
 if [ "$what" = tests ] || [ "$what" = all ]; then
   timeout 420 python3 -m pytest tests/gpu -q -rs 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
@@ -41,7 +42,7 @@ if [ "$what" = kernels ]; then
   done
 fi
 if [ "$what" = baseline ]; then
-  single torch-eager --kernel-backend torch --enforce-eager true
+  single torch-eager --kernel-backend=torch --enforce-eager=true
   bench torch-eager --kernel-backend torch --enforce-eager
 fi
 python3 - "$OUT" <<'PY'

@@ -1,10 +1,10 @@
 """Decode speed of one request alone: a 512-token prompt, 512 new tokens (ignore_eos).
 
 Usage: python benchmarks/single_request.py (MODEL | --random-weights qwen3-0.6b) [--json PATH]
-       [LLM options as --key value, e.g. --enforce-eager true]
+       [LLM options as --key=value, e.g. --enforce-eager=true --kernel-backend=torch]
 
 Times one generate of 1 token (the prefill) and one of 513 tokens on another prompt of the
-same length; decode tok/s = 512 / the difference. The floor is tools/roofline.py's single-
+same length; decode tok/s = 512 / the difference. The floor is shared/tools/roofline.py's single-
 request figure: every decode step reads all weights and the request's own K/V.
 """
 
@@ -14,11 +14,13 @@ import argparse
 import json
 import random
 import time
+from dataclasses import fields
 from pathlib import Path
 
 from nanofn import LLM, SamplingParams
 from nanofn.bench import ModelDims, floor
 from nanofn.cli import random_weights_model
+from nanofn.engine.options import EngineOptions
 
 PROMPT_LEN, NEW_TOKENS = 512, 512
 
@@ -59,16 +61,26 @@ def _time(llm: LLM, prompt: list[int], max_tokens: int) -> float:
 
 
 def _options(extra: list[str]) -> dict:
-    """``--key value`` pairs as LLM options (ints, floats and true/false understood)."""
+    """``--key=value`` arguments as LLM options (ints, floats and true/false understood); any
+    other argument is an error."""
+    known = {f.name for f in fields(EngineOptions)}
     options = {}
-    for key, value in zip(extra[::2], extra[1::2]):
-        for parse in (int, float, {"true": True, "false": False}.__getitem__, str):
-            try:
-                options[key.lstrip("-").replace("-", "_")] = parse(value)
-                break
-            except (ValueError, KeyError):
-                continue
+    for arg in extra:
+        key, sep, value = arg.removeprefix("--").partition("=")
+        key = key.replace("-", "_")
+        if not arg.startswith("--") or not sep or key not in known:
+            raise SystemExit(f"single_request.py: {arg!r} is not --OPTION=VALUE with an LLM option")
+        options[key] = _parse(value)
     return options
+
+
+def _parse(value: str):
+    for parse in (int, float, {"true": True, "false": False}.__getitem__):
+        try:
+            return parse(value)
+        except (ValueError, KeyError):
+            continue
+    return value
 
 
 if __name__ == "__main__":

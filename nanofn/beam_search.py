@@ -19,11 +19,16 @@ class BeamSearchParams:
     length_penalty: float = 1.0  # the score is cumulative logprob / length ** length_penalty
 
     def __post_init__(self) -> None:
-        if not isinstance(self.beam_width, int) or not 1 <= 2 * self.beam_width <= MAX_LOGPROBS:
+        if (not isinstance(self.beam_width, int) or isinstance(self.beam_width, bool)
+                or not 1 <= 2 * self.beam_width <= MAX_LOGPROBS):
             raise ValueError(f"beam_width must be an integer in [1, {MAX_LOGPROBS // 2}], "
                              f"got {self.beam_width!r}")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if not isinstance(self.length_penalty, (int, float)) or isinstance(self.length_penalty, bool):
+            raise ValueError(f"length_penalty must be a number, got {self.length_penalty!r}")
 
 
 @dataclass(frozen=True)
@@ -56,8 +61,14 @@ def beam_search(complete: Complete, prompts: Sequence[Sequence[int]], params: Be
     live = [[BeamSearchSequence((), 0.0, "length")] for _ in prompts]
     done: list[list[BeamSearchSequence]] = [[] for _ in prompts]
     for _ in range(params.max_tokens):
-        asks = [(i, beam) for i, beams in enumerate(live) for beam in beams
-                if len(prompts[i]) + len(beam.token_ids) < max_model_len]
+        asks = []
+        for i, beams in enumerate(live):
+            for beam in beams:
+                if len(prompts[i]) + len(beam.token_ids) < max_model_len:
+                    asks.append((i, beam))
+                else:  # no room for another token: the beam is complete
+                    done[i].append(beam)
+        live = [[] for _ in prompts]
         if not asks:
             break
         outputs = complete([{"prompt_token_ids": list(prompts[i]) + list(beam.token_ids)}
@@ -70,7 +81,6 @@ def beam_search(complete: Complete, prompts: Sequence[Sequence[int]], params: Be
                     beam.token_ids + (token,), beam.cumulative_logprob + lp.logprob, "length"))
         for i, found in enumerate(candidates):
             best = sorted(found, key=lambda b: b.cumulative_logprob, reverse=True)
-            live[i] = []
             for beam in best[:params.beam_width]:
                 if not params.ignore_eos and beam.token_ids[-1] in eos_token_ids:
                     done[i].append(BeamSearchSequence(beam.token_ids, beam.cumulative_logprob, "stop"))

@@ -3,7 +3,7 @@
 The workload is nano-vllm's ``bench.py``: seeded with 0, 256 requests of U(100, 1024) random
 token ids in [0, 10000], each with ``max_tokens`` U(100, 1024), ``ignore_eos``, temperature 0.6;
 all prompts are drawn first, then all output lengths. The floor is the roofline of
-``tools/roofline.py`` (kept outside the package) as a function of the model's shape: prefill
+the workplace's ``shared/tools/roofline.py`` (outside this repository) as a function of the model's shape: prefill
 FLOPs at the matmul rate, plus, for every decode step with all requests running together,
 the larger of its FLOPs at the matmul rate and its bytes (every weight once, the K/V of every
 running token once) at the memory bandwidth.
@@ -125,7 +125,7 @@ class Floor:
         return self.num_output_tokens / self.seconds
 
     def describe(self) -> str:
-        """As ``tools/roofline.py`` prints it."""
+        """As ``shared/tools/roofline.py`` prints it."""
         return (f"prefill {format_seconds(self.prefill_s)} + decode "
                 f"{format_seconds(self.decode_s)} = {format_seconds(self.seconds)}  ->  "
                 f"{self.output_tok_s:,.0f} output tok/s")
@@ -141,7 +141,7 @@ def floor(dims: ModelDims, prompt_lens: Sequence[int], output_lens: Sequence[int
     """The least time any engine needs for this workload on a device with these rates.
 
     ``bytes_per_param`` is the size of a weight and of a cached K or V element (2, bf16, in
-    ``tools/roofline.py``). The first output token of a request comes from its prefill; each later one from a decode
+    ``shared/tools/roofline.py``). The first output token of a request comes from its prefill; each later one from a decode
     step that runs every unfinished request at once.
     """
     layers, heads, head_dim = dims.num_layers, dims.num_heads, dims.head_dim

@@ -469,7 +469,8 @@ def _describe_seq(seq: Seq) -> str:
         status += f" ({seq.finish_reason.value})"
     pending = f" + {seq.num_pending} pending" if seq.num_pending else ""
     return (f"  {seq.seq_id}: {status}, {seq.num_tokens} tokens ({seq.num_prompt_tokens} prompt "
-            f"+ {seq.num_output_tokens} output){pending}, computed {seq.num_computed}, cached at "
+            f"+ {seq.num_output_tokens} output){pending}, arrived at step "
+            f"{seq.request.arrival_step}, computed {seq.num_computed}, cached at "
             f"admission {seq.num_cached_tokens}, preemptions {seq.num_preemptions}\n"
             f"      blocks {_short(seq.block_table)}\n"
             f"      tokens {_short(seq.token_ids)}")

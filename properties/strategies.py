@@ -49,13 +49,16 @@ def prompts(draw) -> tuple[int, ...]:
 @st.composite
 def sampling_params(draw, prompt_len: int) -> SamplingParams:
     room = MAX_MODEL_LEN - prompt_len
-    max_tokens = draw(st.integers(1, min(room, 24)))
+    # None: run up to max_model_len. Penalties: the sequence's history goes with every plan, so
+    # it is never scheduled with a pending token.
+    max_tokens = draw(st.one_of(st.integers(1, min(room, 24)), st.none()))
     return SamplingParams(
         temperature=0.0,
         max_tokens=max_tokens,
-        min_tokens=draw(st.integers(0, max_tokens)),
+        min_tokens=draw(st.integers(0, min(max_tokens or room, 4))),
         ignore_eos=draw(st.booleans()),
         stop_token_ids=draw(st.lists(st.integers(1, 39), max_size=1)),
+        repetition_penalty=draw(st.sampled_from([1.0, 1.0, 1.0, 1.2])),
     )
 
 

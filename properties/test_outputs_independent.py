@@ -20,14 +20,14 @@ PLAIN = SchedulerConfig(num_blocks=64, block_size=BLOCK_SIZE, max_num_seqs=1,
                         eos_token_ids=(0,))
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(workload=workloads, config=configs(caching=st.just(True), chunking=st.just(True)),
        pipelined=st.booleans())
 def test_outputs_equal_a_plain_run(workload, config, pipelined):
     assert run_workload(config, workload, pipelined) == run_workload(PLAIN, workload)
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(workload=workloads, config=configs(), pipelined=st.booleans())
 def test_outputs_equal_under_any_configuration(workload, config, pipelined):
     assert run_workload(config, workload, pipelined) == run_workload(PLAIN, workload)

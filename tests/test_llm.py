@@ -137,6 +137,15 @@ def test_stop_token_ids_and_min_tokens(llm):
                                                            stop_token_ids=[stop_at]), use_tqdm=False)
     assert stopped.outputs[0].token_ids == ids[:ids.index(stop_at) + 1]
     assert stopped.outputs[0].finish_reason == "stop"
+    # As in vLLM, the stop token's own text is left out, unless asked for.
+    before = llm.get_tokenizer().decode(ids[:ids.index(stop_at)])
+    assert stopped.outputs[0].text.rstrip("\ufffd") == before.rstrip("\ufffd")
+    (kept,) = llm.generate(PROMPTS[:1], SamplingParams(
+        temperature=0, max_tokens=10, stop_token_ids=[stop_at], include_stop_str_in_output=True),
+        use_tqdm=False)
+    with_stop = llm.get_tokenizer().decode(ids[:ids.index(stop_at) + 1])
+    assert with_stop.rstrip("\ufffd") != before.rstrip("\ufffd")  # the stop token has text
+    assert kept.outputs[0].text.rstrip("\ufffd") == with_stop.rstrip("\ufffd")
     # Before min_tokens the stop token cannot even be sampled.
     params = SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[stop_at], min_tokens=8)
     (late,) = llm.generate(PROMPTS[:1], params, use_tqdm=False)
@@ -253,26 +262,26 @@ def test_add_request_step_abort_and_is_finished(tiny_qwen3):
     assert engine.state.pool.num_free == engine.state.pool.num_blocks
 
 
-@pytest.mark.parametrize("pipelined", [False, True])
-def test_step_reports_prefill_and_decode_tokens(tiny_qwen3, pipelined):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_step_reports_prefill_and_decode_tokens(tiny_qwen3, async_scheduling):
     engine = Engine(EngineOptions(model=str(tiny_qwen3), num_kv_blocks=64, max_model_len=256,
-                                  async_scheduling=pipelined))
+                                  async_scheduling=async_scheduling))
     engine.add_request([1, 2, 3, 4, 5], SamplingParams(temperature=0, max_tokens=3))
     first = engine.step()
     assert (first.num_prefill_tokens, first.num_decode_tokens, first.outputs) == (5, 0, [])
     second = engine.step()
     assert (second.num_prefill_tokens, second.num_decode_tokens) == (0, 1)
     # One step ahead, the second step schedules before the first token is back on the host.
-    seen = engine.step().outputs if pipelined else second.outputs
+    seen = engine.step().outputs if async_scheduling else second.outputs
     assert len(seen[0].outputs[0].token_ids) == 1 and not seen[0].finished
 
 
 def test_async_scheduling_gives_the_tokens_of_sync_scheduling(tiny_qwen3):
     """Pending tokens, one-step-late finishing and discarded extra samples change nothing a
     user sees: stop strings, stop tokens, EOS-like stops, lengths, n, seeds."""
-    def run(pipelined):
+    def run(async_scheduling):
         with LLM(str(tiny_qwen3), num_kv_blocks=12, max_model_len=160,
-                 async_scheduling=pipelined) as llm:
+                 async_scheduling=async_scheduling) as llm:
             free = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
             stop_token = free[0].outputs[0].token_ids[4]
             params = [SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop_token]),
@@ -300,3 +309,85 @@ def test_a_recorded_trace_replays_and_checks_clean(tiny_qwen3, tmp_path):
     assert [list(finished[o.request_id].output_token_ids) for o in outs] == \
         [o.outputs[0].token_ids for o in outs]
     assert states[-1].stats.num_preemptions > 0  # the small pool made it interesting
+
+
+# --- options that shape the engine --------------------------------------------------------
+
+def test_the_engine_seed_drives_unseeded_sampling(tiny_qwen3):
+    params = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+
+    def sample(seed):
+        with LLM(str(tiny_qwen3), num_kv_blocks=64, max_model_len=256, seed=seed) as llm:
+            return [o["token_ids"] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    assert sample(1) == sample(1)
+    assert sample(1) != sample(2)
+
+
+def test_block_size_kv_cache_bytes_device_and_tokenizer_options(tiny_qwen3, tmp_path):
+    tokenizer_dir = tmp_path / "tokenizer"
+    tokenizer_dir.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tokenizer_dir / name).write_bytes((tiny_qwen3 / name).read_bytes())
+    with LLM(str(tiny_qwen3), num_kv_blocks=64, max_model_len=256) as llm:
+        expected = [o["token_ids"] for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    # 2 layers x K and V x 2 KV heads x 16 dims x 4 bytes = 512 bytes per token.
+    with LLM(str(tiny_qwen3), block_size=32, kv_cache_memory_bytes=40 * 32 * 512,
+             max_model_len=256, device="cpu", tokenizer=str(tokenizer_dir)) as llm:
+        config = llm.engine.scheduler_config
+        assert (config.block_size, config.num_blocks) == (32, 40)
+        assert [o["token_ids"] for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == expected
+
+
+def test_a_request_id_can_be_reused_while_its_last_token_is_in_flight(tiny_qwen3):
+    """With async scheduling a request finishes a step before its last sampled token comes
+    back; a new request under the same id must not receive that token."""
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    fresh = Engine(EngineOptions(model=str(tiny_qwen3), num_kv_blocks=64, max_model_len=256))
+    fresh.add_request([5, 6, 7], params, request_id="x")
+    expected = _run_to_end(fresh)["x"]
+    fresh.add_request([1, 2, 3], SamplingParams(temperature=0, max_tokens=1), request_id="y")
+    first = _run_to_end(fresh)["y"].outputs[0].token_ids[0]
+    engine = Engine(EngineOptions(model=str(tiny_qwen3), num_kv_blocks=64, max_model_len=256))
+    # It stops on its first token, after the next step was already scheduled one step ahead.
+    engine.add_request([1, 2, 3], SamplingParams(temperature=0, max_tokens=5,
+                                                 stop_token_ids=[first]), request_id="x")
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.state.awaiting  # the finished request's extra token is still in flight
+    engine.add_request([5, 6, 7], params, request_id="x")
+    got = _run_to_end(engine)["x"]
+    assert got.request_id == "x"
+    assert (got.outputs[0].token_ids, got.outputs[0].text) == \
+        (expected.outputs[0].token_ids, expected.outputs[0].text)
+
+
+def _run_to_end(engine):
+    seen = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step().outputs:
+            seen[out.request_id] = out
+    return seen
+
+
+@pytest.mark.parametrize("bad", [{"prompt_token_ids": 5}, b"abc", 42, {"text": "hi"}])
+def test_a_malformed_prompt_is_an_invalid_request_and_nothing_stays_queued(llm, bad):
+    with pytest.raises(ValueError, match="prompt 1: .*(a prompt must be|needs 'prompt_token_ids')"):
+        llm.generate([PROMPTS[0], bad], GREEDY, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(block_size=8), r"block_size must be in \[16, 256\]"),
+    (dict(max_num_seqs=64, max_num_batched_tokens=32), "must be >= max_num_seqs"),
+    (dict(enable_chunked_prefill=False, max_num_batched_tokens=64, max_num_seqs=4,
+          max_model_len=256),
+     "without chunked prefill"),
+    (dict(num_kv_blocks=2, max_model_len=256), r"num_blocks \(2\) is too few"),
+    (dict(seed="x"), "seed must be an integer or None"),
+    (dict(enforce_eager=1), "enforce_eager must be True or False"),
+    (dict(kernel_backend="cuda"), "kernel_backend must be one of auto, torch, triton"),
+    (dict(device="tpu"), "device must be 'auto', 'cpu' or 'cuda"),
+])
+def test_bad_engine_options_name_the_problem(tiny_qwen3, options, message):
+    with pytest.raises(ValueError, match=message):
+        LLM(str(tiny_qwen3), **options)

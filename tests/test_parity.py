@@ -68,12 +68,12 @@ def test_prompts_sharing_a_prefix_with_and_without_prefix_caching(shared_prefix_
     assert (figures.prefix_cache_hit_rate > 0) == caching
 
 
-@pytest.mark.parametrize("pipelined", [True, False])
-def test_a_pool_so_small_that_sequences_are_preempted(shared_prefix_case, pipelined):
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_a_pool_so_small_that_sequences_are_preempted(shared_prefix_case, async_scheduling):
     model_dir, prompts, expected = shared_prefix_case
     # 5 blocks of 16 tokens hold one sequence of up to 80 tokens: the others must give way.
     got, figures = nanofn_greedy(model_dir, prompts, num_kv_blocks=5, max_model_len=80,
-                                 async_scheduling=pipelined)
+                                 async_scheduling=async_scheduling)
     assert got == expected
     assert figures.num_preemptions > 0
 

@@ -7,8 +7,9 @@ import torch
 from pyrsistent import pvector
 
 from nanofn.runner.block_tables import DeviceBlockTables
-from nanofn.runner.inputs import prepare_inputs
+from nanofn.runner.inputs import PreviousSamples, prepare_inputs
 from nanofn.state import BatchPlan, SamplingParams, ScheduledSeq
+from nanofn.state.plan import PENDING_TOKEN
 
 BS = 16
 CPU = torch.device("cpu")
@@ -52,3 +53,13 @@ def test_block_tables_grow_by_appends_and_rows_are_reused_after_release():
     # b comes back with a new table: written whole, not appended to its old one.
     back = BatchPlan(3, BS, (seq("b", 0, [1] * 17, [1, 7]),), released=("c",))
     assert prepare_inputs(back, tables, CPU).batch.block_tables.tolist() == [[1, 7]]
+
+
+def test_a_pending_token_is_read_from_the_previous_samples_on_the_device():
+    tables = DeviceBlockTables(4, 4, CPU)
+    previous = PreviousSamples(torch.tensor([70, 71, 72]), {"a": 2, "b": 0})
+    plan = BatchPlan(2, BS, (seq("a", 5, [PENDING_TOKEN], [3]), seq("c", 0, [9, 8], [1]),
+                             seq("b", 17, [PENDING_TOKEN], [4, 5])))
+    inputs = prepare_inputs(plan, tables, CPU, previous)
+    assert inputs.input_ids.tolist() == [72, 9, 8, 70]
+    assert inputs.positions.tolist() == [5, 0, 1, 17]

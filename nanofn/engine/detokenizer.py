@@ -26,6 +26,7 @@ class Detokenizer:
         self.params = params
         self.text = ""
         self.stopped = False
+        self._text_before_last_token = 0
         self._hold = max((len(s) for s in params.stop), default=1) - 1
         self._backend = tokenizer.backend_tokenizer
         self._stream = DecodeStream(list(prompt_token_ids[-PROMPT_CONTEXT:]),
@@ -33,17 +34,23 @@ class Detokenizer:
 
     def add(self, token_id: int, num_output_tokens: int) -> bool:
         """Take one generated token; return True if the text now reaches a stop string (only
-        once ``min_tokens`` are out, ``num_output_tokens`` counting this one)."""
+        after ``min_tokens`` tokens, ``num_output_tokens`` counting this one)."""
         if self.stopped:
             return True
+        self._text_before_last_token = old_len = len(self.text)
         new_text = self._stream.step(self._backend, token_id)
         if not new_text:
             return False
-        old_len = len(self.text)
         self.text += new_text
-        if self.params.stop and num_output_tokens >= self.params.min_tokens:
+        if self.params.stop and num_output_tokens > self.params.min_tokens:
             self._check_stop(old_len)
         return self.stopped
+
+    def drop_last_token(self) -> None:
+        """The last token was a stop token (end of sequence or a stop token id): its text is
+        not part of the output unless ``include_stop_str_in_output``, as in vLLM."""
+        if not self.params.include_stop_str_in_output:
+            self.text = self.text[:self._text_before_last_token]
 
     def visible_text(self, finished: bool) -> str:
         if finished or self.stopped or not self._hold:

@@ -28,10 +28,11 @@ from nanofn.engine.detokenizer import Detokenizer
 from nanofn.engine.options import EngineOptions
 from nanofn.model import resolve_dtype
 from nanofn.outputs import CompletionOutput, Logprob, RequestOutput
-from nanofn.runner.model_runner import LaunchedStep, ModelRunner, RunnerConfig
-from nanofn.runner.sampler import SampleOutput, TokenLogprobs
+from nanofn.runner.model_runner import ModelRunner, RunnerConfig
+from nanofn.runner.sampler import DeviceSample, SampleOutput, TokenLogprobs
 from nanofn.runner.tensor_parallel import TensorParallelExecutor
-from nanofn.state import (BatchPlan, EngineState, Events, Figures, InvalidRequest, NewRequest,
+from nanofn.state import (BatchPlan, EngineState, Events, Figures, FinishReason, InvalidRequest,
+                          NewRequest,
                           SamplingParams, SchedulerConfig, check_new_request, figures,
                           header_line, initial_state, step, step_line)
 
@@ -66,7 +67,7 @@ class _Request:
 @dataclass(frozen=True)
 class StepResult:
     outputs: list[RequestOutput]  # requests that advanced or finished in this call
-    num_prefill_tokens: int  # tokens of the plan executed by this call
+    num_prefill_tokens: int  # tokens of the plan launched by this call
     num_decode_tokens: int
 
 
@@ -80,6 +81,19 @@ class Engine:
         self.eos_token_ids = _eos_token_ids(model_dir, self.hf_config, self.tokenizer)
         device = torch.device(options.device if options.device != "auto" else
                               "cuda" if torch.cuda.is_available() else "cpu")
+        # The scheduling limits are checked now, before the costly part (weights, KV cache,
+        # CUDA graphs); the cache size comes from the runner.
+        scheduler_config = SchedulerConfig(
+            num_blocks=-(-self.max_model_len // options.block_size),
+            block_size=options.block_size,
+            max_num_seqs=options.max_num_seqs,
+            max_num_batched_tokens=options.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            enable_prefix_caching=options.enable_prefix_caching,
+            enable_chunked_prefill=options.enable_chunked_prefill,
+            eos_token_ids=self.eos_token_ids,
+            vocab_size=self.hf_config.vocab_size,
+        )
         runner_config = RunnerConfig(
             model_dir=model_dir,
             dtype=resolve_dtype(self.hf_config, options.dtype),
@@ -99,17 +113,7 @@ class Engine:
         )
         self.runner = (ModelRunner(self.hf_config, runner_config) if runner_config.tp_size == 1
                        else TensorParallelExecutor(self.hf_config, runner_config))
-        self.scheduler_config = SchedulerConfig(
-            num_blocks=self.runner.num_blocks,
-            block_size=options.block_size,
-            max_num_seqs=options.max_num_seqs,
-            max_num_batched_tokens=options.max_num_batched_tokens,
-            max_model_len=self.max_model_len,
-            enable_prefix_caching=options.enable_prefix_caching,
-            enable_chunked_prefill=options.enable_chunked_prefill,
-            eos_token_ids=self.eos_token_ids,
-            vocab_size=self.hf_config.vocab_size,
-        )
+        self.scheduler_config = replace(scheduler_config, num_blocks=self.runner.num_blocks)
         self.state: EngineState = initial_state(self.scheduler_config)
         self._trace: TextIO | None = None
         if options.trace:
@@ -123,8 +127,8 @@ class Engine:
         self._new: list[NewRequest] = []
         self._aborts: list[str] = []
         self._aborted_before_start: list[_Request] = []
-        self._in_flight: deque[tuple[BatchPlan, LaunchedStep]] = deque()  # launched, not waited for
-        self._ready: tuple[BatchPlan, SampleOutput] | None = None  # waited for, not delivered
+        self._in_flight: deque[tuple[BatchPlan, DeviceSample]] = deque()  # launched, not waited for
+        self._delivery: tuple[BatchPlan, SampleOutput] | None = None  # waited for, not delivered
         # Everything loaded so far lives as long as the engine: keep it out of the cyclic
         # collector's way, which would otherwise walk the model's objects every full
         # collection, while the scheduler makes many short-lived records per step.
@@ -144,7 +148,7 @@ class Engine:
         if request_id in self._requests:
             raise InvalidRequest(f"request_id {request_id!r} is already in use")
         text, token_ids = self.tokenize(prompt)
-        news = [NewRequest(seq_id, tuple(token_ids), child)
+        news = [NewRequest(self._fresh_seq_id(seq_id), tuple(token_ids), child)
                 for seq_id, child in _children(request_id, params)]
         for new in news:
             if new.request_id in self._completions:
@@ -160,6 +164,14 @@ class Engine:
             self._completions[completion.seq_id] = (request, completion)
         self._new.extend(news)
         return request_id
+
+    def _fresh_seq_id(self, seq_id: str) -> str:
+        """The id to give the core: ``seq_id``, unless an earlier sequence of that id still
+        has a sampled token in flight (it finished a step ahead of its last token), which the
+        new one must not receive; then ``seq_id~N``. Outputs keep the user's request id."""
+        if any(seq_id in ids for ids in self.state.awaiting):
+            return f"{seq_id}~{next(self._ids)}"
+        return seq_id
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request wherever it is; unknown or finished ids are ignored."""
@@ -196,12 +208,12 @@ class Engine:
                         new_requests=tuple(self._new))
         self._aborts, self._new = [], []
         self.state, plan = step(self.state, events)
+        if plan.seqs:  # first, so that the device starts while the host does the rest
+            self._in_flight.append((plan, self.runner.launch(plan)))
         if self._trace is not None:
             self._trace.write(step_line(events, plan) + "\n")
         finished = self._finish(self.state.finished) + self._aborted_before_start
         self._aborted_before_start = []
-        if plan.seqs:
-            self._in_flight.append((plan, self.runner.launch(plan)))
         self._wait_for_tokens(launched_alone=bool(plan.seqs) and len(self._in_flight) == 1)
         reported = finished if only_finished else _unique(advanced + finished)
         return StepResult([self._output(r) for r in reported],
@@ -214,20 +226,21 @@ class Engine:
         if not self._in_flight or (self.options.async_scheduling and launched_alone):
             return
         plan, launched = self._in_flight.popleft()
-        self._ready = (plan, launched.wait())
+        self._delivery = (plan, launched.wait())
 
     def _take_sampled(self) -> tuple[tuple[int, ...] | None, tuple[str, ...], list[_Request]]:
         """Hand the delivered tokens to their completions; find stop strings. Tokens of
         sequences that finished meanwhile (they were sampled one step ahead) are dropped."""
-        if self._ready is None:
+        if self._delivery is None:
             return None, (), []
-        plan, out = self._ready
-        self._ready = None
+        plan, out = self._delivery
+        self._delivery = None
         stop_hits, advanced = [], []
         for seq_id, token, logprobs in zip(plan.sampling_seq_ids, out.token_ids, out.logprobs):
-            if seq_id not in self._completions:
+            owner = self._completions.get(seq_id)
+            if owner is None:  # finished while this token was in flight
                 continue
-            request, completion = self._completions[seq_id]
+            request, completion = owner
             completion.token_ids.append(token)
             if logprobs is not None:
                 self._add_logprobs(completion, logprobs)
@@ -241,7 +254,8 @@ class Engine:
         for seq in seqs:
             request, completion = self._completions.pop(seq.seq_id)
             completion.finish_reason = seq.finish_reason.value
-            completion.token_ids = list(seq.output_token_ids)
+            if seq.finish_reason is FinishReason.STOP and not completion.detokenizer.stopped:
+                completion.detokenizer.drop_last_token()  # a stop token, not a stop string
             if request.finished:
                 self._forget(request)
                 done.append(request)
@@ -274,6 +288,8 @@ class Engine:
     # --- helpers --------------------------------------------------------------------------
 
     def tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
+        """``(text or None, token ids)`` of a prompt: a string, a sequence of token ids, or a
+        dict with ``prompt_token_ids`` or ``prompt``."""
         if isinstance(prompt, str):
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, Mapping):
@@ -282,10 +298,7 @@ class Engine:
             if "prompt" in prompt:
                 return self.tokenize(prompt["prompt"])
             raise InvalidRequest("a prompt dict needs 'prompt_token_ids' or 'prompt'")
-        if isinstance(prompt, Sequence):
-            return None, _token_list(prompt)
-        raise InvalidRequest(f"a prompt must be a string, a list of token ids or a dict, "
-                             f"got {type(prompt).__name__}")
+        return None, _token_list(prompt)
 
     def close(self) -> None:
         if self._trace is not None:
@@ -306,10 +319,11 @@ def _children(request_id: str, params: SamplingParams) -> list[tuple[str, Sampli
 
 
 def _token_list(ids: Any) -> list[int]:
-    ids = list(ids)
-    if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-        raise InvalidRequest("prompt_token_ids must be a list of integers")
-    return ids
+    """Token ids as a list (the core checks each id); anything else is an ``InvalidRequest``."""
+    if isinstance(ids, (str, bytes, Mapping)) or not isinstance(ids, Sequence):
+        raise InvalidRequest(f"a prompt must be a string, a list of token ids or a dict, "
+                             f"got {type(ids).__name__}")
+    return list(ids)
 
 
 def _unique(requests: list[_Request]) -> list[_Request]:

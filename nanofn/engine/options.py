@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from os import PathLike
 from typing import Any
 
 KERNEL_BACKENDS = ("auto", "torch", "triton")
@@ -45,11 +46,13 @@ class EngineOptions:
 
 
 def _problems(o: EngineOptions):
-    if not 0 < o.gpu_memory_utilization <= 1:
-        yield f"gpu_memory_utilization must be in (0, 1], got {o.gpu_memory_utilization}"
+    """One message per invalid option; the first one is raised."""
+    utilization = o.gpu_memory_utilization
+    if not isinstance(utilization, (int, float)) or not 0 < utilization <= 1:
+        yield f"gpu_memory_utilization must be in (0, 1], got {utilization!r}"
     for name in ("tensor_parallel_size", "max_num_seqs", "max_num_batched_tokens", "block_size"):
         value = getattr(o, name)
-        if not isinstance(value, int) or value < 1:
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             yield f"{name} must be a positive integer, got {value!r}"
     for name in ("max_model_len", "kv_cache_memory_bytes", "num_kv_blocks"):
         value = getattr(o, name)
@@ -58,5 +61,17 @@ def _problems(o: EngineOptions):
     if o.kernel_backend not in KERNEL_BACKENDS:
         yield (f"kernel_backend must be one of {', '.join(KERNEL_BACKENDS)}, "
                f"got {o.kernel_backend!r}")
+    for name in ("enforce_eager", "enable_prefix_caching", "enable_chunked_prefill",
+                 "async_scheduling"):
+        if not isinstance(getattr(o, name), bool):
+            yield f"{name} must be True or False, got {getattr(o, name)!r}"
+    if o.seed is not None and (not isinstance(o.seed, int) or isinstance(o.seed, bool)):
+        yield f"seed must be an integer or None, got {o.seed!r}"
+    for name in ("dtype", "device"):
+        if not isinstance(getattr(o, name), str):
+            yield f"{name} must be a string, got {getattr(o, name)!r}"
+    for name in ("tokenizer", "trace"):
+        if getattr(o, name) is not None and not isinstance(getattr(o, name), (str, PathLike)):
+            yield f"{name} must be a path or None, got {getattr(o, name)!r}"
     if o.device not in ("auto", "cpu", "cuda") and not o.device.startswith("cuda:"):
         yield f"device must be 'auto', 'cpu' or 'cuda[:N]', got {o.device!r}"

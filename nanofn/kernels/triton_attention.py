@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from nanofn.kernels.device import num_sms
+
 LOG2_E = 1.4426950408889634
 DECODE_BLOCK_N = 64  # keys per decode tile
 PREFILL_BLOCK_M = 128  # rows per prefill query tile: (queries of one sequence) x (heads of one group)
@@ -269,7 +271,8 @@ def decode_attention(
         return out
     max_context = block_tables.shape[1] * block_size
     if num_splits is None:
-        num_splits = decode_num_splits(batch_size, num_kv_heads, max_context, _num_sms(q.device))
+        sms = num_sms(q.device, elsewhere=132)  # an H100's, so the interpreter splits alike
+        num_splits = decode_num_splits(batch_size, num_kv_heads, max_context, sms)
     partition_len = _round_up(-(-max_context // num_splits), DECODE_BLOCK_N)
     num_splits = -(-max_context // partition_len)
     split_k = num_splits > 1
@@ -372,11 +375,6 @@ def _prefill_tiles(
 
 
 @functools.cache
-def _num_sms(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device; an H100's count elsewhere (Triton's interpreter)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
-
-
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 

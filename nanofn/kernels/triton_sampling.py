@@ -17,21 +17,20 @@ favourite's probability impossible to draw.
   ``argmax(logits / T - ln E)``, the Gumbel-max form of the same race (``-ln E`` is Gumbel noise),
   so the same ``E`` picks the same token as the torch path up to float rounding, with no softmax.
   It runs in base 2, where the logarithms are cheapest: ``logits * log2(e) / T - log2(E / ln 2)``
-  differs from the natural-log value by a factor and a constant only. Rows whose temperature is
-  below the greedy threshold take the plain argmax, with no noise.
+  differs from the natural-log value by a factor and a constant only. Rows of temperature 0 take
+  the plain argmax, with no noise.
 
 Argmaxes rank like ``torch.argmax``: NaN above everything, ties to the lower index.
 """
 
 from __future__ import annotations
 
-import functools
 
 import torch
 import triton
 import triton.language as tl
 
-from nanofn.state.params import GREEDY_TEMPERATURE
+from nanofn.kernels.device import num_sms
 
 BLOCK_COUNTERS = 1024  # Philox counters per tile, so 4 * 1024 tokens
 NUM_WARPS = 8  # with BLOCK_COUNTERS, 4 counters per thread: one 16-byte load per quarter
@@ -103,14 +102,14 @@ def _best_of_quarter(row_logits, counters, k, quarter, vocab_size, scale, log2_n
 def _sample_plain_kernel(
     logits_ptr, temperature_ptr, seed_ptr, split_value_ptr, split_token_ptr,
     stride_row, vocab_size, quarter, counters_per_split,
-    GREEDY: tl.constexpr, BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     """Program (row, split): the best (value, token) of its range of counters, in all quarters."""
     row = tl.program_id(0)
     split = tl.program_id(1)
     temperature = tl.load(temperature_ptr + row)
     seed = tl.load(seed_ptr + row)
-    greedy = temperature < GREEDY
+    greedy = temperature == 0.0
     scale = tl.where(greedy, 1.0, _LOG2_E / temperature)
     row_logits = logits_ptr + row.to(tl.int64) * stride_row
     # (-inf, token 0) loses to any larger value; for a row of -inf, token 0 is torch's answer too.
@@ -183,7 +182,7 @@ def _exponential_noise_kernel(seed_ptr, noise_ptr, vocab_size, quarter, BLOCK: t
 def sample_plain(logits: torch.Tensor, temperature: torch.Tensor, row_seeds: torch.Tensor,
                  num_splits: int | None = None) -> torch.Tensor:
     """One token per row: ``argmax(logits / T + Gumbel noise)`` keyed by the row's seed, or the
-    plain argmax where ``T`` is below the greedy threshold.
+    plain argmax where ``T`` is 0 (the caller maps its greedy rows to 0).
 
     ``logits``: ``[B, V]`` float32 with unit stride along V; ``temperature``: ``[B]`` float32;
     ``row_seeds``: ``[B]`` int64 Philox keys. Returns ``[B]`` int64.
@@ -196,7 +195,7 @@ def sample_plain(logits: torch.Tensor, temperature: torch.Tensor, row_seeds: tor
     quarter = triton.cdiv(vocab_size, 4)
     num_blocks = triton.cdiv(quarter, BLOCK_COUNTERS)
     if num_splits is None:
-        num_splits = PROGRAMS_PER_SM * _num_sms(logits.device) // num_rows
+        num_splits = PROGRAMS_PER_SM * num_sms(logits.device, elsewhere=1) // num_rows
     blocks_per_split = triton.cdiv(num_blocks, max(1, min(num_splits, num_blocks)))
     num_splits = triton.cdiv(num_blocks, blocks_per_split)
     split_values = torch.empty(num_rows, num_splits, dtype=torch.float32, device=logits.device)
@@ -205,7 +204,7 @@ def sample_plain(logits: torch.Tensor, temperature: torch.Tensor, row_seeds: tor
     _sample_plain_kernel[(num_rows, num_splits)](
         logits, temperature, row_seeds, split_values, split_tokens,
         logits.stride(0), vocab_size, quarter, blocks_per_split * BLOCK_COUNTERS,
-        GREEDY=GREEDY_TEMPERATURE, BLOCK=BLOCK_COUNTERS, num_warps=NUM_WARPS,
+        BLOCK=BLOCK_COUNTERS, num_warps=NUM_WARPS,
     )
     _pick_split_kernel[(num_rows,)](
         split_values, split_tokens, tokens, num_splits, SPLITS=triton.next_power_of_2(num_splits),
@@ -223,11 +222,3 @@ def exponential_noise(row_seeds: torch.Tensor, vocab_size: int) -> torch.Tensor:
         row_seeds, noise, vocab_size, quarter, BLOCK=BLOCK_COUNTERS, num_warps=NUM_WARPS,
     )
     return noise
-
-
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    """SMs of a CUDA device; 1 elsewhere (Triton's interpreter runs one program at a time)."""
-    if device.type != "cuda":
-        return 1
-    return torch.cuda.get_device_properties(device).multi_processor_count

@@ -33,11 +33,3 @@ class AttentionBatch:
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens_host)
-
-    @property
-    def max_query_len(self) -> int:
-        return max(self.query_lens_host, default=0)
-
-    @property
-    def max_seq_len(self) -> int:
-        return max(self.seq_lens_host, default=0)

@@ -18,7 +18,7 @@ class DeviceBlockTables:
         self._rows: dict[str, tuple[int, int]] = {}  # seq id -> (row, blocks uploaded)
         self._free_rows = list(range(max_seqs - 1, -1, -1))
 
-    def plan_updates(self, plan: BatchPlan) -> tuple[list[int], list[int]]:
+    def assign(self, plan: BatchPlan) -> tuple[list[int], list[int]]:
         """Assign rows for this plan's sequences. Returns their rows (in plan order) and the
         new entries as a flat list ``[row..., column..., block...]`` for ``apply``."""
         for seq_id in plan.released:
@@ -41,7 +41,7 @@ class DeviceBlockTables:
         return rows, new_rows + new_cols + new_blocks
 
     def apply(self, updates: torch.Tensor) -> None:
-        """Write the entries ``plan_updates`` listed (already on the device)."""
+        """Write the entries ``assign`` listed (already on the device)."""
         if updates.numel():
             rows, cols, blocks = updates.view(3, -1)
             self.table[rows, cols] = blocks.to(torch.int32)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import accumulate, chain
+from array import array
 
 import torch
 
@@ -37,28 +37,40 @@ def prepare_inputs(plan: BatchPlan, block_tables: DeviceBlockTables, device: tor
     cache slots, pending tokens) runs as tensor operations on ``device``.
     """
     seqs = plan.seqs
-    query_lens = tuple(s.num_tokens for s in seqs)
-    seq_lens = tuple(s.context_len for s in seqs)
-    query_start = [0, *accumulate(query_lens)]
-    sample_rows = [end - 1 for end, s in zip(query_start[1:], seqs) if s.sample]
-    pending_at = [end - 1 for end, s in zip(query_start[1:], seqs)
-                  if s.token_ids[-1] == PENDING_TOKEN]
-    pending_from = [previous.rows[s.seq_id] for s in seqs if s.token_ids[-1] == PENDING_TOKEN]
-    decode_only = all(n == 1 for n in query_lens)
-    input_ids = list(chain.from_iterable(s.token_ids for s in seqs))
-    rows, table_updates = block_tables.plan_updates(plan)
+    if not seqs:
+        raise ValueError(f"plan of step {plan.step} is empty: there is nothing to run")
+    input_ids, starts, seq_lens, query_lens = array("q"), array("q"), [], []
+    query_start, sample_rows, pending_at, pending_from = array("q", [0]), array("q"), [], []
+    end = 0
+    for s in seqs:
+        tokens = s.token_ids
+        input_ids.extend(tokens)
+        starts.append(s.start_pos)
+        end += len(tokens)
+        query_start.append(end)
+        query_lens.append(len(tokens))
+        seq_lens.append(s.start_pos + len(tokens))
+        if s.sample:
+            sample_rows.append(end - 1)
+        if tokens[-1] == PENDING_TOKEN:
+            pending_at.append(end - 1)
+            pending_from.append(previous.rows[s.seq_id])
+    decode_only = end == len(seqs)
+    rows, table_updates = block_tables.assign(plan)
     width = max(len(s.block_table) for s in seqs)
 
-    packed = torch.tensor([*input_ids, *(s.start_pos for s in seqs), *query_start, *seq_lens,
-                           *sample_rows, *rows, *table_updates, *pending_at, *pending_from],
-                          dtype=torch.int64)
+    # One host-to-device copy for everything.
+    parts = (input_ids, starts, query_start, seq_lens, sample_rows, rows, table_updates,
+             pending_at, pending_from)
+    packed = array("q")
+    for part in parts:
+        packed.extend(part)
+    host = torch.frombuffer(packed, dtype=torch.int64)
     if device.type == "cuda":
-        packed = packed.pin_memory()
-    num_tokens, num_seqs = len(input_ids), len(seqs)
-    ids, starts, query_start_t, seq_lens_t, sample_rows_t, rows_t, updates_t, at_t, from_t = \
-        packed.to(device, non_blocking=True).split(
-            [num_tokens, num_seqs, num_seqs + 1, num_seqs, len(sample_rows), num_seqs,
-             len(table_updates), len(pending_at), len(pending_from)])
+        host = host.pin_memory()
+    num_seqs = len(seqs)
+    (ids, starts_t, query_start_t, seq_lens_t, sample_rows_t, rows_t, updates_t, at_t,
+     from_t) = host.to(device, non_blocking=True).split([len(part) for part in parts])
     block_tables.apply(updates_t)
     if pending_at:
         ids[at_t] = previous.tokens[from_t]
@@ -66,12 +78,12 @@ def prepare_inputs(plan: BatchPlan, block_tables: DeviceBlockTables, device: tor
 
     if decode_only:
         seq_index = torch.arange(num_seqs, device=device)
-        positions = starts
+        positions = starts_t
     else:
         seq_index = torch.repeat_interleave(torch.arange(num_seqs, device=device),
-                                            query_start_t.diff(), output_size=num_tokens)
-        offsets = torch.arange(num_tokens, device=device) - query_start_t[seq_index]
-        positions = starts[seq_index] + offsets
+                                            query_start_t.diff(), output_size=end)
+        offsets = torch.arange(end, device=device) - query_start_t[seq_index]
+        positions = starts_t[seq_index] + offsets
     bs = plan.block_size
     slots = tables[seq_index, positions // bs].long() * bs + positions % bs
 
@@ -80,8 +92,8 @@ def prepare_inputs(plan: BatchPlan, block_tables: DeviceBlockTables, device: tor
         query_start=query_start_t.to(torch.int32),
         seq_lens=seq_lens_t.to(torch.int32),
         block_tables=tables,
-        query_lens_host=query_lens,
-        seq_lens_host=seq_lens,
+        query_lens_host=tuple(query_lens),
+        seq_lens_host=tuple(seq_lens),
         decode_only=decode_only,
     )
     return ModelInputs(ids, positions, batch, sample_rows_t)

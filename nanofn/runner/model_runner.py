@@ -16,7 +16,7 @@ from nanofn.model import build_model, load_weights, model_shape
 from nanofn.runner.cuda_graphs import DecodeGraphs
 from nanofn.runner.block_tables import DeviceBlockTables
 from nanofn.runner.inputs import PreviousSamples, prepare_inputs
-from nanofn.runner.sampler import DeviceSample, SampleOutput, SampleRequest, Sampler
+from nanofn.runner.sampler import DeviceSample, SampleRequest, Sampler
 from nanofn.state.params import SamplingParams
 from nanofn.state.plan import BatchPlan, ScheduledSeq
 
@@ -45,24 +45,16 @@ class RunnerConfig:
     tp_size: int = 1
 
 
-@dataclass
-class LaunchedStep:
-    """A plan handed to the device; ``wait()`` returns its sampled tokens on the host."""
-
-    sample: DeviceSample
-
-    def wait(self) -> SampleOutput:
-        return self.sample.to_host()
-
-
 class ModelRunner:
     def __init__(self, hf_config: Any, config: RunnerConfig):
         self.config = config
         self.device = config.device
+        if self.device.type == "cuda":  # streams, events, graphs and Triton use the current one
+            torch.cuda.set_device(self.device)
+        self.kernels = choose_kernels(config)
         self.model = build_model(hf_config, dtype=config.dtype, device=config.device,
                                  tp_rank=config.tp_rank, tp_size=config.tp_size,
-                                 max_model_len=config.max_model_len,
-                                 kernels=kernel_backend(config))
+                                 max_model_len=config.max_model_len, kernels=self.kernels)
         load_weights(self.model, config.model_dir)
         self.shape = model_shape(hf_config, config.tp_size)
         self.sampler = Sampler(config.seed, config.device)
@@ -77,26 +69,25 @@ class ModelRunner:
         self.block_tables = DeviceBlockTables(config.max_num_seqs, max_blocks_per_seq, self.device)
         self._previous: PreviousSamples | None = None
         self.graphs = None
-        if self.device.type == "cuda" and not config.enforce_eager:
+        # The torch reference attention gathers whole block tables: captured at the graphs'
+        # full width it would need more memory than the KV cache leaves. Graphs are for Triton.
+        if (self.device.type == "cuda" and not config.enforce_eager
+                and self.kernels is not TORCH_KERNELS):
             self.graphs = DecodeGraphs(self.model, self.kv_cache, min(config.max_num_seqs, 512),
                                        max_blocks_per_seq, hf_config.hidden_size)
 
-    def execute(self, plan: BatchPlan) -> SampleOutput:
-        """Run the plan's tokens through the model and sample for the sequences that ask for
-        it, in plan order."""
-        return self.launch(plan).wait()
-
     @torch.inference_mode()
-    def launch(self, plan: BatchPlan) -> LaunchedStep:
-        """Queue the plan's work on the device; its tokens stay there for the next plan's
-        ``PENDING_TOKEN``s, and ``wait()`` brings them to the host."""
+    def launch(self, plan: BatchPlan) -> DeviceSample:
+        """Queue a (non-empty) plan's work on the device and sample for the sequences that ask
+        for it, in plan order. The tokens stay on the device for the next plan's
+        ``PENDING_TOKEN``s; ``wait()`` on the result brings them to the host."""
         logits = self.forward(plan)
         requests = [self._sample_request(s) for s in plan.seqs if s.sample]
         sample = self.sampler.sample(logits, requests)
-        self.follow_samples(plan, sample.token_ids)
-        return LaunchedStep(sample)
+        self.keep_sampled_tokens(plan, sample.token_ids)
+        return sample
 
-    def follow_samples(self, plan: BatchPlan, tokens: torch.Tensor | None = None) -> None:
+    def keep_sampled_tokens(self, plan: BatchPlan, tokens: torch.Tensor | None = None) -> None:
         """Keep the plan's sampled tokens for the next plan; with several ranks, rank 0's
         tokens (``tokens``) reach the others (``None``) by broadcast."""
         if self.config.tp_size > 1 and plan.sampling_seq_ids:
@@ -133,13 +124,13 @@ class ModelRunner:
     def _decide_num_blocks(self) -> int:
         c = self.config
         block_bytes = self.shape.block_bytes(c.block_size, c.dtype)
-        useful = c.max_num_seqs * -(-c.max_model_len // c.block_size)
         if c.num_kv_blocks is not None:
             return c.num_kv_blocks
         if c.kv_cache_memory_bytes is not None:
             return c.kv_cache_memory_bytes // block_bytes
-        if self.device.type != "cuda":
-            return min(CPU_KV_CACHE_BYTES // block_bytes, useful)
+        if self.device.type != "cuda":  # no more than max_num_seqs full sequences can use
+            usable = c.max_num_seqs * -(-c.max_model_len // c.block_size)
+            return min(CPU_KV_CACHE_BYTES // block_bytes, usable)
         return self._profile_cuda_blocks(block_bytes)
 
     @torch.inference_mode()
@@ -169,11 +160,11 @@ class ModelRunner:
 
     def _run_largest_step(self) -> int:
         """One forward pass of ``max_num_batched_tokens`` prompt tokens spread over
-        ``max_num_seqs`` sequences, plus the logits and a sort of them for every sequence (the
+        ``max_num_seqs`` sequences (none longer than ``max_model_len``), plus the logits and a sort of them for every sequence (the
         sampler's worst case). Returns the bytes of the scratch KV cache it used."""
         c = self.config
         num_seqs = min(c.max_num_seqs, c.max_num_batched_tokens)
-        tokens = c.max_num_batched_tokens
+        tokens = min(c.max_num_batched_tokens, num_seqs * c.max_model_len)
         lens = [tokens // num_seqs + (i < tokens % num_seqs) for i in range(num_seqs)]
         blocks_per_seq = -(-max(lens) // c.block_size)
         scratch = torch.zeros(self.shape.kv_cache_shape(num_seqs * blocks_per_seq, c.block_size),
@@ -188,7 +179,7 @@ class ModelRunner:
         return scratch.numel() * scratch.element_size()
 
 
-def kernel_backend(config: RunnerConfig) -> KernelBackend:
+def choose_kernels(config: RunnerConfig) -> KernelBackend:
     """The model's kernels (attention, norms, rotary, activation), chosen once per engine: Triton
     on CUDA, the torch references elsewhere (or as ``config.kernel_backend`` asks)."""
     name = config.kernel_backend

@@ -210,7 +210,7 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, requests: Sequence[SampleRequest]) -> SampleOutput:
         """Sample from ``logits`` (float32 ``[len(requests), vocab]``), one token per request."""
-        return self.sample(logits, requests).to_host()
+        return self.sample(logits, requests).wait()
 
     def sample(self, logits: torch.Tensor, requests: Sequence[SampleRequest]) -> DeviceSample:
         """As ``__call__``, but the tokens stay on the device (the next step may read them
@@ -236,7 +236,8 @@ class Sampler:
         keys = _to_device(array("q", (base + i if r.params.seed is None
                                       else _as_int64(row_seed(r.params.seed, r.position))
                                       for i, r in enumerate(requests))), torch.int64, self.device)
-        temperatures = array("f", (r.params.temperature for r in requests))
+        temperatures = array("f", (0.0 if r.params.greedy else r.params.temperature
+                                   for r in requests))  # the kernel's greedy rows are T = 0
         token_ids = sample_plain(logits, _to_device(temperatures, torch.float32, self.device), keys)
         others = [i for i, r in enumerate(requests) if not _plain(r)]
         if others:
@@ -384,7 +385,7 @@ def _to_device(values: list | array | torch.Tensor, dtype: torch.dtype,
 @dataclass
 class DeviceSample:
     """Sampled tokens (and logprobs) on the device, with their copy to the host under way;
-    ``to_host`` waits for the copy. Everything travels as one float64 tensor, which holds token
+    ``wait`` waits for the copy. Everything travels as one float64 tensor, which holds token
     ids, ranks and float32 logprobs exactly."""
 
     token_ids: torch.Tensor  # [S] int64, on the device
@@ -405,7 +406,7 @@ class DeviceSample:
         copied.record()
         return cls(token_ids, num_rows, logprob_rows or {}, host, copied)
 
-    def to_host(self) -> SampleOutput:
+    def wait(self) -> SampleOutput:
         if self.copied is not None:
             self.copied.synchronize()
         values = self.host.tolist()

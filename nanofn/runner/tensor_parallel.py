@@ -9,6 +9,7 @@ result.
 from __future__ import annotations
 
 import multiprocessing
+import pickle
 import socket
 import traceback
 from dataclasses import replace
@@ -18,11 +19,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from nanofn.runner.model_runner import LaunchedStep, ModelRunner, RunnerConfig
-from nanofn.runner.sampler import SampleOutput
+from nanofn.runner.model_runner import ModelRunner, RunnerConfig
+from nanofn.runner.sampler import DeviceSample
 from nanofn.state.plan import BatchPlan
 
 COLLECTIVE_TIMEOUT = timedelta(minutes=5)
+STOP = b"stop"  # tells a worker to leave (a pickled plan never equals it)
 
 
 class TensorParallelExecutor:
@@ -41,20 +43,21 @@ class TensorParallelExecutor:
         self._wait_for_workers()
         _join_group(config, 0, init_method)
         self.runner = ModelRunner(hf_config, _rank_config(config, 0))
-        self.num_blocks = self.runner.num_blocks
 
-    def execute(self, plan: BatchPlan) -> SampleOutput:
-        return self.launch(plan).wait()
+    @property
+    def num_blocks(self) -> int:
+        return self.runner.num_blocks
 
-    def launch(self, plan: BatchPlan) -> LaunchedStep:
+    def launch(self, plan: BatchPlan) -> DeviceSample:
         self._check_workers()
+        message = pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL)  # once for all workers
         for pipe in self._pipes:
-            pipe.send(plan)
+            pipe.send_bytes(message)
         return self.runner.launch(plan)
 
     def close(self) -> None:
         for pipe in self._pipes:
-            pipe.send(None)
+            pipe.send_bytes(STOP)
         for worker in self._workers:
             worker.join(timeout=30)
         self._pipes, self._workers = [], []
@@ -84,9 +87,10 @@ class TensorParallelExecutor:
 
 
 def _rank_config(config: RunnerConfig, rank: int) -> RunnerConfig:
+    """Rank r runs on the r-th GPU counted from the one asked for (``cuda:N``)."""
     device = config.device
     if device.type == "cuda":
-        device = torch.device("cuda", rank)
+        device = torch.device("cuda", (device.index or 0) + rank)
     return replace(config, tp_rank=rank, device=device)
 
 
@@ -103,9 +107,10 @@ def _worker_main(hf_config: Any, config: RunnerConfig, init_method: str, pipe) -
         pipe.send("started")
         _join_group(config, config.tp_rank, init_method)
         runner = ModelRunner(hf_config, config)
-        while (plan := pipe.recv()) is not None:
+        while (message := pipe.recv_bytes()) != STOP:
+            plan = pickle.loads(message)
             runner.forward(plan)
-            runner.follow_samples(plan)
+            runner.keep_sampled_tokens(plan)
     except Exception:
         pipe.send(traceback.format_exc())
         raise

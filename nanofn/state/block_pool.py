@@ -30,9 +30,6 @@ class LruQueue:
     tail: int = _NONE
     size: int = 0
 
-    def __contains__(self, item: int) -> bool:
-        return item in self.next
-
     def __iter__(self):
         item = self.head
         while item != _NONE:
@@ -110,8 +107,6 @@ def allocate(pool: BlockPool, count: int) -> tuple[BlockPool, tuple[int, ...]]:
     then the least recently used cached ones, which leave the cache."""
     if count > pool.num_free:
         raise ValueError(f"allocate({count}) with only {pool.num_free} free blocks")
-    if count == 0:
-        return pool, ()
     refs = pool.ref_counts.evolver()
     plain, num_plain = pool.plain_free, pool.num_plain_free
     lru, cached, by_hash = pool.cached_free, pool.cached, pool.by_hash
@@ -129,10 +124,7 @@ def allocate(pool: BlockPool, count: int) -> tuple[BlockPool, tuple[int, ...]]:
 
 
 def _forget(cached: PMap, by_hash: PMap, block: int) -> tuple[PMap, PMap]:
-    entry = cached[block]
-    if by_hash.get(entry.block_hash) == block:
-        by_hash = by_hash.discard(entry.block_hash)
-    return cached.discard(block), by_hash
+    return cached.discard(block), by_hash.discard(cached[block].block_hash)
 
 
 def release(pool: BlockPool, blocks: Iterable[int]) -> BlockPool:

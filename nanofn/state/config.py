@@ -43,8 +43,10 @@ class SchedulerConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SchedulerConfig:
-        known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in known})
+        unknown = sorted(set(d) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ValueError(f"unknown scheduler setting(s): {', '.join(unknown)}")
+        return cls(**d)
 
 
 def _problems(c: SchedulerConfig):

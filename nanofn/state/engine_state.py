@@ -48,16 +48,6 @@ class EngineState:
     def has_unfinished(self) -> bool:
         return bool(self.live_ids)
 
-    def find(self, seq_id: str) -> Seq | None:
-        """The live sequence with this id (a linear scan: for tools and tests)."""
-        for seq in self.running:
-            if seq.seq_id == seq_id:
-                return seq
-        for seq in self.waiting:
-            if seq.seq_id == seq_id:
-                return seq
-        return None
-
 
 def initial_state(config: SchedulerConfig) -> EngineState:
     return EngineState(

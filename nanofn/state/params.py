@@ -36,13 +36,14 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
-        stop = self.stop
-        if stop is None:
-            stop = ()
-        elif isinstance(stop, str):
-            stop = (stop,)
+        stop = () if self.stop is None else (self.stop,) if isinstance(self.stop, str) else self.stop
+        if not isinstance(stop, (list, tuple)):
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
+        stop_token_ids = self.stop_token_ids or ()
+        if not isinstance(stop_token_ids, (list, tuple)):
+            raise ValueError(f"stop_token_ids must be a list of token ids, got {stop_token_ids!r}")
         object.__setattr__(self, "stop", tuple(stop))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        object.__setattr__(self, "stop_token_ids", tuple(stop_token_ids))
         for problem in _problems(self):
             raise ValueError(problem)
 
@@ -90,7 +91,7 @@ def _problems(p: SamplingParams):
                  "repetition_penalty"):
         if not _is_number(getattr(p, name)):
             yield f"{name} must be a number, got {getattr(p, name)!r}"
-    if p.temperature < 0:
+    if not p.temperature >= 0:  # (NaN fails too)
         yield f"temperature must be >= 0, got {p.temperature}"
     if not 0 < p.top_p <= 1:
         yield f"top_p must be in (0, 1], got {p.top_p}"

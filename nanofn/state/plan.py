@@ -45,7 +45,8 @@ class ScheduledSeq:
 
     @property
     def is_decode(self) -> bool:
-        """One new token of generated output (not prompt, not recomputation after preemption)."""
+        """A single token past the prompt: a decode step (or, rarely, the last token a resumed
+        sequence recomputes)."""
         return len(self.token_ids) == 1 and self.start_pos >= self.num_prompt_tokens
 
 

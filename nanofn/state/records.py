@@ -129,6 +129,13 @@ class Seq:
         return seq
 
 
+def at_length_limit(params: SamplingParams, num_output_tokens: int, num_tokens: int,
+                    max_model_len: int) -> bool:
+    """Whether a sequence of this many (output) tokens may have no more."""
+    return ((params.max_tokens is not None and num_output_tokens >= params.max_tokens)
+            or num_tokens >= max_model_len)
+
+
 def slot_setters(cls: type) -> tuple:
     """The setters of a frozen slotted dataclass's fields, in declaration order."""
     return tuple(cls.__dict__[f.name].__set__ for f in fields(cls))

@@ -30,6 +30,9 @@ def check_new_request(state: EngineState, new: NewRequest) -> None:
         raise InvalidRequest(f"request_id must be a non-empty string, got {new.request_id!r}")
     if new.request_id in state.live_ids:
         raise InvalidRequest(f"request_id {new.request_id!r} is already in use")
+    if any(new.request_id in ids for ids in state.awaiting):
+        raise InvalidRequest(f"request_id {new.request_id!r} still has a sampled token in flight "
+                             f"from an earlier request; it can be used again after a step")
     if not isinstance(new.params, SamplingParams):
         raise InvalidRequest(f"params must be SamplingParams, got {type(new.params).__name__}")
     if new.params.n != 1:
@@ -45,6 +48,10 @@ def check_new_request(state: EngineState, new: NewRequest) -> None:
         vocab = f" [0, {c.vocab_size})" if c.vocab_size is not None else " >= 0"
         raise InvalidRequest(
             f"request {new.request_id!r}: prompt token id {bad!r} is not an integer in{vocab}")
+    too_big = [t for t in new.params.stop_token_ids if c.vocab_size is not None and t >= c.vocab_size]
+    if too_big:
+        raise InvalidRequest(f"request {new.request_id!r}: stop_token_ids {too_big} are not in the "
+                             f"vocabulary [0, {c.vocab_size})")
     max_tokens = new.params.max_tokens or 1
     if len(prompt) + max_tokens > c.max_model_len:
         raise InvalidRequest(

@@ -27,7 +27,7 @@ from nanofn.state.config import SchedulerConfig
 from nanofn.state.engine_state import EngineState
 from nanofn.state.hashing import parent_hash_of
 from nanofn.state.plan import PENDING_TOKEN, BatchPlan, ScheduledSeq
-from nanofn.state.records import Seq, SeqStatus, slot_setters
+from nanofn.state.records import Seq, SeqStatus, at_length_limit, slot_setters
 
 
 def schedule(state: EngineState) -> tuple[EngineState, BatchPlan]:
@@ -102,10 +102,9 @@ def _ready(seq: Seq, c: SchedulerConfig) -> bool:
     params = seq.request.params
     if pending > 1 or params.has_penalties:
         return False
-    positions = len(seq.token_ids) + 1
-    max_tokens = params.max_tokens
-    return positions < c.max_model_len and (
-        max_tokens is None or positions - len(seq.request.prompt_token_ids) < max_tokens)
+    positions = len(seq.token_ids) + 1  # the pending token counts
+    return not at_length_limit(params, positions - len(seq.request.prompt_token_ids), positions,
+                               c.max_model_len)
 
 
 def _tokens_that_fit(seq: Seq, wanted: int, pool: BlockPool, block_size: int) -> int:

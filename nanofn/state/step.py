@@ -11,7 +11,7 @@ from nanofn.state.config import SchedulerConfig
 from nanofn.state.engine_state import EngineState
 from nanofn.state.hashing import extend_block_hashes
 from nanofn.state.plan import BatchPlan
-from nanofn.state.records import FinishReason, Seq, SeqStatus
+from nanofn.state.records import FinishReason, Seq, SeqStatus, at_length_limit
 from nanofn.state.requests import NewRequest, add_requests
 from nanofn.state.scheduler import cache_known_blocks, schedule
 
@@ -26,7 +26,8 @@ class Events:
     text reached a stop string (seen by the shell's detokenizer); they finish with reason
     ``stop`` after taking their delivered token. Aborts and stop hits of sequences that are
     not live are ignored (they may have just finished on their own); so are delivered tokens
-    of sequences no longer live, or live under a reused id but expecting no token.
+    of sequences no longer live (an id with a token in flight cannot be reused, see
+    ``check_new_request``).
     """
 
     sampled: tuple[int, ...] | None = None
@@ -66,7 +67,7 @@ def apply_sampled(state: EngineState, sampled: tuple[int, ...],
     pool, finished = state.pool, list(state.finished)
     running: list[Seq] = []
     for seq in state.running:
-        if seq.seq_id in tokens and seq.num_pending:
+        if seq.seq_id in tokens:
             pool, seq = _take_token(pool, seq, tokens.pop(seq.seq_id), stop_hits, state.config)
             if seq.is_finished:
                 finished.append(seq)
@@ -76,7 +77,7 @@ def apply_sampled(state: EngineState, sampled: tuple[int, ...],
     if any(seq_id in state.live_ids for seq_id in tokens):  # preempted while in flight
         kept = []
         for seq in state.waiting:
-            if seq.seq_id in tokens and seq.num_pending:
+            if seq.seq_id in tokens:
                 pool, seq = _take_token(pool, seq, tokens.pop(seq.seq_id), stop_hits,
                                         state.config)
             (finished if seq.is_finished else kept).append(seq)
@@ -107,12 +108,10 @@ def finish_reason(seq: Seq, last_token: int, c: SchedulerConfig) -> FinishReason
     """Why a sequence ends with ``last_token`` (already appended), or None if it goes on."""
     p = seq.params
     num_output = seq.num_output_tokens
-    if num_output >= p.min_tokens and (
+    if num_output > p.min_tokens and (  # min_tokens come before any stop token
             (not p.ignore_eos and last_token in c.eos_token_ids) or last_token in p.stop_token_ids):
         return FinishReason.STOP
-    if p.max_tokens is not None and num_output >= p.max_tokens:
-        return FinishReason.LENGTH
-    if seq.num_tokens >= c.max_model_len:
+    if at_length_limit(p, num_output, seq.num_tokens, c.max_model_len):
         return FinishReason.LENGTH
     return None
 

@@ -77,7 +77,11 @@ def parse_trace(lines: Iterable[str]) -> Trace:
     if header.get("version") != TRACE_VERSION:
         raise TraceError(f"trace version {header.get('version')!r} is not supported "
                          f"(this nanofn reads version {TRACE_VERSION})")
-    config = SchedulerConfig.from_dict(header["config"])
+    try:
+        config = SchedulerConfig.from_dict(header["config"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise TraceError(f"line 1: the header's config is not usable ({type(e).__name__}: {e})") \
+            from None
     steps = tuple(_parse_step(number, row) for number, row in enumerate(rows, start=2))
     return Trace(config, steps, header.get("meta", {}))
 

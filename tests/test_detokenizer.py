@@ -1,0 +1,54 @@
+"""Incremental detokenization: special tokens, stop strings held back and cut, min_tokens."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import AutoTokenizer
+
+from nanofn.engine.detokenizer import Detokenizer
+from nanofn.state import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_qwen3):
+    return AutoTokenizer.from_pretrained(tiny_qwen3)
+
+
+def feed(tokenizer, text: str, params: SamplingParams, extra_ids=()) -> Detokenizer:
+    detok = Detokenizer(tokenizer, tokenizer.encode("Once upon"), params)
+    for n, token in enumerate(tokenizer.encode(text) + list(extra_ids), start=1):
+        if detok.add(token, n):
+            break
+    return detok
+
+
+def test_text_arrives_whole_and_special_tokens_are_skipped_unless_asked(tokenizer):
+    text = " a time there was a little engine"
+    eos = tokenizer.eos_token_id
+    assert feed(tokenizer, text, SamplingParams(), [eos]).text == text
+    shown = feed(tokenizer, text, SamplingParams(skip_special_tokens=False), [eos]).text
+    assert shown == text + tokenizer.eos_token
+
+
+def test_a_stop_string_is_held_back_then_cut(tokenizer):
+    params = SamplingParams(stop=["little engine"])
+    detok = Detokenizer(tokenizer, tokenizer.encode("Once upon"), params)
+    seen = []
+    for n, token in enumerate(tokenizer.encode(" a time there was a little engine that"), 1):
+        stopped = detok.add(token, n)
+        seen.append(detok.visible_text(finished=False))
+        if stopped:
+            break
+    assert stopped and detok.text == " a time there was a "
+    assert not any("little" in v for v in seen)  # never shown, even in part, before the cut
+    kept = feed(tokenizer, " a time there was a little engine that",
+                SamplingParams(stop=["little engine"], include_stop_str_in_output=True))
+    assert kept.text == " a time there was a little engine"
+
+
+def test_no_stop_before_min_tokens(tokenizer):
+    text = " a time, a time"
+    early = feed(tokenizer, text, SamplingParams(stop=["time"]))
+    assert early.stopped and early.text == " a "
+    late = feed(tokenizer, text, SamplingParams(stop=["time"], min_tokens=4))
+    assert late.stopped and late.text == " a time, a "
