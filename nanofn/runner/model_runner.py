@@ -49,7 +49,7 @@ class ModelRunner:
     def __init__(self, hf_config: Any, config: RunnerConfig):
         self.config = config
         self.device = config.device
-        if self.device.type == "cuda":  # streams, events, graphs and Triton use the current one
+        if self.device.index is not None:  # streams, events, graphs and Triton use the current one
             torch.cuda.set_device(self.device)
         self.kernels = choose_kernels(config)
         self.model = build_model(hf_config, dtype=config.dtype, device=config.device,
