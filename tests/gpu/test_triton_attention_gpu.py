@@ -16,24 +16,12 @@ import triton.testing
 import nanofn.kernels.attention as reference
 import nanofn.kernels.triton_attention as triton_attention
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+              pytest.mark.usefixtures("nan_filled_allocations")]
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 16, 8, 128, 16
 SCALE = HEAD_DIM**-0.5
 DTYPE = torch.bfloat16
-
-
-@pytest.fixture(autouse=True)
-def nan_filled_allocations(monkeypatch):
-    """Every float tensor the kernels' host code allocates starts as NaN: an unwritten output fails
-    (the caching allocator would otherwise hand back the memory of an earlier, correct output)."""
-    empty = torch.empty
-
-    def nan_empty(*args, **kwargs):
-        tensor = empty(*args, **kwargs)
-        return tensor.fill_(float("nan")) if tensor.is_floating_point() else tensor
-
-    monkeypatch.setattr(torch, "empty", nan_empty)
 
 
 class PagedCache:

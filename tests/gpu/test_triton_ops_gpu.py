@@ -12,25 +12,13 @@ import triton.testing
 import nanofn.kernels.triton_ops as triton_ops
 from nanofn.kernels import apply_rotary, build_cos_sin_cache, rms_norm, silu_and_mul
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+              pytest.mark.usefixtures("nan_filled_allocations")]
 
 HIDDEN, INTERMEDIATE, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 1024, 3072, 16, 8, 128
 MAX_POSITIONS, ROPE_THETA, EPS = 40960, 1000000.0, 1e-6
 DTYPE = torch.bfloat16
 TOLERANCES = dict(atol=2e-2, rtol=2e-2)  # two bf16 steps at magnitude 1
-
-
-@pytest.fixture(autouse=True)
-def nan_filled_allocations(monkeypatch):
-    """Every float tensor the kernels' host code allocates starts as NaN: an unwritten output fails
-    (the caching allocator would otherwise hand back the memory of an earlier, correct output)."""
-    empty = torch.empty
-
-    def nan_empty(*args, **kwargs):
-        tensor = empty(*args, **kwargs)
-        return tensor.fill_(float("nan")) if tensor.is_floating_point() else tensor
-
-    monkeypatch.setattr(torch, "empty", nan_empty)
 
 
 def randn(*shape, seed, scale=1.0):
