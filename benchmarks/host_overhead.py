@@ -16,7 +16,7 @@ import time
 from nanofn import SamplingParams
 from nanofn.engine.engine import Engine
 from nanofn.engine.options import EngineOptions
-from nanofn.llm import _fewer_gc_pauses
+from nanofn.llm import fewer_gc_pauses
 from nanofn.runner.sampler import SampleOutput
 from nanofn.tiny import make_tiny_checkpoint
 
@@ -55,7 +55,7 @@ def main() -> None:
     rng = random.Random(1)
     for _ in range(a.num_seqs):
         engine.add_request([rng.randrange(300) for _ in range(500)], params)
-    with _fewer_gc_pauses():
+    with fewer_gc_pauses():
         for _ in range(20):  # prefill
             engine.step(only_finished=True)
         times = []

@@ -16,7 +16,7 @@ import torch
 
 from nanofn import LLM, SamplingParams
 from nanofn.cli import random_weights_model
-from nanofn.llm import _fewer_gc_pauses
+from nanofn.llm import fewer_gc_pauses
 
 
 def main() -> None:
@@ -32,7 +32,7 @@ def main() -> None:
     params = SamplingParams(temperature=0.6, max_tokens=1000, ignore_eos=True)
     for _ in range(args.batch):
         engine.add_request([rng.randrange(10000) for _ in range(512)], params)
-    with _fewer_gc_pauses():  # as LLM.generate runs its steps
+    with fewer_gc_pauses():  # as LLM.generate runs its steps
         _profile(engine, args)
 
 

@@ -109,7 +109,7 @@ class LLM:
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
         progress = _Progress(len(ids), use_tqdm)
-        with progress, _fewer_gc_pauses():
+        with progress, fewer_gc_pauses():
             while self.engine.has_unfinished_requests():
                 start = time.perf_counter()
                 result = self.engine.step(only_finished=True)
@@ -156,7 +156,7 @@ def _rate(counter: list[float]) -> str:
 
 
 @contextlib.contextmanager
-def _fewer_gc_pauses() -> Iterator[None]:
+def fewer_gc_pauses() -> Iterator[None]:
     """The pure core makes many small immutable objects per step; with Python's default
     threshold (700) the cyclic collector runs several times a step and doubles the core's
     cost. Collect less often while generating, and restore the setting afterwards."""

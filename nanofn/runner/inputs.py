@@ -41,9 +41,10 @@ def prepare_inputs(plan: BatchPlan, block_tables: DeviceBlockTables, device: tor
         raise ValueError(f"plan of step {plan.step} is empty: there is nothing to run")
     input_ids, starts, seq_lens, query_lens = array("q"), array("q"), [], []
     query_start, sample_rows, pending_at, pending_from = array("q", [0]), array("q"), [], []
-    end = 0
+    end = width = 0  # width: the longest block table
     for s in seqs:
         tokens = s.token_ids
+        width = max(width, len(s.block_table))
         input_ids.extend(tokens)
         starts.append(s.start_pos)
         end += len(tokens)
@@ -57,7 +58,6 @@ def prepare_inputs(plan: BatchPlan, block_tables: DeviceBlockTables, device: tor
             pending_from.append(previous.rows[s.seq_id])
     decode_only = end == len(seqs)
     rows, table_updates = block_tables.assign(plan)
-    width = max(len(s.block_table) for s in seqs)
 
     # One host-to-device copy for everything.
     parts = (input_ids, starts, query_start, seq_lens, sample_rows, rows, table_updates,

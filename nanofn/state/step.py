@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, replace
 
 from pyrsistent import pdeque, pvector
@@ -64,25 +65,9 @@ def apply_sampled(state: EngineState, sampled: tuple[int, ...],
     state = replace(state, awaiting=state.awaiting[1:])
     if not tokens:
         return state
-    pool, finished = state.pool, list(state.finished)
-    running: list[Seq] = []
-    for seq in state.running:
-        if seq.seq_id in tokens:
-            pool, seq = _take_token(pool, seq, tokens.pop(seq.seq_id), stop_hits, state.config)
-            if seq.is_finished:
-                finished.append(seq)
-                continue
-        running.append(seq)
-    waiting = state.waiting
-    if any(seq_id in state.live_ids for seq_id in tokens):  # preempted while in flight
-        kept = []
-        for seq in state.waiting:
-            if seq.seq_id in tokens:
-                pool, seq = _take_token(pool, seq, tokens.pop(seq.seq_id), stop_hits,
-                                        state.config)
-            (finished if seq.is_finished else kept).append(seq)
-        waiting = pdeque(kept)
-    return _with_finished(state, pool, tuple(running), waiting, finished)
+    c = state.config
+    return _update_named(state, tokens, lambda pool, seq: _take_token(
+        pool, seq, tokens[seq.seq_id], stop_hits, c))
 
 
 def _take_token(pool: BlockPool, seq: Seq, token: int, stop_hits: frozenset[str],
@@ -122,23 +107,32 @@ def finish_by_id(state: EngineState, seq_ids: tuple[str, ...],
     targets = {i for i in seq_ids if i in state.live_ids}
     if not targets:
         return state
-    pool = state.pool
-    finished = list(state.finished)
-    running = []
+    return _update_named(state, targets, lambda pool, seq: _finish(pool, seq, reason))
+
+
+def _update_named(state: EngineState, names: Collection[str],
+                  update: Callable[[BlockPool, Seq], tuple[BlockPool, Seq]]) -> EngineState:
+    """Apply ``update`` to the live sequences named, running ones first and waiting ones only
+    if some are not running (the waiting queue is rebuilt then); the ones it finishes leave
+    their queue."""
+    pool, finished = state.pool, list(state.finished)
+    left = set(names)
+    running: list[Seq] = []
     for seq in state.running:
-        if seq.seq_id in targets:
-            pool, seq = _finish(pool, seq, reason)
-            finished.append(seq)
-        else:
-            running.append(seq)
+        if seq.seq_id in left:
+            left.discard(seq.seq_id)
+            pool, seq = update(pool, seq)
+            if seq.is_finished:
+                finished.append(seq)
+                continue
+        running.append(seq)
     waiting = state.waiting
-    if len(finished) - len(state.finished) < len(targets):  # some are waiting
+    if any(name in state.live_ids for name in left):
         kept = []
         for seq in state.waiting:
-            if seq.seq_id in targets:
-                finished.append(_finish(pool, seq, reason)[1])
-            else:
-                kept.append(seq)
+            if seq.seq_id in left:
+                pool, seq = update(pool, seq)
+            (finished if seq.is_finished else kept).append(seq)
         waiting = pdeque(kept)
     return _with_finished(state, pool, tuple(running), waiting, finished)
 
