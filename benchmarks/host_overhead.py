@@ -17,8 +17,8 @@ from nanofn import SamplingParams
 from nanofn.engine.engine import Engine
 from nanofn.engine.options import EngineOptions
 from nanofn.llm import fewer_gc_pauses
-from nanofn.runner.sampler import SampleOutput
-from nanofn.tiny import make_tiny_checkpoint
+from nanofn.state import SampleOutput
+from nanofn.model.tiny import make_tiny_checkpoint
 
 
 class InstantRunner:
@@ -50,7 +50,7 @@ def main() -> None:
     model = a.model or make_tiny_checkpoint(tempfile.mkdtemp(), "qwen3")
     engine = Engine(EngineOptions(model=str(model), max_model_len=1024,
                                   num_kv_blocks=a.num_seqs * 64, max_num_seqs=a.num_seqs))
-    engine.runner = InstantRunner(engine.hf_config.vocab_size)
+    engine.loop.runner = InstantRunner(engine.hf_config.vocab_size)
     params = SamplingParams(max_tokens=a.steps + 40, ignore_eos=True)
     rng = random.Random(1)
     for _ in range(a.num_seqs):

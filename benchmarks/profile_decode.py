@@ -64,7 +64,8 @@ def _time_phases(engine, steps: int) -> dict[str, float]:
     """Wall time per step of each phase, by wrapping the functions that make it up. 'launch' is
     host work (inputs, kernel launches, sampler); 'wait for tokens' is the device time the host
     could not hide."""
-    import nanofn.engine.engine as engine_module
+    import nanofn.engine.loop as loop_module
+    loop = engine.loop
     totals: dict[str, float] = {}
 
     def timed(name, fn):
@@ -76,19 +77,22 @@ def _time_phases(engine, steps: int) -> dict[str, float]:
                 totals[name] = totals.get(name, 0.0) + time.perf_counter() - t
         return wrapper
 
-    originals = (engine_module.step, engine.runner.launch, engine._wait_for_tokens,
-                 engine._take_sampled)
-    engine_module.step = timed("core step", engine_module.step)
-    engine.runner.launch = timed("launch", engine.runner.launch)
-    engine._wait_for_tokens = timed("wait for tokens", engine._wait_for_tokens)
-    engine._take_sampled = timed("detokenize", engine._take_sampled)
+    originals = (loop_module.step, loop.runner, loop._wait_for_tokens, loop._on_delivery)
+    loop_module.step = timed("core step", loop_module.step)
+    loop.runner = _TimedRunner(loop.runner, timed("launch", loop.runner.launch))
+    loop._wait_for_tokens = timed("wait for tokens", loop._wait_for_tokens)
+    loop._on_delivery = timed("detokenize", lambda d: tuple(originals[3](d)))
     start = time.perf_counter()
     for _ in range(steps):
         engine.step(only_finished=True)
     totals["whole step"] = time.perf_counter() - start
-    (engine_module.step, engine.runner.launch, engine._wait_for_tokens,
-     engine._take_sampled) = originals
+    loop_module.step, loop.runner, loop._wait_for_tokens, loop._on_delivery = originals
     return {name: seconds / steps * 1e3 for name, seconds in totals.items()}
+
+
+class _TimedRunner:
+    def __init__(self, runner, launch):
+        self.runner, self.launch = runner, launch
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ import argparse
 import gc
 import time
 
-from nanofn.state import Events, NewRequest, SamplingParams, SchedulerConfig, initial_state, step
+from nanofn.state import Events, NewSeq, SamplingParams, SchedulerConfig, initial_state, step
 
 
 def main() -> None:
@@ -22,16 +22,19 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--pipelined", action="store_true")
     a = ap.parse_args()
-    config = SchedulerConfig(num_blocks=a.num_seqs * (a.prompt_len + a.steps + 64) // 16 + 64,
-                             max_num_seqs=a.num_seqs, max_model_len=4096)
+    config = SchedulerConfig(block_size=16, max_num_seqs=a.num_seqs,
+                             max_num_batched_tokens=16384, max_model_len=4096,
+                             enable_prefix_caching=True, enable_chunked_prefill=True,
+                             eos_token_ids=(0,), vocab_size=None)
+    num_blocks = a.num_seqs * (a.prompt_len + a.steps + 64) // 16 + 64
     params = SamplingParams(max_tokens=a.steps + 50, ignore_eos=True)
-    news = tuple(NewRequest(f"r{i}", tuple((i * 7919 + j) % 30000 for j in range(a.prompt_len)),
+    news = tuple(NewSeq(f"r{i}", tuple((i * 7919 + j) % 30000 for j in range(a.prompt_len)),
                             params) for i in range(a.num_seqs))
-    state, plan = step(initial_state(config), Events(new_requests=news))
+    state, plan = step(initial_state(config, num_blocks), Events(new_seqs=news))
     lag = 1 if a.pipelined else 0
 
     def deliver(state, token):
-        return (token,) * len(state.awaiting[0]) if len(state.awaiting) > lag else None
+        return (token,) * len(state.undelivered[0]) if len(state.undelivered) > lag else None
 
     while plan.num_prefill_tokens:
         state, plan = step(state, Events(sampled=deliver(state, 1)))

@@ -18,7 +18,7 @@ from dataclasses import fields
 from pathlib import Path
 
 from nanofn import LLM, SamplingParams
-from nanofn.bench import ModelDims, floor
+from nanofn.cli.bench import ModelDims, floor
 from nanofn.cli import random_weights_model
 from nanofn.engine.options import EngineOptions
 

@@ -10,9 +10,9 @@ from nanofn.state.params import SamplingParams
 
 _LAZY = {
     "LLM": "nanofn.llm",
-    "BeamSearchParams": "nanofn.beam_search",
-    "RequestOutput": "nanofn.outputs",
-    "CompletionOutput": "nanofn.outputs",
+    "BeamSearchParams": "nanofn.engine.beam_search",
+    "RequestOutput": "nanofn.engine.outputs",
+    "CompletionOutput": "nanofn.engine.outputs",
     "Engine": "nanofn.engine.engine",
     "EngineOptions": "nanofn.engine.options",
 }

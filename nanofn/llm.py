@@ -11,10 +11,10 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from nanofn.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
+from nanofn.engine.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from nanofn.engine.engine import Engine, PromptInput
 from nanofn.engine.options import EngineOptions
-from nanofn.outputs import RequestOutput
+from nanofn.engine.outputs import RequestOutput
 from nanofn.state import SamplingParams
 
 Message = Mapping[str, Any]

@@ -1,93 +1,90 @@
-"""Drives the pure core with the fake runner, as the engine shell would."""
+"""Drives the engine loop with the fake runner, as the engine shell does with its model runner."""
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+import io
+from collections.abc import Iterator, Sequence
 
-from nanofn.state import (EngineState, Events, FinishReason, NewRequest, SamplingParams,
-                          SchedulerConfig, header_line, initial_state, step, step_line)
+from nanofn.engine.loop import Delivery, EngineLoop, LoopStep
+from nanofn.state import EngineState, FinishReason, NewSeq, SamplingParams, initial_state
 from properties.fake_runner import FakeRunner, stop_string_hit
+from properties.strategies import CoreSetup
 
 
-@dataclass
 class Driver:
-    """Holds the current state, the fake runner and the trace; ``advance`` is one engine step.
+    """An ``EngineLoop`` over a ``FakeRunner``; ``advance`` is one engine step.
 
-    ``pipelined`` mimics an engine whose runner works one step ahead: a plan's tokens are
-    delivered only after the next plan has been launched, so plans carry pending tokens.
+    ``pipelined`` is the loop's async scheduling: a plan's tokens are delivered only after the
+    next plan has been launched, so plans carry pending tokens. Stop strings are the test's
+    content-defined ones (``stop_string_hit``) plus the ones a test forces on a sequence.
     """
 
-    config: SchedulerConfig
-    pipelined: bool = False
-    state: EngineState = field(init=False)
-    runner: FakeRunner = field(init=False)
-    in_flight: deque = field(default_factory=deque)  # the tokens of launched plans, oldest first
-    ready: tuple[int, ...] | None = None  # tokens to deliver at the next step
-    trace_lines: list[str] = field(default_factory=list)
-    outputs: dict[str, tuple[tuple[int, ...], FinishReason]] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        self.state = initial_state(self.config)
-        self.runner = FakeRunner(self.config.num_blocks, self.config.block_size)
-        self.trace_lines.append(header_line(self.config))
+    def __init__(self, setup: CoreSetup, pipelined: bool = False):
+        self.setup = setup
+        self.runner = FakeRunner(setup.num_blocks, setup.config.block_size)
+        self.trace = io.StringIO()
+        self.loop = EngineLoop(initial_state(setup.config, setup.num_blocks), self.runner,
+                               async_scheduling=pipelined, on_delivery=self._stop_hits,
+                               trace=self.trace)
+        self.forced_stops: set[str] = set()
+        self.outputs: dict[str, tuple[tuple[int, ...], FinishReason]] = {}
 
     @property
-    def busy(self) -> bool:
-        return self.state.has_unfinished or self.ready is not None or bool(self.in_flight)
+    def state(self) -> EngineState:
+        return self.loop.state
 
-    def advance(self, new_requests: Sequence[NewRequest] = (), aborts: Sequence[str] = (),
-                stop_hits: Sequence[str] = ()):
-        events = Events(sampled=self.ready, stop_hits=self._content_stop_hits() + tuple(stop_hits),
-                        aborts=tuple(aborts), new_requests=tuple(new_requests))
-        self.state, plan = step(self.state, events)
-        self.trace_lines.append(step_line(events, plan))
-        for seq in self.state.finished:
+    @property
+    def trace_lines(self) -> list[str]:
+        return self.trace.getvalue().splitlines()
+
+    def advance(self, new_seqs: Sequence[NewSeq] = (), aborts: Sequence[str] = (),
+                stop_hits: Sequence[str] = ()) -> LoopStep:
+        for new in new_seqs:
+            self.loop.add(new)
+        for seq_id in aborts:
+            self.loop.abort(seq_id)
+        self.forced_stops.update(stop_hits)
+        result = self.loop.step()
+        for seq in result.finished:
             self.outputs[seq.seq_id] = (seq.output_token_ids, seq.finish_reason)
-        if plan.seqs:
-            self.in_flight.append(self.runner.execute(plan))
-        # As the engine: wait for the oldest plan unless the one just launched is alone in flight.
-        wait = len(self.in_flight) >= 2 or (self.in_flight and (not self.pipelined or not plan.seqs))
-        self.ready = self.in_flight.popleft() if wait else None
-        return events, plan
+        return result
 
-    def _content_stop_hits(self) -> tuple[str, ...]:
-        """Sequences whose output, with the token now delivered, reaches the test's content
-        defined "stop string" (the shell's detokenizer does this for real stop strings)."""
-        if self.ready is None:
-            return ()
+    def _stop_hits(self, delivery: Delivery) -> Iterator[str]:
+        """Sequences whose output, with the token now delivered, reaches the test's
+        content-defined "stop string", or that a test said to stop; the core decides whether
+        they may stop yet (as the shell's detokenizer finds real stop strings)."""
         live = {seq.seq_id: seq for seq in (*self.state.running, *self.state.waiting)}
-        hits = []
-        for seq_id, token in zip(self.state.awaiting[0], self.ready):
+        for seq_id, token in zip(delivery.plan.sampling_seq_ids, delivery.output.token_ids):
             seq = live.get(seq_id)
             if seq is None:
                 continue
-            output = seq.output_token_ids + (token,)
-            if len(output) >= seq.params.min_tokens and stop_string_hit(output):
-                hits.append(seq_id)
-        return tuple(hits)
+            if seq_id in self.forced_stops or stop_string_hit(seq.output_token_ids + (token,)):
+                self.forced_stops.discard(seq_id)
+                yield seq_id
 
-    def drain(self, max_steps: int) -> None:
-        """Step with no new events until every sequence has finished."""
+    def drain(self) -> None:
+        """Step with no new events until every sequence has finished and no token is in
+        flight, within a bound generous for any schedule (each live sequence's every position
+        computed a few times over, for preemptions)."""
+        live = len(self.state.live_ids) + 1
+        max_steps = 4 * live * self.setup.config.max_model_len + 100
         for _ in range(max_steps):
-            if not self.busy:
+            if not self.loop.has_work():
                 return
             self.advance()
         raise AssertionError(f"not finished after {max_steps} steps: {self.state.live_ids}")
 
 
-def run_workload(config: SchedulerConfig,
+def run_workload(setup: CoreSetup,
                  workload: Sequence[tuple[int, tuple[int, ...], SamplingParams]],
-                 pipelined: bool = False,
-                 max_steps: int = 5000) -> dict[str, tuple[tuple[int, ...], FinishReason]]:
-    """Submit request ``i`` (id ``r{i}``) at the engine step ``arrival``; run to the end."""
-    driver = Driver(config, pipelined)
+                 pipelined: bool = False) -> dict[str, tuple[tuple[int, ...], FinishReason]]:
+    """Submit sequence ``i`` (id ``r{i}``) at the engine step ``arrival``; run to the end."""
+    driver = Driver(setup, pipelined)
     pending = sorted(((arrival, i, prompt, params)
                       for i, (arrival, prompt, params) in enumerate(workload)), key=lambda r: r[:2])
     while pending:
         due = [r for r in pending if r[0] <= driver.state.step]
         pending = pending[len(due):]
-        driver.advance([NewRequest(f"r{i}", prompt, params) for _, i, prompt, params in due])
-    driver.drain(max_steps)
+        driver.advance([NewSeq(f"r{i}", prompt, params) for _, i, prompt, params in due])
+    driver.drain()
     return driver.outputs

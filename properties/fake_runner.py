@@ -11,15 +11,30 @@ from collections.abc import Sequence
 
 import xxhash
 
-from nanofn.state import BatchPlan, EngineState
-from nanofn.state.plan import PENDING_TOKEN
+from nanofn.state import PENDING_TOKEN, BatchPlan, EngineState, SampleOutput
 
 EOS = 0
 
 
-def next_token(prefix: Sequence[int], vocab_size: int) -> int:
-    """The fake model: deterministic in the prefix, EOS about once in ``vocab_size`` tokens."""
-    return xxhash.xxh64_intdigest(",".join(map(str, prefix)).encode()) % vocab_size
+def next_token(prefix: Sequence[int], vocab_size: int, banned: Sequence[int] = ()) -> int:
+    """The fake model: deterministic in the prefix, EOS about once in ``vocab_size`` tokens.
+    A banned token gives way to the next candidate, as the sampler's masked argmax does."""
+    key = ",".join(map(str, prefix))
+    for attempt in range(vocab_size):
+        token = xxhash.xxh64_intdigest(f"{key}#{attempt}".encode()) % vocab_size
+        if token not in banned:
+            return token
+    raise AssertionError(f"every token is banned: {banned}")
+
+
+class Sampled:
+    """A launched plan's tokens: the fake runner computes them at once."""
+
+    def __init__(self, token_ids: tuple[int, ...]):
+        self.output = SampleOutput(list(token_ids), [None] * len(token_ids))
+
+    def wait(self) -> SampleOutput:
+        return self.output
 
 
 class FakeRunner:
@@ -33,10 +48,11 @@ class FakeRunner:
     def slot(self, block_table: Sequence[int], position: int) -> int:
         return block_table[position // self.block_size] * self.block_size + position % self.block_size
 
-    def execute(self, plan: BatchPlan) -> tuple[int, ...]:
+    def launch(self, plan: BatchPlan) -> Sampled:
         """Write every scheduled token, then read each sampling sequence's whole context back
-        and return the next token of each, in plan order (the runner's contract). Block tables
-        come from copies kept by appending, which the plan's ``released`` makes safe."""
+        and sample the next token of each, in plan order (the runner's contract), never one
+        the plan bans. Block tables come from copies kept by appending, which the plan's
+        ``released`` makes safe."""
         for seq_id in plan.released:
             self.tables.pop(seq_id, None)
         for s in plan.seqs:
@@ -50,9 +66,10 @@ class FakeRunner:
                 position = s.start_pos + i
                 self.slots[self.slot(table, position)] = (token, position)
         sampled = tuple(next_token(self.read(self.tables[s.seq_id], s.context_len),
-                                   self.vocab_size) for s in plan.seqs if s.sample)
+                                   self.vocab_size, s.banned_token_ids)
+                        for s in plan.seqs if s.sample)
         self.last_sampled = dict(zip(plan.sampling_seq_ids, sampled))
-        return sampled
+        return Sampled(sampled)
 
     def read(self, block_table: Sequence[int], length: int) -> list[int]:
         tokens = []

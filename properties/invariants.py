@@ -97,7 +97,7 @@ def check_plan(state: EngineState, plan: BatchPlan) -> None:
         assert s.block_table == seq.block_table
         if not c.enable_chunked_prefill:
             assert s.sample or pending, "a chunk without chunked prefill"
-    assert (state.awaiting[-1] if plan.seqs else ()) == plan.sampling_seq_ids
+    assert (state.undelivered[-1] if plan.seqs else ()) == plan.sampling_seq_ids
     assert set(plan.released) >= {s.seq_id for s in state.finished} | set(state.preempted)
     assert state.unreported_releases == (() if plan.seqs else plan.released)
 

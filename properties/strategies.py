@@ -3,9 +3,11 @@ make preemption and eviction happen all the time."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from hypothesis import strategies as st
 
-from nanofn.state import SamplingParams, SchedulerConfig
+from nanofn.state import SamplingParams, SchedulerConfig, blocks_for
 from properties.fake_runner import EOS
 
 BLOCK_SIZE = 16
@@ -19,23 +21,32 @@ PREFIXES = (
 )
 
 
+@dataclass(frozen=True)
+class CoreSetup:
+    """A scheduler configuration and the size of its KV cache."""
+
+    config: SchedulerConfig
+    num_blocks: int
+
+
+def scheduler_config(**overrides) -> SchedulerConfig:
+    """The tests' configuration: blocks of 16 tokens, sequences of up to 64, EOS 0."""
+    return SchedulerConfig(**{**dict(
+        block_size=BLOCK_SIZE, max_num_seqs=4, max_num_batched_tokens=MAX_MODEL_LEN,
+        max_model_len=MAX_MODEL_LEN, enable_prefix_caching=True, enable_chunked_prefill=True,
+        eos_token_ids=(EOS,), vocab_size=None), **overrides})
+
+
 @st.composite
-def configs(draw, caching=st.booleans(), chunking=st.booleans()) -> SchedulerConfig:
+def setups(draw, caching=st.booleans(), chunking=st.booleans()) -> CoreSetup:
     chunked = draw(chunking)
     max_num_seqs = draw(st.integers(1, 6))
     low = max_num_seqs if chunked else MAX_MODEL_LEN
     budget = draw(st.integers(low, max(low, 80)))
-    blocks_per_seq = -(-MAX_MODEL_LEN // BLOCK_SIZE)
-    return SchedulerConfig(
-        num_blocks=draw(st.integers(blocks_per_seq, blocks_per_seq + 8)),
-        block_size=BLOCK_SIZE,
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=budget,
-        max_model_len=MAX_MODEL_LEN,
-        enable_prefix_caching=draw(caching),
-        enable_chunked_prefill=chunked,
-        eos_token_ids=(EOS,),
-    )
+    blocks_per_seq = blocks_for(MAX_MODEL_LEN, BLOCK_SIZE)
+    config = scheduler_config(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+                              enable_prefix_caching=draw(caching), enable_chunked_prefill=chunked)
+    return CoreSetup(config, draw(st.integers(blocks_per_seq, blocks_per_seq + 8)))
 
 
 @st.composite

@@ -11,14 +11,14 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from nanofn.state import (Events, InvalidRequest, NewRequest, SamplingParams, check_new_request,
+from nanofn.state import (Events, InvalidRequest, NewSeq, SamplingParams, check_new_seq,
                           parse_trace, replay, step)
 from nanofn.state import scheduler
 from nanofn.state.plan import PENDING_TOKEN
 from properties.driver import Driver
 from properties.fake_runner import check_running_contexts
 from properties.invariants import check_all
-from properties.strategies import MAX_MODEL_LEN, configs, requests
+from properties.strategies import MAX_MODEL_LEN, requests, setups
 
 # Every preemption, as (free blocks when it was decided, victim before, victim after).
 preemptions: list = []
@@ -32,10 +32,10 @@ def _spying_preempt(pool, seq):
 
 
 class EngineMachine(RuleBasedStateMachine):
-    @initialize(config=configs(), pipelined=st.booleans())
-    def start(self, config, pipelined):
-        self.driver = Driver(config, pipelined)
-        self.new: list[NewRequest] = []
+    @initialize(setup=setups(), pipelined=st.booleans())
+    def start(self, setup, pipelined):
+        self.driver = Driver(setup, pipelined)
+        self.new: list[NewSeq] = []
         self.aborts: list[str] = []
         self.stops: list[str] = []
         self.recorded = []  # every (state, plan), to compare with the replay
@@ -44,7 +44,7 @@ class EngineMachine(RuleBasedStateMachine):
     @rule(batch=st.lists(requests(), min_size=1, max_size=4))
     def add_requests(self, batch):
         for prompt, params in batch:
-            self.new.append(NewRequest(f"r{self.count}", prompt, params))
+            self.new.append(NewSeq(f"r{self.count}", prompt, params))
             self.count += 1
 
     @rule(kind=st.sampled_from(["empty", "too long", "duplicate", "negative token", "n=2"]))
@@ -53,18 +53,19 @@ class EngineMachine(RuleBasedStateMachine):
         if kind == "duplicate" and not live:
             return
         bad = {
-            "empty": NewRequest("bad", (), SamplingParams()),
-            "too long": NewRequest("bad", (1,) * MAX_MODEL_LEN, SamplingParams(max_tokens=1)),
-            "duplicate": NewRequest(live[0] if live else "", (1, 2), SamplingParams()),
-            "negative token": NewRequest("bad", (1, -3), SamplingParams()),
-            "n=2": NewRequest("bad", (1, 2), SamplingParams(n=2)),
+            "empty": NewSeq("bad", (), SamplingParams()),
+            "too long": NewSeq("bad", (1,) * MAX_MODEL_LEN, SamplingParams(max_tokens=1)),
+            "duplicate": NewSeq(live[0] if live else "", (1, 2), SamplingParams()),
+            "negative token": NewSeq("bad", (1, -3), SamplingParams()),
+            "n=2": NewSeq("bad", (1, 2), SamplingParams(n=2)),
         }[kind]
         before = copy.deepcopy(self.driver.state)
         with pytest.raises(InvalidRequest):
-            check_new_request(self.driver.state, bad)
-        if kind != "duplicate":  # (the live request may finish on this very step's token)
-            with pytest.raises(InvalidRequest):
-                step(self.driver.state, _events(self.driver, [bad]))
+            check_new_seq(self.driver.state, bad)
+        with pytest.raises(InvalidRequest):
+            self.driver.loop.add(bad)
+        with pytest.raises(InvalidRequest):
+            step(self.driver.state, Events(new_seqs=(bad,)))
         assert self.driver.state == before
 
     @rule(data=st.data())
@@ -87,7 +88,7 @@ class EngineMachine(RuleBasedStateMachine):
         before = copy.deepcopy(self.driver.state)
         old_state = self.driver.state
         preemptions.clear()
-        events, plan = self.driver.advance(self.new, self.aborts, self.stops)
+        plan = self.driver.advance(self.new, self.aborts, self.stops).plan
         self.new, self.aborts, self.stops = [], [], []
         assert old_state == before, "step mutated its input"  # invariant 8
         state = self.driver.state
@@ -111,7 +112,7 @@ class EngineMachine(RuleBasedStateMachine):
         if not hasattr(self, "driver"):
             return
         self.driver.advance(self.new)
-        self.driver.drain(max_steps=3000)  # invariant 6: everyone finishes
+        self.driver.drain()  # invariant 6: everyone finishes
         assert self.driver.state.pool.num_free == self.driver.state.pool.num_blocks
         # Invariant 9: the trace rebuilds every state and plan.
         trace = parse_trace(self.driver.trace_lines)
@@ -124,7 +125,7 @@ def _note_coverage(old, new, plan) -> None:
     """Tell Hypothesis's statistics which mechanisms this step exercised."""
     if new.preempted:
         event("preemption")
-    if new.stats.num_cached_tokens > old.stats.num_cached_tokens:
+    if new.counters.num_cached_tokens > old.counters.num_cached_tokens:
         event("prefix cache hit")
     if any(not s.sample for s in plan.seqs):
         event("chunked prefill")
@@ -136,10 +137,6 @@ def _note_coverage(old, new, plan) -> None:
         event("pending token scheduled")
     if any(seq.num_pending for seq in new.waiting):
         event("preempted with a token in flight")
-
-
-def _events(driver: Driver, new):
-    return Events(sampled=driver.ready, new_requests=tuple(new))
 
 
 EngineMachine.TestCase.settings = settings(

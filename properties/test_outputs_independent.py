@@ -6,48 +6,44 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from nanofn.state import NewRequest, SamplingParams, SchedulerConfig
+from nanofn.state import NewSeq, SamplingParams
 from properties.driver import Driver, run_workload
-from properties.strategies import BLOCK_SIZE, MAX_MODEL_LEN, configs, requests
+from properties.strategies import CoreSetup, requests, scheduler_config, setups
 
 workloads = st.lists(st.tuples(st.integers(0, 8), requests()), min_size=1, max_size=10).map(
     lambda items: [(arrival, prompt, params) for arrival, (prompt, params) in items])
 
 # One sequence at a time, whole prompts, no cache, more blocks than anyone needs.
-PLAIN = SchedulerConfig(num_blocks=64, block_size=BLOCK_SIZE, max_num_seqs=1,
-                        max_num_batched_tokens=MAX_MODEL_LEN, max_model_len=MAX_MODEL_LEN,
-                        enable_prefix_caching=False, enable_chunked_prefill=False,
-                        eos_token_ids=(0,))
+PLAIN = CoreSetup(scheduler_config(max_num_seqs=1, enable_prefix_caching=False,
+                                   enable_chunked_prefill=False), num_blocks=64)
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(workload=workloads, config=configs(caching=st.just(True), chunking=st.just(True)),
+@given(workload=workloads, setup=setups(caching=st.just(True), chunking=st.just(True)),
        pipelined=st.booleans())
-def test_outputs_equal_a_plain_run(workload, config, pipelined):
-    assert run_workload(config, workload, pipelined) == run_workload(PLAIN, workload)
+def test_outputs_equal_a_plain_run(workload, setup, pipelined):
+    assert run_workload(setup, workload, pipelined) == run_workload(PLAIN, workload)
 
 
 @settings(max_examples=200, deadline=None)
-@given(workload=workloads, config=configs(), pipelined=st.booleans())
-def test_outputs_equal_under_any_configuration(workload, config, pipelined):
-    assert run_workload(config, workload, pipelined) == run_workload(PLAIN, workload)
+@given(workload=workloads, setup=setups(), pipelined=st.booleans())
+def test_outputs_equal_under_any_configuration(workload, setup, pipelined):
+    assert run_workload(setup, workload, pipelined) == run_workload(PLAIN, workload)
 
 
 def test_a_tight_pool_really_preempts_and_hits_the_cache():
     """The stressed configuration above is not vacuous: on a fixed workload it preempts,
     chunks and hits the prefix cache, and still gives the plain run's outputs."""
-    tight = SchedulerConfig(num_blocks=4, block_size=BLOCK_SIZE, max_num_seqs=4,
-                            max_num_batched_tokens=16, max_model_len=MAX_MODEL_LEN,
-                            eos_token_ids=(0,))
+    tight = CoreSetup(scheduler_config(max_num_batched_tokens=16), num_blocks=4)
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     prompts = [tuple(range(1, 21)), tuple(range(1, 25)), tuple(range(1, 18)) + (7,)]
     driver = Driver(tight)
-    _, plan = driver.advance([NewRequest(f"r{i}", p, params) for i, p in enumerate(prompts)])
+    plan = driver.advance([NewSeq(f"r{i}", p, params) for i, p in enumerate(prompts)]).plan
     chunked = any(not s.sample for s in plan.seqs)
-    while driver.busy:
-        _, plan = driver.advance()
+    while driver.loop.has_work():
+        plan = driver.advance().plan
         chunked |= any(not s.sample for s in plan.seqs)
-    stats = driver.state.stats
-    assert stats.num_preemptions > 0 and stats.num_cached_tokens > 0 and chunked
+    counters = driver.state.counters
+    assert counters.num_preemptions > 0 and counters.num_cached_tokens > 0 and chunked
     workload = [(0, p, params) for p in prompts]
     assert driver.outputs == run_workload(PLAIN, workload)

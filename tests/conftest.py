@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanofn.tiny import make_tiny_checkpoint
+from nanofn.model.tiny import make_tiny_checkpoint
 
 # The test tensors are tiny: extra intra-op threads only add synchronisation, and on a busy
 # machine with few cores they spin against other processes (several times slower).

@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from nanofn.beam_search import BeamSearchParams, beam_search
-from nanofn.outputs import CompletionOutput, Logprob, RequestOutput
+from nanofn.engine.beam_search import BeamSearchParams, beam_search
+from nanofn.engine.outputs import CompletionOutput, Logprob, RequestOutput
 
 EOS = 0
 

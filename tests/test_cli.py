@@ -13,9 +13,9 @@ import torch
 import transformers
 
 from nanofn import LLM, SamplingParams
-from nanofn.bench import ModelDims, floor, standard_workload
+from nanofn.cli.bench import ModelDims, floor, standard_workload
 from nanofn.cli import build_parser, engine_kwargs, main, sampling_params
-from nanofn.tiny import PRESETS, _qwen3_weight_shapes, make_random_checkpoint
+from nanofn.model.tiny import PRESETS, _qwen3_weight_shapes, make_random_checkpoint
 
 SMALL_ENGINE = ["--num-kv-blocks", "64", "--max-model-len", "256"]
 GREEDY_FLAGS = ["--max-tokens", "6", "--temperature", "0", "--ignore-eos"]
@@ -101,7 +101,7 @@ def test_without_a_model_the_demo_is_built_once_and_announced(tmp_path, monkeypa
     def no_rebuild(*args, **kwargs):
         raise AssertionError("the demo model was built again")
 
-    monkeypatch.setattr("nanofn.tiny.make_tiny_checkpoint", no_rebuild)
+    monkeypatch.setattr("nanofn.model.tiny.make_tiny_checkpoint", no_rebuild)
     code, out2, err = run(capsys, "generate", "--max-tokens", "3", "--num-kv-blocks", "64")
     assert code == 0 and "RANDOM weights" in err and "building" not in err
 
@@ -306,6 +306,26 @@ def test_help_of_every_command_exits_0_and_names_its_options(capsys, command, op
     code, out, _ = run(capsys, *command, "--help")
     assert code == 0
     assert all(option in out for option in options)
+
+
+def test_help_shows_the_defaults_of_the_options_themselves(capsys, monkeypatch):
+    """The defaults live in EngineOptions and SamplingParams; the help reads them there."""
+    from nanofn.engine import options
+
+    monkeypatch.setattr(options.EngineOptions.__dataclass_fields__["max_num_seqs"], "default", 77)
+    monkeypatch.setattr(SamplingParams.__dataclass_fields__["top_k"], "default", 5)
+    _, out, _ = run(capsys, "generate", "--help")
+    flat = " ".join(out.split())
+    assert "most sequences per step (default: 77)" in flat
+    assert "(default: 5)" in flat.rsplit("--top-k K", 1)[1].split(" --")[0]
+
+
+def test_the_replay_command_imports_no_torch():
+    code = ("import sys; from nanofn.cli import build_parser; build_parser(); "
+            "print('torch' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            check=True)
+    assert result.stdout.strip() == "False"
 
 
 def test_python_dash_m_nanofn_runs_the_command():

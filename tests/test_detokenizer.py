@@ -7,6 +7,7 @@ from transformers import AutoTokenizer
 
 from nanofn.engine.detokenizer import Detokenizer
 from nanofn.state import SamplingParams
+from nanofn.state.policy import may_stop
 
 
 @pytest.fixture(scope="module")
@@ -17,7 +18,7 @@ def tokenizer(tiny_qwen3):
 def feed(tokenizer, text: str, params: SamplingParams, extra_ids=()) -> Detokenizer:
     detok = Detokenizer(tokenizer, tokenizer.encode("Once upon"), params)
     for n, token in enumerate(tokenizer.encode(text) + list(extra_ids), start=1):
-        if detok.add(token, n):
+        if detok.add(token, may_stop(params, n)):
             break
     return detok
 
@@ -35,7 +36,7 @@ def test_a_stop_string_is_held_back_then_cut(tokenizer):
     detok = Detokenizer(tokenizer, tokenizer.encode("Once upon"), params)
     seen = []
     for n, token in enumerate(tokenizer.encode(" a time there was a little engine that"), 1):
-        stopped = detok.add(token, n)
+        stopped = detok.add(token, may_stop(params, n))
         seen.append(detok.visible_text(finished=False))
         if stopped:
             break
@@ -46,7 +47,8 @@ def test_a_stop_string_is_held_back_then_cut(tokenizer):
     assert kept.text == " a time there was a little engine"
 
 
-def test_no_stop_before_min_tokens(tokenizer):
+def test_no_stop_string_before_min_tokens(tokenizer):
+    """The detokenizer looks for stop strings only when the core's policy allows a stop."""
     text = " a time, a time"
     early = feed(tokenizer, text, SamplingParams(stop=["time"]))
     assert early.stopped and early.text == " a "

@@ -158,9 +158,9 @@ def test_stop_token_ids_and_min_tokens(llm):
 def test_n_samples_differ_share_the_prompt_blocks_and_repeat_with_the_seed(llm):
     prompt = [7] * 40  # two full blocks to share
     params = SamplingParams(n=3, temperature=1.0, max_tokens=8, seed=11, ignore_eos=True)
-    before = llm.engine.state.stats
+    before = llm.engine.state.counters
     (out,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
-    after = llm.engine.state.stats
+    after = llm.engine.state.counters
     samples = [tuple(c.token_ids) for c in out.outputs]
     assert [c.index for c in out.outputs] == [0, 1, 2] and len(set(samples)) == 3
     assert after.num_cached_tokens - before.num_cached_tokens >= 2 * 32
@@ -308,7 +308,7 @@ def test_a_recorded_trace_replays_and_checks_clean(tiny_qwen3, tmp_path):
     finished = {seq.seq_id: seq for state in states for seq in state.finished}
     assert [list(finished[o.request_id].output_token_ids) for o in outs] == \
         [o.outputs[0].token_ids for o in outs]
-    assert states[-1].stats.num_preemptions > 0  # the small pool made it interesting
+    assert states[-1].counters.num_preemptions > 0  # the small pool made it interesting
 
 
 # --- options that shape the engine --------------------------------------------------------
@@ -334,7 +334,7 @@ def test_block_size_kv_cache_bytes_device_and_tokenizer_options(tiny_qwen3, tmp_
     with LLM(str(tiny_qwen3), block_size=32, kv_cache_memory_bytes=40 * 32 * 512,
              max_model_len=256, device="cpu", tokenizer=str(tokenizer_dir)) as llm:
         config = llm.engine.scheduler_config
-        assert (config.block_size, config.num_blocks) == (32, 40)
+        assert (config.block_size, llm.engine.state.pool.num_blocks) == (32, 40)
         assert [o["token_ids"] for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == expected
 
 
@@ -353,7 +353,7 @@ def test_a_request_id_can_be_reused_while_its_last_token_is_in_flight(tiny_qwen3
                                                  stop_token_ids=[first]), request_id="x")
     while engine.has_unfinished_requests():
         engine.step()
-    assert engine.state.awaiting  # the finished request's extra token is still in flight
+    assert engine.state.undelivered  # the finished request's extra token is still in flight
     engine.add_request([5, 6, 7], params, request_id="x")
     got = _run_to_end(engine)["x"]
     assert got.request_id == "x"

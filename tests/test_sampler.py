@@ -289,13 +289,13 @@ def test_unseeded_draws_repeat_for_a_fixed_sampler_seed():
     assert steps[:20] != steps[20:]  # the generator advances between steps
 
 
-def test_suppressed_tokens_are_never_drawn_but_keep_their_logprobs():
+def test_banned_tokens_are_never_drawn_but_keep_their_logprobs():
     logits = torch.tensor([[5.0, 1.0, 0.0], [5.0, 1.0, 0.0]])
     sampler = Sampler(seed=0, device="cpu")
-    requests = [SampleRequest(SamplingParams(temperature=0, logprobs=1), 5, suppressed_token_ids=(0,)),
+    requests = [SampleRequest(SamplingParams(temperature=0, logprobs=1), 5, banned_token_ids=(0,)),
                 SampleRequest(SamplingParams(temperature=0), 5)]
     out = sampler(logits, requests)
     assert out.token_ids == [1, 0]
-    assert out.logprobs[0].top[0][0] == 0  # logprobs describe the model, not the suppression
-    hot = [SampleRequest(SamplingParams(temperature=5.0), 5, suppressed_token_ids=(0, 2))] * 2
+    assert out.logprobs[0].top[0][0] == 0  # logprobs describe the model, not the ban
+    hot = [SampleRequest(SamplingParams(temperature=5.0), 5, banned_token_ids=(0, 2))] * 2
     assert set(sampler(logits, hot).token_ids) == {1}

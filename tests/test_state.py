@@ -7,40 +7,51 @@ import json
 import pathlib
 import subprocess
 import sys
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import pytest
 from pyrsistent import pvector
 
-from nanofn.state import (Events, FinishReason, InvalidRequest, NewRequest, SamplingParams,
-                          ScheduledSeq,
-                          SchedulerConfig, TraceError, check_new_request, figures, header_line,
-                          initial_state, parse_trace, replay, step, step_line)
+from nanofn.state import (Events, FinishReason, InvalidRequest, NewSeq, SamplingParams,
+                          ScheduledSeq, SchedulerConfig, TraceError, check_new_seq, figures,
+                          header_line, initial_state, parse_trace, replay, step, step_line)
 from nanofn.state.block_pool import (CachedBlock, allocate, cache_block, find_cached_prefix,
                                      new_block_pool, release)
 from nanofn.state.hashing import ROOT_HASH, block_hash
 from nanofn.state.plan import PENDING_TOKEN
+from nanofn.state.policy import banned_token_ids, may_stop, stops_on
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
 
 
-def config(**overrides) -> SchedulerConfig:
-    base = dict(num_blocks=16, block_size=16, max_num_seqs=4, max_num_batched_tokens=64,
-                max_model_len=128, eos_token_ids=(0,))
-    return SchedulerConfig(**{**base, **overrides})
+@dataclass(frozen=True)
+class Setup:
+    config: SchedulerConfig
+    num_blocks: int
+
+
+def config(num_blocks=16, **overrides) -> Setup:
+    base = dict(block_size=16, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128,
+                enable_prefix_caching=True, enable_chunked_prefill=True, eos_token_ids=(0,),
+                vocab_size=None)
+    return Setup(SchedulerConfig(**{**base, **overrides}), num_blocks)
+
+
+def start(setup: Setup):
+    return initial_state(setup.config, setup.num_blocks)
 
 
 def deliver(state, token=5):
     """The tokens of the oldest undelivered plan, all ``token``; None if none is awaited."""
-    return (token,) * len(state.awaiting[0]) if state.awaiting else None
+    return (token,) * len(state.undelivered[0]) if state.undelivered else None
 
 
 def run(state, sampled_token=5, **events):
     return step(state, Events(sampled=deliver(state, sampled_token), **events))
 
 
-def request(rid: str, prompt, params=GREEDY) -> NewRequest:
-    return NewRequest(rid, tuple(prompt), params)
+def request(rid: str, prompt, params=GREEDY) -> NewSeq:
+    return NewSeq(rid, tuple(prompt), params)
 
 
 # --- purity -----------------------------------------------------------------------------
@@ -114,34 +125,34 @@ def test_releasing_a_block_twice_is_an_error():
     (request("a", [1], SamplingParams(stop_token_ids=[5, 1000])), r"stop_token_ids \[1000\] are not"),
 ])
 def test_invalid_requests_are_rejected_with_a_reason(bad, message):
-    state = initial_state(config(vocab_size=1000))
+    state = start(config(vocab_size=1000))
     with pytest.raises(InvalidRequest, match=message):
-        check_new_request(state, bad)
+        check_new_seq(state, bad)
     with pytest.raises(InvalidRequest, match=message):
-        step(state, Events(new_requests=(request("ok", [1, 2]), bad)))
+        step(state, Events(new_seqs=(request("ok", [1, 2]), bad)))
 
 
 def test_a_duplicate_live_id_is_rejected_but_a_finished_id_can_be_reused():
-    state, _ = step(initial_state(config()), Events(new_requests=(request("a", [1, 2]),)))
+    state, _ = step(start(config()), Events(new_seqs=(request("a", [1, 2]),)))
     with pytest.raises(InvalidRequest, match="'a' is already in use"):
-        check_new_request(state, request("a", [3]))
+        check_new_seq(state, request("a", [3]))
     state, _ = run(state, aborts=("a",))
-    check_new_request(state, request("a", [3]))
+    check_new_seq(state, request("a", [3]))
 
 
 def test_deliveries_must_match_the_plan_they_belong_to():
-    state, _ = step(initial_state(config()), Events(new_requests=(request("a", [1, 2]),)))
+    state, _ = step(start(config()), Events(new_seqs=(request("a", [1, 2]),)))
     with pytest.raises(ValueError, match="got 2 sampled tokens, the plan they belong to sampled 1"):
         step(state, Events(sampled=(3, 4)))
     with pytest.raises(ValueError, match="no plan is waiting for its tokens"):
-        step(initial_state(config()), Events(sampled=()))
+        step(start(config()), Events(sampled=()))
 
 
 def test_a_runner_one_step_ahead_gets_plans_with_pending_tokens():
     """Tokens delivered one plan late: the next plan computes the pending token in place
     (PENDING_TOKEN), and finishing by length never schedules beyond the last token."""
     params = replace(GREEDY, max_tokens=3)
-    state, plan = step(initial_state(config()), Events(new_requests=(request("a", [1, 2]),)))
+    state, plan = step(start(config()), Events(new_seqs=(request("a", [1, 2]),)))
     state, plan = step(state, Events())  # nothing delivered yet
     (s,) = plan.seqs
     assert (s.token_ids, s.start_pos, s.sample) == ((PENDING_TOKEN,), 2, True)
@@ -150,7 +161,7 @@ def test_a_runner_one_step_ahead_gets_plans_with_pending_tokens():
     assert state.running[0].token_ids[-1] == 7 and plan.seqs[0].start_pos == 3
     state, plan = step(state, Events(sampled=(8,)))
     assert plan.seqs[0].start_pos == 4
-    late = step(initial_state(config()), Events(new_requests=(request("b", [1, 2], params),)))[0]
+    late = step(start(config()), Events(new_seqs=(request("b", [1, 2], params),)))[0]
     late, plan = step(late, Events())
     assert plan.seqs[0].token_ids == (PENDING_TOKEN,)
     late, plan = step(late, Events())
@@ -168,7 +179,7 @@ def test_a_runner_one_step_ahead_gets_plans_with_pending_tokens():
 
 def finish_after(tokens, params, cfg=None, prompt=(1, 2, 3)):
     """Feed ``tokens`` as the sampled tokens of one request; return (outputs, reason)."""
-    state, _ = step(initial_state(cfg or config()), Events(new_requests=(request("a", prompt, params),)))
+    state, _ = step(start(cfg or config()), Events(new_seqs=(request("a", prompt, params),)))
     for token in tokens:
         state, _ = step(state, Events(sampled=(token,)))
         if state.finished:
@@ -190,6 +201,31 @@ def test_stop_token_ids_and_min_tokens():
     assert finish_after([5, 9], replace(params, min_tokens=0)) == ((5, 9), FinishReason.STOP)
 
 
+def test_min_tokens_is_the_first_token_that_may_stop_minus_one():
+    """The min_tokens boundary, pinned: with min_tokens=2 the 3rd token is the first that may
+    stop, whether it is EOS, a stop token id or the end of a stop string; and exactly the
+    samples before it are told not to be a stopping token."""
+    params = replace(GREEDY, stop_token_ids=(9,), min_tokens=2)
+    assert finish_after([0, 9, 0, 4], params) == ((0, 9, 0), FinishReason.STOP)
+    assert finish_after([9, 9, 9, 4], params) == ((9, 9, 9), FinishReason.STOP)
+    state, plan = step(start(config()), Events(new_seqs=(request("a", [1, 2], params),)))
+    banned = [plan.seqs[0].banned_token_ids]
+    for token in (4, 4, 4):
+        state, plan = step(state, Events(sampled=(token,), stop_hits=("a",)))
+        banned.append(plan.seqs[0].banned_token_ids if plan.seqs else None)
+    assert banned == [(9, 0), (9, 0), (), None]  # the 3rd token's stop hit finished it
+    assert state.finished[0].output_token_ids == (4, 4, 4)
+
+
+def test_the_stopping_policy_has_one_definition():
+    params = SamplingParams(min_tokens=1, stop_token_ids=(7,))
+    assert [may_stop(params, n) for n in (1, 2)] == [False, True]
+    assert banned_token_ids(params, 0, (2,)) == (7, 2)
+    assert banned_token_ids(params, 1, (2,)) == ()
+    assert banned_token_ids(replace(params, ignore_eos=True), 0, (2,)) == (7,)
+    assert stops_on(2, params, (2,)) and not stops_on(2, replace(params, ignore_eos=True), (2,))
+
+
 def test_max_tokens_and_max_model_len():
     assert finish_after([4] * 10, replace(GREEDY, max_tokens=2)) == ((4, 4), FinishReason.LENGTH)
     short = config(max_model_len=32, num_blocks=2)
@@ -198,7 +234,7 @@ def test_max_tokens_and_max_model_len():
 
 
 def test_a_stop_string_finishes_after_taking_its_token():
-    state, _ = step(initial_state(config()), Events(new_requests=(request("a", [1, 2]),)))
+    state, _ = step(start(config()), Events(new_seqs=(request("a", [1, 2]),)))
     state, plan = step(state, Events(sampled=(7,), stop_hits=("a",)))
     assert plan.is_empty
     (seq,) = state.finished
@@ -207,7 +243,7 @@ def test_a_stop_string_finishes_after_taking_its_token():
 
 def test_abort_works_on_waiting_and_running_sequences_and_ignores_unknown_ids():
     cfg = config(max_num_seqs=1)
-    state, _ = step(initial_state(cfg), Events(new_requests=(request("a", [1]), request("b", [2]))))
+    state, _ = step(start(cfg), Events(new_seqs=(request("a", [1]), request("b", [2]))))
     assert [s.seq_id for s in state.running] == ["a"] and len(state.waiting) == 1
     state, plan = run(state, aborts=("b", "nobody"))
     assert [s.seq_id for s in state.finished] == ["b"]
@@ -220,8 +256,8 @@ def test_abort_works_on_waiting_and_running_sequences_and_ignores_unknown_ids():
 # --- scheduling ---------------------------------------------------------------------------
 
 def test_long_prompts_are_prefilled_in_chunks_within_the_budget():
-    state, plan = step(initial_state(config(max_num_batched_tokens=16)),
-                       Events(new_requests=(request("a", range(1, 41)),)))
+    state, plan = step(start(config(max_num_batched_tokens=16)),
+                       Events(new_seqs=(request("a", range(1, 41)),)))
     chunks = [(plan.seqs[0].start_pos, plan.seqs[0].num_tokens, plan.seqs[0].sample)]
     while not plan.seqs[-1].sample:
         state, plan = step(state, Events())
@@ -232,7 +268,7 @@ def test_long_prompts_are_prefilled_in_chunks_within_the_budget():
 def test_without_chunked_prefill_a_prompt_waits_for_a_whole_step():
     cfg = config(enable_chunked_prefill=False, max_num_batched_tokens=128)
     news = (request("a", range(1, 100)), request("b", range(200, 260)))
-    state, plan = step(initial_state(cfg), Events(new_requests=news))
+    state, plan = step(start(cfg), Events(new_seqs=news))
     assert [(s.seq_id, s.num_tokens) for s in plan.seqs] == [("a", 99)]
     state, plan = run(state)
     assert [(s.seq_id, s.num_tokens) for s in plan.seqs] == [("a", 1), ("b", 60)]
@@ -240,8 +276,8 @@ def test_without_chunked_prefill_a_prompt_waits_for_a_whole_step():
 
 def test_a_cached_prefix_is_not_computed_again_but_the_last_token_always_is():
     prompt = list(range(1, 33))  # exactly two blocks
-    state, _ = step(initial_state(config()), Events(new_requests=(request("a", prompt),)))
-    state, plan = run(state, new_requests=(request("b", prompt), request("c", prompt + [7])))
+    state, _ = step(start(config()), Events(new_seqs=(request("a", prompt),)))
+    state, plan = run(state, new_seqs=(request("b", prompt), request("c", prompt + [7])))
     starts = {s.seq_id: (s.start_pos, s.num_tokens) for s in plan.seqs}
     assert starts["b"] == (16, 16)  # the last block is recomputed to have logits to sample
     assert starts["c"] == (32, 1)
@@ -250,9 +286,9 @@ def test_a_cached_prefix_is_not_computed_again_but_the_last_token_always_is():
 
 def test_prefix_caching_can_be_switched_off():
     prompt = list(range(1, 33))
-    state, _ = step(initial_state(config(enable_prefix_caching=False)),
-                    Events(new_requests=(request("a", prompt),)))
-    state, plan = run(state, new_requests=(request("b", prompt),))
+    state, _ = step(start(config(enable_prefix_caching=False)),
+                    Events(new_seqs=(request("a", prompt),)))
+    state, plan = run(state, new_seqs=(request("b", prompt),))
     assert [(s.seq_id, s.start_pos) for s in plan.seqs] == [("a", 32), ("b", 0)]
     assert len(state.pool.by_hash) == 0
 
@@ -262,7 +298,7 @@ def test_preemption_takes_the_most_recent_admission_which_resumes_first():
                  enable_chunked_prefill=False)
     params = replace(GREEDY, max_tokens=30, ignore_eos=True)
     news = tuple(request(r, range(k, k + 31), params) for r, k in (("a", 1), ("b", 100), ("c", 200)))
-    state, plan = step(initial_state(cfg), Events(new_requests=news))
+    state, plan = step(start(cfg), Events(new_seqs=news))
     assert [s.seq_id for s in plan.seqs] == ["a", "b"]
     state, plan = run(state)
     assert [s.seq_id for s in plan.seqs] == ["a", "b", "c"] and state.pool.num_free == 0
@@ -276,20 +312,20 @@ def test_preemption_takes_the_most_recent_admission_which_resumes_first():
 
 def test_max_num_seqs_caps_the_running_set():
     news = tuple(request(f"r{i}", [i + 1, i + 2]) for i in range(6))
-    state, plan = step(initial_state(config(max_num_seqs=4)), Events(new_requests=news))
+    state, plan = step(start(config(max_num_seqs=4)), Events(new_seqs=news))
     assert len(plan.seqs) == 4 and len(state.waiting) == 2
     f = figures(state)
     assert (f.num_running, f.num_waiting, f.kv_blocks_used) == (4, 2, 4)
 
 
 def test_decode_plans_carry_one_token_and_no_history():
-    state, _ = step(initial_state(config()), Events(new_requests=(request("a", range(1, 50)),)))
+    state, _ = step(start(config()), Events(new_seqs=(request("a", range(1, 50)),)))
     state, plan = run(state, sampled_token=8)
     (s,) = plan.seqs
     assert (s.token_ids, s.start_pos, s.sample, s.history) == ((8,), 49, True, None)
     assert plan.num_decode_tokens == 1 and plan.num_prefill_tokens == 0
     penalised = replace(GREEDY, repetition_penalty=1.2)
-    state, plan = run(state, new_requests=(request("p", [1, 2], penalised),))
+    state, plan = run(state, new_seqs=(request("p", [1, 2], penalised),))
     assert plan.seqs[1].history == pvector([1, 2])
 
 
@@ -297,11 +333,11 @@ def test_decode_plans_carry_one_token_and_no_history():
 
 def record(cfg, rounds):
     """Run a few steps, returning the trace lines and every (state, plan)."""
-    lines, seen = [header_line(cfg, {"model": "test"})], []
-    state = initial_state(cfg)
+    state = start(cfg)
+    lines, seen = [header_line(state, {"model": "test"})], []
     for i in range(rounds):
         events = Events(sampled=deliver(state, i % 7 + 1),
-                        new_requests=(request(f"r{i}", range(i + 1, i + 20)),) if i < 5 else (),
+                        new_seqs=(request(f"r{i}", range(i + 1, i + 20)),) if i < 5 else (),
                         aborts=("r1",) if i == 3 else ())
         state, plan = step(state, events)
         lines.append(step_line(events, plan))
@@ -354,7 +390,7 @@ def test_a_broken_step_line_names_its_line_number():
 ])
 def test_bad_configurations_are_rejected(overrides, message):
     with pytest.raises(ValueError, match=message):
-        config(**overrides)
+        start(config(**overrides))
 
 
 @pytest.mark.parametrize("field, value, message", [
@@ -396,7 +432,7 @@ def test_the_hot_path_record_builders_set_every_field():
     """Seq.with_token/with_progress and the plan entries are built field by field for speed: a
     field added to the records but not to those builders must fail here."""
     from dataclasses import fields
-    state, plan = step(initial_state(config()), Events(new_requests=(request("a", range(1, 20)),)))
+    state, plan = step(start(config()), Events(new_seqs=(request("a", range(1, 20)),)))
     seq = state.running[0]
     built = [seq.with_token(seq.token_ids.append(3), seq.block_hashes),
              seq.with_progress(seq.block_table, 7, 2), plan.seqs[0]]
@@ -410,9 +446,9 @@ def test_the_hot_path_record_builders_set_every_field():
 
 
 def test_an_id_with_a_token_in_flight_cannot_be_reused_yet():
-    state, _ = step(initial_state(config()), Events(new_requests=(request("a", [1, 2]),)))
+    state, _ = step(start(config()), Events(new_seqs=(request("a", [1, 2]),)))
     state, _ = step(state, Events(aborts=("a",)))  # a's token is still in flight
     with pytest.raises(InvalidRequest, match="'a' still has a sampled token in flight"):
-        check_new_request(state, request("a", [3]))
+        check_new_seq(state, request("a", [3]))
     state, _ = step(state, Events(sampled=(9,)))  # delivered, and dropped: a is gone
-    check_new_request(state, request("a", [3]))
+    check_new_seq(state, request("a", [3]))

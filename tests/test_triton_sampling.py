@@ -174,7 +174,7 @@ def test_seeded_rows_do_not_depend_on_the_batch_or_the_other_rows_paths(interpre
     filtered = request(position=9, seed=42, top_k=40, top_p=0.9)
     others = [request(), request(position=5, seed=43), request(temperature=0.0),
               request(top_p=0.5), request(frequency_penalty=0.5, seed=1),
-              SampleRequest(SamplingParams(min_p=0.2), 3, suppressed_token_ids=(1, 2)),
+              SampleRequest(SamplingParams(min_p=0.2), 3, banned_token_ids=(1, 2)),
               request(logprobs=2, temperature=0.0)]
     target_logits = random_logits(2, VOCAB, seed=4)
     layouts = [[plain, filtered], others[:3] + [filtered] + others[3:] + [plain],
@@ -216,8 +216,8 @@ def test_penalties_suppression_and_greedy_rows_on_the_triton_path(interpreter):
     logits = torch.tensor([[3.0, 2.0, 0.0, -1.0]] * 4)
     requests = [  # the penalty takes token 0 (seen once in the output) from 3 to 1
         SampleRequest(SamplingParams(temperature=0.0, frequency_penalty=2.0), 0, [], [0]),
-        SampleRequest(SamplingParams(temperature=0.0), 0, suppressed_token_ids=(0,)),
-        SampleRequest(SamplingParams(temperature=5.0), 0, suppressed_token_ids=(0, 1, 3)),
+        SampleRequest(SamplingParams(temperature=0.0), 0, banned_token_ids=(0,)),
+        SampleRequest(SamplingParams(temperature=5.0), 0, banned_token_ids=(0, 1, 3)),
         SampleRequest(SamplingParams(temperature=0.0, top_k=2, logprobs=1), 0),
     ]
     assert interpreter(sample_with_triton, 0, [(logits, requests)]) == [[1, 1, 2, 0]]

@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoTokenizer
 
 from nanofn.model import build_model, load_weights, resolve_dtype
-from nanofn.tiny import EOS_TOKEN, make_tiny_checkpoint
+from nanofn.model.tiny import EOS_TOKEN, make_tiny_checkpoint
 
 
 def load(path, **build_kwargs):

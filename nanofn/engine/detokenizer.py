@@ -32,9 +32,10 @@ class Detokenizer:
         self._stream = DecodeStream(list(prompt_token_ids[-PROMPT_CONTEXT:]),
                                     params.skip_special_tokens)
 
-    def add(self, token_id: int, num_output_tokens: int) -> bool:
-        """Take one generated token; return True if the text now reaches a stop string (only
-        after ``min_tokens`` tokens, ``num_output_tokens`` counting this one)."""
+    def add(self, token_id: int, may_stop: bool) -> bool:
+        """Take one generated token; return True if the text now reaches a stop string. Stop
+        strings are looked for only when the core's policy lets the sequence stop on this
+        token (``nanofn.state.policy.may_stop``)."""
         if self.stopped:
             return True
         self._text_before_last_token = old_len = len(self.text)
@@ -42,7 +43,7 @@ class Detokenizer:
         if not new_text:
             return False
         self.text += new_text
-        if self.params.stop and num_output_tokens > self.params.min_tokens:
+        if self.params.stop and may_stop:
             self._check_stop(old_len)
         return self.stopped
 

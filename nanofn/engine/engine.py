@@ -1,22 +1,16 @@
-"""The engine shell: tokenizer, the pure core's ``step``, the runner and the trace, connected.
+"""The engine shell: the tokenizer, detokenizers and outputs around an ``EngineLoop``.
 
-One ``step()``:
-1. the tokens of the oldest plan not yet delivered are detokenized (stop strings are found
-   here);
-2. they, the stop-string hits, the aborts and the new requests go to ``state.step`` as events;
-3. the new plan is written to the trace and launched on the device;
-4. the oldest launched plan's tokens are fetched for the next call. With async scheduling
-   (the default) a plan launched alone is not waited for: the next call schedules while the
-   device computes, and its plan reads the pending tokens on the device.
-So the outputs of a call show tokens sampled by earlier calls' plans.
+The loop (``nanofn.engine.loop``) owns the core state and the plans in flight; the shell turns
+prompts into sequences for it, watches the delivered tokens for stop strings, and turns
+sequences back into ``RequestOutput``s. With async scheduling the outputs of a call show tokens
+sampled by earlier calls' plans.
 """
 
 from __future__ import annotations
 
 import gc
 import itertools
-from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TextIO, Union
@@ -25,25 +19,23 @@ import torch
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from nanofn.engine.detokenizer import Detokenizer
+from nanofn.engine.loop import Delivery, EngineLoop
 from nanofn.engine.options import EngineOptions
-from nanofn.model import resolve_dtype
-from nanofn.outputs import CompletionOutput, Logprob, RequestOutput
+from nanofn.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from nanofn.runner.model_runner import ModelRunner, RunnerConfig
-from nanofn.runner.sampler import DeviceSample, SampleOutput, TokenLogprobs
 from nanofn.runner.tensor_parallel import TensorParallelExecutor
-from nanofn.state import (BatchPlan, EngineState, Events, Figures, FinishReason, InvalidRequest,
-                          NewRequest,
-                          SamplingParams, SchedulerConfig, check_new_request, figures,
-                          header_line, initial_state, step, step_line)
+from nanofn.state import (EngineState, Figures, FinishReason, InvalidRequest, NewSeq,
+                          SamplingParams, Seq, TokenLogprobs, figures, initial_state)
+from nanofn.state.policy import may_stop
 
 PromptInput = Union[str, Sequence[int], Mapping[str, Any]]
 
 
 @dataclass
-class _Completion:
-    """The shell's view of one output sequence."""
+class _SeqOutput:
+    """The shell's view of one output sequence of a request."""
 
-    seq_id: str
+    seq_id: str  # the core's id
     index: int
     detokenizer: Detokenizer
     token_ids: list[int]
@@ -54,14 +46,16 @@ class _Completion:
 
 @dataclass
 class _Request:
+    """A user's request: one prompt, ``n`` output sequences."""
+
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    completions: list[_Completion]
+    seqs: list[_SeqOutput]
 
     @property
     def finished(self) -> bool:
-        return all(c.finish_reason is not None for c in self.completions)
+        return all(s.finish_reason is not None for s in self.seqs)
 
 
 @dataclass(frozen=True)
@@ -79,61 +73,30 @@ class Engine:
         self.tokenizer = _load_tokenizer(options.tokenizer or model_dir)
         self.max_model_len = _max_model_len(self.hf_config, options.max_model_len)
         self.eos_token_ids = _eos_token_ids(model_dir, self.hf_config, self.tokenizer)
-        device = torch.device(options.device if options.device != "auto" else
-                              "cuda" if torch.cuda.is_available() else "cpu")
-        # The scheduling limits are checked now, before the costly part (weights, KV cache,
-        # CUDA graphs); the cache size comes from the runner.
-        scheduler_config = SchedulerConfig(
-            num_blocks=-(-self.max_model_len // options.block_size),
-            block_size=options.block_size,
-            max_num_seqs=options.max_num_seqs,
-            max_num_batched_tokens=options.max_num_batched_tokens,
-            max_model_len=self.max_model_len,
-            enable_prefix_caching=options.enable_prefix_caching,
-            enable_chunked_prefill=options.enable_chunked_prefill,
-            eos_token_ids=self.eos_token_ids,
-            vocab_size=self.hf_config.vocab_size,
-        )
-        runner_config = RunnerConfig(
-            model_dir=model_dir,
-            dtype=resolve_dtype(self.hf_config, options.dtype),
-            device=device,
-            block_size=options.block_size,
-            max_num_seqs=options.max_num_seqs,
-            max_num_batched_tokens=options.max_num_batched_tokens,
-            max_model_len=self.max_model_len,
-            eos_token_ids=self.eos_token_ids,
-            gpu_memory_utilization=options.gpu_memory_utilization,
-            kv_cache_memory_bytes=options.kv_cache_memory_bytes,
-            num_kv_blocks=options.num_kv_blocks,
-            seed=options.seed,
-            enforce_eager=options.enforce_eager,
-            kernel_backend=options.kernel_backend,
-            tp_size=options.tensor_parallel_size,
-        )
+        # Checked now, before the costly part (weights, KV cache, CUDA graphs).
+        self.scheduler_config = options.scheduler_config(self.max_model_len, self.eos_token_ids,
+                                                         self.hf_config.vocab_size)
+        runner_config = _runner_config(options, model_dir, self.max_model_len)
         self.runner = (ModelRunner(self.hf_config, runner_config) if runner_config.tp_size == 1
                        else TensorParallelExecutor(self.hf_config, runner_config))
-        self.scheduler_config = replace(scheduler_config, num_blocks=self.runner.num_blocks)
-        self.state: EngineState = initial_state(self.scheduler_config)
-        self._trace: TextIO | None = None
-        if options.trace:
-            self._trace = open(options.trace, "w", buffering=1)
-            self._trace.write(header_line(self.scheduler_config, {
-                "model": str(model_dir), "dtype": str(runner_config.dtype),
-                "tensor_parallel_size": runner_config.tp_size}) + "\n")
+        state = initial_state(self.scheduler_config, self.runner.num_blocks)
+        self._trace: TextIO | None = open(options.trace, "w", buffering=1) if options.trace else None
+        self.loop = EngineLoop(state, self.runner, async_scheduling=options.async_scheduling,
+                               on_delivery=self._take_delivery, trace=self._trace, trace_meta={
+                                   "model": str(model_dir), "dtype": str(self.runner.dtype),
+                                   "tensor_parallel_size": runner_config.tp_size})
         self._ids = itertools.count()
         self._requests: dict[str, _Request] = {}
-        self._completions: dict[str, tuple[_Request, _Completion]] = {}  # by seq id
-        self._new: list[NewRequest] = []
-        self._aborts: list[str] = []
-        self._aborted_before_start: list[_Request] = []
-        self._in_flight: deque[tuple[BatchPlan, DeviceSample]] = deque()  # launched, not waited for
-        self._delivery: tuple[BatchPlan, SampleOutput] | None = None  # waited for, not delivered
+        self._seqs: dict[str, tuple[_Request, _SeqOutput]] = {}  # by the core's id
         # Everything loaded so far lives as long as the engine: keep it out of the cyclic
         # collector's way, which would otherwise walk the model's objects every full
         # collection, while the scheduler makes many short-lived records per step.
         gc.collect()
         gc.freeze()
+
+    @property
+    def state(self) -> EngineState:
+        return self.loop.state
 
     # --- requests -------------------------------------------------------------------------
 
@@ -148,140 +111,113 @@ class Engine:
         if request_id in self._requests:
             raise InvalidRequest(f"request_id {request_id!r} is already in use")
         text, token_ids = self.tokenize(prompt)
-        news = [NewRequest(self._fresh_seq_id(seq_id), tuple(token_ids), child)
+        news = [NewSeq(seq_id, tuple(token_ids), child)
                 for seq_id, child in _children(request_id, params)]
-        for new in news:
-            if new.request_id in self._completions:
-                raise InvalidRequest(f"request_id {new.request_id!r} is already in use")
-            check_new_request(self.state, new)
+        seq_ids = self._add_all(news)
         request = _Request(request_id, text, token_ids, [
-            _Completion(new.request_id, i, Detokenizer(self.tokenizer, token_ids, params), [],
-                        [] if params.logprobs is not None else None,
-                        0.0 if params.logprobs is not None else None)
-            for i, new in enumerate(news)])
+            _SeqOutput(seq_id, i, Detokenizer(self.tokenizer, token_ids, params), [],
+                       [] if params.logprobs is not None else None,
+                       0.0 if params.logprobs is not None else None)
+            for i, seq_id in enumerate(seq_ids)])
         self._requests[request_id] = request
-        for completion in request.completions:
-            self._completions[completion.seq_id] = (request, completion)
-        self._new.extend(news)
+        for seq in request.seqs:
+            self._seqs[seq.seq_id] = (request, seq)
         return request_id
 
-    def _fresh_seq_id(self, seq_id: str) -> str:
-        """The id to give the core: ``seq_id``, unless an earlier sequence of that id still
-        has a sampled token in flight (it finished a step ahead of its last token), which the
-        new one must not receive; then ``seq_id~N``. Outputs keep the user's request id."""
-        if any(seq_id in ids for ids in self.state.awaiting):
-            return f"{seq_id}~{next(self._ids)}"
-        return seq_id
+    def _add_all(self, news: list[NewSeq]) -> list[str]:
+        """Queue every sequence of a request, or none."""
+        seq_ids: list[str] = []
+        try:
+            for new in news:
+                seq_ids.append(self.loop.add(new))
+        except InvalidRequest:
+            for seq_id in seq_ids:
+                self.loop.abort(seq_id)
+            raise
+        return seq_ids
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request wherever it is; unknown or finished ids are ignored."""
         request = self._requests.get(request_id)
-        if request is None:
-            return
-        seq_ids = {c.seq_id for c in request.completions}
-        queued = [n for n in self._new if n.request_id in seq_ids]
-        if queued:  # not in the core yet: it never starts
-            self._new = [n for n in self._new if n.request_id not in seq_ids]
-            for completion in request.completions:
-                completion.finish_reason = "abort"
-            self._forget(request)
-            self._aborted_before_start.append(request)
-        else:
-            self._aborts.extend(seq_ids)
+        if request is not None:
+            for seq in request.seqs:
+                self.loop.abort(seq.seq_id)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._requests) or bool(self._aborted_before_start)
+        return bool(self._requests)
 
     def is_finished(self) -> bool:
         return not self.has_unfinished_requests()
 
     def figures(self) -> Figures:
-        return figures(self.state)
+        return figures(self.loop.state)
 
     # --- the step -------------------------------------------------------------------------
 
     def step(self, only_finished: bool = False) -> StepResult:
         """One engine step. Returns the requests that got a token or finished (with
         ``only_finished``, just the finished ones, which is cheaper for batch generation)."""
-        sampled, stop_hits, advanced = self._take_sampled()
-        events = Events(sampled=sampled, stop_hits=stop_hits, aborts=tuple(self._aborts),
-                        new_requests=tuple(self._new))
-        self._aborts, self._new = [], []
-        self.state, plan = step(self.state, events)
-        if plan.seqs:  # first, so that the device starts while the host does the rest
-            self._in_flight.append((plan, self.runner.launch(plan)))
-        if self._trace is not None:
-            self._trace.write(step_line(events, plan) + "\n")
-        finished = self._finish(self.state.finished) + self._aborted_before_start
-        self._aborted_before_start = []
-        self._wait_for_tokens(launched_alone=bool(plan.seqs) and len(self._in_flight) == 1)
+        result = self.loop.step()
+        finished = self._finish(result.finished)
+        advanced = [] if only_finished or result.delivered is None else \
+            self._advanced(result.delivered)
         reported = finished if only_finished else _unique(advanced + finished)
         return StepResult([self._output(r) for r in reported],
-                          plan.num_prefill_tokens, plan.num_decode_tokens)
+                          result.plan.num_prefill_tokens, result.plan.num_decode_tokens)
 
-    def _wait_for_tokens(self, launched_alone: bool) -> None:
-        """Bring the oldest launched plan's tokens to the host for the next step. With async
-        scheduling, a plan just launched with nothing ahead of it is not waited for: the next
-        step is scheduled while the device works on it."""
-        if not self._in_flight or (self.options.async_scheduling and launched_alone):
-            return
-        plan, launched = self._in_flight.popleft()
-        self._delivery = (plan, launched.wait())
-
-    def _take_sampled(self) -> tuple[tuple[int, ...] | None, tuple[str, ...], list[_Request]]:
-        """Hand the delivered tokens to their completions; find stop strings. Tokens of
-        sequences that finished meanwhile (they were sampled one step ahead) are dropped."""
-        if self._delivery is None:
-            return None, (), []
-        plan, out = self._delivery
-        self._delivery = None
-        stop_hits, advanced = [], []
-        for seq_id, token, logprobs in zip(plan.sampling_seq_ids, out.token_ids, out.logprobs):
-            owner = self._completions.get(seq_id)
+    def _take_delivery(self, delivery: Delivery) -> Iterable[str]:
+        """Hand the delivered tokens to their sequences; return those whose stop string they
+        complete. Tokens of sequences that finished meanwhile (they were sampled one step
+        ahead) are dropped."""
+        out = delivery.output
+        for seq_id, token, logprobs in zip(delivery.plan.sampling_seq_ids, out.token_ids,
+                                           out.logprobs):
+            owner = self._seqs.get(seq_id)
             if owner is None:  # finished while this token was in flight
                 continue
-            request, completion = owner
-            completion.token_ids.append(token)
+            seq = owner[1]
+            seq.token_ids.append(token)
             if logprobs is not None:
-                self._add_logprobs(completion, logprobs)
-            if completion.detokenizer.add(token, len(completion.token_ids)):
-                stop_hits.append(seq_id)
-            advanced.append(request)
-        return tuple(out.token_ids), tuple(stop_hits), advanced
+                self._add_logprobs(seq, logprobs)
+            detokenizer = seq.detokenizer
+            if detokenizer.add(token, may_stop(detokenizer.params, len(seq.token_ids))):
+                yield seq_id
 
-    def _finish(self, seqs) -> list[_Request]:
+    def _advanced(self, delivery: Delivery) -> list[_Request]:
+        return [owner[0] for seq_id in delivery.plan.sampling_seq_ids
+                if (owner := self._seqs.get(seq_id)) is not None]
+
+    def _finish(self, seqs: tuple[Seq, ...]) -> list[_Request]:
         done = []
         for seq in seqs:
-            request, completion = self._completions.pop(seq.seq_id)
-            completion.finish_reason = seq.finish_reason.value
-            if seq.finish_reason is FinishReason.STOP and not completion.detokenizer.stopped:
-                completion.detokenizer.drop_last_token()  # a stop token, not a stop string
+            owner = self._seqs.pop(seq.seq_id, None)
+            if owner is None:
+                continue
+            request, output = owner
+            output.finish_reason = seq.finish_reason.value
+            if seq.finish_reason is FinishReason.STOP and not output.detokenizer.stopped:
+                output.detokenizer.drop_last_token()  # a stop token, not a stop string
             if request.finished:
-                self._forget(request)
+                del self._requests[request.request_id]
                 done.append(request)
         return done
 
-    def _forget(self, request: _Request) -> None:
-        del self._requests[request.request_id]
-        for completion in request.completions:
-            self._completions.pop(completion.seq_id, None)
-
-    def _add_logprobs(self, completion: _Completion, lp: TokenLogprobs) -> None:
+    def _add_logprobs(self, seq: _SeqOutput, lp: TokenLogprobs) -> None:
         entry = {token: Logprob(value, rank, self.tokenizer.decode([token]))
                  for rank, (token, value) in enumerate(lp.top, start=1)}
         entry[lp.token_id] = Logprob(lp.logprob, lp.rank, self.tokenizer.decode([lp.token_id]))
-        completion.logprobs.append(entry)
-        completion.cumulative_logprob += lp.logprob
+        seq.logprobs.append(entry)
+        seq.cumulative_logprob += lp.logprob
 
     def _output(self, request: _Request) -> RequestOutput:
         outputs = [CompletionOutput(
-            index=c.index,
-            text=c.detokenizer.visible_text(c.finish_reason is not None),
-            token_ids=list(c.token_ids),
-            cumulative_logprob=c.cumulative_logprob,
-            logprobs=list(c.logprobs) if c.logprobs is not None else None,
-            finish_reason=c.finish_reason,
-        ) for c in request.completions]
+            index=s.index,
+            text=s.detokenizer.visible_text(s.finish_reason is not None),
+            token_ids=list(s.token_ids),
+            cumulative_logprob=s.cumulative_logprob,
+            logprobs=list(s.logprobs) if s.logprobs is not None else None,
+            finish_reason=s.finish_reason,
+        ) for s in request.seqs]
         return RequestOutput(request.request_id, request.prompt, list(request.prompt_token_ids),
                              outputs, request.finished)
 
@@ -308,8 +244,29 @@ class Engine:
             self.runner.close()
 
 
+def _runner_config(options: EngineOptions, model_dir: Path, max_model_len: int) -> RunnerConfig:
+    device = torch.device(options.device if options.device != "auto" else
+                          "cuda" if torch.cuda.is_available() else "cpu")
+    return RunnerConfig(
+        model_dir=model_dir,
+        dtype=options.dtype,
+        device=device,
+        block_size=options.block_size,
+        max_num_seqs=options.max_num_seqs,
+        max_num_batched_tokens=options.max_num_batched_tokens,
+        max_model_len=max_model_len,
+        gpu_memory_utilization=options.gpu_memory_utilization,
+        kv_cache_memory_bytes=options.kv_cache_memory_bytes,
+        num_kv_blocks=options.num_kv_blocks,
+        seed=options.seed,
+        enforce_eager=options.enforce_eager,
+        kernel_backend=options.kernel_backend,
+        tp_size=options.tensor_parallel_size,
+    )
+
+
 def _children(request_id: str, params: SamplingParams) -> list[tuple[str, SamplingParams]]:
-    """One core request per sample: ``n > 1`` becomes ids ``id:0 .. id:n-1``, each with n=1
+    """One core sequence per sample: ``n > 1`` becomes ids ``id:0 .. id:n-1``, each with n=1
     and, when seeded, its own seed (so the samples differ)."""
     if params.n == 1:
         return [(request_id, params)]

@@ -1,10 +1,13 @@
-"""Engine options, with vLLM's names and defaults."""
+"""Engine options, with vLLM's names and defaults: the one home of every default (the core's
+and the runner's configs are derived from them, and the command line's help reads them here)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
 from os import PathLike
 from typing import Any
+
+from nanofn.state import SchedulerConfig
 
 KERNEL_BACKENDS = ("auto", "torch", "triton")
 
@@ -44,13 +47,33 @@ class EngineOptions:
                             f"{', '.join(sorted(known - {'model'}))}")
         return cls(model=str(model), **kwargs)
 
+    def scheduler_config(self, max_model_len: int, eos_token_ids: tuple[int, ...],
+                         vocab_size: int | None) -> SchedulerConfig:
+        """The core's configuration for a model with these facts; raises ``ValueError`` naming
+        a limit that cannot work (checked before anything costly is loaded)."""
+        return SchedulerConfig(
+            block_size=self.block_size,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=max_model_len,
+            enable_prefix_caching=self.enable_prefix_caching,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+            eos_token_ids=eos_token_ids,
+            vocab_size=vocab_size,
+        )
+
+
+def default(name: str) -> Any:
+    """The default of an option."""
+    return next(f.default for f in fields(EngineOptions) if f.name == name)
+
 
 def _problems(o: EngineOptions):
     """One message per invalid option; the first one is raised."""
     utilization = o.gpu_memory_utilization
     if not isinstance(utilization, (int, float)) or not 0 < utilization <= 1:
         yield f"gpu_memory_utilization must be in (0, 1], got {utilization!r}"
-    for name in ("tensor_parallel_size", "max_num_seqs", "max_num_batched_tokens", "block_size"):
+    for name in ("tensor_parallel_size", "max_num_seqs", "max_num_batched_tokens"):
         value = getattr(o, name)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             yield f"{name} must be a positive integer, got {value!r}"
@@ -61,8 +84,7 @@ def _problems(o: EngineOptions):
     if o.kernel_backend not in KERNEL_BACKENDS:
         yield (f"kernel_backend must be one of {', '.join(KERNEL_BACKENDS)}, "
                f"got {o.kernel_backend!r}")
-    for name in ("enforce_eager", "enable_prefix_caching", "enable_chunked_prefill",
-                 "async_scheduling"):
+    for name in ("enforce_eager", "async_scheduling"):
         if not isinstance(getattr(o, name), bool):
             yield f"{name} must be True or False, got {getattr(o, name)!r}"
     if o.seed is not None and (not isinstance(o.seed, int) or isinstance(o.seed, bool)):

@@ -1,17 +1,28 @@
-"""Models: tensor-parallel layers, the decoder architectures, and safetensors loading."""
+"""Models: tensor-parallel layers, the decoder architectures, safetensors loading, and
+random-weight checkpoints (``nanofn.model.tiny``).
 
-from nanofn.model.batch import AttentionBatch
-from nanofn.model.config import ModelShape, model_shape
-from nanofn.model.decoder import ARCHITECTURES, CausalLM
-from nanofn.model.loader import build_model, load_weights, resolve_dtype
+The names below load their module (and torch) when first used, so that ``nanofn.model.tiny``'s
+presets can be listed without importing torch.
+"""
 
-__all__ = [
-    "ARCHITECTURES",
-    "AttentionBatch",
-    "CausalLM",
-    "ModelShape",
-    "build_model",
-    "load_weights",
-    "model_shape",
-    "resolve_dtype",
-]
+from typing import Any
+
+_LAZY = {
+    "AttentionBatch": "nanofn.model.batch",
+    "ModelShape": "nanofn.model.config",
+    "model_shape": "nanofn.model.config",
+    "ARCHITECTURES": "nanofn.model.decoder",
+    "CausalLM": "nanofn.model.decoder",
+    "build_model": "nanofn.model.loader",
+    "load_weights": "nanofn.model.loader",
+    "resolve_dtype": "nanofn.model.loader",
+}
+
+__all__ = list(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'nanofn.model' has no attribute {name!r}")

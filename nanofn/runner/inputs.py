@@ -29,8 +29,8 @@ class PreviousSamples:
     rows: dict[str, int]
 
 
-def prepare_inputs(plan: BatchPlan, block_tables: DeviceBlockTables, device: torch.device,
-                   previous: PreviousSamples | None = None) -> ModelInputs:
+def prepare_inputs(plan: BatchPlan, block_size: int, block_tables: DeviceBlockTables,
+                   device: torch.device, previous: PreviousSamples | None = None) -> ModelInputs:
     """Lay the plan's tokens end to end and say where each goes in the paged cache.
 
     Host work is a few flat lists, sent in one copy; the per-token arithmetic (positions,
@@ -84,7 +84,7 @@ def prepare_inputs(plan: BatchPlan, block_tables: DeviceBlockTables, device: tor
                                             query_start_t.diff(), output_size=end)
         offsets = torch.arange(end, device=device) - query_start_t[seq_index]
         positions = starts_t[seq_index] + offsets
-    bs = plan.block_size
+    bs = block_size
     slots = tables[seq_index, positions // bs].long() * bs + positions % bs
 
     batch = AttentionBatch(

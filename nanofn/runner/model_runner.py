@@ -12,11 +12,12 @@ import torch.distributed as dist
 from pyrsistent import pvector
 
 from nanofn.kernels import TORCH_KERNELS, KernelBackend
-from nanofn.model import build_model, load_weights, model_shape
+from nanofn.model import build_model, load_weights, model_shape, resolve_dtype
 from nanofn.runner.cuda_graphs import DecodeGraphs
 from nanofn.runner.block_tables import DeviceBlockTables
 from nanofn.runner.inputs import PreviousSamples, prepare_inputs
 from nanofn.runner.sampler import DeviceSample, SampleRequest, Sampler
+from nanofn.state.config import blocks_for
 from nanofn.state.params import SamplingParams
 from nanofn.state.plan import BatchPlan, ScheduledSeq
 
@@ -27,22 +28,27 @@ CPU_KV_CACHE_BYTES = 4 << 30  # the default KV cache on a CPU, as vLLM's CPU bac
 
 @dataclass(frozen=True)
 class RunnerConfig:
+    """What a runner needs, derived once from the engine's options (which hold the defaults)."""
+
     model_dir: Path
-    dtype: torch.dtype
+    dtype: str  # "auto" (the checkpoint's), "bfloat16", "float16" or "float32"
     device: torch.device
     block_size: int
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
-    eos_token_ids: tuple[int, ...]
-    gpu_memory_utilization: float = 0.9
-    kv_cache_memory_bytes: int | None = None  # overrides the memory-based sizing
-    num_kv_blocks: int | None = None  # overrides everything
-    seed: int | None = None
-    enforce_eager: bool = False  # no CUDA graphs
-    kernel_backend: str = "auto"
+    gpu_memory_utilization: float
+    kv_cache_memory_bytes: int | None  # overrides the memory-based sizing
+    num_kv_blocks: int | None  # overrides everything
+    seed: int | None
+    enforce_eager: bool  # no CUDA graphs
+    kernel_backend: str
+    tp_size: int
     tp_rank: int = 0
-    tp_size: int = 1
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return blocks_for(self.max_model_len, self.block_size)
 
 
 class ModelRunner:
@@ -52,7 +58,8 @@ class ModelRunner:
         if self.device.index is not None:  # streams, events, graphs and Triton use the current one
             torch.cuda.set_device(self.device)
         self.kernels = choose_kernels(config)
-        self.model = build_model(hf_config, dtype=config.dtype, device=config.device,
+        self.dtype = resolve_dtype(hf_config, config.dtype)
+        self.model = build_model(hf_config, dtype=self.dtype, device=config.device,
                                  tp_rank=config.tp_rank, tp_size=config.tp_size,
                                  max_model_len=config.max_model_len, kernels=self.kernels)
         load_weights(self.model, config.model_dir)
@@ -64,9 +71,9 @@ class ModelRunner:
             dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
             self.num_blocks = int(agreed.item())
         self.kv_cache = torch.zeros(self.shape.kv_cache_shape(self.num_blocks, config.block_size),
-                                    dtype=config.dtype, device=config.device)
-        max_blocks_per_seq = -(-config.max_model_len // config.block_size)
-        self.block_tables = DeviceBlockTables(config.max_num_seqs, max_blocks_per_seq, self.device)
+                                    dtype=self.dtype, device=config.device)
+        self.block_tables = DeviceBlockTables(config.max_num_seqs, config.max_blocks_per_seq,
+                                              self.device)
         self._previous: PreviousSamples | None = None
         self.graphs = None
         # The torch reference attention gathers whole block tables: captured at the graphs'
@@ -74,7 +81,7 @@ class ModelRunner:
         if (self.device.type == "cuda" and not config.enforce_eager
                 and self.kernels is not TORCH_KERNELS):
             self.graphs = DecodeGraphs(self.model, self.kv_cache, min(config.max_num_seqs, 512),
-                                       max_blocks_per_seq, hf_config.hidden_size)
+                                       config.max_blocks_per_seq, hf_config.hidden_size)
 
     @torch.inference_mode()
     def launch(self, plan: BatchPlan) -> DeviceSample:
@@ -102,7 +109,8 @@ class ModelRunner:
     def forward(self, plan: BatchPlan) -> torch.Tensor:
         """The logits of the sampling sequences, ``[S, vocab]`` float32 (every rank runs this;
         rank 0 samples)."""
-        inputs = prepare_inputs(plan, self.block_tables, self.device, self._previous)
+        inputs = prepare_inputs(plan, self.config.block_size, self.block_tables, self.device,
+                                self._previous)
         batch = inputs.batch
         if self.graphs is not None and batch.decode_only and batch.num_seqs <= self.graphs.max_batch:
             hidden = self.graphs.forward(inputs.input_ids, inputs.positions, batch)
@@ -110,26 +118,22 @@ class ModelRunner:
             hidden = self.model(inputs.input_ids, inputs.positions, batch, self.kv_cache)
         return self.model.compute_logits(hidden[inputs.sample_rows])
 
-    def _sample_request(self, s: ScheduledSeq) -> SampleRequest:
-        p = s.params
-        num_output = s.context_len - s.num_prompt_tokens
-        suppressed: tuple[int, ...] = ()
-        if num_output < p.min_tokens:  # no stop before min_tokens: make stopping impossible
-            suppressed = p.stop_token_ids + (() if p.ignore_eos else self.config.eos_token_ids)
+    @staticmethod
+    def _sample_request(s: ScheduledSeq) -> SampleRequest:
         if s.history is None:
-            return SampleRequest(p, s.context_len, suppressed_token_ids=suppressed)
-        return SampleRequest(p, s.context_len, s.history[:s.num_prompt_tokens],
-                             s.history[s.num_prompt_tokens:], suppressed)
+            return SampleRequest(s.params, s.context_len, banned_token_ids=s.banned_token_ids)
+        return SampleRequest(s.params, s.context_len, s.history[:s.num_prompt_tokens],
+                             s.history[s.num_prompt_tokens:], s.banned_token_ids)
 
     def _decide_num_blocks(self) -> int:
         c = self.config
-        block_bytes = self.shape.block_bytes(c.block_size, c.dtype)
+        block_bytes = self.shape.block_bytes(c.block_size, self.dtype)
         if c.num_kv_blocks is not None:
             return c.num_kv_blocks
         if c.kv_cache_memory_bytes is not None:
             return c.kv_cache_memory_bytes // block_bytes
         if self.device.type != "cuda":  # no more than max_num_seqs full sequences can use
-            usable = c.max_num_seqs * -(-c.max_model_len // c.block_size)
+            usable = c.max_num_seqs * c.max_blocks_per_seq
             return min(CPU_KV_CACHE_BYTES // block_bytes, usable)
         return self._profile_cuda_blocks(block_bytes)
 
@@ -166,11 +170,11 @@ class ModelRunner:
         num_seqs = min(c.max_num_seqs, c.max_num_batched_tokens)
         tokens = min(c.max_num_batched_tokens, num_seqs * c.max_model_len)
         lens = [tokens // num_seqs + (i < tokens % num_seqs) for i in range(num_seqs)]
-        blocks_per_seq = -(-max(lens) // c.block_size)
+        blocks_per_seq = blocks_for(max(lens), c.block_size)
         scratch = torch.zeros(self.shape.kv_cache_shape(num_seqs * blocks_per_seq, c.block_size),
-                              dtype=c.dtype, device=self.device)
+                              dtype=self.dtype, device=self.device)
         tables = DeviceBlockTables(num_seqs, blocks_per_seq, self.device)
-        inputs = prepare_inputs(_prefill_plan(lens, blocks_per_seq, c.block_size), tables,
+        inputs = prepare_inputs(_prefill_plan(lens, blocks_per_seq), c.block_size, tables,
                                 self.device)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.batch, scratch)
         logits = self.model.compute_logits(hidden[inputs.sample_rows])
@@ -191,7 +195,7 @@ def choose_kernels(config: RunnerConfig) -> KernelBackend:
     return TORCH_KERNELS
 
 
-def _prefill_plan(lens: list[int], blocks_per_seq: int, block_size: int) -> BatchPlan:
+def _prefill_plan(lens: list[int], blocks_per_seq: int) -> BatchPlan:
     """Whole prompts of the given lengths, sequence i owning blocks ``i * blocks_per_seq ...``;
     used to measure memory."""
     params = SamplingParams()
@@ -199,4 +203,4 @@ def _prefill_plan(lens: list[int], blocks_per_seq: int, block_size: int) -> Batc
         ScheduledSeq(f"profile-{i}", (0,) * n, 0,
                      pvector(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)), True, params, n)
         for i, n in enumerate(lens))
-    return BatchPlan(0, block_size, seqs)
+    return BatchPlan(0, seqs)

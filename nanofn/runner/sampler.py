@@ -17,7 +17,7 @@ Two implementations of the same semantics:
   counter-based generator keyed by the row (``row_seed(seed, position)`` if seeded, else a base
   drawn once per call plus the row index) and the token index. Rows with only a temperature
   ("plain" rows, the common case) are drawn by one fused kernel, in the Gumbel-max form of the
-  race; rows with penalties, suppressed tokens or filters go through the torch steps with that
+  race; rows with penalties, banned tokens or filters go through the torch steps with that
   same noise. A seeded row's token thus depends on its seed, position, logits and parameters
   only, whichever path the other rows take.
 
@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from nanofn.state.params import SamplingParams
+from nanofn.state.plan import SampleOutput, TokenLogprobs
 
 _MASK64 = (1 << 64) - 1
 _BASE_KEYS = 1 << 62  # unseeded rows' keys are base + row index: keep the sum within int64
@@ -49,21 +50,7 @@ class SampleRequest:
     position: int  # absolute position of the token being sampled (= number of tokens before it)
     prompt_token_ids: Sequence[int] | None = None  # required when params.has_penalties
     output_token_ids: Sequence[int] | None = None  # likewise
-    suppressed_token_ids: tuple[int, ...] = ()  # never sampled (stop tokens before min_tokens)
-
-
-@dataclass(frozen=True)
-class TokenLogprobs:
-    token_id: int
-    logprob: float
-    rank: int  # 1 = most likely under the raw distribution; ties share the better rank
-    top: tuple[tuple[int, float], ...]  # params.logprobs most likely (token, logprob), best first
-
-
-@dataclass(frozen=True)
-class SampleOutput:
-    token_ids: list[int]
-    logprobs: list[TokenLogprobs | None]  # None for rows whose params.logprobs is None
+    banned_token_ids: tuple[int, ...] = ()  # never sampled (the plan says which)
 
 
 # ---------------------------------------------------------------- steps, each over a batch of rows
@@ -103,12 +90,12 @@ def apply_penalties(logits: torch.Tensor, prompt_counts: torch.Tensor, output_co
     return logits - frequency[:, None] * output_counts - presence[:, None] * seen_in_output
 
 
-def suppress_tokens(logits: torch.Tensor, requests: Sequence[SampleRequest]) -> torch.Tensor:
-    """``logits`` with each row's suppressed tokens at -inf (the same tensor if there are none)."""
-    rows = [i for i, r in enumerate(requests) for _ in r.suppressed_token_ids]
+def ban_tokens(logits: torch.Tensor, requests: Sequence[SampleRequest]) -> torch.Tensor:
+    """``logits`` with each row's banned tokens at -inf (the same tensor if there are none)."""
+    rows = [i for i, r in enumerate(requests) for _ in r.banned_token_ids]
     if not rows:
         return logits
-    columns = [t for r in requests for t in r.suppressed_token_ids]
+    columns = [t for r in requests for t in r.banned_token_ids]
     logits = logits.clone()
     logits[rows, columns] = float("-inf")
     return logits
@@ -252,10 +239,10 @@ class Sampler:
 
     def _draw(self, logits: torch.Tensor, requests: Sequence[SampleRequest],
               noise: Callable[[list[int]], torch.Tensor]) -> torch.Tensor:
-        """The torch steps: penalties and suppressed tokens, then the argmax for greedy rows, the
+        """The torch steps: penalties and banned tokens, then the argmax for greedy rows, the
         filters and the exponential race for the others. ``noise(rows)`` gives Exp(1) noise
         ``[len(rows), vocab]`` for those rows of ``requests``."""
-        penalised = suppress_tokens(self._penalised(logits, requests), requests)
+        penalised = ban_tokens(self._penalised(logits, requests), requests)
         random_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
         if len(random_rows) == len(requests):
             return self._sample(penalised, requests, noise(random_rows))
@@ -344,15 +331,15 @@ class Sampler:
 
 def _plain_greedy(request: SampleRequest) -> bool:
     p = request.params
-    return p.greedy and not p.has_penalties and p.logprobs is None and not request.suppressed_token_ids
+    return p.greedy and not p.has_penalties and p.logprobs is None and not request.banned_token_ids
 
 
 def _plain(request: SampleRequest) -> bool:
-    """Whether the fused kernel alone draws the row: no penalties, no suppressed tokens, and no
+    """Whether the fused kernel alone draws the row: no penalties, no banned tokens, and no
     filters unless the row is greedy (filters never change the argmax)."""
     p = request.params
     unfiltered = p.min_p == 0 and p.top_k <= 0 and p.top_p >= 1
-    return (unfiltered or p.greedy) and not (p.has_penalties or request.suppressed_token_ids)
+    return (unfiltered or p.greedy) and not (p.has_penalties or request.banned_token_ids)
 
 
 def _as_int64(key: int) -> int:

@@ -48,6 +48,10 @@ class TensorParallelExecutor:
     def num_blocks(self) -> int:
         return self.runner.num_blocks
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.runner.dtype
+
     def launch(self, plan: BatchPlan) -> DeviceSample:
         self._check_workers()
         message = pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL)  # once for all workers

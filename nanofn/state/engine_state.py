@@ -8,13 +8,13 @@ from pyrsistent import PSet, pdeque, pset
 from pyrsistent.typing import PDeque
 
 from nanofn.state.block_pool import BlockPool, new_block_pool
-from nanofn.state.config import SchedulerConfig
+from nanofn.state.config import SchedulerConfig, check_num_blocks
 from nanofn.state.records import Seq
 
 
 @dataclass(frozen=True, slots=True)
-class Stats:
-    """Counters since the engine started."""
+class Counters:
+    """Totals since the engine started."""
 
     num_preemptions: int = 0
     num_admitted_tokens: int = 0  # tokens of sequences at admission (re-admissions too)
@@ -27,9 +27,9 @@ class EngineState:
     """Every live sequence is in exactly one of ``waiting`` and ``running``.
 
     ``finished`` and ``preempted`` say what the step that produced this state did.
-    ``awaiting`` lists, oldest first, for every plan whose sampled tokens have not been
+    ``undelivered`` lists, oldest first, for every plan whose sampled tokens have not been
     delivered, the sequences that sampled, in plan order: the next delivery must carry one
-    token for each sequence of ``awaiting[0]``.
+    token for each sequence of ``undelivered[0]``.
     """
 
     config: SchedulerConfig
@@ -38,22 +38,24 @@ class EngineState:
     waiting: PDeque  # of Seq: the head is admitted first
     running: tuple[Seq, ...]  # in admission order: preemption takes the last
     live_ids: PSet
-    awaiting: tuple[tuple[str, ...], ...] = ()
+    undelivered: tuple[tuple[str, ...], ...] = ()
     unreported_releases: tuple[str, ...] = ()  # released since the last plan with work
     finished: tuple[Seq, ...] = ()
     preempted: tuple[str, ...] = ()
-    stats: Stats = Stats()
+    counters: Counters = Counters()
 
     @property
     def has_unfinished(self) -> bool:
         return bool(self.live_ids)
 
 
-def initial_state(config: SchedulerConfig) -> EngineState:
+def initial_state(config: SchedulerConfig, num_blocks: int) -> EngineState:
+    """The state before the first step, with a KV cache of ``num_blocks`` blocks."""
+    check_num_blocks(config, num_blocks)
     return EngineState(
         config=config,
         step=0,
-        pool=new_block_pool(config.num_blocks),
+        pool=new_block_pool(num_blocks),
         waiting=pdeque(),
         running=(),
         live_ids=pset(),

@@ -24,7 +24,7 @@ class Figures:
 
 
 def figures(state: EngineState) -> Figures:
-    s = state.stats
+    s = state.counters
     return Figures(
         step=state.step,
         num_running=len(state.running),

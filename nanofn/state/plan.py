@@ -1,4 +1,5 @@
-"""The batch plan: the plain, picklable data a runner needs to execute one step."""
+"""The batch plan, the plain picklable data a runner needs to execute one step, and the
+runner's answer: the tokens it sampled."""
 
 from __future__ import annotations
 
@@ -23,7 +24,9 @@ class ScheduledSeq:
 
     ``block_table`` is the sequence's persistent vector itself (no copy). ``history`` is all
     of the sequence's tokens, given only when sampling needs them (penalties); such a
-    sequence is never scheduled with a pending token."""
+    sequence is never scheduled with a pending token. ``banned_token_ids`` are the ids the
+    sampled token may not be (the core's policy, e.g. ``min_tokens``): the runner applies it
+    without reasoning about it."""
 
     seq_id: str
     token_ids: tuple[int, ...]
@@ -33,6 +36,7 @@ class ScheduledSeq:
     params: SamplingParams
     num_prompt_tokens: int
     history: PVector | None = None
+    banned_token_ids: tuple[int, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -58,7 +62,6 @@ class BatchPlan:
     may keep a copy and append."""
 
     step: int
-    block_size: int
     seqs: tuple[ScheduledSeq, ...]
     released: tuple[str, ...] = ()
     # Derived from ``seqs`` once, when the plan is made (several readers need them each step).
@@ -89,8 +92,24 @@ class BatchPlan:
 def plan_digest(plan: BatchPlan) -> str:
     """A short fingerprint of everything in a plan that decides what the runner computes."""
     h = xxhash.xxh64()
-    h.update(f"{plan.step}|{plan.block_size}|{plan.released}|".encode())
+    h.update(f"{plan.step}|{plan.released}|".encode())
     for s in plan.seqs:
         h.update(f"{s.seq_id}|{s.start_pos}|{int(s.sample)}|{s.token_ids}|{list(s.block_table)}|"
-                 .encode())
+                 f"{s.banned_token_ids}|".encode())
     return h.hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    token_id: int
+    logprob: float
+    rank: int  # 1 = most likely under the raw distribution; ties share the better rank
+    top: tuple[tuple[int, float], ...]  # params.logprobs most likely (token, logprob), best first
+
+
+@dataclass(frozen=True, slots=True)
+class SampleOutput:
+    """What a runner sampled for one plan: a token per sampling sequence, in plan order."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]  # None for rows whose params.logprobs is None

@@ -23,10 +23,11 @@ class FinishReason(str, Enum):
 
 
 @dataclass(frozen=True, slots=True)
-class Request:
-    """What a user asked. Never changes."""
+class SeqSpec:
+    """What was asked of one sequence (the shell turns a request for ``n`` samples into ``n``
+    sequences). Never changes."""
 
-    request_id: str
+    seq_id: str
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams
     arrival_step: int
@@ -34,7 +35,7 @@ class Request:
 
 @dataclass(frozen=True, slots=True)
 class Seq:
-    """The evolving part of a request.
+    """How far the engine has got with a sequence.
 
     ``token_ids`` holds the prompt followed by the generated tokens known so far; after them
     come ``num_pending`` tokens that plans already sampled but whose values have not been
@@ -44,7 +45,7 @@ class Seq:
     ``i``, computed once when the block fills, whether or not it is cached.
     """
 
-    request: Request
+    spec: SeqSpec
     token_ids: PVector
     block_hashes: PVector
     block_table: PVector
@@ -57,15 +58,15 @@ class Seq:
 
     @property
     def seq_id(self) -> str:
-        return self.request.request_id
+        return self.spec.seq_id
 
     @property
     def params(self) -> SamplingParams:
-        return self.request.params
+        return self.spec.params
 
     @property
     def num_prompt_tokens(self) -> int:
-        return len(self.request.prompt_token_ids)
+        return len(self.spec.prompt_token_ids)
 
     @property
     def num_tokens(self) -> int:
@@ -80,7 +81,7 @@ class Seq:
     @property
     def num_output_tokens(self) -> int:
         """Known generated tokens."""
-        return len(self.token_ids) - len(self.request.prompt_token_ids)
+        return len(self.token_ids) - len(self.spec.prompt_token_ids)
 
     @property
     def output_token_ids(self) -> tuple[int, ...]:
@@ -102,7 +103,7 @@ class Seq:
     def with_token(self, token_ids: PVector, block_hashes: PVector) -> Seq:
         """A pending token became known: it is the last of ``token_ids`` now."""
         seq = _new(Seq)
-        _set_request(seq, self.request)
+        _set_spec(seq, self.spec)
         _set_token_ids(seq, token_ids)
         _set_block_hashes(seq, block_hashes)
         _set_block_table(seq, self.block_table)
@@ -116,7 +117,7 @@ class Seq:
 
     def with_progress(self, block_table: PVector, num_computed: int, num_pending: int) -> Seq:
         seq = _new(Seq)
-        _set_request(seq, self.request)
+        _set_spec(seq, self.spec)
         _set_token_ids(seq, self.token_ids)
         _set_block_hashes(seq, self.block_hashes)
         _set_block_table(seq, block_table)
@@ -129,19 +130,12 @@ class Seq:
         return seq
 
 
-def at_length_limit(params: SamplingParams, num_output_tokens: int, num_tokens: int,
-                    max_model_len: int) -> bool:
-    """Whether a sequence of this many (output) tokens may have no more."""
-    return ((params.max_tokens is not None and num_output_tokens >= params.max_tokens)
-            or num_tokens >= max_model_len)
-
-
 def slot_setters(cls: type) -> tuple:
     """The setters of a frozen slotted dataclass's fields, in declaration order."""
     return tuple(cls.__dict__[f.name].__set__ for f in fields(cls))
 
 
 _new = object.__new__
-(_set_request, _set_token_ids, _set_block_hashes, _set_block_table, _set_num_computed,
+(_set_spec, _set_token_ids, _set_block_hashes, _set_block_table, _set_num_computed,
  _set_num_pending, _set_status, _set_finish_reason, _set_num_preemptions,
  _set_num_cached_tokens) = slot_setters(Seq)

@@ -23,11 +23,12 @@ from pyrsistent import pvector
 
 from nanofn.state.block_pool import (BlockPool, CachedBlock, allocate, cache_block,
                                      find_cached_prefix, release, take_cached)
-from nanofn.state.config import SchedulerConfig
+from nanofn.state.config import SchedulerConfig, blocks_for
 from nanofn.state.engine_state import EngineState
 from nanofn.state.hashing import parent_hash_of
 from nanofn.state.plan import PENDING_TOKEN, BatchPlan, ScheduledSeq
-from nanofn.state.records import Seq, SeqStatus, at_length_limit, slot_setters
+from nanofn.state.policy import at_length_limit, banned_token_ids
+from nanofn.state.records import Seq, SeqStatus, slot_setters
 
 
 def schedule(state: EngineState) -> tuple[EngineState, BatchPlan]:
@@ -74,23 +75,19 @@ def schedule(state: EngineState) -> tuple[EngineState, BatchPlan]:
         admitted_tokens += seq.num_tokens
         cached_tokens += seq.num_cached_tokens
 
-    stats = state.stats
-    stats = replace(stats, num_preemptions=stats.num_preemptions + len(preempted),
-                    num_admitted_tokens=stats.num_admitted_tokens + admitted_tokens,
-                    num_cached_tokens=stats.num_cached_tokens + cached_tokens)
+    counters = state.counters
+    counters = replace(counters, num_preemptions=counters.num_preemptions + len(preempted),
+                       num_admitted_tokens=counters.num_admitted_tokens + admitted_tokens,
+                       num_cached_tokens=counters.num_cached_tokens + cached_tokens)
     # Runners skip empty plans: a release rides along until a plan with work carries it.
     released = (state.unreported_releases + tuple(seq.seq_id for seq in state.finished)
                 + tuple(preempted))
-    plan = BatchPlan(state.step, c.block_size, tuple(chunks), released)
-    awaiting = state.awaiting + (plan.sampling_seq_ids,) if chunks else state.awaiting
+    plan = BatchPlan(state.step, tuple(chunks), released)
+    undelivered = state.undelivered + (plan.sampling_seq_ids,) if chunks else state.undelivered
     new_state = replace(state, pool=pool, waiting=waiting, running=tuple(running),
-                        awaiting=awaiting, preempted=tuple(preempted), stats=stats,
+                        undelivered=undelivered, preempted=tuple(preempted), counters=counters,
                         unreported_releases=() if chunks else released)
     return new_state, plan
-
-
-def _blocks_for(num_tokens: int, block_size: int) -> int:
-    return -(-num_tokens // block_size)
 
 
 def _ready(seq: Seq, c: SchedulerConfig) -> bool:
@@ -99,11 +96,11 @@ def _ready(seq: Seq, c: SchedulerConfig) -> bool:
     pending = seq.num_pending
     if pending == 0:
         return True
-    params = seq.request.params
+    params = seq.spec.params
     if pending > 1 or params.has_penalties:
         return False
     positions = len(seq.token_ids) + 1  # the pending token counts
-    return not at_length_limit(params, positions - len(seq.request.prompt_token_ids), positions,
+    return not at_length_limit(params, positions - len(seq.spec.prompt_token_ids), positions,
                                c.max_model_len)
 
 
@@ -132,14 +129,14 @@ def _schedule_chunk(pool: BlockPool, seq: Seq, count: int,
     bs = c.block_size
     table = seq.block_table
     if end > len(table) * bs:
-        pool, new_blocks = allocate(pool, _blocks_for(end, bs) - len(table))
+        pool, new_blocks = allocate(pool, blocks_for(end, bs) - len(table))
         table = table.extend(new_blocks)
     known = len(seq.token_ids)
     sample = end == known + seq.num_pending
     new_seq = seq.with_progress(table, end, seq.num_pending + sample)
     if c.enable_prefix_caching and min(end, known) // bs > min(start, known) // bs:
         pool = cache_known_blocks(pool, new_seq, min(start, known), bs)
-    return pool, _scheduled(new_seq, start, end, known, sample), new_seq
+    return pool, _scheduled(new_seq, start, end, known, sample, c), new_seq
 
 
 def cache_known_blocks(pool: BlockPool, seq: Seq, old_limit: int, block_size: int) -> BlockPool:
@@ -171,7 +168,7 @@ def _admit(pool: BlockPool, seq: Seq, budget: int,
             return None
         count = budget
     free_hits = sum(1 for b in hits if pool.ref_counts[b] == 0)
-    if _blocks_for(cached + count, bs) - len(hits) > pool.num_free - free_hits:
+    if blocks_for(cached + count, bs) - len(hits) > pool.num_free - free_hits:
         return None
     pool = take_cached(pool, hits)
     seq = replace(seq, status=SeqStatus.RUNNING, block_table=pvector(hits), num_computed=cached,
@@ -182,7 +179,8 @@ def _admit(pool: BlockPool, seq: Seq, budget: int,
 _PENDING_ONLY = (PENDING_TOKEN,)
 
 
-def _scheduled(seq: Seq, start: int, end: int, known: int, sample: bool) -> ScheduledSeq:
+def _scheduled(seq: Seq, start: int, end: int, known: int, sample: bool,
+               c: SchedulerConfig) -> ScheduledSeq:
     """The plan's entry for positions ``start .. end - 1`` of ``seq``, of which the first
     ``known`` are known tokens."""
     if end <= known:
@@ -191,20 +189,23 @@ def _scheduled(seq: Seq, start: int, end: int, known: int, sample: bool) -> Sche
         tokens = _PENDING_ONLY
     else:
         tokens = tuple(seq.token_ids[start:known]) + _PENDING_ONLY
-    request = seq.request
-    params = request.params
+    spec = seq.spec
+    params = spec.params
+    num_prompt = len(spec.prompt_token_ids)
     entry = _new(ScheduledSeq)  # the slot setters: half the cost of the frozen __init__
-    _set_seq_id(entry, request.request_id)
+    _set_seq_id(entry, spec.seq_id)
     _set_token_ids(entry, tokens)
     _set_start_pos(entry, start)
     _set_block_table(entry, seq.block_table)
     _set_sample(entry, sample)
     _set_params(entry, params)
-    _set_num_prompt_tokens(entry, len(request.prompt_token_ids))
+    _set_num_prompt_tokens(entry, num_prompt)
     _set_history(entry, seq.token_ids if params.has_penalties else None)
+    _set_banned(entry, banned_token_ids(params, end - num_prompt, c.eos_token_ids)
+                if sample else ())
     return entry
 
 
 _new = object.__new__
 (_set_seq_id, _set_token_ids, _set_start_pos, _set_block_table, _set_sample, _set_params,
- _set_num_prompt_tokens, _set_history) = slot_setters(ScheduledSeq)
+ _set_num_prompt_tokens, _set_history, _set_banned) = slot_setters(ScheduledSeq)

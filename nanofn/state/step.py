@@ -12,8 +12,9 @@ from nanofn.state.config import SchedulerConfig
 from nanofn.state.engine_state import EngineState
 from nanofn.state.hashing import extend_block_hashes
 from nanofn.state.plan import BatchPlan
-from nanofn.state.records import FinishReason, Seq, SeqStatus, at_length_limit
-from nanofn.state.requests import NewRequest, add_requests
+from nanofn.state.policy import at_length_limit, may_stop, stops_on
+from nanofn.state.records import FinishReason, Seq, SeqStatus
+from nanofn.state.requests import NewSeq, add_seqs
 from nanofn.state.scheduler import cache_known_blocks, schedule
 
 
@@ -24,17 +25,19 @@ class Events:
     ``sampled`` delivers the tokens of the oldest plan whose tokens are not delivered yet,
     one per sequence of that plan that sampled, in plan order; ``None`` delivers nothing (a
     runner one step ahead has not finished that plan). ``stop_hits`` are sequences whose
-    text reached a stop string (seen by the shell's detokenizer); they finish with reason
-    ``stop`` after taking their delivered token. Aborts and stop hits of sequences that are
-    not live are ignored (they may have just finished on their own); so are delivered tokens
-    of sequences no longer live (an id with a token in flight cannot be reused, see
-    ``check_new_request``).
+    text reached a stop string with the token now delivered (seen by the shell's
+    detokenizer); they finish with reason ``stop`` after taking that token, if ``may_stop``
+    allows it. New sequences join the waiting queue before aborts apply, so a sequence can
+    be aborted in the step that adds it. Aborts of sequences that are not live, stop hits of
+    sequences that took no token now, and delivered tokens of sequences no longer live are
+    ignored: they may have just finished on their own (an id with a token in flight cannot
+    be reused, see ``check_new_seq``).
     """
 
     sampled: tuple[int, ...] | None = None
     stop_hits: tuple[str, ...] = ()
+    new_seqs: tuple[NewSeq, ...] = ()
     aborts: tuple[str, ...] = ()
-    new_requests: tuple[NewRequest, ...] = ()
 
 
 def step(state: EngineState, events: Events) -> tuple[EngineState, BatchPlan]:
@@ -43,26 +46,26 @@ def step(state: EngineState, events: Events) -> tuple[EngineState, BatchPlan]:
     state = replace(state, step=state.step + 1, finished=(), preempted=())
     if events.sampled is not None:
         state = apply_sampled(state, events.sampled, frozenset(events.stop_hits))
-    state = finish_by_id(state, events.stop_hits, FinishReason.STOP)
+    state = add_seqs(state, events.new_seqs)
     state = finish_by_id(state, events.aborts, FinishReason.ABORT)
-    state = add_requests(state, events.new_requests)
     return schedule(state)
 
 
 def _check_delivery(state: EngineState, sampled: tuple[int, ...]) -> None:
-    if not state.awaiting:
+    if not state.undelivered:
         raise ValueError(f"step {state.step + 1}: {len(sampled)} sampled tokens delivered, but "
                          f"no plan is waiting for its tokens")
-    if len(sampled) != len(state.awaiting[0]):
+    if len(sampled) != len(state.undelivered[0]):
         raise ValueError(f"step {state.step + 1}: got {len(sampled)} sampled tokens, the plan "
-                         f"they belong to sampled {len(state.awaiting[0])} sequences")
+                         f"they belong to sampled {len(state.undelivered[0])} sequences")
 
 
 def apply_sampled(state: EngineState, sampled: tuple[int, ...],
                   stop_hits: frozenset[str]) -> EngineState:
-    """Append each delivered token to its sequence and finish the sequences it ends."""
-    tokens = dict(zip(state.awaiting[0], sampled))
-    state = replace(state, awaiting=state.awaiting[1:])
+    """Append each delivered token to its sequence and finish the sequences it ends (or
+    whose stop string it completes)."""
+    tokens = dict(zip(state.undelivered[0], sampled))
+    state = replace(state, undelivered=state.undelivered[1:])
     if not tokens:
         return state
     c = state.config
@@ -77,7 +80,7 @@ def _take_token(pool: BlockPool, seq: Seq, token: int, stop_hits: frozenset[str]
     known = len(seq.token_ids)
     if c.enable_prefix_caching and known % c.block_size == 0:  # it completed a known block
         pool = cache_known_blocks(pool, seq, min(seq.num_computed, known - 1), c.block_size)
-    reason = FinishReason.STOP if seq.seq_id in stop_hits else finish_reason(seq, token, c)
+    reason = finish_reason(seq, token, seq.seq_id in stop_hits, c)
     return _finish(pool, seq, reason) if reason is not None else (pool, seq)
 
 
@@ -89,12 +92,13 @@ def append_token(seq: Seq, token: int, c: SchedulerConfig) -> Seq:
     return seq.with_token(token_ids, hashes)
 
 
-def finish_reason(seq: Seq, last_token: int, c: SchedulerConfig) -> FinishReason | None:
-    """Why a sequence ends with ``last_token`` (already appended), or None if it goes on."""
+def finish_reason(seq: Seq, last_token: int, stop_string_hit: bool,
+                  c: SchedulerConfig) -> FinishReason | None:
+    """Why a sequence ends with ``last_token`` (already appended), whose text may have reached
+    a stop string, or None if it goes on."""
     p = seq.params
     num_output = seq.num_output_tokens
-    if num_output > p.min_tokens and (  # min_tokens come before any stop token
-            (not p.ignore_eos and last_token in c.eos_token_ids) or last_token in p.stop_token_ids):
+    if may_stop(p, num_output) and (stop_string_hit or stops_on(last_token, p, c.eos_token_ids)):
         return FinishReason.STOP
     if at_length_limit(p, num_output, seq.num_tokens, c.max_model_len):
         return FinishReason.LENGTH
@@ -149,6 +153,6 @@ def _with_finished(state: EngineState, pool: BlockPool, running: tuple[Seq, ...]
     live = state.live_ids
     for seq in newly:
         live = live.remove(seq.seq_id)
-    stats = replace(state.stats, num_finished=state.stats.num_finished + len(newly))
+    counters = replace(state.counters, num_finished=state.counters.num_finished + len(newly))
     return replace(state, pool=pool, running=running, waiting=waiting, live_ids=live,
-                   finished=tuple(finished), stats=stats)
+                   finished=tuple(finished), counters=counters)

@@ -55,7 +55,7 @@ def nanofn_teacher_forced(llm: LLM, tokens: list[int], prompt_len: int) -> torch
     start, end = 0, prompt_len
     while end <= len(tokens):
         seq = ScheduledSeq("tf", tuple(tokens[start:end]), start, table, True, params, prompt_len)
-        rows.append(runner.forward(BatchPlan(0, bs, (seq,)))[0])
+        rows.append(runner.forward(BatchPlan(0, (seq,)))[0])
         start, end = end, end + 1
     return torch.stack(rows)
 

@@ -189,11 +189,11 @@ def measure(llm: Any, workload: Workload) -> Measurement:
     vocab_size = llm.engine.hf_config.vocab_size
     llm.generate([[t % vocab_size for t in WARMUP_PROMPT]],
                  SamplingParams(max_tokens=16, ignore_eos=True), use_tqdm=False)
-    before = llm.engine.state.stats
+    before = llm.engine.state.counters
     start = time.perf_counter()
     outputs = llm.generate(workload.prompts, workload.sampling_params(), use_tqdm=False)
     elapsed = time.perf_counter() - start
-    after = llm.engine.state.stats
+    after = llm.engine.state.counters
     admitted = after.num_admitted_tokens - before.num_admitted_tokens
     cached = after.num_cached_tokens - before.num_cached_tokens
     return Measurement(

@@ -15,11 +15,12 @@ import sys
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
 
-from nanofn.bench import (DEFAULT_BANDWIDTH_GBPS, DEFAULT_TFLOPS, ModelDims, floor,
+from nanofn.engine.options import EngineOptions
+from nanofn.cli.bench import (DEFAULT_BANDWIDTH_GBPS, DEFAULT_TFLOPS, ModelDims, floor,
                           format_seconds, measure, standard_workload)
 from nanofn.state import (EngineState, SamplingParams, Seq, TraceError, figures, parse_trace,
                           replay)
@@ -36,17 +37,17 @@ ENGINE_FLAGS: dict[str, dict[str, Any]] = {
                           help="longest prompt + output (default: the model's "
                                "max_position_embeddings)"),
     "dtype": dict(choices=["auto", "float16", "bfloat16", "float32"],
-                  help="weight and KV cache dtype (default: auto, the checkpoint's)"),
-    "device": dict(help="auto, cpu, cuda or cuda:N (default: auto, cuda when there is a GPU)"),
-    "max_num_seqs": dict(type=int, metavar="N", help="most sequences per step (default: 512)"),
+                  help="weight and KV cache dtype (default: {default}, the checkpoint's)"),
+    "device": dict(help="auto, cpu, cuda or cuda:N (default: {default}: cuda when there is a GPU)"),
+    "max_num_seqs": dict(type=int, metavar="N", help="most sequences per step (default: {default})"),
     "max_num_batched_tokens": dict(type=int, metavar="N",
-                                   help="most tokens per step (default: 16384)"),
-    "block_size": dict(type=int, metavar="N", help="tokens per KV cache block (default: 16)"),
+                                   help="most tokens per step (default: {default})"),
+    "block_size": dict(type=int, metavar="N", help="tokens per KV cache block (default: {default})"),
     "gpu_memory_utilization": dict(type=float, metavar="F",
                                    help="share of GPU memory for weights, activations and KV "
-                                        "cache (default: 0.9)"),
+                                        "cache (default: {default})"),
     "tensor_parallel_size": dict(type=int, metavar="N", help="GPUs to split the model over "
-                                                             "(default: 1)"),
+                                                             "(default: {default})"),
     "enforce_eager": dict(action="store_const", const=True,
                           help="run the model eagerly, without CUDA graphs"),
     "enable_prefix_caching": dict(flag="--no-prefix-caching", action="store_const", const=False,
@@ -62,21 +63,21 @@ ENGINE_FLAGS: dict[str, dict[str, Any]] = {
                                   "are known (simpler traces, slower)"),
     "kernel_backend": dict(choices=["auto", "torch", "triton"],
                            help="kernels for attention, norms, rotary and activation (default: "
-                                "auto, triton on CUDA and the torch references on a CPU)"),
+                                "{default}: triton on CUDA and the torch references on a CPU)"),
     "trace": dict(metavar="PATH", help="record the run's trace here, for `nanofn replay`"),
 }
 
 # SamplingParams field -> argparse settings, as for ENGINE_FLAGS.
 SAMPLING_FLAGS: dict[str, dict[str, Any]] = {
-    "max_tokens": dict(type=int, metavar="N", help="most tokens to generate (default: 16)"),
-    "temperature": dict(type=float, metavar="T", help="0 is greedy (default: 1.0)"),
-    "top_p": dict(type=float, metavar="P", help="nucleus sampling mass, in (0, 1] (default: 1)"),
+    "max_tokens": dict(type=int, metavar="N", help="most tokens to generate (default: {default})"),
+    "temperature": dict(type=float, metavar="T", help="0 is greedy (default: {default})"),
+    "top_p": dict(type=float, metavar="P", help="nucleus sampling mass, in (0, 1] (default: {default})"),
     "top_k": dict(type=int, metavar="K", help="sample among the K likeliest tokens; 0 or -1: "
-                                             "all (default: 0)"),
+                                             "all (default: {default})"),
     "min_p": dict(type=float, metavar="P", help="drop tokens less likely than P times the "
-                                               "likeliest (default: 0)"),
+                                               "likeliest (default: {default})"),
     "seed": dict(type=int, metavar="N", help="seed of this request's sampling"),
-    "n": dict(type=int, metavar="N", help="outputs per prompt (default: 1)"),
+    "n": dict(type=int, metavar="N", help="outputs per prompt (default: {default})"),
     "stop": dict(flag="--stop", action="append", metavar="TEXT",
                  help="stop when the output contains TEXT (repeatable)"),
     "stop_token_ids": dict(flag="--stop-token-id", action="append", type=int, metavar="ID",
@@ -84,15 +85,15 @@ SAMPLING_FLAGS: dict[str, dict[str, Any]] = {
     "ignore_eos": dict(action="store_const", const=True,
                        help="keep generating after an end-of-sequence token"),
     "min_tokens": dict(type=int, metavar="N", help="generate at least N tokens before any "
-                                                  "stop (default: 0)"),
+                                                  "stop (default: {default})"),
     "presence_penalty": dict(type=float, metavar="F", help="lower the logits of tokens already "
                                                           "generated by F, in [-2, 2] "
-                                                          "(default: 0)"),
+                                                          "(default: {default})"),
     "frequency_penalty": dict(type=float, metavar="F", help="lower them by F per occurrence, "
-                                                           "in [-2, 2] (default: 0)"),
+                                                           "in [-2, 2] (default: {default})"),
     "repetition_penalty": dict(type=float, metavar="F", help="scale down the logits of tokens "
                                                             "in the prompt or output, F > 0; 1 "
-                                                            "is none (default: 1)"),
+                                                            "is none (default: {default})"),
     "logprobs": dict(type=int, metavar="N", help="also compute the log-probabilities of the "
                                                 "N likeliest tokens, and print the output's"),
 }
@@ -132,14 +133,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 # --- shared flags ---------------------------------------------------------------------------
 
-def add_flags(parser: argparse.ArgumentParser, title: str,
-              flags: dict[str, dict[str, Any]]) -> None:
-    """Add a group of flags named after the fields they set (``--max-model-len`` sets
-    ``max_model_len``); they default to None, meaning "not given"."""
+def add_flags(parser: argparse.ArgumentParser, title: str, flags: dict[str, dict[str, Any]],
+              fields_of: type) -> None:
+    """Add a group of flags named after the fields of ``fields_of`` they set
+    (``--max-model-len`` sets ``max_model_len``); they default to None, meaning "not given".
+    A help text's ``{default}`` shows the field's default, read from ``fields_of``."""
+    defaults = {f.name: f.default for f in fields(fields_of)}
     group = parser.add_argument_group(title)
     for name, settings in flags.items():
         settings = dict(settings)
         flag = settings.pop("flag", "--" + name.replace("_", "-"))
+        settings["help"] = settings["help"].replace("{default}", str(defaults[name]))
         group.add_argument(flag, dest=name, default=None, **settings)
 
 
@@ -206,7 +210,7 @@ def cached_checkpoint(name: str, build: Callable[[Path], object]) -> Path:
 
 
 def demo_model() -> Path:
-    from nanofn.tiny import make_tiny_checkpoint
+    from nanofn.model.tiny import make_tiny_checkpoint
 
     path = cached_checkpoint(DEMO_MODEL, lambda folder: make_tiny_checkpoint(folder, "qwen3"))
     print(f"nanofn: no MODEL given, so using the built-in demo model {path}.\n"
@@ -232,8 +236,8 @@ def _add_generate(commands: Any) -> None:
                    help="a prompt (repeatable; default: a couple of examples)")
     p.add_argument("--chat", action="store_true",
                    help="send each prompt as a user message through the chat template")
-    add_flags(p, "sampling", SAMPLING_FLAGS)
-    add_flags(p, "engine options", ENGINE_FLAGS)
+    add_flags(p, "sampling", SAMPLING_FLAGS, SamplingParams)
+    add_flags(p, "engine options", ENGINE_FLAGS, EngineOptions)
     p.set_defaults(run=run_generate)
 
 
@@ -264,7 +268,7 @@ def run_generate(args: argparse.Namespace) -> int:
 # --- bench ----------------------------------------------------------------------------------
 
 def _add_bench(commands: Any) -> None:
-    from nanofn.tiny import PRESETS
+    from nanofn.model.tiny import PRESETS
 
     p = commands.add_parser(
         "bench", help="measure offline throughput on the standard workload",
@@ -294,7 +298,7 @@ def _add_bench(commands: Any) -> None:
                    help=f"matmul rate for the floor, TFLOP/s (default: {DEFAULT_TFLOPS:g}, an "
                         f"H100's bf16)")
     p.add_argument("--json", metavar="PATH", help="also write the figures to PATH as JSON")
-    add_flags(p, "engine options", ENGINE_FLAGS)
+    add_flags(p, "engine options", ENGINE_FLAGS, EngineOptions)
     p.set_defaults(run=run_bench)
 
 
@@ -303,8 +307,6 @@ def run_bench(args: argparse.Namespace) -> int:
         if getattr(args, flag) <= 0:
             raise UsageError(f"--{flag.replace('_', '-')} must be positive, got "
                              f"{getattr(args, flag)}")
-    from nanofn.model import resolve_dtype
-
     model = args.model or random_weights_model(args.random_weights)
     llm = load_llm(model, args)
     engine = llm.engine
@@ -312,12 +314,13 @@ def run_bench(args: argparse.Namespace) -> int:
                                  vocab_size=engine.hf_config.vocab_size)
     with llm, _user_errors():
         result = measure(llm, workload)
-    dtype = resolve_dtype(engine.hf_config, engine.options.dtype)
+    dtype = engine.runner.dtype
     dims = ModelDims.from_config(engine.hf_config.to_dict())
     best = floor(dims, [len(p) for p in workload.prompts], workload.max_tokens,
                  bandwidth_gbps=args.bw, tflops=args.tflops, bytes_per_param=dtype.itemsize)
     fraction = best.seconds / result.elapsed_s
     config = engine.scheduler_config
+    num_blocks = engine.state.pool.num_blocks
     setup = {"model": str(model), "device": _device_name(engine.options),
              "dtype": str(dtype).removeprefix("torch."),
              "tensor_parallel_size": engine.options.tensor_parallel_size}
@@ -332,7 +335,7 @@ def run_bench(args: argparse.Namespace) -> int:
     print(f"floor: {best.describe()} (at {args.bw:g} GB/s, {args.tflops:g} TFLOP/s); this run: "
           f"{_percent(fraction)} of the floor")
     print(f"engine: preemptions {result.num_preemptions}, prefix cache hit rate "
-          f"{result.prefix_cache_hit_rate:.1%}, KV blocks {config.num_blocks:,} of "
+          f"{result.prefix_cache_hit_rate:.1%}, KV blocks {num_blocks:,} of "
           f"{config.block_size} tokens")
     if args.json:
         report = {
@@ -344,7 +347,7 @@ def run_bench(args: argparse.Namespace) -> int:
             "floor_prefill_s": best.prefill_s, "floor_decode_s": best.decode_s,
             "floor_s": best.seconds, "floor_output_tok_s": best.output_tok_s,
             "fraction_of_floor": fraction, "bw_gbps": args.bw, "tflops": args.tflops,
-            "num_kv_blocks": config.num_blocks, "block_size": config.block_size,
+            "num_kv_blocks": num_blocks, "block_size": config.block_size,
         }
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
     return 0
@@ -364,7 +367,7 @@ def _percent(x: float) -> str:
 
 
 def random_weights_model(preset: str) -> Path:
-    from nanofn.tiny import make_random_checkpoint
+    from nanofn.model.tiny import make_random_checkpoint
 
     return cached_checkpoint(f"random-{preset}",
                              lambda folder: make_random_checkpoint(folder, preset))
@@ -412,7 +415,7 @@ def run_replay(args: argparse.Namespace) -> int:
             _print_state(state, plan, len(steps))
         else:
             c = trace.config
-            print(f"trace {args.trace}: {len(steps)} steps, {c.num_blocks} KV blocks of "
+            print(f"trace {args.trace}: {len(steps)} steps, {trace.num_blocks} KV blocks of "
                   f"{c.block_size} tokens, model {trace.meta.get('model', '?')}")
             for state, plan in replay(trace):
                 print(_step_line(state, plan))
@@ -470,7 +473,7 @@ def _describe_seq(seq: Seq) -> str:
     pending = f" + {seq.num_pending} pending" if seq.num_pending else ""
     return (f"  {seq.seq_id}: {status}, {seq.num_tokens} tokens ({seq.num_prompt_tokens} prompt "
             f"+ {seq.num_output_tokens} output){pending}, arrived at step "
-            f"{seq.request.arrival_step}, computed {seq.num_computed}, cached at "
+            f"{seq.spec.arrival_step}, computed {seq.num_computed}, cached at "
             f"admission {seq.num_cached_tokens}, preemptions {seq.num_preemptions}\n"
             f"      blocks {_short(seq.block_table)}\n"
             f"      tokens {_short(seq.token_ids)}")

@@ -6,9 +6,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from nanofn.outputs import RequestOutput
+from nanofn.engine.outputs import RequestOutput
 from nanofn.state import SamplingParams
 from nanofn.state.params import MAX_LOGPROBS
+from nanofn.state.policy import stops_on
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,7 @@ def beam_search(complete: Complete, prompts: Sequence[Sequence[int]], params: Be
     """``complete`` runs a batch of token-id prompts through the engine (one token each)."""
     step_params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True,
                                  logprobs=2 * params.beam_width)
+    stop_params = SamplingParams(ignore_eos=params.ignore_eos)  # what ends a beam
     live = [[BeamSearchSequence((), 0.0, "length")] for _ in prompts]
     done: list[list[BeamSearchSequence]] = [[] for _ in prompts]
     for _ in range(params.max_tokens):
@@ -82,7 +84,7 @@ def beam_search(complete: Complete, prompts: Sequence[Sequence[int]], params: Be
         for i, found in enumerate(candidates):
             best = sorted(found, key=lambda b: b.cumulative_logprob, reverse=True)
             for beam in best[:params.beam_width]:
-                if not params.ignore_eos and beam.token_ids[-1] in eos_token_ids:
+                if stops_on(beam.token_ids[-1], stop_params, eos_token_ids):
                     done[i].append(BeamSearchSequence(beam.token_ids, beam.cumulative_logprob, "stop"))
                 else:
                     live[i].append(beam)
