@@ -77,16 +77,16 @@ def _time_phases(engine, steps: int) -> dict[str, float]:
                 totals[name] = totals.get(name, 0.0) + time.perf_counter() - t
         return wrapper
 
-    originals = (loop_module.step, loop.runner, loop._wait_for_tokens, loop._on_delivery)
+    originals = (loop_module.step, loop.runner, loop._wait_for_tokens, engine._take_delivery)
     loop_module.step = timed("core step", loop_module.step)
     loop.runner = _TimedRunner(loop.runner, timed("launch", loop.runner.launch))
     loop._wait_for_tokens = timed("wait for tokens", loop._wait_for_tokens)
-    loop._on_delivery = timed("detokenize", lambda d: tuple(originals[3](d)))
+    engine._take_delivery = timed("detokenize", lambda d: tuple(originals[3](d)))
     start = time.perf_counter()
     for _ in range(steps):
         engine.step(only_finished=True)
     totals["whole step"] = time.perf_counter() - start
-    loop_module.step, loop.runner, loop._wait_for_tokens, loop._on_delivery = originals
+    loop_module.step, loop.runner, loop._wait_for_tokens, engine._take_delivery = originals
     return {name: seconds / steps * 1e3 for name, seconds in totals.items()}
 
 

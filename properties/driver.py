@@ -24,8 +24,7 @@ class Driver:
         self.runner = FakeRunner(setup.num_blocks, setup.config.block_size)
         self.trace = io.StringIO()
         self.loop = EngineLoop(initial_state(setup.config, setup.num_blocks), self.runner,
-                               async_scheduling=pipelined, on_delivery=self._stop_hits,
-                               trace=self.trace)
+                               async_scheduling=pipelined, trace=self.trace)
         self.forced_stops: set[str] = set()
         self.outputs: dict[str, tuple[tuple[int, ...], FinishReason]] = {}
 
@@ -44,7 +43,7 @@ class Driver:
         for seq_id in aborts:
             self.loop.abort(seq_id)
         self.forced_stops.update(stop_hits)
-        result = self.loop.step()
+        result = self.loop.step(self._stop_hits)
         for seq in result.finished:
             self.outputs[seq.seq_id] = (seq.output_token_ids, seq.finish_reason)
         return result

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import weakref
 
 import pytest
 
@@ -28,6 +29,17 @@ def texts(outputs):
 
 
 # --- construction -------------------------------------------------------------------------
+
+def test_a_closed_llm_is_freed_at_once_without_the_cycle_collector(tiny_qwen3):
+    """The engine freezes what it loaded out of the cyclic collector's reach: a reference cycle
+    through the engine would keep its weights and KV cache (GPU memory) alive for good."""
+    llm = LLM(str(tiny_qwen3), num_kv_blocks=64, max_model_len=256)
+    llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
+    engine = weakref.ref(llm.engine)
+    llm.close()
+    del llm
+    assert engine() is None
+
 
 def test_an_unknown_option_is_an_error_naming_it(tiny_qwen3):
     with pytest.raises(TypeError, match="unknown option.*max_num_sequences"):

@@ -82,7 +82,7 @@ class Engine:
         state = initial_state(self.scheduler_config, self.runner.num_blocks)
         self._trace: TextIO | None = open(options.trace, "w", buffering=1) if options.trace else None
         self.loop = EngineLoop(state, self.runner, async_scheduling=options.async_scheduling,
-                               on_delivery=self._take_delivery, trace=self._trace, trace_meta={
+                               trace=self._trace, trace_meta={
                                    "model": str(model_dir), "dtype": str(self.runner.dtype),
                                    "tensor_parallel_size": runner_config.tp_size})
         self._ids = itertools.count()
@@ -157,7 +157,7 @@ class Engine:
     def step(self, only_finished: bool = False) -> StepResult:
         """One engine step. Returns the requests that got a token or finished (with
         ``only_finished``, just the finished ones, which is cheaper for batch generation)."""
-        result = self.loop.step()
+        result = self.loop.step(self._take_delivery)
         finished = self._finish(result.finished)
         advanced = [] if only_finished or result.delivered is None else \
             self._advanced(result.delivered)

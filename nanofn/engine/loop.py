@@ -2,9 +2,9 @@
 
 One ``step()``:
 
-1. the tokens of the oldest launched plan that were waited for are shown to ``on_delivery``
-   (the shell detokenizes them there and names the sequences whose stop string they
-   complete);
+1. the tokens of the oldest launched plan that were waited for are shown to the caller's
+   ``on_delivery`` (the shell detokenizes them there and names the sequences whose stop string
+   they complete);
 2. they, those stop-string hits, the aborts and the new sequences go to the core's ``step``
    as events, which gives the next state and plan;
 3. the plan is launched on the runner and its events are written to the trace;
@@ -63,20 +63,15 @@ OnDelivery = Callable[[Delivery], Iterable[str]]
 
 class EngineLoop:
     """Owns the current core state and the plans in flight; turns ``add``, ``abort`` and
-    ``step`` calls into the core's events.
-
-    ``on_delivery`` sees every delivery before the core takes it and returns the ids of the
-    sequences whose stop string it completes. ``trace``, if given, receives the run's trace
-    (a header now, then a line per step).
+    ``step`` calls into the core's events. ``trace``, if given, receives the run's trace (a
+    header now, then a line per step).
     """
 
     def __init__(self, state: EngineState, runner: Runner, *, async_scheduling: bool = True,
-                 on_delivery: OnDelivery | None = None, trace: TextIO | None = None,
-                 trace_meta: dict[str, Any] | None = None):
+                 trace: TextIO | None = None, trace_meta: dict[str, Any] | None = None):
         self.runner = runner
         self.async_scheduling = async_scheduling
         self._state = state
-        self._on_delivery = on_delivery
         self._trace = trace
         self._new: list[NewSeq] = []
         self._aborts: list[str] = []
@@ -114,11 +109,13 @@ class EngineLoop:
         return (self._state.has_unfinished or bool(self._new) or self._ready is not None
                 or bool(self._in_flight))
 
-    def step(self) -> LoopStep:
+    def step(self, on_delivery: OnDelivery | None = None) -> LoopStep:
+        """One step. ``on_delivery`` sees the delivery the core is about to take, if any, and
+        returns the ids of the sequences whose stop string it completes."""
         delivered, self._ready = self._ready, None
         stop_hits = ()
-        if delivered is not None and self._on_delivery is not None:
-            stop_hits = tuple(self._on_delivery(delivered))
+        if delivered is not None and on_delivery is not None:
+            stop_hits = tuple(on_delivery(delivered))
         events = Events(sampled=None if delivered is None else tuple(delivered.output.token_ids),
                         stop_hits=stop_hits, aborts=tuple(self._aborts),
                         new_seqs=tuple(self._new))
