@@ -1,55 +1,120 @@
-"""Cost of the pure core per sequence per decode step (no GPU, no model).
+"""Cost of the pure core per sequence per decode step (no GPU, no model), side by side with a
+mutable scheduler on the same workload in the same run.
 
-Usage: python benchmarks/scheduler.py [--num-seqs 256] [--steps 200] [--pipelined]
-Admits N requests with 512-token prompts, lets every prefill finish, then times decode
-steps (deliver the sampled tokens, finish checks, scheduling, plan building) with the garbage
-collector set as ``LLM.generate`` sets it, and prints microseconds per sequence per step
-(median and best of the steps). ``--pipelined`` delivers tokens one plan late, as the engine's
-async scheduling does. Yardstick: nano-vllm's mutable scheduler costs about 0.9 us per
-sequence per decode step on the development machine.
+Usage: python benchmarks/scheduler.py [--num-seqs 256] [--steps 200] [--pipelined] [--churn]
+
+Steady (default): N requests with 512-token prompts; every prefill finishes, then decode steps
+are timed (deliver the sampled tokens, finish checks, scheduling, plan building). Prefills take
+8 steps of 32, so the sequences cross block boundaries in 8 groups.
+``--churn``: about 10 % of the sequences have something happen each step: prompts of
+512 + i % 16 tokens spread the block crossings evenly (1 in 16 each step), and every request
+asks for 10 to 41 tokens, so about 4 % finish each step and as many new ones (64-token prompts)
+arrive and are admitted.
+``--pipelined`` delivers tokens one plan late, as the engine's async scheduling does. The
+garbage collector is set as ``LLM.generate`` sets it. Prints microseconds per sequence per step
+(median and best of the timed steps) for the core and for ``mutable_scheduler.py``, nano-vllm's
+design written for this benchmark.
 """
+
+from __future__ import annotations
+
 import argparse
 import gc
+import random
 import time
 
+import numpy as np
+
+from mutable_scheduler import Scheduler, Sequence
 from nanofn.state import Events, NewSeq, SamplingParams, SchedulerConfig, initial_state, step
+
+EOS = 0
+
+
+class Workload:
+    """The requests: the first ``num_seqs`` at once, then, with churn, one new request for
+    each that finishes."""
+
+    def __init__(self, num_seqs: int, churn: bool):
+        self.rng = random.Random(0)
+        self.churn = churn
+        self.count = 0
+        self.first = [self.request(512 + (i % 16 if churn else 0)) for i in range(num_seqs)]
+
+    def request(self, prompt_len: int) -> tuple[str, list[int], int]:
+        i = self.count
+        self.count += 1
+        max_tokens = self.rng.randint(10, 41) if self.churn else 2000
+        return f"r{i}", [(i * 7919 + j) % 30000 + 1 for j in range(prompt_len)], max_tokens
+
+    def arrivals(self, num_finished: int) -> list[tuple[str, list[int], int]]:
+        return [self.request(64) for _ in range(num_finished)] if self.churn else []
+
+
+def time_core(a, timed_steps: int) -> list[float]:
+    workload = Workload(a.num_seqs, a.churn)
+    config = SchedulerConfig(block_size=16, max_num_seqs=a.num_seqs, max_num_batched_tokens=16384,
+                             max_model_len=4096, enable_prefix_caching=True,
+                             enable_chunked_prefill=True, eos_token_ids=(EOS,), vocab_size=None)
+    lag = 1 if a.pipelined else 0
+
+    def new_seqs(requests):
+        return tuple(NewSeq(rid, tuple(prompt), SamplingParams(max_tokens=m, ignore_eos=True))
+                     for rid, prompt, m in requests)
+
+    state = initial_state(config, a.num_seqs * 72 + 64)
+    state, plan = step(state, Events(new_seqs=new_seqs(workload.first)))
+    while plan.num_prefill_tokens > (64 * a.num_seqs if a.churn else 0):  # warm up
+        state, plan = _core_step(state, lag, [])
+    times = []
+    for k in range(timed_steps + 20):
+        arrivals = workload.arrivals(len(state.finished))
+        start = time.perf_counter()
+        state, plan = _core_step(state, lag, new_seqs(arrivals), k % 1000 + 2)
+        times.append(time.perf_counter() - start)
+    return times[20:]
+
+
+def _core_step(state, lag, news, token=1):
+    sampled = (np.full(len(state.undelivered[0]), token) if len(state.undelivered) > lag
+               else None)
+    return step(state, Events(sampled=sampled, new_seqs=tuple(news)))
+
+
+def time_mutable(a, timed_steps: int) -> list[float]:
+    workload = Workload(a.num_seqs, a.churn)
+    scheduler = Scheduler(a.num_seqs * 72 + 64, 16, a.num_seqs, EOS)
+    for rid, prompt, m in workload.first:
+        scheduler.add(Sequence(rid, prompt, m))
+    scheduled = scheduler.schedule()
+    finished: list = []
+    times = []
+    for k in range(timed_steps + 20):
+        arrivals = workload.arrivals(len(finished))
+        start = time.perf_counter()
+        for rid, prompt, m in arrivals:
+            scheduler.add(Sequence(rid, prompt, m))
+        finished = scheduler.postprocess(scheduled, [k % 1000 + 2] * len(scheduled))
+        scheduled = scheduler.schedule()
+        times.append(time.perf_counter() - start)
+    return times[20:]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--num-seqs", type=int, default=256)
     ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--pipelined", action="store_true")
+    ap.add_argument("--churn", action="store_true")
     a = ap.parse_args()
-    config = SchedulerConfig(block_size=16, max_num_seqs=a.num_seqs,
-                             max_num_batched_tokens=16384, max_model_len=4096,
-                             enable_prefix_caching=True, enable_chunked_prefill=True,
-                             eos_token_ids=(0,), vocab_size=None)
-    num_blocks = a.num_seqs * (a.prompt_len + a.steps + 64) // 16 + 64
-    params = SamplingParams(max_tokens=a.steps + 50, ignore_eos=True)
-    news = tuple(NewSeq(f"r{i}", tuple((i * 7919 + j) % 30000 for j in range(a.prompt_len)),
-                            params) for i in range(a.num_seqs))
-    state, plan = step(initial_state(config, num_blocks), Events(new_seqs=news))
-    lag = 1 if a.pipelined else 0
-
-    def deliver(state, token):
-        return (token,) * len(state.undelivered[0]) if len(state.undelivered) > lag else None
-
-    while plan.num_prefill_tokens:
-        state, plan = step(state, Events(sampled=deliver(state, 1)))
     gc.set_threshold(20_000, *gc.get_threshold()[1:])  # as LLM.generate does
-    times = []
-    for k in range(a.steps):
-        start = time.perf_counter()
-        state, plan = step(state, Events(sampled=deliver(state, k % 1000 + 2)))
-        times.append(time.perf_counter() - start)
-    assert len(plan.seqs) == a.num_seqs
-    times.sort()
-    per_seq = [t / a.num_seqs * 1e6 for t in (times[len(times) // 2], times[0])]
-    print(f"{a.num_seqs} seqs, {a.steps} decode steps{' (pipelined)' if a.pipelined else ''}: "
-          f"{times[len(times) // 2] * 1e3:.3f} ms/step; {per_seq[0]:.2f} us per seq per step "
-          f"(best {per_seq[1]:.2f})")
+    mode = ("churn" if a.churn else "steady") + (", pipelined" if a.pipelined else "")
+    for name, timer in (("nanofn core", time_core), ("mutable yardstick", time_mutable)):
+        times = sorted(timer(a, a.steps))
+        median, best = times[len(times) // 2], times[0]
+        print(f"{name:>18}: {a.num_seqs} seqs, {a.steps} decode steps ({mode}): "
+              f"{median * 1e3:.3f} ms/step; {median / a.num_seqs * 1e6:.2f} us per seq per step "
+              f"(best {best / a.num_seqs * 1e6:.2f})")
 
 
 if __name__ == "__main__":

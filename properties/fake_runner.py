@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import xxhash
 
 from nanofn.state import PENDING_TOKEN, BatchPlan, EngineState, SampleOutput
+from nanofn.state.batch import SLOT
 
 EOS = 0
 
@@ -42,8 +43,8 @@ class FakeRunner:
         self.block_size = block_size
         self.vocab_size = vocab_size
         self.slots: list[tuple[int, int] | None] = [None] * (num_blocks * block_size)
-        self.tables: dict[str, list[int]] = {}  # kept by appends, as the real runner does
-        self.last_sampled: dict[str, int] = {}  # the previous plan's tokens, for PENDING_TOKEN
+        self.tables: dict[int, list[int]] = {}  # per runner slot, kept by appends as the real runner does
+        self.last_sampled: dict[int, int] = {}  # the previous plan's tokens by slot, for PENDING_TOKEN
 
     def slot(self, block_table: Sequence[int], position: int) -> int:
         return block_table[position // self.block_size] * self.block_size + position % self.block_size
@@ -51,24 +52,28 @@ class FakeRunner:
     def launch(self, plan: BatchPlan) -> Sampled:
         """Write every scheduled token, then read each sampling sequence's whole context back
         and sample the next token of each, in plan order (the runner's contract), never one
-        the plan bans. Block tables come from copies kept by appending, which the plan's
-        ``released`` makes safe."""
-        for seq_id in plan.released:
-            self.tables.pop(seq_id, None)
-        for s in plan.seqs:
-            table = self.tables.setdefault(s.seq_id, [])
-            table.extend(s.block_table[len(table):])
-            assert table == list(s.block_table), f"{s.seq_id}'s block table changed unreleased"
+        the plan bans. Block tables are kept per slot from the plan's new entries alone: a
+        sequence that starts running starts its slot's table afresh."""
+        for start in plan.started:
+            self.tables[start.slot] = []
+        slots = plan.slots.tolist()
+        for i, column, block in plan.block_entries.tolist():
+            table = self.tables[slots[i]]
+            assert column == len(table), f"slot {slots[i]}: entry {column} after {len(table)}"
+            table.append(block)
+        entries = plan.entries()
+        for s in entries:
+            table = self.tables[s.slot]
             assert PENDING_TOKEN not in s.token_ids[:-1], "a pending token before the last"
             for i, token in enumerate(s.token_ids):
                 if token == PENDING_TOKEN:
-                    token = self.last_sampled[s.seq_id]
+                    token = self.last_sampled[s.slot]
                 position = s.start_pos + i
                 self.slots[self.slot(table, position)] = (token, position)
-        sampled = tuple(next_token(self.read(self.tables[s.seq_id], s.context_len),
+        sampled = tuple(next_token(self.read(self.tables[s.slot], s.context_len),
                                    self.vocab_size, s.banned_token_ids)
-                        for s in plan.seqs if s.sample)
-        self.last_sampled = dict(zip(plan.sampling_seq_ids, sampled))
+                        for s in entries if s.sample)
+        self.last_sampled = dict(zip((s.slot for s in entries if s.sample), sampled))
         return Sampled(sampled)
 
     def read(self, block_table: Sequence[int], length: int) -> list[int]:
@@ -83,7 +88,7 @@ class FakeRunner:
     def check_cache_contents(self, state: EngineState) -> None:
         """Every block the prefix cache lists holds exactly the tokens it claims."""
         bs = self.block_size
-        for block, entry in state.pool.cached.items():
+        for block, entry in state.pool.cached_blocks():
             stored = [self.slots[block * bs + k] for k in range(bs)]
             assert [t for t, _ in stored] == list(entry.token_ids), f"cached block {block} lies"
 
@@ -95,9 +100,12 @@ def stop_string_hit(output: Sequence[int]) -> bool:
 
 
 def check_running_contexts(runner: FakeRunner, state: EngineState) -> None:
-    """Each running sequence's computed, known tokens are in the cache where its block table
-    says."""
-    for seq in state.running:
+    """Each running sequence's block table is the one the runner keeps for its slot, and its
+    computed, known tokens are in the cache where that table says."""
+    slots = state.batch.col(SLOT).tolist()
+    for seq, slot in zip(state.running, slots):
+        if seq.block_table:
+            assert runner.tables[slot] == list(seq.block_table), f"{seq.seq_id}'s table"
         known = min(seq.num_computed, seq.num_tokens)
         read = runner.read(seq.block_table, known)
         assert read == list(seq.token_ids[:known]), f"{seq.seq_id} reads {read}"

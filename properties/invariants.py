@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 
-from nanofn.state import BatchPlan, EngineState, SeqStatus
-from nanofn.state.plan import PENDING_TOKEN
+from nanofn.state import PENDING_TOKEN, BatchPlan, EngineState, SeqStatus
+from nanofn.state.batch import SLOT
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -19,18 +19,20 @@ def check_block_accounting(state: EngineState) -> None:
     for block, count in enumerate(pool.ref_counts):
         assert count == holders.get(block, 0), f"block {block}: ref {count}, holders {holders.get(block, 0)}"
     plain = list(pool.plain_free)
-    lru = list(pool.cached_free)
+    lru = list(pool.cached_free())
+    cached = dict(pool.cached_blocks())
     assert len(plain) == pool.num_plain_free
-    assert len(lru) == pool.cached_free.size
+    assert len(lru) == pool.num_cached_free
     free = plain + lru
     assert len(free) == len(set(free)), "a block is free twice"
     assert set(free) == {b for b, c in enumerate(pool.ref_counts) if c == 0}
     assert len(free) + sum(1 for c in pool.ref_counts if c) == pool.num_blocks
-    assert all(b in pool.cached for b in lru), "a block in the LRU queue is not cached"
-    assert not any(b in pool.cached for b in plain), "a plain free block is cached"
+    assert all(b in cached for b in lru), "a block in the LRU queue is not cached"
+    assert not any(b in cached for b in plain), "a plain free block is cached"
+    assert len(pool.by_hash) == len(cached)
     for h, block in pool.by_hash.items():
-        assert pool.cached[block].block_hash == h
-    assert all(pool.by_hash.get(e.block_hash) == b for b, e in pool.cached.items())
+        assert cached[block].block_hash == h
+    assert all(pool.by_hash.get(e.block_hash) == b for b, e in cached.items())
 
 
 def check_sharing(state: EngineState) -> None:
@@ -77,12 +79,17 @@ def check_plan(state: EngineState, plan: BatchPlan) -> None:
     """4. The plan respects the limits, and says exactly what the state scheduled."""
     c = state.config
     assert plan.step == state.step
-    assert len(plan.seqs) <= c.max_num_seqs
+    entries = plan.entries()
+    assert len(entries) <= c.max_num_seqs
     assert plan.num_tokens <= c.max_num_batched_tokens
-    ids = [s.seq_id for s in plan.seqs]
+    ids = [s.seq_id for s in entries]
     assert len(ids) == len(set(ids))
     running = {seq.seq_id: seq for seq in state.running}
-    for s in plan.seqs:
+    slots = dict(zip(state.batch.ids, state.batch.col(SLOT).tolist()))
+    assert len(set(slots.values())) == len(slots), "two running sequences share a slot"
+    assert not set(slots.values()) & set(state.free_slots), "a running sequence's slot is free"
+    assert len(slots) + len(state.free_slots) == c.max_num_seqs
+    for s in entries:
         seq = running[s.seq_id]
         assert s.num_tokens >= 1
         assert s.context_len <= c.max_model_len
@@ -91,15 +98,14 @@ def check_plan(state: EngineState, plan: BatchPlan) -> None:
         pending = s.context_len - s.start_pos - len(known)
         assert pending in (0, 1) and s.token_ids == known + (PENDING_TOKEN,) * pending
         if pending:  # only the last token, and never for a sequence that needs its history
-            assert s.sample and s.history is None
+            assert s.sample and not seq.params.has_penalties
         if s.sample:
             assert seq.num_uncomputed == 1 and seq.num_pending >= 1
-        assert s.block_table == seq.block_table
+        assert s.slot == slots[s.seq_id]
         if not c.enable_chunked_prefill:
             assert s.sample or pending, "a chunk without chunked prefill"
-    assert (state.undelivered[-1] if plan.seqs else ()) == plan.sampling_seq_ids
-    assert set(plan.released) >= {s.seq_id for s in state.finished} | set(state.preempted)
-    assert state.unreported_releases == (() if plan.seqs else plan.released)
+    assert (state.undelivered[-1].seq_ids if entries else ()) == plan.sampling_seq_ids
+    assert {s.seq_id for s in plan.started} <= set(ids)
 
 
 def check_all(state: EngineState, plan: BatchPlan) -> None:

@@ -25,10 +25,11 @@ preemptions: list = []
 _real_preempt = scheduler.preempt
 
 
-def _spying_preempt(pool, seq):
-    new_pool, victim = _real_preempt(pool, seq)
-    preemptions.append((pool.num_free, seq, victim))
-    return new_pool, victim
+def _spying_preempt(pool, batch, i):
+    free = pool.num_free
+    victim = _real_preempt(pool, batch, i)
+    preemptions.append((free, batch.seq(i), victim))
+    return victim
 
 
 class EngineMachine(RuleBasedStateMachine):
@@ -39,6 +40,7 @@ class EngineMachine(RuleBasedStateMachine):
         self.aborts: list[str] = []
         self.stops: list[str] = []
         self.recorded = []  # every (state, plan), to compare with the replay
+        self.snapshots = []  # (a state, a deep copy of it then): later steps must not change it
         self.count = 0
 
     @rule(batch=st.lists(requests(), min_size=1, max_size=4))
@@ -101,6 +103,8 @@ class EngineMachine(RuleBasedStateMachine):
         check_running_contexts(self.driver.runner, state)
         self.driver.runner.check_cache_contents(state)
         self.recorded.append((state, plan))
+        if len(self.recorded) % 3 == 1:
+            self.snapshots.append((state, copy.deepcopy(state)))
         _note_coverage(old_state, state, plan)
 
     @invariant()
@@ -114,6 +118,8 @@ class EngineMachine(RuleBasedStateMachine):
         self.driver.advance(self.new)
         self.driver.drain()  # invariant 6: everyone finishes
         assert self.driver.state.pool.num_free == self.driver.state.pool.num_blocks
+        for kept, snapshot in self.snapshots:  # invariant 8: no later step changed them
+            assert kept == snapshot
         # Invariant 9: the trace rebuilds every state and plan.
         trace = parse_trace(self.driver.trace_lines)
         replayed = list(replay(trace, check=True))
@@ -129,7 +135,7 @@ def _note_coverage(old, new, plan) -> None:
         event("prefix cache hit")
     if any(not s.sample for s in plan.seqs):
         event("chunked prefill")
-    if new.pool.cached_free.size < old.pool.cached_free.size and new.pool.num_plain_free == 0:
+    if new.pool.num_cached_free < old.pool.num_cached_free and new.pool.num_plain_free == 0:
         event("eviction or reuse of a cached free block")
     for seq in new.finished:
         event(f"finished: {seq.finish_reason.value}")

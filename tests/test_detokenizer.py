@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 from transformers import AutoTokenizer
 
-from nanofn.engine.detokenizer import Detokenizer
+from nanofn.engine.detokenizer import Detokenizer, decode_output
 from nanofn.state import SamplingParams
 from nanofn.state.policy import may_stop
 
@@ -18,7 +20,7 @@ def tokenizer(tiny_qwen3):
 def feed(tokenizer, text: str, params: SamplingParams, extra_ids=()) -> Detokenizer:
     detok = Detokenizer(tokenizer, tokenizer.encode("Once upon"), params)
     for n, token in enumerate(tokenizer.encode(text) + list(extra_ids), start=1):
-        if detok.add(token, may_stop(params, n)):
+        if detok.add(token, may_stop(n, params.min_tokens)):
             break
     return detok
 
@@ -36,7 +38,7 @@ def test_a_stop_string_is_held_back_then_cut(tokenizer):
     detok = Detokenizer(tokenizer, tokenizer.encode("Once upon"), params)
     seen = []
     for n, token in enumerate(tokenizer.encode(" a time there was a little engine that"), 1):
-        stopped = detok.add(token, may_stop(params, n))
+        stopped = detok.add(token, may_stop(n, params.min_tokens))
         seen.append(detok.visible_text(finished=False))
         if stopped:
             break
@@ -54,3 +56,20 @@ def test_no_stop_string_before_min_tokens(tokenizer):
     assert early.stopped and early.text == " a "
     late = feed(tokenizer, text, SamplingParams(stop=["time"], min_tokens=4))
     assert late.stopped and late.text == " a time, a "
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_decoding_once_gives_what_token_by_token_decoding_gives(tokenizer, skip_special_tokens):
+    """Sequences without stop strings are decoded once, when they finish: the text must be what
+    the incremental decoder would have built, characters split across tokens and special
+    tokens included."""
+    rng = random.Random(0)
+    params = SamplingParams(skip_special_tokens=skip_special_tokens)
+    vocab = len(tokenizer)
+    for _ in range(200):
+        prompt = [rng.randrange(vocab) for _ in range(rng.randrange(1, 9))]
+        output = [rng.randrange(vocab) for _ in range(rng.randrange(1, 30))]
+        incremental = Detokenizer(tokenizer, prompt, params)
+        for token in output:
+            incremental.add(token, may_stop=False)
+        assert decode_output(tokenizer, prompt, output, params) == incremental.text

@@ -403,3 +403,33 @@ def test_a_malformed_prompt_is_an_invalid_request_and_nothing_stays_queued(llm, 
 def test_bad_engine_options_name_the_problem(tiny_qwen3, options, message):
     with pytest.raises(ValueError, match=message):
         LLM(str(tiny_qwen3), **options)
+
+
+def test_text_is_decoded_once_at_the_end_unless_stop_strings_need_it(llm, monkeypatch):
+    """Detokenization is off the per-step path: a request without stop strings (or logprobs)
+    is decoded once when it finishes, to the text incremental decoding gives."""
+    import nanofn.engine.engine as engine_module
+    from nanofn.engine.detokenizer import Detokenizer
+
+    per_step, finals, ending = [], [], []
+    original_add, original_decode = Detokenizer.add, engine_module.decode_output
+
+    def counting_add(self, *a, **k):
+        (finals if ending else per_step).append(1)
+        return original_add(self, *a, **k)
+
+    def counting_decode(*a, **k):
+        ending.append(1)
+        try:
+            return original_decode(*a, **k)
+        finally:
+            ending.pop()
+
+    monkeypatch.setattr(Detokenizer, "add", counting_add)
+    monkeypatch.setattr(engine_module, "decode_output", counting_decode)
+    plain = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert not per_step
+    watched = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True,
+                                                   stop=["\x00 never"]), use_tqdm=False)
+    assert len(per_step) == 10 * len(PROMPTS)
+    assert texts(plain) == texts(watched) and all(texts(plain))

@@ -1,65 +1,66 @@
-"""From plans to model inputs: positions, cache slots, sample rows and the block tables kept on
-the device by appends."""
+"""From plans to model inputs: positions, cache slots, sample rows, and the per-slot block
+tables and last tokens kept on the device."""
 
 from __future__ import annotations
 
 import torch
-from pyrsistent import pvector
 
-from nanofn.runner.block_tables import DeviceBlockTables
-from nanofn.runner.inputs import PreviousSamples, prepare_inputs
-from nanofn.state import BatchPlan, SamplingParams, ScheduledSeq
-from nanofn.state.plan import PENDING_TOKEN
+from nanofn.runner.inputs import SlotTables, prepare_inputs
+from nanofn.state import PENDING_TOKEN, SamplingParams, ScheduledSeq, SeqStart, plan_of
 
 BS = 16
 CPU = torch.device("cpu")
 PARAMS = SamplingParams()
 
 
-def seq(seq_id, start, tokens, table, sample=True):
-    return ScheduledSeq(seq_id, tuple(tokens), start, pvector(table), sample, PARAMS, 1)
+def seq(seq_id, slot, start, tokens, new_blocks=(), sample=True, first_column=0):
+    return ScheduledSeq(seq_id, slot, tuple(tokens), start, sample,
+                        tuple(enumerate(new_blocks, start=first_column)))
 
 
-def expected_slots(s: ScheduledSeq) -> list[int]:
-    return [s.block_table[p // BS] * BS + p % BS for p in range(s.start_pos, s.context_len)]
+def started(*seqs):
+    return [SeqStart(s.slot, s.seq_id, PARAMS, 1) for s in seqs]
+
+
+def slots_of(table, start, count):
+    return [table[p // BS] * BS + p % BS for p in range(start, start + count)]
 
 
 def test_prefill_and_decode_tokens_land_in_their_slots():
-    seqs = (seq("a", 0, range(20), [7, 3]), seq("b", 33, [5], [1, 9, 4]),
-            seq("c", 16, range(10), [2, 8], sample=False))
-    tables = DeviceBlockTables(4, 8, CPU)
-    inputs = prepare_inputs(BatchPlan(1, seqs), BS, tables, CPU)
+    seqs = [seq("a", 2, 0, range(20), [7, 3]), seq("b", 0, 33, [5], [1, 9, 4]),
+            seq("c", 1, 16, range(10), [2, 8], sample=False)]
+    tables = SlotTables(4, 8, CPU)
+    inputs = prepare_inputs(plan_of(1, seqs, started(*seqs)), BS, tables, CPU)
     assert inputs.input_ids.tolist() == list(range(20)) + [5] + list(range(10))
     assert inputs.positions.tolist() == list(range(20)) + [33] + list(range(16, 26))
-    assert inputs.batch.slot_mapping.tolist() == sum((expected_slots(s) for s in seqs), [])
+    assert inputs.batch.slot_mapping.tolist() == (slots_of([7, 3], 0, 20) + slots_of([1, 9, 4], 33, 1)
+                                                  + slots_of([2, 8], 16, 10))
     assert inputs.sample_rows.tolist() == [19, 20]  # c's chunk does not end its prompt
+    assert inputs.sampling_slots.tolist() == [2, 0]
     assert inputs.batch.query_start.tolist() == [0, 20, 21, 31]
     assert inputs.batch.seq_lens.tolist() == [20, 34, 26]
     assert inputs.batch.block_tables.tolist() == [[7, 3, 0], [1, 9, 4], [2, 8, 0]]
     assert not inputs.batch.decode_only
 
 
-def test_block_tables_grow_by_appends_and_rows_are_reused_after_release():
-    tables = DeviceBlockTables(2, 4, CPU)
-    first = prepare_inputs(BatchPlan(1, (seq("a", 15, [1], [6]), seq("b", 0, [2], [5]))), BS,
-                           tables, CPU)
-    assert first.batch.block_tables.tolist() == [[6], [5]]
-    # a grows a block; b is released (say, preempted) and c takes its row.
-    plan = BatchPlan(2, (seq("a", 16, [3], [6, 2]), seq("c", 0, [4], [9])), released=("b",))
-    second = prepare_inputs(plan, BS, tables, CPU)
-    assert second.batch.block_tables.tolist() == [[6, 2], [9, 0]]
-    assert second.batch.slot_mapping.tolist() == [2 * BS, 9 * BS]
-    assert second.batch.decode_only
-    # b comes back with a new table: written whole, not appended to its old one.
-    back = BatchPlan(3, (seq("b", 0, [1] * 17, [1, 7]),), released=("c",))
-    assert prepare_inputs(back, BS, tables, CPU).batch.block_tables.tolist() == [[1, 7]]
+def test_block_tables_grow_by_appends_and_a_started_slot_starts_afresh():
+    tables = SlotTables(2, 4, CPU)
+    first = [seq("a", 0, 15, [1], [6]), seq("b", 1, 0, [2], [5])]
+    assert prepare_inputs(plan_of(1, first, started(*first)), BS, tables, CPU) \
+        .batch.block_tables.tolist() == [[6], [5]]
+    # a grows a block; b left (say, preempted) and c takes its slot with a table of its own.
+    second = [seq("a", 0, 16, [3], [2], first_column=1), seq("c", 1, 0, [4], [9])]
+    inputs = prepare_inputs(plan_of(2, second, started(second[1])), BS, tables, CPU)
+    assert inputs.batch.block_tables.tolist() == [[6, 2], [9, 0]]
+    assert inputs.batch.slot_mapping.tolist() == [2 * BS, 9 * BS]
+    assert inputs.batch.decode_only
 
 
-def test_a_pending_token_is_read_from_the_previous_samples_on_the_device():
-    tables = DeviceBlockTables(4, 4, CPU)
-    previous = PreviousSamples(torch.tensor([70, 71, 72]), {"a": 2, "b": 0})
-    plan = BatchPlan(2, (seq("a", 5, [PENDING_TOKEN], [3]), seq("c", 0, [9, 8], [1]),
-                             seq("b", 17, [PENDING_TOKEN], [4, 5])))
-    inputs = prepare_inputs(plan, BS, tables, CPU, previous)
+def test_a_pending_token_is_the_last_token_sampled_in_its_slot():
+    tables = SlotTables(4, 4, CPU)
+    tables.keep_sampled(torch.tensor([3, 0]), torch.tensor([72, 70]))
+    seqs = [seq("a", 3, 5, [PENDING_TOKEN], [3]), seq("c", 1, 0, [9, 8], [1]),
+            seq("b", 0, 17, [PENDING_TOKEN], [4, 5])]
+    inputs = prepare_inputs(plan_of(2, seqs, started(seqs[1])), BS, tables, CPU)
     assert inputs.input_ids.tolist() == [72, 9, 8, 70]
     assert inputs.positions.tolist() == [5, 0, 1, 17]

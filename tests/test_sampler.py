@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
+import random
 import subprocess
 import sys
+import warnings
 
+import numpy as np
 import pytest
 import torch
 
 from nanofn.runner.sampler import (
-    Sampler, SampleRequest, apply_min_p, apply_penalties, apply_temperature, apply_top_k,
-    apply_top_p, row_seed, token_counts,
+    Sampler, SampleRequest, SamplingRows, apply_min_p, apply_penalties, apply_temperature,
+    apply_top_k, apply_top_p, row_seed, row_seeds, token_counts,
 )
 from nanofn.state.params import SamplingParams
 
@@ -276,6 +280,25 @@ def test_row_seed_separates_nearby_pairs():
     assert all(0 <= s < 2**64 for s in seeds)
 
 
+def test_row_seeds_is_row_seed_bit_for_bit():
+    rng = random.Random(0)
+    edges = [0, 1, 2**63 - 1, 2**63, 2**64 - 1, -1, -2**63, -12345, 2**64 + 7, -(2**70) - 3]
+    seeds = edges * 4 + [rng.getrandbits(64) for _ in range(500)] + [-rng.getrandbits(70)] * 50
+    positions = ([0] * 10 + [1] * 10 + [2**62] * 10 + [2**63 - 1] * 10
+                 + [rng.randrange(2**40) for _ in range(550)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no overflow warnings either
+        vectorized = row_seeds(np.array([s & (2**64 - 1) for s in seeds], np.uint64),
+                               np.array(positions, np.int64))
+        one = row_seeds(np.uint64(2**64 - 1), 2**63 - 1)  # a scalar pair
+    assert vectorized.dtype == np.uint64
+    assert vectorized.tolist() == [row_seed(s, p) for s, p in zip(seeds, positions)]
+    assert int(one) == row_seed(-1, 2**63 - 1)
+    # As int64, the keys of the Triton path: the same 64 bits.
+    assert vectorized.view(np.int64).tolist() == [
+        k - 2**64 if k >= 2**63 else k for k in vectorized.tolist()]
+
+
 def test_unseeded_draws_repeat_for_a_fixed_sampler_seed():
     requests = [request()] * 20
 
@@ -299,3 +322,121 @@ def test_banned_tokens_are_never_drawn_but_keep_their_logprobs():
     assert out.logprobs[0].top[0][0] == 0  # logprobs describe the model, not the ban
     hot = [SampleRequest(SamplingParams(temperature=5.0), 5, banned_token_ids=(0, 2))] * 2
     assert set(sampler(logits, hot).token_ids) == {1}
+
+
+# ------------------------------------------------------------------------- columnar input
+
+
+def mixed_requests(vocab_size: int) -> list[SampleRequest]:
+    """One row of every kind: greedy, temperature only, filters, seeded, penalties, banned
+    tokens, logprobs, and mixtures of them."""
+    def seen(n: int) -> list[int]:
+        return [(7 * i + n) % vocab_size for i in range(n)]
+
+    kinds = [
+        dict(temperature=0.0), dict(temperature=1e-6, logprobs=2), dict(), dict(temperature=0.7),
+        dict(top_k=5), dict(top_k=-1, top_p=0.8), dict(top_p=0.5, temperature=1.3),
+        dict(min_p=0.1), dict(top_k=20, top_p=0.9, min_p=0.05, temperature=0.8),
+        dict(seed=42), dict(seed=-1, top_k=10), dict(seed=2**64 + 5, temperature=0.0),
+        dict(seed=0, logprobs=3, top_p=0.9),
+        dict(repetition_penalty=1.3), dict(frequency_penalty=0.5, presence_penalty=0.3, seed=7),
+        dict(temperature=0.0, presence_penalty=1.0, logprobs=1),
+        dict(logprobs=0), dict(temperature=0.0, logprobs=4, top_k=3),
+    ]
+    requests = [SampleRequest(SamplingParams(**kind), 3 + 11 * i, seen(i), seen(i + 2))
+                for i, kind in enumerate(kinds)]
+    requests += [SampleRequest(SamplingParams(temperature=0.0), 9, banned_token_ids=(0, 5)),
+                 SampleRequest(SamplingParams(top_k=4, seed=3), 9, banned_token_ids=(1,)),
+                 SampleRequest(SamplingParams(temperature=2.0, frequency_penalty=1.0), 4, [], [2],
+                               banned_token_ids=(3, 4))]
+    return requests
+
+
+def engine_style(rows: SamplingRows, requests: list[SampleRequest]) -> SamplingRows:
+    """``rows`` as an engine may build them: raw temperatures (not 0 for greedy rows) and
+    read-only strided views for columns."""
+    columns = {f.name: getattr(rows, f.name) for f in dataclasses.fields(rows)
+               if f.name not in ("histories", "banned")}
+    columns["temperature"] = np.array([r.params.temperature for r in requests], np.float32)
+    views = {}
+    for name, column in columns.items():
+        views[name] = np.stack([column, column], axis=1)[:, 0]  # every other element of a table
+        views[name].flags.writeable = False
+    return SamplingRows(**views, histories=rows.histories, banned=rows.banned)
+
+
+def test_sampling_rows_from_requests_fills_each_column():
+    requests = [request(temperature=1e-6, top_k=-1, seed=-1, logprobs=2),
+                request(position=7, temperature=0.5, top_p=0.9, top_k=3, min_p=0.1, seed=2**64),
+                SampleRequest(SamplingParams(presence_penalty=0.5, frequency_penalty=-0.5,
+                                             repetition_penalty=1.5), 9, [1, 2], [3],
+                              banned_token_ids=(4, 5))]
+    rows = SamplingRows.from_requests(requests)
+    assert len(rows) == 3
+    assert rows.temperature.tolist() == [0.0, 0.5, 1.0]  # greedy rows: 0
+    assert rows.temperature.dtype == rows.top_p.dtype == rows.min_p.dtype == np.float32
+    assert rows.top_p.tolist() == pytest.approx([1.0, 0.9, 1.0])
+    assert rows.top_k.tolist() == [0, 3, 0] and rows.top_k.dtype == np.int64
+    assert rows.min_p.tolist() == pytest.approx([0.0, 0.1, 0.0])
+    assert rows.seeded.tolist() == [True, True, False]
+    assert rows.seed.tolist() == [2**64 - 1, 0, 0] and rows.seed.dtype == np.uint64
+    assert rows.position.tolist() == [0, 7, 9]
+    assert rows.logprobs.tolist() == [2, -1, -1]
+    assert rows.presence_penalty.tolist() == [0.0, 0.0, 0.5]
+    assert rows.frequency_penalty.tolist() == [0.0, 0.0, -0.5]
+    assert rows.repetition_penalty.tolist() == [1.0, 1.0, 1.5]
+    assert rows.histories == ((2, [1, 2], [3]),)
+    assert rows.banned == ((2, (4, 5)),)
+    assert rows.greedy().tolist() == [True, False, False]
+    assert rows.unfiltered().tolist() == [True, False, True]
+    assert rows.special().tolist() == [False, False, True]
+
+
+def test_greedy_rows_are_those_of_greedy_params_despite_float32_rounding():
+    temperatures = [0.0, 1e-6, 9.99999999e-6, 1e-5, 1.00000001e-5, 0.5]
+    rows = SamplingRows.from_requests([request(temperature=t) for t in temperatures])
+    assert rows.greedy().tolist() == [True, True, True, False, False, False]
+
+
+def test_sampling_rows_select_renumbers_histories_and_banned():
+    rows = SamplingRows.from_requests(mixed_requests(50))
+    picked = rows.select(np.array([3, 13, 14, 19, 20]))
+    assert picked.position.tolist() == rows.position[[3, 13, 14, 19, 20]].tolist()
+    assert [row for row, _, _ in picked.histories] == [1, 2, 4]
+    assert picked.histories[0][1:] == rows.histories[0][1:]
+    assert picked.banned == ((3, (1,)), (4, (3, 4)))
+
+
+def test_sampling_rows_refuse_penalties_without_token_lists():
+    rows = SamplingRows.from_requests([request(), request(temperature=0.0)])
+    with pytest.raises(ValueError, match=r"rows \[1\] have penalties"):
+        dataclasses.replace(rows, repetition_penalty=np.array([1.0, 1.2], np.float32))
+
+
+@pytest.mark.filterwarnings("error")  # read-only columns included
+@pytest.mark.parametrize("sampler_seed", [0, 1, 2])
+@pytest.mark.parametrize("kinds", ["mixed", "random only"])  # random only: whole columns used
+def test_sampling_rows_give_what_the_request_list_gives(sampler_seed, kinds):
+    vocab_size = 50
+    requests = mixed_requests(vocab_size)
+    if kinds == "random only":
+        requests = [r for r in requests if not r.params.greedy]
+    rows = SamplingRows.from_requests(requests)
+    by_requests, by_rows, by_views = (Sampler(seed=sampler_seed, device=CPU) for _ in range(3))
+    for step in range(3):  # the unseeded rows' generator advances alike
+        logits = torch.randn(len(requests), vocab_size,
+                             generator=torch.Generator().manual_seed(step)) * 2
+        expected = by_requests(logits, requests)
+        assert by_rows.sample(logits, rows).wait() == expected
+        assert by_views(logits, engine_style(rows, requests)) == expected
+        assert [lp is not None for lp in expected.logprobs] == [
+            r.params.logprobs is not None for r in requests]
+
+
+def test_greedy_and_empty_batches_of_rows():
+    logits = torch.tensor([[1.0, 3.0, 3.0, 0.0], [0.0, 0.0, 0.0, 0.5]])
+    rows = SamplingRows.from_requests([request(temperature=0.0), request(temperature=1e-6)])
+    assert Sampler(seed=0, device=CPU)(logits, rows) == Sampler(seed=0, device=CPU)(
+        logits, [request(temperature=0.0)] * 2)
+    empty = SamplingRows.from_requests([])
+    assert Sampler(seed=0, device=CPU)(torch.zeros(0, 4), empty).token_ids == []

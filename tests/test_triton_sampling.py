@@ -16,7 +16,9 @@ import torch
 from triton_interpreter import interpreter_process
 
 from nanofn.kernels.triton_sampling import exponential_noise, sample_plain
-from nanofn.runner.sampler import Sampler, SampleRequest, exponential_race, row_seed
+from nanofn.runner.sampler import (
+    Sampler, SampleRequest, SamplingRows, exponential_race, row_seed,
+)
 from nanofn.state.params import SamplingParams
 
 VOCAB = 1000
@@ -221,3 +223,33 @@ def test_penalties_suppression_and_greedy_rows_on_the_triton_path(interpreter):
         SampleRequest(SamplingParams(temperature=0.0, top_k=2, logprobs=1), 0),
     ]
     assert interpreter(sample_with_triton, 0, [(logits, requests)]) == [[1, 1, 2, 0]]
+
+
+def sample_both_ways(sampler_seed, batches):
+    """Per (logits, requests) batch, the outputs of two Triton-path samplers of the same seed:
+    one given the request list, one given ``SamplingRows.from_requests`` of it."""
+    by_requests = Sampler(seed=sampler_seed, device="cpu", use_triton=True)
+    by_rows = Sampler(seed=sampler_seed, device="cpu", use_triton=True)
+    return [(by_requests(logits, requests),
+             by_rows.sample(logits, SamplingRows.from_requests(requests)).wait())
+            for logits, requests in batches]
+
+
+def test_sampling_rows_give_what_the_request_list_gives_on_the_triton_path(interpreter):
+    mixed = [
+        request(temperature=0.0), request(), request(position=5, seed=42, temperature=0.7),
+        request(top_k=40), request(position=2, top_p=0.9, seed=-1),
+        request(min_p=0.1, temperature=0.5), request(frequency_penalty=0.5, seed=1),
+        request(repetition_penalty=1.3, temperature=0.0),
+        SampleRequest(SamplingParams(min_p=0.2), 3, banned_token_ids=(1, 2)),
+        SampleRequest(SamplingParams(temperature=0.0), 3, banned_token_ids=(0,)),
+        request(logprobs=2, temperature=0.0),
+        request(position=7, logprobs=3, top_k=5, seed=2**64 - 1),
+    ]
+    plain = [request(), request(position=4, temperature=0.5, seed=3),
+             request(temperature=1e-6, logprobs=1)]
+    batches = [(random_logits(len(mixed), VOCAB, seed=20), mixed),
+               (random_logits(len(plain), VOCAB, seed=21), plain),
+               (random_logits(len(mixed), VOCAB, seed=22, scale=0.3), mixed)]
+    for by_requests, by_rows in interpreter(sample_both_ways, 3, batches):
+        assert by_rows == by_requests

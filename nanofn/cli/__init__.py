@@ -426,10 +426,11 @@ def run_replay(args: argparse.Namespace) -> int:
 
 
 def _step_line(state: EngineState, plan: BatchPlan) -> str:
-    parts = [f"step {plan.step}: {len(plan.seqs)} seqs, prefill {plan.num_prefill_tokens}, "
+    entries = plan.entries()
+    parts = [f"step {plan.step}: {len(entries)} seqs, prefill {plan.num_prefill_tokens}, "
              f"decode {plan.num_decode_tokens}"]
-    if plan.seqs:
-        parts.append(" ".join(_scheduled(s) for s in plan.seqs))
+    if entries:
+        parts.append(" ".join(_scheduled(s) for s in entries))
     if state.preempted:
         parts.append("preempted " + " ".join(state.preempted))
     if state.finished:
@@ -451,19 +452,21 @@ def _print_state(state: EngineState, plan: BatchPlan, num_steps: int) -> None:
     pool = state.pool
     owned = [f"{block}:{count}" for block, count in enumerate(pool.ref_counts) if count]
     print(f"block pool: {pool.num_blocks} blocks, {pool.num_used} owned, "
-          f"{pool.num_plain_free} plain free, {pool.cached_free.size} cached free, "
-          f"{len(pool.cached)} in the prefix cache")
-    print(f"  cached free, first evicted first: {_short(list(pool.cached_free))}")
+          f"{pool.num_plain_free} plain free, {pool.num_cached_free} cached free, "
+          f"{len(pool.by_hash)} in the prefix cache")
+    print(f"  cached free, first evicted first: {_short(list(pool.cached_free()))}")
     print(f"  reference counts of owned blocks (block:count): {_short(owned)}")
     f = figures(state)
     print(f"figures: KV usage {f.kv_cache_usage:.1%} ({f.kv_blocks_used} of {f.kv_blocks_total} "
           f"blocks), prefix cache hit rate {f.prefix_cache_hit_rate:.1%}, preemptions "
           f"{f.num_preemptions}, finished so far {f.num_finished}")
-    print(f"plan of step {plan.step}: {len(plan.seqs)} seqs, prefill {plan.num_prefill_tokens} "
+    entries = plan.entries()
+    print(f"plan of step {plan.step}: {len(entries)} seqs, prefill {plan.num_prefill_tokens} "
           f"tokens, decode {plan.num_decode_tokens} tokens")
-    for s in plan.seqs:
+    tables = {seq.seq_id: seq.block_table for seq in state.running}
+    for s in entries:
         tokens = ["pending" if t == PENDING_TOKEN else t for t in s.token_ids]
-        print(f"  {_scheduled(s)} tokens {_short(tokens)} blocks {_short(s.block_table)}")
+        print(f"  {_scheduled(s)} tokens {_short(tokens)} blocks {_short(tables[s.seq_id])}")
 
 
 def _describe_seq(seq: Seq) -> str:

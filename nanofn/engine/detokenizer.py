@@ -1,11 +1,12 @@
-"""Incremental detokenization and stop strings, one ``Detokenizer`` per output sequence."""
+"""Detokenization: incremental, with stop strings, for the sequences that need text as it
+comes (``Detokenizer``), and once at the end for the others (``decode_output``)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any
 
-from tokenizers.decoders import DecodeStream
+from tokenizers.decoders import ByteLevel, DecodeStream
 
 from nanofn.state.params import SamplingParams
 
@@ -68,3 +69,24 @@ class Detokenizer:
         end = index + len(stop) if self.params.include_stop_str_in_output else index
         self.text = self.text[:end]
         self.stopped = True
+
+
+def decode_output(tokenizer: Any, prompt_token_ids: Sequence[int], output_token_ids: Sequence[int],
+                  params: SamplingParams) -> str:
+    """The text a ``Detokenizer`` fed ``output_token_ids`` one by one would hold (stop strings
+    aside), decoded at once: the decode of the prompt's last tokens and the output, less that
+    of the prompt's last tokens. A byte-level decoder (Llama 3, Qwen) makes that exact unless a
+    character is split across tokens (a replacement character shows); then, and for other
+    decoders, the tokens are replayed through the incremental decoder."""
+    backend = tokenizer.backend_tokenizer
+    if isinstance(backend.decoder, ByteLevel):
+        context = list(prompt_token_ids[-PROMPT_CONTEXT:])
+        skip = params.skip_special_tokens
+        before = backend.decode(context, skip_special_tokens=skip)
+        whole = backend.decode(context + list(output_token_ids), skip_special_tokens=skip)
+        if "\ufffd" not in whole and whole.startswith(before):
+            return whole[len(before):]
+    replay = Detokenizer(tokenizer, prompt_token_ids, params)
+    for token in output_token_ids:
+        replay.add(token, may_stop=False)
+    return replay.text

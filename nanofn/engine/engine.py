@@ -18,7 +18,7 @@ from typing import Any, TextIO, Union
 import torch
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-from nanofn.engine.detokenizer import Detokenizer
+from nanofn.engine.detokenizer import Detokenizer, decode_output
 from nanofn.engine.loop import Delivery, EngineLoop
 from nanofn.engine.options import EngineOptions
 from nanofn.engine.outputs import CompletionOutput, Logprob, RequestOutput
@@ -33,15 +33,26 @@ PromptInput = Union[str, Sequence[int], Mapping[str, Any]]
 
 @dataclass
 class _SeqOutput:
-    """The shell's view of one output sequence of a request."""
+    """The shell's view of one output sequence of a request.
+
+    Only a *watched* sequence (one with stop strings or logprobs) takes its tokens as they are
+    delivered, into ``token_ids`` and its incremental ``detokenizer``; the others are decoded
+    once, when they finish, from the core's record (or on demand, for streamed outputs).
+    """
 
     seq_id: str  # the core's id
     index: int
-    detokenizer: Detokenizer
-    token_ids: list[int]
+    params: SamplingParams
+    detokenizer: Detokenizer | None  # watched sequences
+    token_ids: list[int]  # delivered so far (watched sequences); all of them once finished
     logprobs: list[dict[int, Logprob]] | None
     cumulative_logprob: float | None
     finish_reason: str | None = None
+    text: str = ""  # once finished
+
+    @property
+    def watched(self) -> bool:
+        return self.detokenizer is not None
 
 
 @dataclass
@@ -88,6 +99,7 @@ class Engine:
         self._ids = itertools.count()
         self._requests: dict[str, _Request] = {}
         self._seqs: dict[str, tuple[_Request, _SeqOutput]] = {}  # by the core's id
+        self._watched: dict[str, _SeqOutput] = {}  # the live ones with stop strings or logprobs
         # Everything loaded so far lives as long as the engine: keep it out of the cyclic
         # collector's way, which would otherwise walk the model's objects every full
         # collection, while the scheduler makes many short-lived records per step.
@@ -114,14 +126,18 @@ class Engine:
         news = [NewSeq(seq_id, tuple(token_ids), child)
                 for seq_id, child in _children(request_id, params)]
         seq_ids = self._add_all(news)
+        watched = bool(params.stop) or params.logprobs is not None
         request = _Request(request_id, text, token_ids, [
-            _SeqOutput(seq_id, i, Detokenizer(self.tokenizer, token_ids, params), [],
+            _SeqOutput(seq_id, i, params,
+                       Detokenizer(self.tokenizer, token_ids, params) if watched else None, [],
                        [] if params.logprobs is not None else None,
                        0.0 if params.logprobs is not None else None)
             for i, seq_id in enumerate(seq_ids)])
         self._requests[request_id] = request
         for seq in request.seqs:
             self._seqs[seq.seq_id] = (request, seq)
+            if watched:
+                self._watched[seq.seq_id] = seq
         return request_id
 
     def _add_all(self, news: list[NewSeq]) -> list[str]:
@@ -159,44 +175,61 @@ class Engine:
         ``only_finished``, just the finished ones, which is cheaper for batch generation)."""
         result = self.loop.step(self._take_delivery)
         finished = self._finish(result.finished)
-        advanced = [] if only_finished or result.delivered is None else \
-            self._advanced(result.delivered)
-        reported = finished if only_finished else _unique(advanced + finished)
-        return StepResult([self._output(r) for r in reported],
-                          result.plan.num_prefill_tokens, result.plan.num_decode_tokens)
+        if only_finished:
+            outputs = [self._output(r) for r in finished]
+        else:
+            advanced = [] if result.delivered is None else self._advanced(result.delivered)
+            current = _CurrentTokens(self.loop.state)
+            outputs = [self._output(r, current) for r in _unique(advanced + finished)]
+        return StepResult(outputs, result.plan.num_prefill_tokens, result.plan.num_decode_tokens)
 
-    def _take_delivery(self, delivery: Delivery) -> Iterable[str]:
-        """Hand the delivered tokens to their sequences; return those whose stop string they
-        complete. Tokens of sequences that finished meanwhile (they were sampled one step
-        ahead) are dropped."""
+    def _take_delivery(self, delivery: Delivery) -> list[str]:
+        """Hand the delivered tokens to the watched sequences; return those whose stop string
+        they complete. Tokens of sequences that finished meanwhile (they were sampled one step
+        ahead) are dropped; the others' tokens wait in the core."""
+        if not self._watched:
+            return []
         out = delivery.output
-        for seq_id, token, logprobs in zip(delivery.plan.sampling_seq_ids, out.token_ids,
-                                           out.logprobs):
-            owner = self._seqs.get(seq_id)
-            if owner is None:  # finished while this token was in flight
+        tokens = out.token_ids.tolist() if hasattr(out.token_ids, "tolist") else out.token_ids
+        stop_hits = []
+        for i, seq_id in enumerate(delivery.plan.sampling_seq_ids):
+            seq = self._watched.get(seq_id)
+            if seq is None:
                 continue
-            seq = owner[1]
-            seq.token_ids.append(token)
-            if logprobs is not None:
-                self._add_logprobs(seq, logprobs)
-            detokenizer = seq.detokenizer
-            if detokenizer.add(token, may_stop(detokenizer.params, len(seq.token_ids))):
-                yield seq_id
+            seq.token_ids.append(tokens[i])
+            if seq.logprobs is not None and out.logprobs is not None and out.logprobs[i] is not None:
+                self._add_logprobs(seq, out.logprobs[i])
+            if seq.detokenizer.add(tokens[i], may_stop(len(seq.token_ids), seq.params.min_tokens)):
+                stop_hits.append(seq_id)
+        return stop_hits
 
     def _advanced(self, delivery: Delivery) -> list[_Request]:
         return [owner[0] for seq_id in delivery.plan.sampling_seq_ids
                 if (owner := self._seqs.get(seq_id)) is not None]
 
     def _finish(self, seqs: tuple[Seq, ...]) -> list[_Request]:
+        """Take the core's finished records: their tokens are the output; the unwatched ones'
+        text is decoded now, once."""
         done = []
         for seq in seqs:
             owner = self._seqs.pop(seq.seq_id, None)
             if owner is None:
                 continue
             request, output = owner
-            output.finish_reason = seq.finish_reason.value
-            if seq.finish_reason is FinishReason.STOP and not output.detokenizer.stopped:
-                output.detokenizer.drop_last_token()  # a stop token, not a stop string
+            self._watched.pop(seq.seq_id, None)
+            reason = seq.finish_reason
+            output.finish_reason = reason.value
+            output.token_ids = list(seq.output_token_ids)
+            by_token = reason is FinishReason.STOP and not (output.watched and output.detokenizer.stopped)
+            dropped = by_token and not output.params.include_stop_str_in_output
+            if output.watched:
+                if dropped:
+                    output.detokenizer.drop_last_token()
+                output.text = output.detokenizer.visible_text(True)
+            else:  # a stop token's text is not part of the output, as in vLLM
+                shown = output.token_ids[:-1] if dropped else output.token_ids
+                output.text = decode_output(self.tokenizer, request.prompt_token_ids, shown,
+                                            output.params)
             if request.finished:
                 del self._requests[request.request_id]
                 done.append(request)
@@ -209,15 +242,21 @@ class Engine:
         seq.logprobs.append(entry)
         seq.cumulative_logprob += lp.logprob
 
-    def _output(self, request: _Request) -> RequestOutput:
-        outputs = [CompletionOutput(
-            index=s.index,
-            text=s.detokenizer.visible_text(s.finish_reason is not None),
-            token_ids=list(s.token_ids),
-            cumulative_logprob=s.cumulative_logprob,
-            logprobs=list(s.logprobs) if s.logprobs is not None else None,
-            finish_reason=s.finish_reason,
-        ) for s in request.seqs]
+    def _output(self, request: _Request, current: _CurrentTokens | None = None) -> RequestOutput:
+        outputs = []
+        for s in request.seqs:
+            if s.finish_reason is not None:
+                token_ids, text = s.token_ids, s.text
+            elif s.watched:
+                token_ids, text = s.token_ids, s.detokenizer.visible_text(False)
+            else:
+                token_ids = current.output_tokens(s.seq_id)
+                text = decode_output(self.tokenizer, request.prompt_token_ids, token_ids, s.params)
+            outputs.append(CompletionOutput(
+                index=s.index, text=text, token_ids=list(token_ids),
+                cumulative_logprob=s.cumulative_logprob,
+                logprobs=list(s.logprobs) if s.logprobs is not None else None,
+                finish_reason=s.finish_reason))
         return RequestOutput(request.request_id, request.prompt, list(request.prompt_token_ids),
                              outputs, request.finished)
 
@@ -263,6 +302,25 @@ def _runner_config(options: EngineOptions, model_dir: Path, max_model_len: int) 
         kernel_backend=options.kernel_backend,
         tp_size=options.tensor_parallel_size,
     )
+
+
+class _CurrentTokens:
+    """The output tokens the core holds for live sequences, looked up by id (for streamed
+    outputs of sequences that are not watched)."""
+
+    def __init__(self, state: EngineState):
+        self._state = state
+        self._rows: dict[str, int] | None = None
+
+    def output_tokens(self, seq_id: str) -> list[int]:
+        if self._rows is None:
+            self._rows = {seq_id: i for i, seq_id in enumerate(self._state.batch.ids)}
+        row = self._rows.get(seq_id)
+        if row is not None:
+            batch = self._state.batch
+            return batch.tokens(row)[len(batch.specs[row].prompt_token_ids):].tolist()
+        seq = next((s for s in self._state.waiting if s.seq_id == seq_id), None)
+        return list(seq.output_token_ids) if seq is not None else []
 
 
 def _children(request_id: str, params: SamplingParams) -> list[tuple[str, SamplingParams]]:

@@ -26,6 +26,7 @@ from typing import Any, Protocol, TextIO
 
 from nanofn.state import (BatchPlan, EngineState, Events, InvalidRequest, NewSeq, SampleOutput,
                           Seq, check_new_seq, header_line, step, step_line)
+from nanofn.state.requests import has_token_in_flight
 
 
 class Pending(Protocol):
@@ -91,7 +92,7 @@ class EngineLoop:
         unless an earlier sequence of that id still has a sampled token in flight, which the
         new one must not receive; then ``seq_id~N``."""
         state = self._state
-        if new.seq_id not in state.live_ids and any(new.seq_id in ids for ids in state.undelivered):
+        if new.seq_id not in state.live_ids and has_token_in_flight(state, new.seq_id):
             new = NewSeq(f"{new.seq_id}~{next(self._renames)}", new.prompt_token_ids, new.params)
         if any(queued.seq_id == new.seq_id for queued in self._new):
             raise InvalidRequest(f"request_id {new.seq_id!r} is already in use")
@@ -121,11 +122,11 @@ class EngineLoop:
                         new_seqs=tuple(self._new))
         self._state, plan = step(self._state, events)
         self._new, self._aborts = [], []
-        if plan.seqs:  # first, so that the device starts while the host does the rest
+        if not plan.is_empty:  # first, so that the device starts while the host does the rest
             self._in_flight.append((plan, self.runner.launch(plan)))
         if self._trace is not None:
             self._trace.write(step_line(events, plan) + "\n")
-        self._wait_for_tokens(launched_alone=bool(plan.seqs) and len(self._in_flight) == 1)
+        self._wait_for_tokens(launched_alone=not plan.is_empty and len(self._in_flight) == 1)
         return LoopStep(plan, delivered, self._state.finished)
 
     def _wait_for_tokens(self, launched_alone: bool) -> None:

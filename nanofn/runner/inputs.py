@@ -1,14 +1,20 @@
-"""From a batch plan to the tensors of one forward pass."""
+"""From a batch plan to the tensors of one forward pass, with no Python loop over sequences.
+
+The runner keeps, per slot (``BatchPlan.slots``), its block table on the device, updated by the
+plan's new entries, and the token it sampled last, which the plan's ``PENDING_TOKEN``s stand
+for. The plan's columns are laid out with a few numpy operations into one host buffer, copied
+to the device at once; positions, cache slots and pending tokens are computed there.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from array import array
 
+import numpy as np
 import torch
 
 from nanofn.model.batch import AttentionBatch
-from nanofn.runner.block_tables import DeviceBlockTables
+from nanofn.state.config import blocks_for
 from nanofn.state.plan import PENDING_TOKEN, BatchPlan
 
 
@@ -18,82 +24,66 @@ class ModelInputs:
     positions: torch.Tensor  # [T] int64
     batch: AttentionBatch
     sample_rows: torch.Tensor  # [S] int64: the token rows whose logits are sampled, in plan order
+    sampling_slots: torch.Tensor  # [S] int64: their slots
 
 
-@dataclass(frozen=True)
-class PreviousSamples:
-    """The tokens the previous plan sampled, still on the device, and the row of each
-    sequence's token: a plan's ``PENDING_TOKEN`` is read from here."""
+class SlotTables:
+    """Per slot, on the device: the block table, and the token sampled last."""
 
-    tokens: torch.Tensor  # [S] int64
-    rows: dict[str, int]
+    def __init__(self, max_seqs: int, max_blocks_per_seq: int, device: torch.device):
+        self.table = torch.zeros(max_seqs, max_blocks_per_seq, dtype=torch.int32, device=device)
+        self.last_tokens = torch.zeros(max_seqs, dtype=torch.int64, device=device)
+
+    def keep_sampled(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
+        if len(slots):
+            self.last_tokens[slots] = tokens
 
 
-def prepare_inputs(plan: BatchPlan, block_size: int, block_tables: DeviceBlockTables,
-                   device: torch.device, previous: PreviousSamples | None = None) -> ModelInputs:
-    """Lay the plan's tokens end to end and say where each goes in the paged cache.
-
-    Host work is a few flat lists, sent in one copy; the per-token arithmetic (positions,
-    cache slots, pending tokens) runs as tensor operations on ``device``.
-    """
-    seqs = plan.seqs
-    if not seqs:
+def prepare_inputs(plan: BatchPlan, block_size: int, tables: SlotTables,
+                   device: torch.device) -> ModelInputs:
+    """Lay the plan's tokens end to end and say where each goes in the paged cache."""
+    if plan.is_empty:
         raise ValueError(f"plan of step {plan.step} is empty: there is nothing to run")
-    input_ids, starts, seq_lens, query_lens = array("q"), array("q"), [], []
-    query_start, sample_rows, pending_at, pending_from = array("q", [0]), array("q"), [], []
-    end = width = 0  # width: the longest block table
-    for s in seqs:
-        tokens = s.token_ids
-        width = max(width, len(s.block_table))
-        input_ids.extend(tokens)
-        starts.append(s.start_pos)
-        end += len(tokens)
-        query_start.append(end)
-        query_lens.append(len(tokens))
-        seq_lens.append(s.start_pos + len(tokens))
-        if s.sample:
-            sample_rows.append(end - 1)
-        if tokens[-1] == PENDING_TOKEN:
-            pending_at.append(end - 1)
-            pending_from.append(previous.rows[s.seq_id])
-    decode_only = end == len(seqs)
-    rows, table_updates = block_tables.assign(plan)
+    counts, starts, slots = plan.num_scheduled, plan.start_pos, plan.slots
+    num_seqs, num_tokens = len(counts), plan.num_tokens
+    ends = np.cumsum(counts)
+    seq_lens = starts + counts
+    entries = plan.block_entries
+    width = blocks_for(int(seq_lens.max()), block_size)
+    decode_only = num_tokens == num_seqs
+    pending = bool((plan.token_ids == PENDING_TOKEN).any())
 
     # One host-to-device copy for everything.
-    parts = (input_ids, starts, query_start, seq_lens, sample_rows, rows, table_updates,
-             pending_at, pending_from)
-    packed = array("q")
-    for part in parts:
-        packed.extend(part)
-    host = torch.frombuffer(packed, dtype=torch.int64)
+    parts = (plan.token_ids, starts, counts, ends, seq_lens, (ends - 1)[plan.sample], slots,
+             slots[plan.sample], slots[entries[:, 0]], entries[:, 1], entries[:, 2])
+    host = torch.from_numpy(np.concatenate(parts))
     if device.type == "cuda":
         host = host.pin_memory()
-    num_seqs = len(seqs)
-    (ids, starts_t, query_start_t, seq_lens_t, sample_rows_t, rows_t, updates_t, at_t,
-     from_t) = host.to(device, non_blocking=True).split([len(part) for part in parts])
-    block_tables.apply(updates_t)
-    if pending_at:
-        ids[at_t] = previous.tokens[from_t]
-    tables = block_tables.table[rows_t, :width]
-
+    (ids, starts_t, counts_t, ends_t, seq_lens_t, sample_rows, slots_t, sampling_slots,
+     entry_slots, entry_columns, entry_blocks) = host.to(device, non_blocking=True).split(
+        [len(part) for part in parts])
+    if len(entry_slots):
+        tables.table[entry_slots, entry_columns] = entry_blocks.to(torch.int32)
     if decode_only:
         seq_index = torch.arange(num_seqs, device=device)
         positions = starts_t
     else:
-        seq_index = torch.repeat_interleave(torch.arange(num_seqs, device=device),
-                                            query_start_t.diff(), output_size=end)
-        offsets = torch.arange(end, device=device) - query_start_t[seq_index]
+        seq_index = torch.repeat_interleave(torch.arange(num_seqs, device=device), counts_t,
+                                            output_size=num_tokens)
+        offsets = torch.arange(num_tokens, device=device) - (ends_t - counts_t)[seq_index]
         positions = starts_t[seq_index] + offsets
-    bs = block_size
-    slots = tables[seq_index, positions // bs].long() * bs + positions % bs
-
+    if pending:
+        ids = torch.where(ids == PENDING_TOKEN, tables.last_tokens[slots_t[seq_index]], ids)
+    block_tables = tables.table[slots_t, :width]
+    slot_mapping = block_tables[seq_index, positions // block_size].long() * block_size \
+        + positions % block_size
     batch = AttentionBatch(
-        slot_mapping=slots,
-        query_start=query_start_t.to(torch.int32),
+        slot_mapping=slot_mapping,
+        query_start=torch.cat([ends_t.new_zeros(1), ends_t]).to(torch.int32),
         seq_lens=seq_lens_t.to(torch.int32),
-        block_tables=tables,
-        query_lens_host=tuple(query_lens),
-        seq_lens_host=tuple(seq_lens),
+        block_tables=block_tables,
+        query_lens_host=tuple(counts.tolist()),
+        seq_lens_host=tuple(seq_lens.tolist()),
         decode_only=decode_only,
     )
-    return ModelInputs(ids, positions, batch, sample_rows_t)
+    return ModelInputs(ids, positions, batch, sample_rows, sampling_slots)

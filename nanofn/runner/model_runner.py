@@ -7,19 +7,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
-from pyrsistent import pvector
 
 from nanofn.kernels import TORCH_KERNELS, KernelBackend
 from nanofn.model import build_model, load_weights, model_shape, resolve_dtype
 from nanofn.runner.cuda_graphs import DecodeGraphs
-from nanofn.runner.block_tables import DeviceBlockTables
-from nanofn.runner.inputs import PreviousSamples, prepare_inputs
-from nanofn.runner.sampler import DeviceSample, SampleRequest, Sampler
+from nanofn.runner.inputs import SlotTables, prepare_inputs
+from nanofn.runner.sampler import DeviceSample, Sampler, SamplingRows
 from nanofn.state.config import blocks_for
 from nanofn.state.params import SamplingParams
-from nanofn.state.plan import BatchPlan, ScheduledSeq
+from nanofn.state.plan import BatchPlan, ScheduledSeq, SeqStart, plan_of
 
 log = logging.getLogger("nanofn")
 
@@ -72,9 +71,9 @@ class ModelRunner:
             self.num_blocks = int(agreed.item())
         self.kv_cache = torch.zeros(self.shape.kv_cache_shape(self.num_blocks, config.block_size),
                                     dtype=self.dtype, device=config.device)
-        self.block_tables = DeviceBlockTables(config.max_num_seqs, config.max_blocks_per_seq,
-                                              self.device)
-        self._previous: PreviousSamples | None = None
+        self.slot_tables = SlotTables(config.max_num_seqs, config.max_blocks_per_seq, self.device)
+        self.slot_params = SlotParams(config.max_num_seqs)
+        self._sampling_slots = torch.zeros(0, dtype=torch.int64, device=self.device)
         self.graphs = None
         # The torch reference attention gathers whole block tables: captured at the graphs'
         # full width it would need more memory than the KV cache leaves. Graphs are for Triton.
@@ -89,41 +88,34 @@ class ModelRunner:
         for it, in plan order. The tokens stay on the device for the next plan's
         ``PENDING_TOKEN``s; ``wait()`` on the result brings them to the host."""
         logits = self.forward(plan)
-        requests = [self._sample_request(s) for s in plan.seqs if s.sample]
-        sample = self.sampler.sample(logits, requests)
+        sample = self.sampler.sample(logits, self.slot_params.rows(plan))
         self.keep_sampled_tokens(plan, sample.token_ids)
         return sample
 
     def keep_sampled_tokens(self, plan: BatchPlan, tokens: torch.Tensor | None = None) -> None:
-        """Keep the plan's sampled tokens for the next plan; with several ranks, rank 0's
-        tokens (``tokens``) reach the others (``None``) by broadcast."""
+        """Keep the plan's sampled tokens by slot, for the next plan's ``PENDING_TOKEN``s; with
+        several ranks, rank 0's tokens (``tokens``) reach the others (``None``) by broadcast."""
         if self.config.tp_size > 1 and plan.sampling_seq_ids:
             if tokens is None:
                 tokens = torch.empty(len(plan.sampling_seq_ids), dtype=torch.int64,
                                      device=self.device)
             dist.broadcast(tokens, src=0)
-        rows = {seq_id: i for i, seq_id in enumerate(plan.sampling_seq_ids)}
-        self._previous = PreviousSamples(tokens, rows) if rows else None
+        if tokens is not None:
+            self.slot_tables.keep_sampled(self._sampling_slots, tokens)
 
     @torch.inference_mode()
     def forward(self, plan: BatchPlan) -> torch.Tensor:
         """The logits of the sampling sequences, ``[S, vocab]`` float32 (every rank runs this;
         rank 0 samples)."""
-        inputs = prepare_inputs(plan, self.config.block_size, self.block_tables, self.device,
-                                self._previous)
+        self.slot_params.start(plan.started)
+        inputs = prepare_inputs(plan, self.config.block_size, self.slot_tables, self.device)
+        self._sampling_slots = inputs.sampling_slots
         batch = inputs.batch
         if self.graphs is not None and batch.decode_only and batch.num_seqs <= self.graphs.max_batch:
             hidden = self.graphs.forward(inputs.input_ids, inputs.positions, batch)
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, batch, self.kv_cache)
         return self.model.compute_logits(hidden[inputs.sample_rows])
-
-    @staticmethod
-    def _sample_request(s: ScheduledSeq) -> SampleRequest:
-        if s.history is None:
-            return SampleRequest(s.params, s.context_len, banned_token_ids=s.banned_token_ids)
-        return SampleRequest(s.params, s.context_len, s.history[:s.num_prompt_tokens],
-                             s.history[s.num_prompt_tokens:], s.banned_token_ids)
 
     def _decide_num_blocks(self) -> int:
         c = self.config
@@ -173,7 +165,7 @@ class ModelRunner:
         blocks_per_seq = blocks_for(max(lens), c.block_size)
         scratch = torch.zeros(self.shape.kv_cache_shape(num_seqs * blocks_per_seq, c.block_size),
                               dtype=self.dtype, device=self.device)
-        tables = DeviceBlockTables(num_seqs, blocks_per_seq, self.device)
+        tables = SlotTables(num_seqs, blocks_per_seq, self.device)
         inputs = prepare_inputs(_prefill_plan(lens, blocks_per_seq), c.block_size, tables,
                                 self.device)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.batch, scratch)
@@ -196,11 +188,56 @@ def choose_kernels(config: RunnerConfig) -> KernelBackend:
 
 
 def _prefill_plan(lens: list[int], blocks_per_seq: int) -> BatchPlan:
-    """Whole prompts of the given lengths, sequence i owning blocks ``i * blocks_per_seq ...``;
-    used to measure memory."""
+    """Whole prompts of the given lengths, sequence i in slot i owning blocks
+    ``i * blocks_per_seq ...``; used to measure memory."""
     params = SamplingParams()
-    seqs = tuple(
-        ScheduledSeq(f"profile-{i}", (0,) * n, 0,
-                     pvector(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)), True, params, n)
-        for i, n in enumerate(lens))
-    return BatchPlan(0, seqs)
+    seqs = [ScheduledSeq(f"profile-{i}", i, (0,) * n, 0, True,
+                         tuple((col, i * blocks_per_seq + col) for col in range(blocks_per_seq)))
+            for i, n in enumerate(lens)]
+    return plan_of(0, seqs, [SeqStart(i, f"profile-{i}", params, n) for i, n in enumerate(lens)])
+
+
+class SlotParams:
+    """Per slot, on the host: the sampling parameters of the sequence holding it, set by the
+    plan that starts it; each step gathers the sampling rows' with a few array operations."""
+
+    # columns of ``floats`` and ``ints``
+    TEMPERATURE, TOP_P, MIN_P, PRESENCE, FREQUENCY, REPETITION = range(6)
+    TOP_K, LOGPROBS, SEEDED = range(3)
+
+    def __init__(self, max_seqs: int):
+        self.floats = np.zeros((max_seqs, 6), np.float32)
+        self.ints = np.zeros((max_seqs, 3), np.int64)
+        self.seeds = np.zeros(max_seqs, np.uint64)
+        self.num_prompt = np.zeros(max_seqs, np.int64)
+
+    def start(self, starts: tuple[SeqStart, ...]) -> None:
+        for s in starts:
+            p = s.params
+            self.floats[s.slot] = (0.0 if p.greedy else p.temperature, p.top_p, p.min_p,
+                                   p.presence_penalty, p.frequency_penalty, p.repetition_penalty)
+            self.ints[s.slot] = (max(p.top_k, 0), -1 if p.logprobs is None else p.logprobs,
+                                 p.seed is not None)
+            self.seeds[s.slot] = (p.seed or 0) & 0xFFFF_FFFF_FFFF_FFFF
+            self.num_prompt[s.slot] = s.num_prompt_tokens
+
+    def rows(self, plan: BatchPlan) -> SamplingRows:
+        """The sampler's input for the plan's sampling sequences, in plan order."""
+        slots = plan.slots[plan.sample]
+        floats, ints = self.floats[slots], self.ints[slots]
+        row_of = np.cumsum(plan.sample) - 1  # plan index -> sampling row
+        histories = []
+        for i, tokens in plan.histories:
+            num_prompt = int(self.num_prompt[plan.slots[i]])
+            histories.append((int(row_of[i]), tokens[:num_prompt], tokens[num_prompt:]))
+        return SamplingRows(
+            temperature=floats[:, self.TEMPERATURE], top_p=floats[:, self.TOP_P],
+            top_k=ints[:, self.TOP_K], min_p=floats[:, self.MIN_P],
+            seeded=ints[:, self.SEEDED].astype(bool), seed=self.seeds[slots],
+            position=plan.context_lens[plan.sample], logprobs=ints[:, self.LOGPROBS],
+            presence_penalty=floats[:, self.PRESENCE],
+            frequency_penalty=floats[:, self.FREQUENCY],
+            repetition_penalty=floats[:, self.REPETITION],
+            histories=tuple(histories),
+            banned=tuple((int(row_of[i]), ids) for i, ids in plan.banned),
+        )

@@ -1,5 +1,10 @@
 """Turn one row of logits per sequence into the next token, with vLLM v1's sampling semantics.
 
+The input is columnar: ``SamplingRows`` holds one numpy array per parameter (an entry per row of
+logits), plus the token lists of the rows with penalties and the token ids that rows may not
+sample. ``SamplingRows.from_requests`` builds it from per-row ``SampleRequest``s, and ``Sampler``
+takes either.
+
 Per row, in order: penalties (repetition, frequency, presence), then temperature, min_p, top_k
 and top_p, then a draw. Greedy rows take the argmax of the penalised logits. Logprobs come from
 the raw distribution the model gave, before any of these steps.
@@ -21,24 +26,36 @@ Two implementations of the same semantics:
   same noise. A seeded row's token thus depends on its seed, position, logits and parameters
   only, whichever path the other rows take.
 
-Everything per row is a tensor over the batch; Python loops run only over the rows (to gather
-their parameters), seeded rows and the token lists that penalties count. The single host
-synchronisation is the final copy of the results.
+Everything per row is an array over the batch: which rows are greedy, plain or filtered, and
+which steps run, are masks over the columns, and the Triton keys come from ``row_seeds``, a numpy
+``row_seed``. Python loops run only over the rows that need one: seeded rows on the torch path (a
+generator each), the token lists that penalties count, banned tokens, and the rows asking for
+logprobs. The single host synchronisation is the final copy of the results.
 """
 
 from __future__ import annotations
 
 from array import array
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
+import numpy as np
 import torch
 
-from nanofn.state.params import SamplingParams
+from nanofn.state.params import GREEDY_TEMPERATURE, SamplingParams
 from nanofn.state.plan import SampleOutput, TokenLogprobs
 
 _MASK64 = (1 << 64) - 1
 _BASE_KEYS = 1 << 62  # unseeded rows' keys are base + row index: keep the sum within int64
+# Greedy rows are those whose float32 temperature is below it. A temperature that is not greedy
+# never rounds below it, but a greedy one just under GREEDY_TEMPERATURE may round up onto it:
+# ``from_requests`` writes 0 for greedy rows.
+_GREEDY_BELOW = np.float32(GREEDY_TEMPERATURE)
+# SplitMix64's constants, for numpy's uint64 arithmetic
+_SPLITMIX_INCREMENT = np.uint64(0x9E3779B97F4A7C15)
+_SPLITMIX_MULTIPLIER_1 = np.uint64(0xBF58476D1CE4E5B9)
+_SPLITMIX_MULTIPLIER_2 = np.uint64(0x94D049BB133111EB)
+_SHIFT_30, _SHIFT_27, _SHIFT_31 = np.uint64(30), np.uint64(27), np.uint64(31)
 
 
 @dataclass(slots=True)
@@ -51,6 +68,92 @@ class SampleRequest:
     prompt_token_ids: Sequence[int] | None = None  # required when params.has_penalties
     output_token_ids: Sequence[int] | None = None  # likewise
     banned_token_ids: tuple[int, ...] = ()  # never sampled (the plan says which)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class SamplingRows:
+    """The sampler's input: one entry per row of logits in each column (numpy arrays, host side).
+
+    A row is greedy when its temperature is below ``GREEDY_TEMPERATURE``. Penalties apply to the
+    rows that ``histories`` lists, which must include every row whose penalty columns are not
+    neutral (a ``ValueError`` otherwise). ``eq=False``: arrays do not compare to one bool.
+    """
+
+    temperature: np.ndarray  # float32 [S]
+    top_p: np.ndarray  # float32 [S]
+    top_k: np.ndarray  # int64 [S]; 0 means no limit (a -1 from SamplingParams becomes 0)
+    min_p: np.ndarray  # float32 [S]
+    seeded: np.ndarray  # bool [S]
+    seed: np.ndarray  # uint64 [S]: the row's seed & (2**64 - 1); ignored where not seeded
+    position: np.ndarray  # int64 [S]: position of the token being sampled
+    logprobs: np.ndarray  # int64 [S]: number of top logprobs wanted, -1 for none
+    presence_penalty: np.ndarray  # float32 [S]
+    frequency_penalty: np.ndarray  # float32 [S]
+    repetition_penalty: np.ndarray  # float32 [S]
+    histories: tuple[tuple[int, Sequence[int], Sequence[int]], ...] = ()  # (row, prompt, output)
+    banned: tuple[tuple[int, tuple[int, ...]], ...] = ()  # (row, token ids it may not sample)
+
+    def __post_init__(self) -> None:
+        penalised = ((self.presence_penalty != 0) | (self.frequency_penalty != 0)
+                     | (self.repetition_penalty != 1))
+        penalised[[row for row, _, _ in self.histories]] = False
+        if penalised.any():
+            raise ValueError(f"rows {np.flatnonzero(penalised).tolist()} have penalties but no "
+                             f"token lists in histories")
+
+    @classmethod
+    def from_requests(cls, requests: Sequence[SampleRequest]) -> SamplingRows:
+        params = [r.params for r in requests]
+        return cls(
+            temperature=np.array([0.0 if p.greedy else p.temperature for p in params], np.float32),
+            top_p=np.array([p.top_p for p in params], np.float32),
+            top_k=np.array([max(p.top_k, 0) for p in params], np.int64),
+            min_p=np.array([p.min_p for p in params], np.float32),
+            seeded=np.array([p.seed is not None for p in params], np.bool_),
+            seed=np.array([(p.seed or 0) & _MASK64 for p in params], np.uint64),
+            position=np.array([r.position for r in requests], np.int64),
+            logprobs=np.array([-1 if p.logprobs is None else p.logprobs for p in params], np.int64),
+            presence_penalty=np.array([p.presence_penalty for p in params], np.float32),
+            frequency_penalty=np.array([p.frequency_penalty for p in params], np.float32),
+            repetition_penalty=np.array([p.repetition_penalty for p in params], np.float32),
+            histories=tuple((row, _seen_tokens(r, "prompt_token_ids"),
+                             _seen_tokens(r, "output_token_ids"))
+                            for row, r in enumerate(requests) if r.params.has_penalties),
+            banned=tuple((row, r.banned_token_ids)
+                         for row, r in enumerate(requests) if r.banned_token_ids),
+        )
+
+    def __len__(self) -> int:
+        return len(self.temperature)
+
+    def greedy(self) -> np.ndarray:
+        return self.temperature < _GREEDY_BELOW
+
+    def unfiltered(self) -> np.ndarray:
+        """Rows that no filter (min_p, top_k, top_p) applies to."""
+        return (self.min_p == 0) & (self.top_k <= 0) & (self.top_p >= 1)
+
+    def special(self) -> np.ndarray:
+        """Rows with penalties or banned tokens: only the torch steps handle them."""
+        special = np.zeros(len(self), np.bool_)
+        special[[row for row, _, _ in self.histories]] = True
+        special[[row for row, ids in self.banned if ids]] = True
+        return special
+
+    def select(self, rows: np.ndarray) -> SamplingRows:
+        """The given rows, renumbered in their order: row ``rows[i]`` becomes row ``i``."""
+        renumbered = np.full(len(self), -1)
+        renumbered[rows] = np.arange(len(rows))
+        new_row = renumbered.tolist()
+        return SamplingRows(
+            **{name: getattr(self, name)[rows] for name in _COLUMNS},
+            histories=tuple((new_row[row], prompt, output) for row, prompt, output in self.histories
+                            if new_row[row] >= 0),
+            banned=tuple((new_row[row], ids) for row, ids in self.banned if new_row[row] >= 0),
+        )
+
+
+_COLUMNS = tuple(f.name for f in fields(SamplingRows) if f.name not in ("histories", "banned"))
 
 
 # ---------------------------------------------------------------- steps, each over a batch of rows
@@ -68,7 +171,7 @@ def token_counts(token_lists: Sequence[Sequence[int]], vocab_size: int,
     lengths = torch.tensor([len(ids) for ids in token_lists])
     rows = torch.repeat_interleave(torch.arange(len(token_lists)), lengths)
     flat_index = rows * vocab_size + torch.frombuffer(flat_ids, dtype=torch.int64)
-    flat_index = _to_device(flat_index, torch.int64, device)
+    flat_index = _to_device(flat_index, device)
     counts.view(-1).index_add_(0, flat_index, torch.ones(flat_index.shape, device=device))
     return counts
 
@@ -90,12 +193,13 @@ def apply_penalties(logits: torch.Tensor, prompt_counts: torch.Tensor, output_co
     return logits - frequency[:, None] * output_counts - presence[:, None] * seen_in_output
 
 
-def ban_tokens(logits: torch.Tensor, requests: Sequence[SampleRequest]) -> torch.Tensor:
-    """``logits`` with each row's banned tokens at -inf (the same tensor if there are none)."""
-    rows = [i for i, r in enumerate(requests) for _ in r.banned_token_ids]
+def ban_tokens(logits: torch.Tensor,
+               banned: Sequence[tuple[int, Sequence[int]]]) -> torch.Tensor:
+    """``logits`` with the token ids listed for each row at -inf (the same tensor if none are)."""
+    rows = [row for row, ids in banned for _ in ids]
     if not rows:
         return logits
-    columns = [t for r in requests for t in r.banned_token_ids]
+    columns = [t for _, ids in banned for t in ids]
     logits = logits.clone()
     logits[rows, columns] = float("-inf")
     return logits
@@ -163,11 +267,29 @@ def row_seed(seed: int, position: int) -> int:
     return _splitmix64(_splitmix64(seed & _MASK64) ^ position)
 
 
+def row_seeds(seeds: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """``row_seed`` of each (seed, position) pair, bit for bit: uint64 seeds (already masked to
+    64 bits), int64 positions, uint64 results. A negative position counts as its 64-bit two's
+    complement, as it does in ``row_seed``, whose masks keep only the low 64 bits."""
+    with np.errstate(over="ignore"):  # the wrapping is the point (numpy warns on scalars only)
+        mixed = _splitmix64_array(np.asarray(seeds, np.uint64))
+        return _splitmix64_array(mixed ^ np.asarray(positions, np.int64).view(np.uint64))
+
+
 def _splitmix64(x: int) -> int:
     x = (x + 0x9E3779B97F4A7C15) & _MASK64
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
     return x ^ (x >> 31)
+
+
+def _splitmix64_array(x: np.ndarray) -> np.ndarray:
+    """``_splitmix64`` of each element of a uint64 array, whose arithmetic wraps modulo 2**64
+    (uint64 constants throughout: a Python int would cost a conversion per operation)."""
+    x = x + _SPLITMIX_INCREMENT
+    x = (x ^ (x >> _SHIFT_30)) * _SPLITMIX_MULTIPLIER_1
+    x = (x ^ (x >> _SHIFT_27)) * _SPLITMIX_MULTIPLIER_2
+    return x ^ (x >> _SHIFT_31)
 
 
 # ---------------------------------------------------------------------------------- the sampler
@@ -195,156 +317,141 @@ class Sampler:
             self.generator.manual_seed(seed)
         self._row_generator = torch.Generator(self.device)  # re-seeded for each seeded row
 
-    def __call__(self, logits: torch.Tensor, requests: Sequence[SampleRequest]) -> SampleOutput:
-        """Sample from ``logits`` (float32 ``[len(requests), vocab]``), one token per request."""
-        return self.sample(logits, requests).wait()
+    def __call__(self, logits: torch.Tensor,
+                 rows: SamplingRows | Sequence[SampleRequest]) -> SampleOutput:
+        """Sample from ``logits`` (float32 ``[len(rows), vocab]``), one token per row."""
+        return self.sample(logits, rows).wait()
 
-    def sample(self, logits: torch.Tensor, requests: Sequence[SampleRequest]) -> DeviceSample:
+    def sample(self, logits: torch.Tensor,
+               rows: SamplingRows | Sequence[SampleRequest]) -> DeviceSample:
         """As ``__call__``, but the tokens stay on the device (the next step may read them
         there) while their copy to the host proceeds in the background."""
-        if all(_plain_greedy(r) for r in requests):
-            return DeviceSample.start(logits.argmax(dim=-1), len(requests))
+        if not isinstance(rows, SamplingRows):
+            rows = SamplingRows.from_requests(rows)
+        greedy, special = rows.greedy(), rows.special()
+        if (greedy & ~special & (rows.logprobs < 0)).all():
+            return DeviceSample.start(logits.argmax(dim=-1), len(rows))
         if self.use_triton:
-            token_ids = self._draw_with_triton(logits, requests)
+            # The fused kernel alone draws a row with no penalties, no banned tokens and no
+            # filters unless the row is greedy (filters never change the argmax).
+            plain = ~special & (greedy | rows.unfiltered())
+            token_ids = self._draw_with_triton(logits, rows, greedy, plain)
         else:
-            def noise(rows: list[int]) -> torch.Tensor:
-                return self._torch_noise([requests[i] for i in rows], logits.shape[-1])
+            def noise(which: np.ndarray) -> torch.Tensor:
+                return self._torch_noise(rows, which, logits.shape[-1])
 
-            token_ids = self._draw(logits, requests, noise)
-        return self._output(logits, token_ids, requests)
+            token_ids = self._draw(logits, rows, noise)
+        return self._output(logits, token_ids, rows)
 
-    def _draw_with_triton(self, logits: torch.Tensor,
-                          requests: Sequence[SampleRequest]) -> torch.Tensor:
+    def _draw_with_triton(self, logits: torch.Tensor, rows: SamplingRows, greedy: np.ndarray,
+                          plain: np.ndarray) -> torch.Tensor:
         """Every row through the fused kernel (cheaper than gathering the plain ones), then the
         other rows through the torch steps, with the same noise, over the fused kernel's tokens."""
         from nanofn.kernels.triton_sampling import exponential_noise, sample_plain
 
         base = int(torch.randint(_BASE_KEYS, (), generator=self.generator))
-        keys = _to_device(array("q", (base + i if r.params.seed is None
-                                      else _as_int64(row_seed(r.params.seed, r.position))
-                                      for i, r in enumerate(requests))), torch.int64, self.device)
-        temperatures = array("f", (0.0 if r.params.greedy else r.params.temperature
-                                   for r in requests))  # the kernel's greedy rows are T = 0
-        token_ids = sample_plain(logits, _to_device(temperatures, torch.float32, self.device), keys)
-        others = [i for i, r in enumerate(requests) if not _plain(r)]
-        if others:
-            rows = self._rows(others)
-            other_keys = keys[rows]
+        keys = self._ints(np.where(rows.seeded, row_seeds(rows.seed, rows.position).view(np.int64),
+                                   base + np.arange(len(rows))))
+        temperatures = np.where(greedy, 0, rows.temperature)  # the kernel's greedy rows are T = 0
+        token_ids = sample_plain(logits, self._floats(temperatures), keys)
+        others = np.flatnonzero(~plain)
+        if len(others):
+            index = self._ints(others)
+            other_keys = keys[index]
 
-            def noise(sub_rows: list[int]) -> torch.Tensor:
-                return exponential_noise(other_keys[self._rows(sub_rows)], logits.shape[-1])
+            def noise(which: np.ndarray) -> torch.Tensor:
+                return exponential_noise(other_keys[self._ints(which)], logits.shape[-1])
 
-            token_ids[rows] = self._draw(logits[rows], [requests[i] for i in others], noise)
+            token_ids[index] = self._draw(logits[index], rows.select(others), noise)
         return token_ids
 
-    def _draw(self, logits: torch.Tensor, requests: Sequence[SampleRequest],
-              noise: Callable[[list[int]], torch.Tensor]) -> torch.Tensor:
+    def _draw(self, logits: torch.Tensor, rows: SamplingRows,
+              noise: Callable[[np.ndarray], torch.Tensor]) -> torch.Tensor:
         """The torch steps: penalties and banned tokens, then the argmax for greedy rows, the
-        filters and the exponential race for the others. ``noise(rows)`` gives Exp(1) noise
-        ``[len(rows), vocab]`` for those rows of ``requests``."""
-        penalised = ban_tokens(self._penalised(logits, requests), requests)
-        random_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
-        if len(random_rows) == len(requests):
-            return self._sample(penalised, requests, noise(random_rows))
+        filters and the exponential race for the others. ``noise(which)`` gives Exp(1) noise
+        ``[len(which), vocab]`` for those rows."""
+        penalised = ban_tokens(self._penalised(logits, rows), rows.banned)
+        random_rows = np.flatnonzero(~rows.greedy())
+        if len(random_rows) == len(rows):
+            return self._sample(penalised, rows, noise(random_rows))
         token_ids = penalised.argmax(dim=-1)
-        if random_rows:
-            rows = self._rows(random_rows)
-            token_ids[rows] = self._sample(penalised[rows], [requests[i] for i in random_rows],
-                                           noise(random_rows))
+        if len(random_rows):
+            index = self._ints(random_rows)
+            token_ids[index] = self._sample(penalised[index], rows.select(random_rows),
+                                            noise(random_rows))
         return token_ids
 
-    def _penalised(self, logits: torch.Tensor, requests: Sequence[SampleRequest]) -> torch.Tensor:
+    def _penalised(self, logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
         """``logits`` with each row's penalties applied (the same tensor if no row has any)."""
-        penalised_rows = [i for i, r in enumerate(requests) if r.params.has_penalties]
-        if not penalised_rows:
+        if not rows.histories:
             return logits
-        penalised_requests = [requests[i] for i in penalised_rows]
-        params = [r.params for r in penalised_requests]
+        penalised_rows = np.array([row for row, _, _ in rows.histories], np.int64)
         vocab_size = logits.shape[-1]
-        rows = self._rows(penalised_rows)
-        prompts = [_seen_tokens(r, "prompt_token_ids") for r in penalised_requests]
-        outputs = [_seen_tokens(r, "output_token_ids") for r in penalised_requests]
+        index = self._ints(penalised_rows)
         penalised = apply_penalties(
-            logits[rows],
-            token_counts(prompts, vocab_size, self.device),
-            token_counts(outputs, vocab_size, self.device),
-            self._floats([p.repetition_penalty for p in params]),
-            self._floats([p.frequency_penalty for p in params]),
-            self._floats([p.presence_penalty for p in params]),
+            logits[index],
+            token_counts([prompt for _, prompt, _ in rows.histories], vocab_size, self.device),
+            token_counts([output for _, _, output in rows.histories], vocab_size, self.device),
+            self._floats(rows.repetition_penalty[penalised_rows]),
+            self._floats(rows.frequency_penalty[penalised_rows]),
+            self._floats(rows.presence_penalty[penalised_rows]),
         )
         logits = logits.clone()
-        logits[rows] = penalised
+        logits[index] = penalised
         return logits
 
-    def _sample(self, logits: torch.Tensor, requests: Sequence[SampleRequest],
+    def _sample(self, logits: torch.Tensor, rows: SamplingRows,
                 noise: torch.Tensor) -> torch.Tensor:
         """Filter and draw for rows that are not greedy; a step runs only if some row needs it."""
-        params = [r.params for r in requests]
-        if any(p.temperature != 1.0 for p in params):
-            logits = apply_temperature(logits, self._floats([p.temperature for p in params]))
-        if any(p.min_p > 0 for p in params):
-            logits = apply_min_p(logits, self._floats([p.min_p for p in params]))
-        top_ks = [max(p.top_k, 0) for p in params]
-        if any(top_ks):
-            logits = apply_top_k(logits, _to_device(top_ks, torch.long, self.device), max(top_ks))
-        if any(p.top_p < 1 for p in params):
-            candidates = max(top_ks) if all(top_ks) else None
-            logits = apply_top_p(logits, self._floats([p.top_p for p in params]), candidates)
+        if (rows.temperature != 1).any():
+            logits = apply_temperature(logits, self._floats(rows.temperature))
+        if (rows.min_p > 0).any():
+            logits = apply_min_p(logits, self._floats(rows.min_p))
+        limited = rows.top_k > 0
+        if limited.any():
+            logits = apply_top_k(logits, self._ints(rows.top_k), int(rows.top_k.max()))
+        if (rows.top_p < 1).any():
+            candidates = int(rows.top_k.max()) if limited.all() else None
+            logits = apply_top_p(logits, self._floats(rows.top_p), candidates)
         return exponential_race(logits.softmax(dim=-1), noise)
 
-    def _torch_noise(self, requests: Sequence[SampleRequest], vocab_size: int) -> torch.Tensor:
-        """Exp(1) noise ``[len(requests), vocab_size]``; a seeded row's depends on (seed, position)
-        only."""
-        noise = torch.empty(len(requests), vocab_size, device=self.device)
-        if any(r.params.seed is None for r in requests):
+    def _torch_noise(self, rows: SamplingRows, which: np.ndarray,
+                     vocab_size: int) -> torch.Tensor:
+        """Exp(1) noise ``[len(which), vocab_size]`` for those rows; a seeded row's depends on
+        (seed, position) only."""
+        seeded = np.flatnonzero(rows.seeded[which])  # indices into which
+        noise = torch.empty(len(which), vocab_size, device=self.device)
+        if len(seeded) < len(which):
             noise.exponential_(generator=self.generator)
-        for row, request in enumerate(requests):
-            if request.params.seed is not None:
-                self._row_generator.manual_seed(row_seed(request.params.seed, request.position))
-                # A fresh tensor, so the stream cannot depend on where the row sits in memory.
-                row_noise = torch.empty(vocab_size, device=self.device)
-                noise[row] = row_noise.exponential_(generator=self._row_generator)
+        seeds = row_seeds(rows.seed[which[seeded]], rows.position[which[seeded]])
+        for row, seed in zip(seeded.tolist(), seeds.tolist()):
+            self._row_generator.manual_seed(seed)
+            # A fresh tensor, so the stream cannot depend on where the row sits in memory.
+            row_noise = torch.empty(vocab_size, device=self.device)
+            noise[row] = row_noise.exponential_(generator=self._row_generator)
         return noise
 
     def _output(self, logits: torch.Tensor, token_ids: torch.Tensor,
-                requests: Sequence[SampleRequest]) -> DeviceSample:
+                rows: SamplingRows) -> DeviceSample:
         """The tokens, plus the logprobs asked for (from the raw logits)."""
-        logprob_rows = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
-        if not logprob_rows:
-            return DeviceSample.start(token_ids, len(requests))
-        rows = self._rows(logprob_rows)
-        raw = logits[rows].log_softmax(dim=-1)
-        chosen = raw.gather(-1, token_ids[rows][:, None])
+        logprob_rows = np.flatnonzero(rows.logprobs >= 0)
+        if not len(logprob_rows):
+            return DeviceSample.start(token_ids, len(rows))
+        wanted = rows.logprobs[logprob_rows]
+        index = self._ints(logprob_rows)
+        raw = logits[index].log_softmax(dim=-1)
+        chosen = raw.gather(-1, token_ids[index][:, None])
         ranks = (raw > chosen).sum(dim=-1) + 1
-        num_top = max(requests[i].params.logprobs for i in logprob_rows)
-        top = raw.topk(num_top, dim=-1)
-        wanted = {i: requests[i].params.logprobs for i in logprob_rows}
-        return DeviceSample.start(token_ids, len(requests), wanted,
+        top = raw.topk(int(wanted.max()), dim=-1)
+        return DeviceSample.start(token_ids, len(rows), dict(zip(logprob_rows.tolist(),
+                                                                 wanted.tolist())),
                                   (chosen, ranks, top.indices, top.values))
 
-    def _rows(self, indices: list[int]) -> torch.Tensor:
-        return _to_device(indices, torch.long, self.device)
+    def _ints(self, values: np.ndarray) -> torch.Tensor:
+        return _to_device(np.asarray(values, np.int64), self.device)
 
-    def _floats(self, values: list[float]) -> torch.Tensor:
-        return _to_device(values, torch.float32, self.device)
-
-
-def _plain_greedy(request: SampleRequest) -> bool:
-    p = request.params
-    return p.greedy and not p.has_penalties and p.logprobs is None and not request.banned_token_ids
-
-
-def _plain(request: SampleRequest) -> bool:
-    """Whether the fused kernel alone draws the row: no penalties, no banned tokens, and no
-    filters unless the row is greedy (filters never change the argmax)."""
-    p = request.params
-    unfiltered = p.min_p == 0 and p.top_k <= 0 and p.top_p >= 1
-    return (unfiltered or p.greedy) and not (p.has_penalties or request.banned_token_ids)
-
-
-def _as_int64(key: int) -> int:
-    """A 64-bit unsigned key as the int64 of the same bits."""
-    return key - (1 << 64) if key >= 1 << 63 else key
+    def _floats(self, values: np.ndarray) -> torch.Tensor:
+        return _to_device(np.asarray(values, np.float32), self.device)
 
 
 def _seen_tokens(request: SampleRequest, field: str) -> Sequence[int]:
@@ -354,16 +461,13 @@ def _seen_tokens(request: SampleRequest, field: str) -> Sequence[int]:
     return tokens
 
 
-def _to_device(values: list | array | torch.Tensor, dtype: torch.dtype,
-               device: torch.device) -> torch.Tensor:
+def _to_device(values: np.ndarray | torch.Tensor, device: torch.device) -> torch.Tensor:
     """Host values as a tensor on ``device``, copied without waiting for it (pinned on CUDA).
 
-    A non-empty ``array`` of ``dtype``'s type code converts several times faster than a list.
+    An array is copied (``torch.tensor``), so the tensor never shares the memory of the caller's
+    columns, which may be read-only views.
     """
-    if isinstance(values, array):
-        host = torch.frombuffer(values, dtype=dtype)
-    else:
-        host = torch.as_tensor(values, dtype=dtype)
+    host = torch.tensor(values) if isinstance(values, np.ndarray) else values
     if device.type == "cpu":
         return host
     return host.pin_memory().to(device, non_blocking=True)

@@ -8,8 +8,8 @@ from nanofn.state.config import SchedulerConfig, blocks_for
 from nanofn.state.engine_state import Counters, EngineState, initial_state
 from nanofn.state.figures import Figures, figures
 from nanofn.state.params import SamplingParams
-from nanofn.state.plan import (PENDING_TOKEN, BatchPlan, SampleOutput, ScheduledSeq,
-                               TokenLogprobs, plan_digest)
+from nanofn.state.plan import (PENDING_TOKEN, BatchPlan, SampleOutput, ScheduledSeq, SeqStart,
+                               TokenLogprobs, plan_digest, plan_of)
 from nanofn.state.records import FinishReason, Seq, SeqSpec, SeqStatus
 from nanofn.state.requests import InvalidRequest, NewSeq, check_new_seq
 from nanofn.state.step import Events, step
@@ -17,8 +17,8 @@ from nanofn.state.trace import Trace, TraceError, header_line, parse_trace, repl
 
 __all__ = [
     "PENDING_TOKEN", "BatchPlan", "Counters", "EngineState", "Events", "Figures", "FinishReason",
-    "InvalidRequest", "NewSeq", "SampleOutput", "SamplingParams", "ScheduledSeq",
+    "InvalidRequest", "NewSeq", "SampleOutput", "SamplingParams", "ScheduledSeq", "SeqStart",
     "SchedulerConfig", "Seq", "SeqSpec", "SeqStatus", "TokenLogprobs", "Trace", "TraceError",
     "blocks_for", "check_new_seq", "figures", "header_line", "initial_state", "parse_trace",
-    "plan_digest", "replay", "step", "step_line",
+    "plan_digest", "plan_of", "replay", "step", "step_line",
 ]

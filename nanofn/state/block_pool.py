@@ -4,69 +4,44 @@ A block is *owned* while its reference count is positive (one count per sequence
 table holds it) and *free* otherwise. A free block is either plain (nothing worth keeping) or
 cached (it still holds a full block of some prefix and can be handed out again on a hit).
 Allocation takes plain blocks first, then evicts cached ones, least recently freed first.
+
+The least-recently-freed order is a queue that only grows at its back and shrinks at its
+front: a cached block joins at the back when it is freed, with its position as a stamp; a
+block that a prefix hit takes back keeps a stale entry, which eviction skips (its stamp no
+longer matches, or the block is owned again). The queue is compacted when most of it is stale
+or taken.
+
+Every change of a step goes through a ``PoolChanges`` (a transient builder) and becomes a new
+``BlockPool`` at the end; a pool is never written once built.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 
-from pyrsistent import PMap, PVector, plist, pmap, pvector
+import numpy as np
+from pyrsistent import PVector, plist, pvector
 from pyrsistent.typing import PList
 
 from nanofn.state.hashing import parent_hash_of
+from nanofn.state.pdict import PDict
 
-_NONE = -1  # end marker of the LRU links
-
-
-@dataclass(frozen=True, slots=True)
-class LruQueue:
-    """A persistent insertion-ordered set of ints: push at the back, remove anywhere, pop the
-    front, each in a few map updates (a doubly linked list kept in two maps)."""
-
-    prev: PMap = pmap()
-    next: PMap = pmap()
-    head: int = _NONE
-    tail: int = _NONE
-    size: int = 0
-
-    def __iter__(self):
-        item = self.head
-        while item != _NONE:
-            yield item
-            item = self.next[item]
-
-    def push_back(self, item: int) -> LruQueue:
-        next_ = self.next.set(item, _NONE)
-        prev = self.prev.set(item, self.tail)
-        if self.tail == _NONE:
-            return LruQueue(prev, next_, item, item, 1)
-        return LruQueue(prev, next_.set(self.tail, item), self.head, item, self.size + 1)
-
-    def remove(self, item: int) -> LruQueue:
-        before, after = self.prev[item], self.next[item]
-        prev, next_ = self.prev.discard(item), self.next.discard(item)
-        if before == _NONE:
-            head = after
-        else:
-            head, next_ = self.head, next_.set(before, after)
-        if after == _NONE:
-            tail = before
-        else:
-            tail, prev = self.tail, prev.set(after, before)
-        return LruQueue(prev, next_, head, tail, self.size - 1)
-
-    def pop_front(self) -> tuple[int, LruQueue]:
-        return self.head, self.remove(self.head)
+NO_STAMP = -1
 
 
 @dataclass(frozen=True, slots=True)
 class CachedBlock:
-    """What a cached block holds, kept so that a hash hit can be confirmed token by token."""
+    """What a cached block holds, kept so that a hash hit can be confirmed token by token:
+    its tokens as the bytes that were hashed (``token_bytes``)."""
 
     block_hash: int
     parent_hash: int
-    token_ids: tuple[int, ...]
+    token_bytes: bytes
+
+    @property
+    def token_ids(self) -> tuple[int, ...]:
+        return tuple(np.frombuffer(self.token_bytes, "<u4").tolist())
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,9 +49,12 @@ class BlockPool:
     ref_counts: PVector  # per block
     plain_free: PList  # a stack of free blocks that hold nothing cached
     num_plain_free: int
-    cached_free: LruQueue  # free blocks that still hold a cached prefix, least recent first
-    cached: PMap  # block -> CachedBlock, for every block whose content is in the cache
-    by_hash: PMap  # block hash -> block
+    lru: PVector  # cached blocks in the order they were freed; entries before lru_head are gone
+    lru_head: int
+    num_cached_free: int  # valid entries of lru
+    lru_stamps: PVector  # per block: the lru position of its latest entry, or NO_STAMP
+    cached: PVector  # per block: its CachedBlock, or None
+    by_hash: PDict  # block hash -> block, for every cached block
 
     @property
     def num_blocks(self) -> int:
@@ -84,11 +62,22 @@ class BlockPool:
 
     @property
     def num_free(self) -> int:
-        return self.num_plain_free + self.cached_free.size
+        return self.num_plain_free + self.num_cached_free
 
     @property
     def num_used(self) -> int:
         return self.num_blocks - self.num_free
+
+    def cached_free(self) -> Iterator[int]:
+        """The cached free blocks, first to be evicted first."""
+        for position in range(self.lru_head, len(self.lru)):
+            block = self.lru[position]
+            if _valid_entry(self.ref_counts, self.lru_stamps, self.cached, block, position):
+                yield block
+
+    def cached_blocks(self) -> Iterator[tuple[int, CachedBlock]]:
+        """``(block, entry)`` for every block whose content is in the prefix cache."""
+        return ((b, e) for b, e in enumerate(self.cached) if e is not None)
 
 
 def new_block_pool(num_blocks: int) -> BlockPool:
@@ -96,94 +85,182 @@ def new_block_pool(num_blocks: int) -> BlockPool:
         ref_counts=pvector([0] * num_blocks),
         plain_free=plist(range(num_blocks)),
         num_plain_free=num_blocks,
-        cached_free=LruQueue(),
-        cached=pmap(),
-        by_hash=pmap(),
+        lru=pvector(),
+        lru_head=0,
+        num_cached_free=0,
+        lru_stamps=pvector([NO_STAMP] * num_blocks),
+        cached=pvector([None] * num_blocks),
+        by_hash=PDict(),
     )
 
 
-def allocate(pool: BlockPool, count: int) -> tuple[BlockPool, tuple[int, ...]]:
-    """Take ``count`` free blocks (the caller checked ``pool.num_free``): plain ones first,
-    then the least recently used cached ones, which leave the cache."""
-    if count > pool.num_free:
-        raise ValueError(f"allocate({count}) with only {pool.num_free} free blocks")
-    refs = pool.ref_counts.evolver()
-    plain, num_plain = pool.plain_free, pool.num_plain_free
-    lru, cached, by_hash = pool.cached_free, pool.cached, pool.by_hash
-    blocks = []
-    for _ in range(count):
-        if num_plain:
-            block, plain, num_plain = plain.first, plain.rest, num_plain - 1
+def _valid_entry(refs, stamps, cached, block: int, position: int) -> bool:
+    return refs[block] == 0 and stamps[block] == position and cached[block] is not None
+
+
+class PoolChanges:
+    """The changes one step makes to a pool, collected, then frozen by ``build``. Operations
+    are the pool's own: allocate, release, take back cached blocks, cache a block."""
+
+    def __init__(self, pool: BlockPool):
+        self._pool = pool
+        # Read through the pool's vectors until the first change (most decode steps make
+        # none), then through evolvers.
+        self._refs = pool.ref_counts
+        self._stamps = pool.lru_stamps
+        self._cached = pool.cached
+        self._lru = pool.lru
+        self._plain = pool.plain_free
+        self._num_plain = pool.num_plain_free
+        self._head = pool.lru_head
+        self._num_cached_free = pool.num_cached_free
+        self._new_hashes: dict[int, int] = {}
+        self._gone_hashes: set[int] = set()
+        self._changed = False
+
+    @property
+    def num_free(self) -> int:
+        return self._num_plain + self._num_cached_free
+
+    def ref_count(self, block: int) -> int:
+        return self._refs[block]
+
+    def block_of(self, block_hash: int) -> int | None:
+        block = self._new_hashes.get(block_hash)
+        if block is None and block_hash not in self._gone_hashes:
+            block = self._pool.by_hash.get(block_hash)
+        return block
+
+    def entry(self, block: int) -> CachedBlock | None:
+        return self._cached[block]
+
+    def _change(self) -> None:
+        if not self._changed:
+            self._changed = True
+            self._refs = self._refs.evolver()
+            self._stamps = self._stamps.evolver()
+            self._cached = self._cached.evolver()
+            self._lru = self._lru.evolver()
+
+    def allocate(self, count: int) -> list[int]:
+        """Take ``count`` free blocks (the caller checked ``num_free``): plain ones first, then
+        the least recently freed cached ones, which leave the cache."""
+        if count > self.num_free:
+            raise ValueError(f"allocate({count}) with only {self.num_free} free blocks")
+        if not count:
+            return []
+        self._change()
+        refs, blocks = self._refs, []
+        while len(blocks) < count and self._num_plain:
+            block, self._plain = self._plain.first, self._plain.rest
+            self._num_plain -= 1
+            refs[block] = 1
+            blocks.append(block)
+        lru, stamps, cached = self._lru, self._stamps, self._cached
+        while len(blocks) < count:
+            position = self._head
+            block = lru[position]
+            self._head += 1
+            if not _valid_entry(refs, stamps, cached, block, position):
+                continue
+            self._num_cached_free -= 1
+            self._forget(block)
+            refs[block] = 1
+            blocks.append(block)
+        return blocks
+
+    def _forget(self, block: int) -> None:
+        entry = self._cached[block]
+        self._cached[block] = None
+        self._stamps[block] = NO_STAMP
+        if self._new_hashes.get(entry.block_hash) == block:
+            del self._new_hashes[entry.block_hash]
         else:
-            block, lru = lru.pop_front()
-            cached, by_hash = _forget(cached, by_hash, block)
-        refs[block] = 1
-        blocks.append(block)
-    pool = BlockPool(refs.persistent(), plain, num_plain, lru, cached, by_hash)
-    return pool, tuple(blocks)
+            self._gone_hashes.add(entry.block_hash)
+
+    def release(self, blocks: Iterable[int]) -> None:
+        """Drop one reference to each block, in the given order; a block whose count reaches
+        zero joins the back of the eviction queue if it is cached, else the plain free stack.
+        Pass a block table reversed so that a sequence's last blocks are evicted first."""
+        self._change()
+        refs, cached = self._refs, self._cached
+        for block in blocks:
+            count = refs[block] - 1
+            if count < 0:
+                raise ValueError(f"block {block} released more often than it was taken")
+            refs[block] = count
+            if count:
+                continue
+            if cached[block] is not None:
+                self._stamps[block] = len(self._lru)
+                self._lru.append(block)
+                self._num_cached_free += 1
+            else:
+                self._plain = self._plain.cons(block)
+                self._num_plain += 1
+
+    def take_cached(self, blocks: Iterable[int]) -> None:
+        """Add a reference to each block found in the cache (a free one leaves the queue: its
+        entry goes stale)."""
+        self._change()
+        refs = self._refs
+        for block in blocks:
+            if refs[block] == 0:
+                self._num_cached_free -= 1
+            refs[block] += 1
+
+    def cache(self, block: int, entry: CachedBlock) -> None:
+        """Record that an owned ``block`` holds ``entry``; a no-op when another block already
+        holds the same content (two sequences computed it at once)."""
+        if self.block_of(entry.block_hash) is not None:
+            return
+        self._change()
+        self._cached[block] = entry
+        self._new_hashes[entry.block_hash] = block
+
+    def build(self) -> BlockPool:
+        if not self._changed:
+            return self._pool
+        lru, head, stamps = self._lru.persistent(), self._head, self._stamps
+        if head > 1024 and head > len(lru) // 2:  # compact: keep the entries still valid
+            refs, cached = self._refs, self._cached
+            kept = [b for p, b in enumerate(lru[head:], start=head)
+                    if _valid_entry(refs, stamps, cached, b, p)]
+            for position, block in enumerate(kept):
+                stamps[block] = position
+            lru, head = pvector(kept), 0
+        gone = [h for h in self._gone_hashes if h not in self._new_hashes]
+        return BlockPool(
+            ref_counts=self._refs.persistent(),
+            plain_free=self._plain,
+            num_plain_free=self._num_plain,
+            lru=lru,
+            lru_head=head,
+            num_cached_free=self._num_cached_free,
+            lru_stamps=stamps.persistent(),
+            cached=self._cached.persistent(),
+            by_hash=self._pool.by_hash.update_known(self._new_hashes, gone),
+        )
 
 
-def _forget(cached: PMap, by_hash: PMap, block: int) -> tuple[PMap, PMap]:
-    return cached.discard(block), by_hash.discard(cached[block].block_hash)
-
-
-def release(pool: BlockPool, blocks: Iterable[int]) -> BlockPool:
-    """Drop one reference to each block, in the given order; a block whose count reaches zero
-    joins the back of the cached LRU queue if it is cached, else the plain free stack. Pass a
-    block table reversed so that a sequence's last blocks are evicted first."""
-    refs = pool.ref_counts.evolver()
-    plain, num_plain, lru = pool.plain_free, pool.num_plain_free, pool.cached_free
-    for block in blocks:
-        count = refs[block] - 1
-        if count < 0:
-            raise ValueError(f"block {block} released more often than it was taken")
-        refs[block] = count
-        if count:
-            continue
-        if block in pool.cached:
-            lru = lru.push_back(block)
-        else:
-            plain, num_plain = plain.cons(block), num_plain + 1
-    return replace(pool, ref_counts=refs.persistent(), plain_free=plain,
-                   num_plain_free=num_plain, cached_free=lru)
-
-
-def find_cached_prefix(pool: BlockPool, block_hashes: Sequence[int],
-                       block_tokens: Callable[[int], Sequence[int]], limit: int) -> tuple[int, ...]:
+def find_cached_prefix(pool: BlockPool | PoolChanges, block_hashes: Sequence[int],
+                       tokens_of_block, limit: int) -> list[int]:
     """The cached blocks holding the longest prefix of a sequence, at most ``limit`` blocks.
 
     ``block_hashes[i]`` is the chained hash of the sequence's full block ``i`` and
-    ``block_tokens(i)`` its tokens. A hash hit counts only if the stored tokens and parent
-    hash match too.
+    ``tokens_of_block(i)`` its tokens (as ``token_bytes``). A hash hit counts only if the
+    stored tokens and parent hash match too.
     """
+    lookup = pool.block_of if isinstance(pool, PoolChanges) else pool.by_hash.get
+    entry_of = pool.entry if isinstance(pool, PoolChanges) else pool.cached.__getitem__
     found: list[int] = []
     for i in range(min(limit, len(block_hashes))):
-        block = pool.by_hash.get(block_hashes[i])
+        block = lookup(block_hashes[i])
         if block is None:
             break
-        entry = pool.cached[block]
-        if (entry.parent_hash != parent_hash_of(block_hashes, i)
-                or entry.token_ids != tuple(block_tokens(i))):
+        entry = entry_of(block)
+        if entry.parent_hash != parent_hash_of(block_hashes, i) or \
+                entry.token_bytes != tokens_of_block(i):
             break
         found.append(block)
-    return tuple(found)
-
-
-def take_cached(pool: BlockPool, blocks: Iterable[int]) -> BlockPool:
-    """Add a reference to each block found in the cache (free ones leave the LRU queue)."""
-    refs = pool.ref_counts.evolver()
-    lru = pool.cached_free
-    for block in blocks:
-        if refs[block] == 0:
-            lru = lru.remove(block)
-        refs[block] += 1
-    return replace(pool, ref_counts=refs.persistent(), cached_free=lru)
-
-
-def cache_block(pool: BlockPool, block: int, entry: CachedBlock) -> BlockPool:
-    """Record that an owned ``block`` holds ``entry``; a no-op when another block already
-    holds the same content (two sequences computed it at once)."""
-    if entry.block_hash in pool.by_hash:
-        return pool
-    return replace(pool, cached=pool.cached.set(block, entry),
-                   by_hash=pool.by_hash.set(entry.block_hash, block))
+    return found

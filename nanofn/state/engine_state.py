@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
-from pyrsistent import PSet, pdeque, pset
-from pyrsistent.typing import PDeque
+import numpy as np
+from pyrsistent import pdeque, plist
+from pyrsistent.typing import PDeque, PList
 
+from nanofn.state.batch import RunningBatch, empty_batch
 from nanofn.state.block_pool import BlockPool, new_block_pool
 from nanofn.state.config import SchedulerConfig, check_num_blocks
+from nanofn.state.pdict import PDict
 from nanofn.state.records import Seq
 
 
@@ -23,30 +26,54 @@ class Counters:
 
 
 @dataclass(frozen=True, slots=True)
+class InFlight:
+    """The stints (``RunningBatch`` serials) a launched plan samples, in plan order, whose
+    tokens are not delivered yet, and their sequences' ids. Serials are held as bytes:
+    immutable, and read back without a copy."""
+
+    serials_bytes: bytes
+    seq_ids: tuple[str, ...]
+
+    @property
+    def serials(self) -> np.ndarray:
+        return np.frombuffer(self.serials_bytes, np.int64)
+
+    def __len__(self) -> int:
+        return len(self.serials_bytes) // 8
+
+
+@dataclass(frozen=True, slots=True)
 class EngineState:
-    """Every live sequence is in exactly one of ``waiting`` and ``running``.
+    """Every live sequence is either waiting (a ``Seq`` record in ``waiting``) or running (a
+    row of ``batch``); ``running`` shows the batch as records.
 
     ``finished`` and ``preempted`` say what the step that produced this state did.
-    ``undelivered`` lists, oldest first, for every plan whose sampled tokens have not been
-    delivered, the sequences that sampled, in plan order: the next delivery must carry one
-    token for each sequence of ``undelivered[0]``.
+    ``undelivered`` lists, oldest first, the stints each launched plan samples whose tokens
+    have not been delivered: the next delivery must carry one token per stint of
+    ``undelivered[0]``. ``free_slots`` are the runner slots no running sequence holds.
     """
 
     config: SchedulerConfig
     step: int
     pool: BlockPool
     waiting: PDeque  # of Seq: the head is admitted first
-    running: tuple[Seq, ...]  # in admission order: preemption takes the last
-    live_ids: PSet
-    undelivered: tuple[tuple[str, ...], ...] = ()
-    unreported_releases: tuple[str, ...] = ()  # released since the last plan with work
+    batch: RunningBatch  # in admission order: preemption takes the last
+    live_ids: PDict  # seq id -> True, for every waiting or running sequence
+    free_slots: PList
+    next_serial: int = 0
+    undelivered: tuple[InFlight, ...] = ()
     finished: tuple[Seq, ...] = ()
     preempted: tuple[str, ...] = ()
     counters: Counters = Counters()
 
     @property
     def has_unfinished(self) -> bool:
-        return bool(self.live_ids)
+        return bool(len(self.live_ids))
+
+    @property
+    def running(self) -> tuple[Seq, ...]:
+        """The running sequences as records, in admission order (built on each call)."""
+        return self.batch.seqs()
 
 
 def initial_state(config: SchedulerConfig, num_blocks: int) -> EngineState:
@@ -57,6 +84,26 @@ def initial_state(config: SchedulerConfig, num_blocks: int) -> EngineState:
         step=0,
         pool=new_block_pool(num_blocks),
         waiting=pdeque(),
-        running=(),
-        live_ids=pset(),
+        batch=empty_batch(),
+        live_ids=PDict(),
+        free_slots=plist(range(config.max_num_seqs)),
     )
+
+
+def _make_evolve():
+    """``evolve(state, **changes)``, generated with one line per field (as dataclasses
+    generates ``__init__``): a few times cheaper than ``dataclasses.replace``, and the step
+    makes several states. The new state is as frozen as any."""
+    names = [f.name for f in fields(EngineState)]
+    setters = {f"set_{name}": EngineState.__dict__[name].__set__ for name in names}
+    lines = [f"def evolve(state, *, {', '.join(f'{n}=_KEEP' for n in names)}):",
+             "    new = _new(EngineState)"]
+    lines += [f"    set_{n}(new, state.{n} if {n} is _KEEP else {n})" for n in names]
+    lines.append("    return new")
+    namespace = {"_KEEP": object(), "_new": object.__new__, "EngineState": EngineState,
+                 **setters}
+    exec("\n".join(lines), namespace)
+    return namespace["evolve"]
+
+
+evolve = _make_evolve()

@@ -27,7 +27,7 @@ def figures(state: EngineState) -> Figures:
     s = state.counters
     return Figures(
         step=state.step,
-        num_running=len(state.running),
+        num_running=len(state.batch),
         num_waiting=len(state.waiting),
         kv_blocks_used=state.pool.num_used,
         kv_blocks_total=state.pool.num_blocks,

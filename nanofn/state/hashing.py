@@ -3,32 +3,41 @@ which the prefix cache rules out by comparing the stored tokens on every hit).""
 
 from __future__ import annotations
 
-import struct
 from collections.abc import Sequence
 
+import numpy as np
 import xxhash
-from pyrsistent import PVector
 
 ROOT_HASH = 0  # the parent of a sequence's first block
 
 
-def block_hash(parent_hash: int, token_ids: Sequence[int]) -> int:
-    """``xxhash64(parent_hash, token ids)``."""
-    data = struct.pack(f"<Q{len(token_ids)}I", parent_hash, *token_ids)
-    return xxhash.xxh64_intdigest(data)
+def block_hash(parent_hash: int, token_ids: Sequence[int] | np.ndarray) -> int:
+    """``xxhash64`` of the parent hash (8 bytes) then the token ids (4 bytes each), little-endian."""
+    return xxhash.xxh64_intdigest(parent_hash.to_bytes(8, "little") + token_bytes(token_ids))
 
 
-def parent_hash_of(hashes: PVector, block_index: int) -> int:
-    return hashes[block_index - 1] if block_index > 0 else ROOT_HASH
+def token_bytes(token_ids: Sequence[int] | np.ndarray) -> bytes:
+    """Token ids as hashed: 4 little-endian bytes each."""
+    return np.asarray(token_ids, dtype="<u4").tobytes()
 
 
-def extend_block_hashes(hashes: PVector, token_ids: PVector, block_size: int) -> PVector:
-    """The hashes of every full block of ``token_ids``, computing only the ones not yet known."""
-    num_full = len(token_ids) // block_size
-    if len(hashes) >= num_full:
-        return hashes
-    new = hashes.evolver()
-    for i in range(len(hashes), num_full):
-        tokens = token_ids[i * block_size:(i + 1) * block_size]
-        new.append(block_hash(parent_hash_of(new, i), tokens))
-    return new.persistent()
+def hash_blocks(parent_hashes: np.ndarray, blocks: np.ndarray) -> tuple[list[int], np.ndarray]:
+    """``block_hash`` of many blocks at once (``blocks``: ``[k, block_size]`` token ids, each
+    chained to its ``parent_hashes[k]``); also returns the blocks' bytes ``[k, 4 * block_size]``."""
+    tokens = np.ascontiguousarray(blocks, dtype="<u4").view(np.uint8).reshape(len(blocks), -1)
+    data = np.concatenate([parent_hashes.astype("<u8").view(np.uint8).reshape(-1, 8), tokens],
+                          axis=1)
+    return [xxhash.xxh64_intdigest(row) for row in data], tokens
+
+
+def parent_hash_of(hashes: Sequence[int], block_index: int) -> int:
+    return int(hashes[block_index - 1]) if block_index > 0 else ROOT_HASH
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int) -> tuple[int, ...]:
+    """The hashes of every full block of ``token_ids``."""
+    hashes: list[int] = []
+    for i in range(len(token_ids) // block_size):
+        hashes.append(block_hash(parent_hash_of(hashes, i),
+                                 token_ids[i * block_size:(i + 1) * block_size]))
+    return tuple(hashes)

@@ -1,12 +1,22 @@
 """The batch plan, the plain picklable data a runner needs to execute one step, and the
-runner's answer: the tokens it sampled."""
+runner's answer: the tokens it sampled.
+
+A plan is columns over the sequences it schedules plus what changed since the last plan: the
+new entries of block tables, the sequences that start running (with their sampling
+parameters), the token ids some sequences may not sample. A runner keeps per-sequence state under each sequence's *slot*: block tables by appends, sampling
+parameters from the plan that starts it, and the token it sampled last, which a later plan's
+``PENDING_TOKEN`` stands for. A decode step's plan is thus a few arrays of one entry per
+sequence.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import compress
 
+import numpy as np
 import xxhash
-from pyrsistent import PVector
 
 from nanofn.state.params import SamplingParams
 
@@ -14,28 +24,115 @@ PENDING_TOKEN = -1  # a token the previous plan sampled, not known to the schedu
 
 
 @dataclass(frozen=True, slots=True)
-class ScheduledSeq:
-    """One sequence's share of a step: compute the KV of ``token_ids`` at positions
-    ``start_pos, start_pos + 1, ...`` into the blocks of ``block_table``; if ``sample``, the
-    last of them is the sequence's last token and the next token is sampled from its logits.
+class SeqStart:
+    """A sequence that starts running with this plan (new, or resumed after preemption): its
+    slot's earlier contents are void; its block table is given whole from column 0."""
 
-    The last of ``token_ids`` may be ``PENDING_TOKEN``: the token this sequence sampled in
-    the previous plan, which the runner still holds and the scheduler has not seen yet.
-
-    ``block_table`` is the sequence's persistent vector itself (no copy). ``history`` is all
-    of the sequence's tokens, given only when sampling needs them (penalties); such a
-    sequence is never scheduled with a pending token. ``banned_token_ids`` are the ids the
-    sampled token may not be (the core's policy, e.g. ``min_tokens``): the runner applies it
-    without reasoning about it."""
-
+    slot: int
     seq_id: str
-    token_ids: tuple[int, ...]
-    start_pos: int
-    block_table: PVector
-    sample: bool
     params: SamplingParams
     num_prompt_tokens: int
-    history: PVector | None = None
+
+
+def _frozen(a: np.ndarray) -> np.ndarray:
+    a.flags.writeable = False
+    return a
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class BatchPlan:
+    """What one step computes, per scheduled sequence ``i`` (plan order): the KV of
+    ``num_scheduled[i]`` tokens at positions ``start_pos[i], start_pos[i] + 1, ...`` (their ids
+    laid end to end in ``token_ids``); if ``sample[i]``, the last of them is the sequence's last
+    token and the next token is sampled from its logits, never one of ``banned``'s ids for it
+    (``(plan index, token ids)`` pairs).
+
+    ``block_entries`` are ``(plan index, column, block)`` rows: the block-table entries new
+    since the last plan (whole tables for the sequences of ``started``). ``histories`` give,
+    for the sampling sequences whose penalties need them, ``(plan index, all token ids)``;
+    such a sequence is never scheduled with a pending token.
+    """
+
+    step: int
+    seq_ids: tuple[str, ...]
+    slots: np.ndarray  # [S] int64
+    start_pos: np.ndarray  # [S] int64
+    num_scheduled: np.ndarray  # [S] int64
+    sample: np.ndarray  # [S] bool
+    token_ids: np.ndarray  # [sum(num_scheduled)] int64, PENDING_TOKEN where pending
+    block_entries: np.ndarray  # [U, 3] int64
+    num_decode_tokens: int  # sequences past their prompt computing one token
+    started: tuple[SeqStart, ...] = ()
+    banned: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    histories: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    # Derived once, when the plan is made (several readers need them each step).
+    num_tokens: int = field(init=False)
+    sampling_seq_ids: tuple[str, ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        for name in ("slots", "start_pos", "num_scheduled", "sample", "token_ids",
+                     "block_entries"):
+            _frozen(getattr(self, name))
+        all_sample = bool(self.sample.all())
+        object.__setattr__(self, "num_tokens", len(self.token_ids))
+        object.__setattr__(self, "sampling_seq_ids", self.seq_ids if all_sample else
+                           tuple(compress(self.seq_ids, self.sample.tolist())))
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seq_ids
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return self.num_tokens - self.num_decode_tokens
+
+    @property
+    def context_lens(self) -> np.ndarray:
+        """Tokens in each sequence's cache once this step has run."""
+        return self.start_pos + self.num_scheduled
+
+    @property
+    def seqs(self) -> tuple[ScheduledSeq, ...]:
+        return self.entries()
+
+    def entries(self) -> tuple[ScheduledSeq, ...]:
+        """The plan, one record per scheduled sequence (for display and tests; built on each
+        call)."""
+        ends = np.cumsum(self.num_scheduled).tolist()
+        banned = dict(self.banned)
+        blocks: dict[int, list[tuple[int, int]]] = {}
+        for i, col, block in self.block_entries.tolist():
+            blocks.setdefault(i, []).append((col, block))
+        return tuple(
+            ScheduledSeq(seq_id, int(self.slots[i]), tuple(self.token_ids[end - n:end].tolist()),
+                         int(self.start_pos[i]), bool(self.sample[i]),
+                         tuple(blocks.get(i, ())), banned.get(i, ()))
+            for i, (seq_id, n, end) in enumerate(zip(self.seq_ids, self.num_scheduled.tolist(),
+                                                      ends)))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, BatchPlan) and plan_digest(self) == plan_digest(other) \
+            and self.seq_ids == other.seq_ids
+
+    def __hash__(self) -> int:
+        return hash(plan_digest(self))
+
+    def __repr__(self) -> str:
+        return f"BatchPlan(step={self.step}, seqs={self.entries()!r}, started={self.started!r})"
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledSeq:
+    """One sequence's share of a plan, as a record: ``token_ids`` at positions ``start_pos``
+    on, into slot ``slot``; ``new_blocks`` are ``(column, block)`` entries its block table
+    gains."""
+
+    seq_id: str
+    slot: int
+    token_ids: tuple[int, ...]
+    start_pos: int
+    sample: bool
+    new_blocks: tuple[tuple[int, int], ...] = ()
     banned_token_ids: tuple[int, ...] = ()
 
     @property
@@ -44,58 +141,44 @@ class ScheduledSeq:
 
     @property
     def context_len(self) -> int:
-        """Tokens in the cache once this step has run."""
         return self.start_pos + len(self.token_ids)
 
-    @property
-    def is_decode(self) -> bool:
-        """A single token past the prompt: a decode step (or, rarely, the last token a resumed
-        sequence recomputes)."""
-        return len(self.token_ids) == 1 and self.start_pos >= self.num_prompt_tokens
+
+def plan_of(step: int, seqs: Sequence[ScheduledSeq], started: Sequence[SeqStart] = ()) -> BatchPlan:
+    """A plan from per-sequence records (tests, and runners measuring memory); a single token
+    of a sequence not starting now counts as decode."""
+    entries = [(i, col, block) for i, s in enumerate(seqs) for col, block in s.new_blocks]
+    starting = {s.slot for s in started}
+    return BatchPlan(
+        step=step,
+        seq_ids=tuple(s.seq_id for s in seqs),
+        slots=np.array([s.slot for s in seqs], np.int64),
+        start_pos=np.array([s.start_pos for s in seqs], np.int64),
+        num_scheduled=np.array([s.num_tokens for s in seqs], np.int64),
+        sample=np.array([s.sample for s in seqs], bool),
+        token_ids=np.array([t for s in seqs for t in s.token_ids], np.int64),
+        block_entries=np.array(entries, np.int64).reshape(-1, 3),
+        num_decode_tokens=sum(s.num_tokens == 1 and s.slot not in starting for s in seqs),
+        started=tuple(started),
+        banned=tuple((i, s.banned_token_ids) for i, s in enumerate(seqs) if s.banned_token_ids),
+    )
 
 
-@dataclass(frozen=True, slots=True)
-class BatchPlan:
-    """What one step computes. ``released`` names the sequences that stopped running
-    (finished, aborted or preempted) since the last plan that had work: a runner may drop what
-    it keeps for them. Between two releases a sequence's block table only grows, so a runner
-    may keep a copy and append."""
-
-    step: int
-    seqs: tuple[ScheduledSeq, ...]
-    released: tuple[str, ...] = ()
-    # Derived from ``seqs`` once, when the plan is made (several readers need them each step).
-    sampling_seq_ids: tuple[str, ...] = field(init=False)
-    num_tokens: int = field(init=False)
-    num_decode_tokens: int = field(init=False)
-
-    def __post_init__(self) -> None:
-        sampling, num_tokens, num_decode = [], 0, 0
-        for s in self.seqs:
-            if s.sample:
-                sampling.append(s.seq_id)
-            num_tokens += len(s.token_ids)
-            num_decode += s.is_decode
-        object.__setattr__(self, "sampling_seq_ids", tuple(sampling))
-        object.__setattr__(self, "num_tokens", num_tokens)
-        object.__setattr__(self, "num_decode_tokens", num_decode)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.seqs
-
-    @property
-    def num_prefill_tokens(self) -> int:
-        return self.num_tokens - self.num_decode_tokens
+def empty_plan(step: int) -> BatchPlan:
+    none = np.zeros(0, np.int64)
+    return BatchPlan(step, (), none, none.copy(), none.copy(), np.zeros(0, bool), none.copy(),
+                     np.zeros((0, 3), np.int64), 0)
 
 
 def plan_digest(plan: BatchPlan) -> str:
     """A short fingerprint of everything in a plan that decides what the runner computes."""
     h = xxhash.xxh64()
-    h.update(f"{plan.step}|{plan.released}|".encode())
-    for s in plan.seqs:
-        h.update(f"{s.seq_id}|{s.start_pos}|{int(s.sample)}|{s.token_ids}|{list(s.block_table)}|"
-                 f"{s.banned_token_ids}|".encode())
+    h.update(f"{plan.step}|{plan.seq_ids}|".encode())
+    for a in (plan.slots, plan.start_pos, plan.num_scheduled, plan.sample, plan.token_ids,
+              plan.block_entries):
+        h.update(np.ascontiguousarray(a).tobytes())
+    h.update(repr([(s.slot, s.seq_id, s.num_prompt_tokens) for s in plan.started]).encode())
+    h.update(repr((plan.banned, plan.histories)).encode())
     return h.hexdigest()
 
 
@@ -111,5 +194,5 @@ class TokenLogprobs:
 class SampleOutput:
     """What a runner sampled for one plan: a token per sampling sequence, in plan order."""
 
-    token_ids: list[int]
-    logprobs: list[TokenLogprobs | None]  # None for rows whose params.logprobs is None
+    token_ids: Sequence[int]  # a list or an int64 array
+    logprobs: Sequence[TokenLogprobs | None] | None = None  # None: no row asked for logprobs

@@ -1,20 +1,36 @@
 """When a sequence stops, and what it may not sample: the one definition of each boundary.
 
-Every module that needs one of these decisions (the scheduler, the step, the shell's stop-string
-check, beam search) calls these functions; none decides on its own. Counts of output tokens
-include the newest token, the one whose fate is being decided.
+Every module that needs one of these decisions (the step, the scheduler, the shell's stop-string
+check, beam search) calls these functions; none decides on its own. The comparisons work on
+plain integers and, element by element, on the columns of the running batch. Counts of output
+tokens include the newest token, the one whose fate is being decided.
 """
 
 from __future__ import annotations
 
+import numpy as np
+
 from nanofn.state.params import SamplingParams
 
 
-def may_stop(params: SamplingParams, num_output_tokens: int) -> bool:
+def may_stop(num_output_tokens, min_tokens):
     """Whether a sequence whose newest token is its ``num_output_tokens``-th output token may
     stop on it (by a stop token, an end-of-sequence token or a stop string): only once it has
     more than ``min_tokens`` tokens."""
-    return num_output_tokens > params.min_tokens
+    return num_output_tokens > min_tokens
+
+
+def length_limit(params: SamplingParams, num_prompt_tokens: int, max_model_len: int) -> int:
+    """The number of tokens (prompt and output) at which a sequence stops by length."""
+    if params.max_tokens is None:
+        return max_model_len
+    return min(num_prompt_tokens + params.max_tokens, max_model_len)
+
+
+def at_length_limit(num_tokens, limit):
+    """Whether a sequence of ``num_tokens`` tokens may have no more (``limit`` from
+    ``length_limit``)."""
+    return num_tokens >= limit
 
 
 def stop_token_ids(params: SamplingParams, eos_token_ids: tuple[int, ...]) -> tuple[int, ...]:
@@ -25,20 +41,34 @@ def stop_token_ids(params: SamplingParams, eos_token_ids: tuple[int, ...]) -> tu
 
 def stops_on(token: int, params: SamplingParams, eos_token_ids: tuple[int, ...]) -> bool:
     """Whether ``token`` is one that ends the sequence (``min_tokens`` aside)."""
-    return token in params.stop_token_ids or (not params.ignore_eos and token in eos_token_ids)
+    return bool(ends_on(np.int64(token), not params.ignore_eos, eos_token_ids,
+                        params.stop_token_ids))
+
+
+def ends_on(tokens: np.ndarray, watch_eos, eos_token_ids: tuple[int, ...],
+            stop_token_ids: tuple[int, ...] = ()) -> np.ndarray:
+    """Element by element: whether each token ends its sequence, being one of
+    ``stop_token_ids`` or, where ``watch_eos`` (not ``ignore_eos``), an end-of-sequence id."""
+    eos = _isin(tokens, eos_token_ids)
+    if watch_eos is not True:
+        eos &= np.asarray(watch_eos, bool)
+    return _isin(tokens, stop_token_ids) | eos if stop_token_ids else eos
+
+
+def _isin(values: np.ndarray, ids: tuple[int, ...]) -> np.ndarray:
+    """``np.isin`` for a few ids, without its sort (a comparison per id)."""
+    if not ids:
+        return np.zeros(np.shape(values), bool)
+    found = values == ids[0]
+    for token in ids[1:]:
+        found |= values == token
+    return found
 
 
 def banned_token_ids(params: SamplingParams, num_output_tokens_before: int,
                      eos_token_ids: tuple[int, ...]) -> tuple[int, ...]:
     """The token ids the next token may not be: the stopping ones while stopping is not allowed
     yet, so that ``min_tokens`` holds whatever the model prefers."""
-    if may_stop(params, num_output_tokens_before + 1):
+    if may_stop(num_output_tokens_before + 1, params.min_tokens):
         return ()
     return stop_token_ids(params, eos_token_ids)
-
-
-def at_length_limit(params: SamplingParams, num_output_tokens: int, num_tokens: int,
-                    max_model_len: int) -> bool:
-    """Whether a sequence of this many (output) tokens may have no more."""
-    return ((params.max_tokens is not None and num_output_tokens >= params.max_tokens)
-            or num_tokens >= max_model_len)

@@ -1,11 +1,9 @@
-"""Requests and sequences: what a user asked, and how far the engine has got with it."""
+"""Sequences: what was asked of each, and how far the engine has got with it."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from enum import Enum
-
-from pyrsistent import PVector
 
 from nanofn.state.params import SamplingParams
 
@@ -35,7 +33,8 @@ class SeqSpec:
 
 @dataclass(frozen=True, slots=True)
 class Seq:
-    """How far the engine has got with a sequence.
+    """One sequence, as a record: the waiting and finished ones are kept so; the running ones
+    live as columns of the state's ``RunningBatch``, which shows each as a ``Seq`` on demand.
 
     ``token_ids`` holds the prompt followed by the generated tokens known so far; after them
     come ``num_pending`` tokens that plans already sampled but whose values have not been
@@ -46,9 +45,9 @@ class Seq:
     """
 
     spec: SeqSpec
-    token_ids: PVector
-    block_hashes: PVector
-    block_table: PVector
+    token_ids: tuple[int, ...]
+    block_hashes: tuple[int, ...]
+    block_table: tuple[int, ...] = ()
     num_computed: int = 0
     num_pending: int = 0
     status: SeqStatus = SeqStatus.WAITING
@@ -85,7 +84,7 @@ class Seq:
 
     @property
     def output_token_ids(self) -> tuple[int, ...]:
-        return tuple(self.token_ids[self.num_prompt_tokens:])
+        return self.token_ids[self.num_prompt_tokens:]
 
     @property
     def num_uncomputed(self) -> int:
@@ -95,47 +94,3 @@ class Seq:
     @property
     def is_finished(self) -> bool:
         return self.status is SeqStatus.FINISHED
-
-    # The two updates every decode step makes. They build the new record through its slot
-    # setters, which costs half of the generated frozen ``__init__`` (one ``object.__setattr__``
-    # per field); the record is still frozen once built.
-
-    def with_token(self, token_ids: PVector, block_hashes: PVector) -> Seq:
-        """A pending token became known: it is the last of ``token_ids`` now."""
-        seq = _new(Seq)
-        _set_spec(seq, self.spec)
-        _set_token_ids(seq, token_ids)
-        _set_block_hashes(seq, block_hashes)
-        _set_block_table(seq, self.block_table)
-        _set_num_computed(seq, self.num_computed)
-        _set_num_pending(seq, self.num_pending - 1)
-        _set_status(seq, self.status)
-        _set_finish_reason(seq, self.finish_reason)
-        _set_num_preemptions(seq, self.num_preemptions)
-        _set_num_cached_tokens(seq, self.num_cached_tokens)
-        return seq
-
-    def with_progress(self, block_table: PVector, num_computed: int, num_pending: int) -> Seq:
-        seq = _new(Seq)
-        _set_spec(seq, self.spec)
-        _set_token_ids(seq, self.token_ids)
-        _set_block_hashes(seq, self.block_hashes)
-        _set_block_table(seq, block_table)
-        _set_num_computed(seq, num_computed)
-        _set_num_pending(seq, num_pending)
-        _set_status(seq, self.status)
-        _set_finish_reason(seq, self.finish_reason)
-        _set_num_preemptions(seq, self.num_preemptions)
-        _set_num_cached_tokens(seq, self.num_cached_tokens)
-        return seq
-
-
-def slot_setters(cls: type) -> tuple:
-    """The setters of a frozen slotted dataclass's fields, in declaration order."""
-    return tuple(cls.__dict__[f.name].__set__ for f in fields(cls))
-
-
-_new = object.__new__
-(_set_spec, _set_token_ids, _set_block_hashes, _set_block_table, _set_num_computed,
- _set_num_pending, _set_status, _set_finish_reason, _set_num_preemptions,
- _set_num_cached_tokens) = slot_setters(Seq)

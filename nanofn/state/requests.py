@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
-from pyrsistent import pvector
+import numpy as np
 
-from nanofn.state.engine_state import EngineState
-from nanofn.state.hashing import extend_block_hashes
+from nanofn.state.engine_state import EngineState, evolve
+from nanofn.state.hashing import block_hashes
 from nanofn.state.params import SamplingParams
 from nanofn.state.records import Seq, SeqSpec
 
@@ -32,7 +32,7 @@ def check_new_seq(state: EngineState, new: NewSeq) -> None:
         raise InvalidRequest(f"request_id must be a non-empty string, got {new.seq_id!r}")
     if new.seq_id in state.live_ids:
         raise InvalidRequest(f"request_id {new.seq_id!r} is already in use")
-    if any(new.seq_id in ids for ids in state.undelivered):
+    if has_token_in_flight(state, new.seq_id):
         raise InvalidRequest(f"request_id {new.seq_id!r} still has a sampled token in flight "
                              f"from an earlier request; it can be used again after a step")
     if not isinstance(new.params, SamplingParams):
@@ -44,8 +44,7 @@ def check_new_seq(state: EngineState, new: NewSeq) -> None:
     prompt = new.prompt_token_ids
     if len(prompt) == 0:
         raise InvalidRequest(f"request {new.seq_id!r}: the prompt is empty")
-    bad = next((t for t in prompt if not isinstance(t, int) or isinstance(t, bool) or t < 0
-                or (c.vocab_size is not None and t >= c.vocab_size)), None)
+    bad = _bad_token(prompt, c.vocab_size)
     if bad is not None:
         vocab = f" [0, {c.vocab_size})" if c.vocab_size is not None else " >= 0"
         raise InvalidRequest(
@@ -61,6 +60,24 @@ def check_new_seq(state: EngineState, new: NewSeq) -> None:
             f"{max_tokens} is longer than max_model_len {c.max_model_len}")
 
 
+def _bad_token(prompt, vocab_size: int | None):
+    """The first prompt token that is not an integer id in the vocabulary, or None (checked as
+    an array when every token is a plain int, element by element to name the culprit)."""
+    if set(map(type, prompt)) == {int}:
+        array = np.asarray(prompt)
+        if array.dtype.kind in "iu" and array.min() >= 0 and (
+                vocab_size is None or array.max() < vocab_size):
+            return None
+    return next((t for t in prompt if not isinstance(t, int) or isinstance(t, bool) or t < 0
+                 or (vocab_size is not None and t >= vocab_size)), None)
+
+
+def has_token_in_flight(state: EngineState, seq_id: str) -> bool:
+    """Whether a sequence of this id has a sampled token in flight (it may have finished a
+    step ahead of that token)."""
+    return any(seq_id in f.seq_ids for f in state.undelivered)
+
+
 def add_seqs(state: EngineState, new_seqs: tuple[NewSeq, ...]) -> EngineState:
     """Append valid sequences to the waiting queue (all or nothing: one invalid sequence
     raises and leaves the state as it was)."""
@@ -68,16 +85,14 @@ def add_seqs(state: EngineState, new_seqs: tuple[NewSeq, ...]) -> EngineState:
         return state
     waiting, live = state.waiting, state.live_ids
     for new in new_seqs:
-        check_new_seq(replace(state, live_ids=live), new)
-        seq = _new_seq(state, new)
-        waiting, live = waiting.append(seq), live.add(new.seq_id)
-    return replace(state, waiting=waiting, live_ids=live)
+        check_new_seq(evolve(state, live_ids=live), new)
+        waiting = waiting.append(_new_seq(state, new))
+        live = live.set(new.seq_id, True)
+    return evolve(state, waiting=waiting, live_ids=live)
 
 
 def _new_seq(state: EngineState, new: NewSeq) -> Seq:
     spec = SeqSpec(new.seq_id, tuple(new.prompt_token_ids), new.params, state.step)
-    token_ids = pvector(spec.prompt_token_ids)
     c = state.config
-    hashes = extend_block_hashes(pvector(), token_ids, c.block_size) \
-        if c.enable_prefix_caching else pvector()
-    return Seq(spec=spec, token_ids=token_ids, block_hashes=hashes, block_table=pvector())
+    hashes = block_hashes(spec.prompt_token_ids, c.block_size) if c.enable_prefix_caching else ()
+    return Seq(spec=spec, token_ids=spec.prompt_token_ids, block_hashes=hashes)

@@ -13,199 +13,373 @@
    longest prefix found in the prefix cache; its prompt is cut to the budget left (chunked
    prefill) or, with chunking off, waits for a step with budget enough. The head of the
    queue blocks the ones behind it, so nobody starves.
+
+Step 1 runs as array operations over the batch's columns whenever the free blocks cover every
+sequence's needs (the common case); otherwise it walks the sequences one by one, preempting
+as it goes. Both give the same schedule: the walk is the definition, the arrays its shortcut.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
-from pyrsistent import pvector
+import numpy as np
 
-from nanofn.state.block_pool import (BlockPool, CachedBlock, allocate, cache_block,
-                                     find_cached_prefix, release, take_cached)
+from nanofn.state.batch import (HAS_PENALTIES, HAS_STOP_IDS, IGNORE_EOS, LENGTH_LIMIT,
+                                MIN_TOKENS, NUM_BLOCKS, NUM_CACHED, NUM_COLS, NUM_COMPUTED,
+                                NUM_HASHED, NUM_PENDING, NUM_PREEMPTIONS, NUM_PROMPT, NUM_TOKENS,
+                                ROW, SERIAL, SLOT, RunningBatch, frozen, with_room)
+from nanofn.state.block_pool import CachedBlock, PoolChanges, find_cached_prefix
 from nanofn.state.config import SchedulerConfig, blocks_for
-from nanofn.state.engine_state import EngineState
-from nanofn.state.hashing import parent_hash_of
-from nanofn.state.plan import PENDING_TOKEN, BatchPlan, ScheduledSeq
-from nanofn.state.policy import at_length_limit, banned_token_ids
-from nanofn.state.records import Seq, SeqStatus, slot_setters
+from nanofn.state.engine_state import EngineState, InFlight, evolve
+from nanofn.state.hashing import parent_hash_of, token_bytes
+from nanofn.state.plan import PENDING_TOKEN, BatchPlan, SeqStart, empty_plan
+from nanofn.state.policy import at_length_limit, length_limit, may_stop, stop_token_ids
+from nanofn.state.records import Seq, SeqStatus
+from nanofn.state.store import HASHES, TABLES, TOKENS, SeqStore
+
+
+_NO_ENTRIES = np.zeros((0, 3), np.int64)
+_NO_ENTRIES.flags.writeable = False
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """A waiting sequence that starts now: its blocks (prefix-cache hits first), the tokens
+    found cached, and the tokens it computes this step."""
+
+    seq: Seq
+    blocks: list[int]
+    num_cached: int
+    count: int
 
 
 def schedule(state: EngineState) -> tuple[EngineState, BatchPlan]:
     c = state.config
-    pool, waiting = state.pool, state.waiting
-    budget = c.max_num_batched_tokens
-    queue = list(state.running)
-    running: list[Seq] = []  # the running sequences after this step, in admission order
-    chunks: list[ScheduledSeq] = []
-    preempted: list[str] = []
+    batch, pool = state.batch, PoolChanges(state.pool)
+    cols = batch.cols.copy()
+    counts = wanted_counts(cols, c)
+    grow = np.maximum(blocks_for(cols[:, NUM_COMPUTED] + counts, c.block_size)
+                      - cols[:, NUM_BLOCKS], 0)
+    if int(grow.sum()) <= pool.num_free:
+        blocks, kept, victims = pool.allocate(int(grow.sum())), len(batch), []
+    else:
+        counts, grow, blocks, kept, victims = schedule_under_pressure(batch, pool, c)
+    waiting, slots = state.waiting, state.free_slots
+    for i, victim in victims:
+        waiting = waiting.appendleft(victim)
+        slots = slots.cons(int(cols[i, SLOT]))
+    if victims:
+        cols, counts, grow = cols[:kept], counts[:kept], grow[:kept]
 
-    i = 0
-    while i < len(queue):
-        seq = queue[i]
-        i += 1
-        if budget == 0 or not _ready(seq, c):
-            running.append(seq)
-            continue
-        wanted = min(seq.num_uncomputed, budget)
-        while (count := _tokens_that_fit(seq, wanted, pool, c.block_size)) == 0:
-            victim = queue.pop() if i < len(queue) else seq
-            pool, victim = preempt(pool, victim)
-            waiting = waiting.appendleft(victim)
-            preempted.append(victim.seq_id)
-            if victim.seq_id == seq.seq_id:
-                break
-        if count:
-            pool, chunk, seq = _schedule_chunk(pool, seq, count, c)
-            running.append(seq)
-            chunks.append(chunk)
-            budget -= count
-
-    admitted_tokens = cached_tokens = 0
-    while (not preempted and waiting and budget > 0 and len(running) < c.max_num_seqs
+    admissions: list[Admission] = []
+    budget = c.max_num_batched_tokens - int(counts.sum())
+    while (not victims and waiting and budget > 0 and kept + len(admissions) < c.max_num_seqs
            and waiting.left.num_pending == 0):
-        admission = _admit(pool, waiting.left, budget, c)
+        admission = admit(pool, waiting.left, budget, c)
         if admission is None:
             break
-        pool, chunk, seq = admission
+        admissions.append(admission)
         waiting = waiting.popleft()
-        running.append(seq)
-        chunks.append(chunk)
-        budget -= chunk.num_tokens
-        admitted_tokens += seq.num_tokens
-        cached_tokens += seq.num_cached_tokens
+        budget -= admission.count
+
+    store, key = batch.store, batch.write_key
+    if blocks or admissions:
+        store, cols = _write_new_blocks(store, cols, grow, blocks, admissions, key)
+        cols, slots = _append_admitted(store, cols, admissions, slots, state.next_serial, c)
+        key = store.claim()
+    ids, specs = batch.ids, batch.specs
+    if victims or admissions:
+        ids = ids[:kept] + tuple(a.seq.seq_id for a in admissions)
+        specs = specs[:kept] + tuple(a.seq.spec for a in admissions)
+        counts = np.concatenate([counts, np.array([a.count for a in admissions], np.int64)])
+    new_batch, plan, sampling = _plan(state.step, store, key, cols, counts, grow, blocks, ids,
+                                      specs, admissions, pool, c)
 
     counters = state.counters
-    counters = replace(counters, num_preemptions=counters.num_preemptions + len(preempted),
-                       num_admitted_tokens=counters.num_admitted_tokens + admitted_tokens,
-                       num_cached_tokens=counters.num_cached_tokens + cached_tokens)
-    # Runners skip empty plans: a release rides along until a plan with work carries it.
-    released = (state.unreported_releases + tuple(seq.seq_id for seq in state.finished)
-                + tuple(preempted))
-    plan = BatchPlan(state.step, tuple(chunks), released)
-    undelivered = state.undelivered + (plan.sampling_seq_ids,) if chunks else state.undelivered
-    new_state = replace(state, pool=pool, waiting=waiting, running=tuple(running),
-                        undelivered=undelivered, preempted=tuple(preempted), counters=counters,
-                        unreported_releases=() if chunks else released)
+    if victims or admissions:
+        counters = replace(counters, num_preemptions=counters.num_preemptions + len(victims),
+                           num_admitted_tokens=counters.num_admitted_tokens
+                           + sum(a.seq.num_tokens for a in admissions),
+                           num_cached_tokens=counters.num_cached_tokens
+                           + sum(a.num_cached for a in admissions))
+    undelivered = state.undelivered
+    if not plan.is_empty:
+        undelivered += (InFlight(sampling.tobytes(), plan.sampling_seq_ids),)
+    new_state = evolve(state, pool=pool.build(), waiting=waiting, batch=new_batch,
+                       free_slots=slots, next_serial=state.next_serial + len(admissions),
+                       undelivered=undelivered,
+                       preempted=tuple(victim.seq_id for _, victim in victims),
+                       counters=counters)
     return new_state, plan
 
 
-def _ready(seq: Seq, c: SchedulerConfig) -> bool:
-    """Whether a running sequence can be scheduled now: nothing pending, or only its last
-    token, which is not its last by length and whose history nobody needs (penalties)."""
-    pending = seq.num_pending
-    if pending == 0:
-        return True
-    params = seq.spec.params
-    if pending > 1 or params.has_penalties:
-        return False
-    positions = len(seq.token_ids) + 1  # the pending token counts
-    return not at_length_limit(params, positions - len(seq.spec.prompt_token_ids), positions,
-                               c.max_model_len)
+def ready(cols: np.ndarray) -> np.ndarray:
+    """Which running sequences can be scheduled now: nothing pending, or only their last
+    token, which is not their last by length and whose history nobody needs (penalties)."""
+    pending = cols[:, NUM_PENDING]
+    one_pending = (pending == 1) & ~at_length_limit(cols[:, NUM_TOKENS] + 1, cols[:, LENGTH_LIMIT])
+    if cols[:, HAS_PENALTIES].any():
+        one_pending &= cols[:, HAS_PENALTIES] == 0
+    return (pending == 0) | one_pending
 
 
-def _tokens_that_fit(seq: Seq, wanted: int, pool: BlockPool, block_size: int) -> int:
-    """How many of ``wanted`` new tokens fit in the sequence's blocks plus the free ones."""
-    capacity = (len(seq.block_table) + pool.num_free) * block_size - seq.num_computed
-    return min(wanted, capacity)
+def wanted_counts(cols: np.ndarray, c: SchedulerConfig) -> np.ndarray:
+    """Each ready sequence's uncomputed tokens, as far as the token budget goes in batch order."""
+    wanted = (cols[:, NUM_TOKENS] + cols[:, NUM_PENDING] - cols[:, NUM_COMPUTED]) * ready(cols)
+    if wanted.sum() <= c.max_num_batched_tokens:
+        return wanted
+    before = np.cumsum(wanted) - wanted
+    return np.clip(c.max_num_batched_tokens - before, 0, wanted)
 
 
-def preempt(pool: BlockPool, seq: Seq) -> tuple[BlockPool, Seq]:
-    """Give back all of a running sequence's blocks (the last ones become the first to be
-    evicted); it keeps its tokens and will recompute them."""
-    pool = release(pool, reversed(seq.block_table))
-    seq = replace(seq, status=SeqStatus.WAITING, num_computed=0, block_table=pvector(),
-                  num_preemptions=seq.num_preemptions + 1)
-    return pool, seq
+def schedule_under_pressure(batch: RunningBatch, pool: PoolChanges, c: SchedulerConfig):
+    """The running sequences one by one, in batch order, when the free blocks may not cover
+    them all: each takes the tokens the budget and the blocks allow; one that fits none
+    preempts the most recently admitted sequence not yet scheduled (or itself).
+    Returns (counts, blocks added per row, the blocks in row order, rows kept, and the
+    preempted rows with their waiting records, in order of preemption); the preempted rows are
+    the last ones."""
+    cols, bs = batch.cols, c.block_size
+    n = len(batch)
+    counts, grow = np.zeros(n, np.int64), np.zeros(n, np.int64)
+    is_ready = ready(cols)
+    blocks: list[int] = []
+    victims: list[tuple[int, Seq]] = []
+    budget, end, i = c.max_num_batched_tokens, n, 0
+    while i < end:
+        computed, table_len = int(cols[i, NUM_COMPUTED]), int(cols[i, NUM_BLOCKS])
+        uncomputed = int(cols[i, NUM_TOKENS] + cols[i, NUM_PENDING]) - computed
+        wanted = min(uncomputed, budget) if is_ready[i] else 0
+        count = 0
+        while wanted:
+            count = min(wanted, (table_len + pool.num_free) * bs - computed)
+            if count > 0:
+                break
+            victim = end - 1
+            victims.append((victim, preempt(pool, batch, victim)))
+            end = victim
+            if victim == i:
+                count = 0
+                break
+        if count:
+            added = blocks_for(computed + count, bs) - table_len
+            blocks += pool.allocate(max(added, 0))
+            counts[i], grow[i] = count, max(added, 0)
+            budget -= count
+        i += 1
+    return counts, grow, blocks, end, victims
 
 
-def _schedule_chunk(pool: BlockPool, seq: Seq, count: int,
-                    c: SchedulerConfig) -> tuple[BlockPool, ScheduledSeq, Seq]:
-    """Give the sequence blocks for ``count`` more positions, record the blocks they fill in
-    the prefix cache, and count them as computed (the runner computes them this step). A
-    chunk that reaches the sequence's last position samples a token, pending until delivered."""
-    start = seq.num_computed
-    end = start + count
-    bs = c.block_size
-    table = seq.block_table
-    if end > len(table) * bs:
-        pool, new_blocks = allocate(pool, blocks_for(end, bs) - len(table))
-        table = table.extend(new_blocks)
-    known = len(seq.token_ids)
-    sample = end == known + seq.num_pending
-    new_seq = seq.with_progress(table, end, seq.num_pending + sample)
-    if c.enable_prefix_caching and min(end, known) // bs > min(start, known) // bs:
-        pool = cache_known_blocks(pool, new_seq, min(start, known), bs)
-    return pool, _scheduled(new_seq, start, end, known, sample, c), new_seq
+def preempt(pool: PoolChanges, batch: RunningBatch, i: int) -> Seq:
+    """Give back all of row ``i``'s blocks (the last ones become the first to be evicted);
+    it becomes a waiting record that keeps its tokens, pending ones included, and will
+    recompute them."""
+    pool.release(reversed(batch.table(i).tolist()))
+    seq = batch.seq(i)
+    return replace(seq, status=SeqStatus.WAITING, num_computed=0, block_table=(),
+                   num_preemptions=seq.num_preemptions + 1)
 
 
-def cache_known_blocks(pool: BlockPool, seq: Seq, old_limit: int, block_size: int) -> BlockPool:
-    """Record in the prefix cache the blocks that became full of computed, known tokens since
-    the first ``old_limit`` positions were."""
-    limit = min(seq.num_computed, seq.num_tokens)
-    hashes = seq.block_hashes
-    for j in range(old_limit // block_size, limit // block_size):
-        tokens = tuple(seq.token_ids[j * block_size:(j + 1) * block_size])
-        pool = cache_block(pool, seq.block_table[j],
-                           CachedBlock(hashes[j], parent_hash_of(hashes, j), tokens))
-    return pool
-
-
-def _admit(pool: BlockPool, seq: Seq, budget: int,
-           c: SchedulerConfig) -> tuple[BlockPool, ScheduledSeq, Seq] | None:
+def admit(pool: PoolChanges, seq: Seq, budget: int, c: SchedulerConfig) -> Admission | None:
     """Start a waiting sequence, or None if it must wait (not enough budget or blocks)."""
     bs = c.block_size
-    hits: tuple[int, ...] = ()
+    hits: list[int] = []
     if c.enable_prefix_caching:
         # Leave at least one token to compute, so that there are logits to sample from.
         limit = (seq.num_tokens - 1) // bs
         hits = find_cached_prefix(pool, seq.block_hashes,
-                                  lambda i: seq.token_ids[i * bs:(i + 1) * bs], limit)
+                                  lambda i: token_bytes(seq.token_ids[i * bs:(i + 1) * bs]), limit)
     cached = len(hits) * bs
     count = seq.num_tokens - cached
     if count > budget:
         if not c.enable_chunked_prefill:
             return None
         count = budget
-    free_hits = sum(1 for b in hits if pool.ref_counts[b] == 0)
-    if blocks_for(cached + count, bs) - len(hits) > pool.num_free - free_hits:
+    free_hits = sum(1 for b in hits if pool.ref_count(b) == 0)
+    needed = blocks_for(cached + count, bs) - len(hits)
+    if needed > pool.num_free - free_hits:
         return None
-    pool = take_cached(pool, hits)
-    seq = replace(seq, status=SeqStatus.RUNNING, block_table=pvector(hits), num_computed=cached,
-                  num_cached_tokens=cached)
-    return _schedule_chunk(pool, seq, count, c)
+    pool.take_cached(hits)
+    blocks = hits + pool.allocate(needed)
+    if c.enable_prefix_caching:  # now, so that the sequences admitted next can hit them
+        for b in range(len(hits), min(cached + count, seq.num_tokens) // bs):
+            pool.cache(blocks[b], CachedBlock(seq.block_hashes[b],
+                                              parent_hash_of(seq.block_hashes, b),
+                                              token_bytes(seq.token_ids[b * bs:(b + 1) * bs])))
+    return Admission(seq, blocks, cached, count)
 
 
-_PENDING_ONLY = (PENDING_TOKEN,)
+def _write_new_blocks(store: SeqStore, cols: np.ndarray, grow: np.ndarray, blocks: list[int],
+                      admissions: list[Admission], key: object) -> tuple[SeqStore, np.ndarray]:
+    """The running rows' new blocks written to their tables, with rows to spare for the
+    admitted sequences (whose rows are wide enough for all they hold)."""
+    grown = np.flatnonzero(grow)
+    widths = (max((a.seq.num_tokens for a in admissions), default=0),
+              max((len(a.blocks) for a in admissions), default=0),
+              max((len(a.seq.block_hashes) for a in admissions), default=0))
+    store, cols = with_room(store, cols, TABLES, grown, grow[grown], len(admissions), widths,
+                            key)
+    if len(grown):
+        lengths = cols[grown, NUM_BLOCKS]
+        if (grow[grown] == 1).all():  # a decode step: at most a block each
+            store.append(TABLES, cols[grown, ROW], lengths, np.array(blocks, np.int64))
+        else:
+            first = 0
+            for i, length in zip(grown.tolist(), lengths.tolist()):
+                store.extend(TABLES, int(cols[i, ROW]), length, blocks[first:first + grow[i]])
+                first += int(grow[i])
+        cols[:, NUM_BLOCKS] += grow
+    return store, cols
 
 
-def _scheduled(seq: Seq, start: int, end: int, known: int, sample: bool,
-               c: SchedulerConfig) -> ScheduledSeq:
-    """The plan's entry for positions ``start .. end - 1`` of ``seq``, of which the first
-    ``known`` are known tokens."""
-    if end <= known:
-        tokens = (seq.token_ids[start],) if end - start == 1 else tuple(seq.token_ids[start:end])
-    elif start == known:
-        tokens = _PENDING_ONLY
-    else:
-        tokens = tuple(seq.token_ids[start:known]) + _PENDING_ONLY
-    spec = seq.spec
-    params = spec.params
-    num_prompt = len(spec.prompt_token_ids)
-    entry = _new(ScheduledSeq)  # the slot setters: half the cost of the frozen __init__
-    _set_seq_id(entry, spec.seq_id)
-    _set_token_ids(entry, tokens)
-    _set_start_pos(entry, start)
-    _set_block_table(entry, seq.block_table)
-    _set_sample(entry, sample)
-    _set_params(entry, params)
-    _set_num_prompt_tokens(entry, num_prompt)
-    _set_history(entry, seq.token_ids if params.has_penalties else None)
-    _set_banned(entry, banned_token_ids(params, end - num_prompt, c.eos_token_ids)
-                if sample else ())
-    return entry
+def _append_admitted(store: SeqStore, cols: np.ndarray, admissions: list[Admission], slots,
+                     next_serial: int, c: SchedulerConfig):
+    """The admitted sequences as new rows (columns, and store rows holding their tokens,
+    blocks and hashes); they take slots and serials."""
+    if not admissions:
+        return cols, slots
+    rows = store.take_rows(len(admissions))
+    new = np.zeros((len(admissions), NUM_COLS), np.int64)
+    for k, (a, row) in enumerate(zip(admissions, rows.tolist())):
+        seq, p = a.seq, a.seq.params
+        store.extend(TOKENS, row, 0, seq.token_ids)
+        store.extend(TABLES, row, 0, a.blocks)
+        store.extend(HASHES, row, 0, np.array(seq.block_hashes, np.uint64))
+        new[k, [SERIAL, SLOT, ROW, NUM_TOKENS, NUM_COMPUTED, NUM_BLOCKS, NUM_HASHED, NUM_PROMPT,
+                LENGTH_LIMIT, MIN_TOKENS, IGNORE_EOS, HAS_STOP_IDS, HAS_PENALTIES,
+                NUM_PREEMPTIONS, NUM_CACHED]] = (
+            next_serial + k, slots.first, row, seq.num_tokens, a.num_cached, len(a.blocks),
+            len(seq.block_hashes), seq.num_prompt_tokens,
+            length_limit(p, seq.num_prompt_tokens, c.max_model_len), p.min_tokens,
+            p.ignore_eos, bool(p.stop_token_ids), p.has_penalties, seq.num_preemptions,
+            a.num_cached)
+        slots = slots.rest
+    return np.concatenate([cols, new]), slots
 
 
-_new = object.__new__
-(_set_seq_id, _set_token_ids, _set_start_pos, _set_block_table, _set_sample, _set_params,
- _set_num_prompt_tokens, _set_history, _set_banned) = slot_setters(ScheduledSeq)
+def _plan(step: int, store: SeqStore, key: object, cols: np.ndarray, counts: np.ndarray,
+          grow: np.ndarray, blocks: list[int], ids: tuple[str, ...], specs: tuple,
+          admissions: list[Admission], pool: PoolChanges, c: SchedulerConfig):
+    """Count the scheduled tokens as computed (and their sampled tokens as pending), record
+    the blocks they fill in the prefix cache, and lay the plan out. Returns the new batch, the
+    plan, and the serials of the sampling sequences."""
+    starts = cols[:, NUM_COMPUTED].copy()
+    everyone = bool(counts.all())
+    scheduled = slice(None) if everyone else np.flatnonzero(counts)
+    if not everyone and not len(scheduled):
+        return RunningBatch(frozen(cols), specs, ids, store, key), empty_plan(step), None
+    known = cols[:, NUM_TOKENS]
+    sample = (starts + counts == known + cols[:, NUM_PENDING])[scheduled]
+    token_ids = _gather_tokens(store, cols[scheduled, ROW], starts[scheduled], counts[scheduled],
+                               known[scheduled])
+    cols[:, NUM_COMPUTED] = starts + counts
+    indices = np.arange(len(cols))[scheduled]
+    sampling = indices[sample]
+    cols[sampling, NUM_PENDING] += 1
+    if c.enable_prefix_caching:
+        _cache_computed_blocks(store, cols[:len(cols) - len(admissions)], starts, pool,
+                               c.block_size)
+    new_batch = RunningBatch(frozen(cols), specs, ids, store, key)
+    index_in_plan = np.full(len(cols), -1)
+    index_in_plan[scheduled] = np.arange(len(indices))
+    num_running = len(cols) - len(admissions)
+    plan = BatchPlan(
+        step=step,
+        seq_ids=ids if everyone else tuple(ids[i] for i in indices.tolist()),
+        slots=cols[scheduled, SLOT].copy(),
+        start_pos=starts[scheduled],
+        num_scheduled=counts[scheduled].copy(),
+        sample=sample,
+        token_ids=token_ids,
+        block_entries=_block_entries(cols, grow, blocks, admissions, index_in_plan, num_running),
+        num_decode_tokens=int(np.count_nonzero(
+            (counts[scheduled] == 1) & (starts[scheduled] >= cols[scheduled, NUM_PROMPT]))),
+        started=tuple(SeqStart(int(cols[num_running + k, SLOT]), a.seq.seq_id, a.seq.params,
+                               a.seq.num_prompt_tokens) for k, a in enumerate(admissions)),
+        banned=_banned(cols, sampling, index_in_plan, specs, c),
+        histories=_histories(new_batch, sampling, index_in_plan),
+    )
+    return new_batch, plan, cols[sampling, SERIAL]
+
+
+def _banned(cols: np.ndarray, sampling: np.ndarray, index_in_plan: np.ndarray, specs: tuple,
+            c: SchedulerConfig) -> tuple[tuple[int, tuple[int, ...]], ...]:
+    """``(plan index, token ids)`` for the sampling sequences that may not stop yet."""
+    min_tokens = cols[sampling, MIN_TOKENS]
+    if not min_tokens.any():
+        return ()
+    before = cols[sampling, NUM_COMPUTED] - cols[sampling, NUM_PROMPT]
+    held_back = sampling[~may_stop(before + 1, min_tokens)]
+    banned = ((int(index_in_plan[i]), stop_token_ids(specs[i].params, c.eos_token_ids))
+              for i in held_back.tolist())
+    return tuple(item for item in banned if item[1])
+
+
+def _histories(batch: RunningBatch, sampling: np.ndarray,
+               index_in_plan: np.ndarray) -> tuple[tuple[int, tuple[int, ...]], ...]:
+    """``(plan index, all token ids)`` for the sampling sequences whose penalties need them."""
+    penalised = batch.cols[sampling, HAS_PENALTIES] != 0
+    if not penalised.any():
+        return ()
+    return tuple((int(index_in_plan[i]), tuple(batch.tokens(i).tolist()))
+                 for i in sampling[penalised].tolist())
+
+
+def _gather_tokens(store: SeqStore, rows: np.ndarray, starts: np.ndarray, counts: np.ndarray,
+                   known: np.ndarray) -> np.ndarray:
+    """The ids of the scheduled positions laid end to end; ``PENDING_TOKEN`` past the known."""
+    if int(counts.sum()) != len(counts):
+        rows, known = np.repeat(rows, counts), np.repeat(known, counts)
+        offsets = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+        starts = np.repeat(starts, counts) + offsets
+    tokens = store.arrays[TOKENS][rows, np.minimum(starts, known - 1)]
+    tokens[starts >= known] = PENDING_TOKEN
+    return tokens
+
+
+def _cache_computed_blocks(store: SeqStore, cols: np.ndarray, starts: np.ndarray,
+                           pool: PoolChanges, bs: int) -> None:
+    """Record in the prefix cache the blocks of running sequences that became full of
+    computed, known tokens in this step (their hashes were taken when they filled with known
+    tokens; admitted sequences recorded theirs at admission)."""
+    known = cols[:, NUM_TOKENS]
+    starts = starts[:len(cols)]
+    if not (starts < known).any():  # only pending tokens computed (async decode): none filled
+        return
+    old, new = np.minimum(starts, known) // bs, np.minimum(cols[:, NUM_COMPUTED], known) // bs
+    rows = np.flatnonzero(new > old)
+    if not len(rows):
+        return
+    counts = (new - old)[rows]
+    store_rows = np.repeat(cols[rows, ROW], counts)
+    index = np.repeat(old[rows], counts) + np.arange(int(counts.sum())) - np.repeat(
+        np.cumsum(counts) - counts, counts)
+    hashes = store.arrays[HASHES][store_rows, index].tolist()
+    parents = np.where(index > 0, store.arrays[HASHES][store_rows, np.maximum(index - 1, 0)],
+                       0).tolist()
+    blocks = store.arrays[TABLES][store_rows, index].tolist()
+    tokens = store.arrays[TOKENS][store_rows[:, None], index[:, None] * bs + np.arange(bs)]
+    data = np.ascontiguousarray(tokens, dtype="<u4")
+    for k, block in enumerate(blocks):
+        pool.cache(block, CachedBlock(hashes[k], parents[k], data[k].tobytes()))
+
+
+def _block_entries(cols: np.ndarray, grow: np.ndarray, blocks: list[int],
+                   admissions: list[Admission], index_in_plan: np.ndarray,
+                   num_running: int) -> np.ndarray:
+    """``(plan index, column, block)`` for every block-table entry new in this step."""
+    if not blocks and not admissions:
+        return _NO_ENTRIES
+    grown = np.flatnonzero(grow)
+    counts = grow[grown]
+    first = np.repeat(cols[grown, NUM_BLOCKS] - counts, counts)
+    offsets = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+    parts = [np.stack([np.repeat(index_in_plan[grown], counts), first + offsets,
+                       np.array(blocks, np.int64)], axis=1)]
+    for k, a in enumerate(admissions):
+        n = len(a.blocks)
+        parts.append(np.stack([np.full(n, index_in_plan[num_running + k]), np.arange(n),
+                               np.array(a.blocks, np.int64)], axis=1))
+    return np.concatenate(parts).astype(np.int64).reshape(-1, 3)
+

@@ -2,20 +2,25 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
 
-from pyrsistent import pdeque, pvector
+import numpy as np
+from pyrsistent import pdeque
 
-from nanofn.state.block_pool import BlockPool, release
+from nanofn.state.batch import (HAS_STOP_IDS, IGNORE_EOS, LENGTH_LIMIT, MIN_TOKENS,
+                                NUM_COMPUTED, NUM_HASHED, NUM_PENDING, NUM_PROMPT, NUM_TOKENS,
+                                ROW, SERIAL, SLOT, RunningBatch, select, with_room)
+from nanofn.state.block_pool import CachedBlock, PoolChanges
 from nanofn.state.config import SchedulerConfig
-from nanofn.state.engine_state import EngineState
-from nanofn.state.hashing import extend_block_hashes
+from nanofn.state.engine_state import EngineState, evolve
+from nanofn.state.hashing import ROOT_HASH, block_hashes, hash_blocks
 from nanofn.state.plan import BatchPlan
-from nanofn.state.policy import at_length_limit, may_stop, stops_on
+from nanofn.state.policy import at_length_limit, ends_on, length_limit, may_stop, stops_on
 from nanofn.state.records import FinishReason, Seq, SeqStatus
 from nanofn.state.requests import NewSeq, add_seqs
-from nanofn.state.scheduler import cache_known_blocks, schedule
+from nanofn.state.scheduler import schedule
+from nanofn.state.store import HASHES, TABLES, TOKENS, SeqStore
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,7 +39,7 @@ class Events:
     be reused, see ``check_new_seq``).
     """
 
-    sampled: tuple[int, ...] | None = None
+    sampled: Sequence[int] | np.ndarray | None = None
     stop_hits: tuple[str, ...] = ()
     new_seqs: tuple[NewSeq, ...] = ()
     aborts: tuple[str, ...] = ()
@@ -43,15 +48,16 @@ class Events:
 def step(state: EngineState, events: Events) -> tuple[EngineState, BatchPlan]:
     if events.sampled is not None:
         _check_delivery(state, events.sampled)
-    state = replace(state, step=state.step + 1, finished=(), preempted=())
+    state = evolve(state, step=state.step + 1, finished=(), preempted=())
     if events.sampled is not None:
-        state = apply_sampled(state, events.sampled, frozenset(events.stop_hits))
+        state = apply_sampled(state, np.asarray(events.sampled, np.int64),
+                              frozenset(events.stop_hits))
     state = add_seqs(state, events.new_seqs)
     state = finish_by_id(state, events.aborts, FinishReason.ABORT)
     return schedule(state)
 
 
-def _check_delivery(state: EngineState, sampled: tuple[int, ...]) -> None:
+def _check_delivery(state: EngineState, sampled) -> None:
     if not state.undelivered:
         raise ValueError(f"step {state.step + 1}: {len(sampled)} sampled tokens delivered, but "
                          f"no plan is waiting for its tokens")
@@ -60,50 +66,155 @@ def _check_delivery(state: EngineState, sampled: tuple[int, ...]) -> None:
                          f"they belong to sampled {len(state.undelivered[0])} sequences")
 
 
-def apply_sampled(state: EngineState, sampled: tuple[int, ...],
+# --- delivered tokens ------------------------------------------------------------------------
+
+def apply_sampled(state: EngineState, sampled: np.ndarray,
                   stop_hits: frozenset[str]) -> EngineState:
-    """Append each delivered token to its sequence and finish the sequences it ends (or
-    whose stop string it completes)."""
-    tokens = dict(zip(state.undelivered[0], sampled))
-    state = replace(state, undelivered=state.undelivered[1:])
-    if not tokens:
-        return state
+    """Append each delivered token to its sequence and finish the sequences it ends (or whose
+    stop string it completes). Running sequences take theirs in a few vectorized operations;
+    a sequence preempted with a token in flight takes it in its waiting record."""
+    in_flight, undelivered = state.undelivered[0], state.undelivered[1:]
+    batch = state.batch
+    rows = _rows_of(batch, in_flight.serials)
+    if rows is None:  # every running sequence, in batch order: whole columns, no gathers
+        rows = everyone = slice(None)
+    else:
+        everyone = None
+        running = rows >= 0
+        if not running.all():
+            state = _deliver_to_waiting(state, in_flight.seq_ids, sampled, ~running, stop_hits)
+            rows, sampled = rows[running], sampled[running]
+        if not len(rows):
+            return evolve(state, undelivered=undelivered)
     c = state.config
-    return _update_named(state, tokens, lambda pool, seq: _take_token(
-        pool, seq, tokens[seq.seq_id], stop_hits, c))
+    cols = batch.cols.copy()
+    store, cols = with_room(batch.store, cols, TOKENS, rows, key=batch.write_key)
+    lengths = cols[rows, NUM_TOKENS].copy()
+    store.append(TOKENS, cols[rows, ROW], lengths, sampled)
+    cols[rows, NUM_TOKENS] = lengths + 1
+    cols[rows, NUM_PENDING] -= 1
+    pool = PoolChanges(state.pool)
+    if c.enable_prefix_caching:
+        filled = (lengths + 1) % c.block_size == 0
+        if filled.any():
+            indices = np.flatnonzero(filled) if everyone is not None else rows[filled]
+            store, cols = hash_full_blocks(store, cols, indices, pool, c.block_size,
+                                           batch.write_key)
+    batch = RunningBatch(cols, batch.specs, batch.ids, store, store.claim())
+    reasons = _finish_reasons(batch, rows, sampled, stop_hits, c)
+    return finish_rows(evolve(state, batch=batch, undelivered=undelivered), pool, reasons)
 
 
-def _take_token(pool: BlockPool, seq: Seq, token: int, stop_hits: frozenset[str],
-                c: SchedulerConfig) -> tuple[BlockPool, Seq]:
-    """The sequence with its delivered token, finished if the token ends it."""
-    seq = append_token(seq, token, c)
-    known = len(seq.token_ids)
-    if c.enable_prefix_caching and known % c.block_size == 0:  # it completed a known block
-        pool = cache_known_blocks(pool, seq, min(seq.num_computed, known - 1), c.block_size)
-    reason = finish_reason(seq, token, seq.seq_id in stop_hits, c)
-    return _finish(pool, seq, reason) if reason is not None else (pool, seq)
+def _rows_of(batch: RunningBatch, serials: np.ndarray) -> np.ndarray | None:
+    """The batch row of each stint (serials increase along the batch), or -1 where it ended;
+    None when the stints are exactly the batch's rows, in order (the common case)."""
+    if not len(batch):
+        return np.full(len(serials), -1)
+    batch_serials = batch.cols[:, SERIAL]
+    if len(serials) == len(batch) and (serials == batch_serials).all():
+        return None
+    rows = np.minimum(np.searchsorted(batch_serials, serials), len(batch) - 1)
+    return np.where(batch_serials[rows] == serials, rows, -1)
 
 
-def append_token(seq: Seq, token: int, c: SchedulerConfig) -> Seq:
-    token_ids = seq.token_ids.append(token)
+def _finish_reasons(batch: RunningBatch, rows: np.ndarray | slice, tokens: np.ndarray,
+                    stop_hits: Collection[str], c: SchedulerConfig) -> dict[int, FinishReason]:
+    """Why each of ``rows`` (which just took ``tokens``) finishes, for those that do."""
+    cols = batch.cols
+    num_tokens = cols[rows, NUM_TOKENS]
+    indices = np.arange(len(batch))[rows]
+    done = at_length_limit(num_tokens, cols[rows, LENGTH_LIMIT])
+    ends = ends_on(tokens, True, c.eos_token_ids)
+    if ends.any():
+        ends &= cols[rows, IGNORE_EOS] == 0
+    special = cols[rows, HAS_STOP_IDS]
+    if special.any():
+        for j in np.flatnonzero(special).tolist():
+            ends[j] |= stops_on(int(tokens[j]), batch.specs[indices[j]].params, c.eos_token_ids)
+    if stop_hits:
+        position = {row: j for j, row in enumerate(indices.tolist())}
+        for seq_id in stop_hits:
+            j = position.get(batch.index(seq_id), None)
+            if j is not None:
+                ends[j] = True
+    stop = ends
+    if ends.any():
+        stop = ends & may_stop(num_tokens - cols[rows, NUM_PROMPT], cols[rows, MIN_TOKENS])
+        done = done | stop
+    if not done.any():
+        return {}
+    return {int(indices[j]): FinishReason.STOP if stop[j] else FinishReason.LENGTH
+            for j in np.flatnonzero(done).tolist()}
+
+
+def hash_full_blocks(store: SeqStore, cols: np.ndarray, rows: np.ndarray, pool: PoolChanges,
+                     block_size: int, key: object) -> tuple[SeqStore, np.ndarray]:
+    """Each of ``rows`` just filled a block with known tokens: hash it (chained to the block
+    before), and record it in the prefix cache if its KV is computed (else the step that
+    computes it will). ``key``: the write key of the batch ``cols`` comes from."""
+    store, cols = with_room(store, cols, HASHES, rows, key=key)
+    index, store_rows = cols[rows, NUM_HASHED], cols[rows, ROW]
+    positions = index[:, None] * block_size + np.arange(block_size)
+    tokens = store.arrays[TOKENS][store_rows[:, None], positions]
+    parents = np.where(index > 0, store.arrays[HASHES][store_rows, np.maximum(index - 1, 0)],
+                       np.uint64(ROOT_HASH))
+    hashes, data = hash_blocks(parents, tokens)
+    store.append(HASHES, store_rows, index, np.array(hashes, np.uint64))
+    cols[rows, NUM_HASHED] = index + 1
+    computed = np.flatnonzero(cols[rows, NUM_COMPUTED] >= (index + 1) * block_size)
+    if len(computed):
+        blocks = store.arrays[TABLES][store_rows[computed], index[computed]].tolist()
+        parents = parents[computed].tolist()
+        for k, j in enumerate(computed.tolist()):
+            pool.cache(blocks[k], CachedBlock(hashes[j], parents[k], data[j].tobytes()))
+    return store, cols
+
+
+def _deliver_to_waiting(state: EngineState, seq_ids: tuple[str, ...], sampled: np.ndarray,
+                        mask: np.ndarray, stop_hits: frozenset[str]) -> EngineState:
+    """Tokens of stints no longer running: a sequence preempted with its token in flight takes
+    it in its waiting record (and may finish by it); tokens of finished ones are dropped."""
+    c = state.config
+    waiting, finished = state.waiting, list(state.finished)
+    for j in np.flatnonzero(mask).tolist():
+        seq_id = seq_ids[j]
+        if seq_id not in state.live_ids:
+            continue
+        seqs = list(waiting)
+        k = next(k for k, seq in enumerate(seqs) if seq.seq_id == seq_id)
+        seq = _with_token(seqs[k], int(sampled[j]), c)
+        reason = _record_finish_reason(seq, seq_id in stop_hits, c)
+        if reason is None:
+            seqs[k] = seq
+        else:
+            del seqs[k]
+            finished.append(replace(seq, status=SeqStatus.FINISHED, finish_reason=reason))
+        waiting = pdeque(seqs)
+    newly = [s.seq_id for s in finished[len(state.finished):]]
+    return _counted(evolve(state, waiting=waiting, finished=tuple(finished)), newly)
+
+
+def _with_token(seq: Seq, token: int, c: SchedulerConfig) -> Seq:
+    tokens = seq.token_ids + (token,)
     hashes = seq.block_hashes
-    if c.enable_prefix_caching and len(token_ids) % c.block_size == 0:
-        hashes = extend_block_hashes(hashes, token_ids, c.block_size)
-    return seq.with_token(token_ids, hashes)
+    if c.enable_prefix_caching and len(tokens) % c.block_size == 0:
+        hashes = block_hashes(tokens, c.block_size)
+    return replace(seq, token_ids=tokens, block_hashes=hashes, num_pending=seq.num_pending - 1)
 
 
-def finish_reason(seq: Seq, last_token: int, stop_string_hit: bool,
-                  c: SchedulerConfig) -> FinishReason | None:
-    """Why a sequence ends with ``last_token`` (already appended), whose text may have reached
-    a stop string, or None if it goes on."""
+def _record_finish_reason(seq: Seq, stop_string_hit: bool,
+                          c: SchedulerConfig) -> FinishReason | None:
+    """Why a sequence (a record) ends with its newest token, or None if it goes on."""
     p = seq.params
-    num_output = seq.num_output_tokens
-    if may_stop(p, num_output) and (stop_string_hit or stops_on(last_token, p, c.eos_token_ids)):
+    if may_stop(seq.num_output_tokens, p.min_tokens) and (
+            stop_string_hit or stops_on(seq.token_ids[-1], p, c.eos_token_ids)):
         return FinishReason.STOP
-    if at_length_limit(p, num_output, seq.num_tokens, c.max_model_len):
+    if at_length_limit(seq.num_tokens, length_limit(p, seq.num_prompt_tokens, c.max_model_len)):
         return FinishReason.LENGTH
     return None
 
+
+# --- finishing ---------------------------------------------------------------------------------
 
 def finish_by_id(state: EngineState, seq_ids: tuple[str, ...],
                  reason: FinishReason) -> EngineState:
@@ -111,48 +222,52 @@ def finish_by_id(state: EngineState, seq_ids: tuple[str, ...],
     targets = {i for i in seq_ids if i in state.live_ids}
     if not targets:
         return state
-    return _update_named(state, targets, lambda pool, seq: _finish(pool, seq, reason))
-
-
-def _update_named(state: EngineState, names: Collection[str],
-                  update: Callable[[BlockPool, Seq], tuple[BlockPool, Seq]]) -> EngineState:
-    """Apply ``update`` to the live sequences named, running ones first and waiting ones only
-    if some are not running (the waiting queue is rebuilt then); the ones it finishes leave
-    their queue."""
-    pool, finished = state.pool, list(state.finished)
-    left = set(names)
-    running: list[Seq] = []
-    for seq in state.running:
-        if seq.seq_id in left:
-            left.discard(seq.seq_id)
-            pool, seq = update(pool, seq)
-            if seq.is_finished:
-                finished.append(seq)
-                continue
-        running.append(seq)
-    waiting = state.waiting
-    if any(name in state.live_ids for name in left):
-        kept = []
+    rows = {}
+    for seq_id in targets:
+        row = state.batch.index(seq_id)
+        if row is not None:
+            rows[row] = reason
+    state = finish_rows(state, PoolChanges(state.pool), rows)
+    if len(rows) < len(targets):
+        kept, finished = [], list(state.finished)
         for seq in state.waiting:
-            if seq.seq_id in left:
-                pool, seq = update(pool, seq)
-            (finished if seq.is_finished else kept).append(seq)
-        waiting = pdeque(kept)
-    return _with_finished(state, pool, tuple(running), waiting, finished)
+            if seq.seq_id in targets:
+                finished.append(replace(seq, status=SeqStatus.FINISHED, finish_reason=reason))
+            else:
+                kept.append(seq)
+        newly = [seq.seq_id for seq in finished[len(state.finished):]]
+        state = _counted(evolve(state, waiting=pdeque(kept), finished=tuple(finished)), newly)
+    return state
 
 
-def _finish(pool: BlockPool, seq: Seq, reason: FinishReason) -> tuple[BlockPool, Seq]:
-    pool = release(pool, reversed(seq.block_table))
-    return pool, replace(seq, status=SeqStatus.FINISHED, finish_reason=reason,
-                         block_table=pvector())
+def finish_rows(state: EngineState, pool: PoolChanges,
+                reasons: dict[int, FinishReason]) -> EngineState:
+    """Finish the running rows named (in batch order): each gives back its blocks and its slot
+    and leaves as a finished record. Freezes ``pool`` into the new state."""
+    if not reasons:
+        new_pool = pool.build()
+        return state if new_pool is state.pool else evolve(state, pool=new_pool)
+    batch = state.batch
+    finished, slots = list(state.finished), state.free_slots
+    keep = np.ones(len(batch), bool)
+    for i in sorted(reasons):
+        pool.release(reversed(batch.table(i).tolist()))
+        seq = batch.seq(i)
+        finished.append(replace(seq, status=SeqStatus.FINISHED, finish_reason=reasons[i],
+                                block_table=()))
+        slots = slots.cons(int(batch.cols[i, SLOT]))
+        keep[i] = False
+    state = evolve(state, pool=pool.build(), batch=select(batch, keep), free_slots=slots,
+                    finished=tuple(finished))
+    return _counted(state, [batch.ids[i] for i in sorted(reasons)])
 
 
-def _with_finished(state: EngineState, pool: BlockPool, running: tuple[Seq, ...], waiting,
-                   finished: list[Seq]) -> EngineState:
-    newly = finished[len(state.finished):]
-    live = state.live_ids
-    for seq in newly:
-        live = live.remove(seq.seq_id)
-    counters = replace(state.counters, num_finished=state.counters.num_finished + len(newly))
-    return replace(state, pool=pool, running=running, waiting=waiting, live_ids=live,
-                   finished=tuple(finished), counters=counters)
+def _counted(state: EngineState, newly_finished: list[str]) -> EngineState:
+    """The state with these sequences gone from the live ones and counted as finished."""
+    if not newly_finished:
+        return state
+    counters = replace(state.counters,
+                       num_finished=state.counters.num_finished + len(newly_finished))
+    return evolve(state, live_ids=state.live_ids.update(deletions=newly_finished),
+                   counters=counters)
+

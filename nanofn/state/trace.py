@@ -1,6 +1,6 @@
 """Traces: a run recorded as its events, replayable without a model or a GPU.
 
-Format (JSON lines, versioned): a header ``{"format": "nanofn-trace", "version": 2,
+Format (JSON lines, versioned): a header ``{"format": "nanofn-trace", "version": 3,
 "config": {...}, "num_blocks": n, "meta": {...}}``, then one line per step ``{"step": n, "sampled": [...],
 "stop_hits": [...], "aborts": [...], "new": [{"id", "prompt", "params"}], "plan": digest}``
 (empty lists left out, except "sampled": present, even empty, on every step that delivered
@@ -23,7 +23,7 @@ from nanofn.state.requests import NewSeq
 from nanofn.state.step import Events, step
 
 TRACE_FORMAT = "nanofn-trace"
-TRACE_VERSION = 2
+TRACE_VERSION = 3
 
 
 class TraceError(ValueError):
@@ -55,7 +55,7 @@ def header_line(state: EngineState, meta: dict[str, Any] | None = None) -> str:
 def step_line(events: Events, plan: BatchPlan) -> str:
     line: dict[str, Any] = {"step": plan.step}
     if events.sampled is not None:  # [] delivers the tokens of a plan that sampled nothing
-        line["sampled"] = list(events.sampled)
+        line["sampled"] = [int(t) for t in events.sampled]
     if events.stop_hits:
         line["stop_hits"] = list(events.stop_hits)
     if events.aborts:

@@ -8,10 +8,9 @@ import gc
 import pytest
 import torch
 import transformers
-from pyrsistent import pvector
 
 from nanofn import LLM, SamplingParams
-from nanofn.state import BatchPlan, ScheduledSeq
+from nanofn.state import ScheduledSeq, SeqStart, plan_of
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -49,13 +48,13 @@ def nanofn_teacher_forced(llm: LLM, tokens: list[int], prompt_len: int) -> torch
     token, through the engine's runner and paged cache (blocks 0, 1, 2, ...)."""
     runner = llm.engine.runner
     bs = llm.engine.scheduler_config.block_size
-    table = pvector(range(-(-len(tokens) // bs)))
-    params = SamplingParams(temperature=0)
+    table = tuple(enumerate(range(-(-len(tokens) // bs))))
+    started = [SeqStart(0, "tf", SamplingParams(temperature=0), prompt_len)]
     rows = []
     start, end = 0, prompt_len
     while end <= len(tokens):
-        seq = ScheduledSeq("tf", tuple(tokens[start:end]), start, table, True, params, prompt_len)
-        rows.append(runner.forward(BatchPlan(0, (seq,)))[0])
+        seq = ScheduledSeq("tf", 0, tuple(tokens[start:end]), start, True, table if start == 0 else ())
+        rows.append(runner.forward(plan_of(0, [seq], started if start == 0 else []))[0])
         start, end = end, end + 1
     return torch.stack(rows)
 

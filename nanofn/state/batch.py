@@ -1,0 +1,132 @@
+"""``RunningBatch``: the running sequences as columns, in admission order.
+
+One row per running sequence in a read-only int64 matrix (``cols``, columns named below), the
+sequences' specs and ids as tuples, and their tokens, block tables and block hashes in a
+``SeqStore``. A decode step updates the columns with a handful of vectorized operations; work
+per sequence happens only where something does (a block fills or is needed, a sequence starts,
+finishes, is preempted, or needs its history).
+
+A *stint* is a sequence's time in the batch, from admission to finish or preemption: its
+``SERIAL`` is unique and increasing (so a plan's tokens find their rows by binary search, and
+tokens of stints that ended are recognised), its ``SLOT`` is the small index the runner keeps
+its per-sequence state under (reused once the stint ends), its ``ROW`` is its store row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import compress
+
+import numpy as np
+
+from nanofn.state.records import Seq, SeqSpec, SeqStatus
+from nanofn.state.store import HASHES, TABLES, TOKENS, SeqStore, empty_store, moved
+
+# The columns of ``RunningBatch.cols``.
+(SERIAL, SLOT, ROW,  # identity
+ NUM_TOKENS, NUM_PENDING, NUM_COMPUTED, NUM_BLOCKS, NUM_HASHED,  # progress
+ NUM_PROMPT, LENGTH_LIMIT, MIN_TOKENS, IGNORE_EOS, HAS_STOP_IDS, HAS_PENALTIES,  # policy inputs
+ NUM_PREEMPTIONS, NUM_CACHED) = range(16)
+NUM_COLS = 16
+FILL_COLS = [NUM_TOKENS, NUM_BLOCKS, NUM_HASHED]  # a row's view of the store, per kind
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class RunningBatch:
+    cols: np.ndarray  # [n, NUM_COLS] int64, read-only
+    specs: tuple[SeqSpec, ...]
+    ids: tuple[str, ...]
+    store: SeqStore
+    write_key: object  # appends skip the fill-mark check while the store's owner is this key
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def col(self, name: int) -> np.ndarray:
+        return self.cols[:, name]
+
+    def tokens(self, i: int) -> np.ndarray:
+        """Sequence ``i``'s known tokens (read-only)."""
+        return self.store.view(TOKENS, int(self.cols[i, ROW]), int(self.cols[i, NUM_TOKENS]))
+
+    def table(self, i: int) -> np.ndarray:
+        return self.store.view(TABLES, int(self.cols[i, ROW]), int(self.cols[i, NUM_BLOCKS]))
+
+    def hashes(self, i: int) -> np.ndarray:
+        return self.store.view(HASHES, int(self.cols[i, ROW]), int(self.cols[i, NUM_HASHED]))
+
+    def seq(self, i: int) -> Seq:
+        """Sequence ``i`` as a record (for inspection; the hot path reads the columns)."""
+        c = self.cols[i]
+        return Seq(spec=self.specs[i], token_ids=tuple(self.tokens(i).tolist()),
+                   block_hashes=tuple(self.hashes(i).tolist()),
+                   block_table=tuple(self.table(i).tolist()), num_computed=int(c[NUM_COMPUTED]),
+                   num_pending=int(c[NUM_PENDING]), status=SeqStatus.RUNNING,
+                   num_preemptions=int(c[NUM_PREEMPTIONS]), num_cached_tokens=int(c[NUM_CACHED]))
+
+    def seqs(self) -> tuple[Seq, ...]:
+        return tuple(self.seq(i) for i in range(len(self)))
+
+    def index(self, seq_id: str) -> int | None:
+        try:
+            return self.ids.index(seq_id)
+        except ValueError:
+            return None
+
+    def __eq__(self, other: object) -> bool:
+        """Equal when every sequence is: the same columns (store rows aside) and contents."""
+        if not isinstance(other, RunningBatch) or self.ids != other.ids or \
+                self.specs != other.specs:
+            return False
+        keep = [c for c in range(NUM_COLS) if c != ROW]
+        return (np.array_equal(self.cols[:, keep], other.cols[:, keep])
+                and self.seqs() == other.seqs())
+
+    def __hash__(self) -> int:
+        return hash(self.ids)
+
+
+def frozen(cols: np.ndarray) -> np.ndarray:
+    cols.flags.writeable = False
+    return cols
+
+
+def empty_batch() -> RunningBatch:
+    store = empty_store()
+    return RunningBatch(frozen(np.zeros((0, NUM_COLS), np.int64)), (), (), store, store.claim())
+
+
+def select(batch: RunningBatch, keep: np.ndarray) -> RunningBatch:
+    """The batch without the rows where ``keep`` is False (order kept)."""
+    if keep.all():
+        return batch
+    kept = keep.tolist()
+    return RunningBatch(frozen(batch.cols[keep]), tuple(compress(batch.specs, kept)),
+                        tuple(compress(batch.ids, kept)), batch.store, batch.write_key)
+
+
+def fill_marks(cols: np.ndarray) -> np.ndarray:
+    """``[n, 3]``: how far each row's tokens, table and hashes go."""
+    return cols[:, FILL_COLS]
+
+
+def with_room(store: SeqStore, cols: np.ndarray, kind: int, rows: np.ndarray | slice,
+              counts: np.ndarray | int = 1, extra_rows: int = 0,
+              extra_widths: tuple[int, int, int] = (0, 0, 0),
+              key: object = None) -> tuple[SeqStore, np.ndarray]:
+    """A store where ``rows`` (batch rows, of the writable ``cols``) can take ``counts`` more
+    entries of ``kind`` in place: ``store`` itself, or, if a row has been written past this
+    batch's view (another state's append) or is full, a new store holding the batch's rows
+    (``cols``' ``ROW`` column then points into it). It also has ``extra_rows`` fresh rows at
+    least ``extra_widths`` wide. ``key``: the write key of the batch ``cols`` comes from."""
+    lengths = cols[rows, FILL_COLS[kind]]
+    if (store.can_append(kind, cols[rows, ROW], lengths, counts, key)
+            and store.num_rows + extra_rows <= store.capacity
+            and all(store.width(k) >= extra_widths[k] for k in range(3))):
+        return store, cols
+    min_widths = list(extra_widths)
+    if len(lengths):
+        min_widths[kind] = max(min_widths[kind], int(np.max(lengths + counts)))
+    new = moved(store, cols[:, ROW], fill_marks(cols), extra_rows, tuple(min_widths))
+    cols[:, ROW] = np.arange(len(cols))
+    return new, cols
