@@ -27,7 +27,8 @@ single() {  # name, then LLM options
     --json "$OUT/single-$name.json" "$@" 2>&1 | tee "$OUT/single-$name.log" | tail -3
 }
 if [ "$what" = bench ] || [ "$what" = all ]; then
-  bench triton-graphs
+  bench triton-graphs --profile
+  bench triton-graphs-again --profile
   single triton-graphs
   for b in 1 256; do
     timeout 120 python3 benchmarks/profile_decode.py --random-weights qwen3-0.6b --batch $b \
@@ -52,7 +53,10 @@ print("\n| run | elapsed s | output tok/s | fraction of floor |")
 print("|---|---|---|---|")
 for f in sorted(out.glob("bench-*.json")):
     d = json.loads(f.read_text())
-    print(f"| {f.stem} | {d.get('elapsed_s', 0):.2f} | {d.get('output_tok_s', 0):,.0f} | {d.get('fraction_of_floor', 0):.1%} |")
+    idle = d.get('device_idle_fraction')
+    busy = d.get('device_busy_s')
+    extra = f" (device busy {busy:.2f} s, GPU idle {idle:.1%})" if busy else ""
+    print(f"| {f.stem} | {d.get('elapsed_s', 0):.2f}{extra} | {d.get('output_tok_s', 0):,.0f} | {d.get('fraction_of_floor', 0):.1%} |")
 for f in sorted(out.glob("single-*.json")):
     d = json.loads(f.read_text())
     print(f"| {f.stem} | prefill {d['prefill_ms']:.0f} ms | {d['decode_tok_s']:,.0f} | {d['fraction_of_floor']:.1%} |")

@@ -158,6 +158,13 @@ def test_bench_prints_the_figures_and_writes_json(tiny_qwen3, tmp_path, capsys):
             f"{figures['prefix_cache_hit_rate']:.1%}, KV blocks 6 of 16 tokens") in out
 
 
+def test_bench_profile_needs_a_gpu(tiny_qwen3, capsys):
+    code, _, err = run(capsys, "bench", str(tiny_qwen3), "--num-seqs", "1", "--max-input-len", "8",
+                       "--max-output-len", "2", "--num-kv-blocks", "6", "--max-model-len", "64",
+                       "--device", "cpu", "--profile")
+    assert code == 2 and "--profile measures a GPU's busy time" in err
+
+
 def test_bench_builds_a_random_weight_model_into_the_cache(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("NANOFN_CACHE", str(tmp_path))
     code, out, err = run(capsys, "bench", "--random-weights", "qwen3-tiny", "--num-seqs", "2",

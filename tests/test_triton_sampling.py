@@ -252,4 +252,5 @@ def test_sampling_rows_give_what_the_request_list_gives_on_the_triton_path(inter
                (random_logits(len(plain), VOCAB, seed=21), plain),
                (random_logits(len(mixed), VOCAB, seed=22, scale=0.3), mixed)]
     for by_requests, by_rows in interpreter(sample_both_ways, 3, batches):
-        assert by_rows == by_requests
+        assert by_rows.token_ids.tolist() == by_requests.token_ids
+        assert (by_rows.logprobs or [None] * len(by_requests.token_ids)) == by_requests.logprobs

@@ -298,6 +298,9 @@ def _add_bench(commands: Any) -> None:
                    help=f"matmul rate for the floor, TFLOP/s (default: {DEFAULT_TFLOPS:g}, an "
                         f"H100's bf16)")
     p.add_argument("--json", metavar="PATH", help="also write the figures to PATH as JSON")
+    p.add_argument("--profile", action="store_true",
+                   help="also measure the GPU's busy time (CUDA events around each step) and "
+                        "print the share of the run it sat idle, waiting for the host")
     add_flags(p, "engine options", ENGINE_FLAGS, EngineOptions)
     p.set_defaults(run=run_bench)
 
@@ -312,8 +315,14 @@ def run_bench(args: argparse.Namespace) -> int:
     engine = llm.engine
     workload = standard_workload(args.num_seqs, args.max_input_len, args.max_output_len,
                                  vocab_size=engine.hf_config.vocab_size)
+    timeline = None
+    if args.profile:
+        if _device_name(engine.options) == "cpu":
+            raise UsageError("--profile measures a GPU's busy time: it needs a CUDA device")
+        from nanofn.runner.timeline import DeviceTimeline
+        timeline = DeviceTimeline()
     with llm, _user_errors():
-        result = measure(llm, workload)
+        result = measure(llm, workload, timeline)
     dtype = engine.runner.dtype
     dims = ModelDims.from_config(engine.hf_config.to_dict())
     best = floor(dims, [len(p) for p in workload.prompts], workload.max_tokens,
@@ -334,6 +343,10 @@ def run_bench(args: argparse.Namespace) -> int:
           f"tok/s")
     print(f"floor: {best.describe()} (at {args.bw:g} GB/s, {args.tflops:g} TFLOP/s); this run: "
           f"{_percent(fraction)} of the floor")
+    if result.device_busy_s is not None:
+        print(f"device busy {format_seconds(result.device_busy_s)}: GPU idle "
+              f"{result.device_idle_fraction:.1%} of the run, wall / device-busy "
+              f"{result.elapsed_s / result.device_busy_s:.3f}")
     print(f"engine: preemptions {result.num_preemptions}, prefix cache hit rate "
           f"{result.prefix_cache_hit_rate:.1%}, KV blocks {num_blocks:,} of "
           f"{config.block_size} tokens")
@@ -344,6 +357,7 @@ def run_bench(args: argparse.Namespace) -> int:
                          "max_output_len": args.max_output_len},
             "engine_options": engine_kwargs(args),
             **asdict(result), "output_tok_s": result.output_tok_s,
+            "device_idle_fraction": result.device_idle_fraction,
             "floor_prefill_s": best.prefill_s, "floor_decode_s": best.decode_s,
             "floor_s": best.seconds, "floor_output_tok_s": best.output_tok_s,
             "fraction_of_floor": fraction, "bw_gbps": args.bw, "tflops": args.tflops,

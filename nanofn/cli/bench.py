@@ -178,21 +178,34 @@ class Measurement:
     elapsed_s: float
     num_preemptions: int
     prefix_cache_hit_rate: float  # of this workload's admissions (the warm-up left out)
+    device_busy_s: float | None = None  # with a timeline: the device's busy time in the run
 
     @property
     def output_tok_s(self) -> float:
         return self.num_output_tokens / self.elapsed_s
 
+    @property
+    def device_idle_fraction(self) -> float | None:
+        """The share of the run the device spent waiting for the host."""
+        if self.device_busy_s is None:
+            return None
+        return max(0.0, 1 - self.device_busy_s / self.elapsed_s)
 
-def measure(llm: Any, workload: Workload) -> Measurement:
-    """Warm up with one short request, then time one ``generate`` of the whole workload."""
+
+def measure(llm: Any, workload: Workload, timeline: Any = None) -> Measurement:
+    """Warm up with one short request, then time one ``generate`` of the whole workload; with a
+    ``DeviceTimeline``, also the device's busy time during it."""
     vocab_size = llm.engine.hf_config.vocab_size
     llm.generate([[t % vocab_size for t in WARMUP_PROMPT]],
                  SamplingParams(max_tokens=16, ignore_eos=True), use_tqdm=False)
     before = llm.engine.state.counters
+    llm.engine.runner.timeline = timeline
     start = time.perf_counter()
-    outputs = llm.generate(workload.prompts, workload.sampling_params(), use_tqdm=False)
-    elapsed = time.perf_counter() - start
+    try:
+        outputs = llm.generate(workload.prompts, workload.sampling_params(), use_tqdm=False)
+    finally:
+        elapsed = time.perf_counter() - start
+        llm.engine.runner.timeline = None
     after = llm.engine.state.counters
     admitted = after.num_admitted_tokens - before.num_admitted_tokens
     cached = after.num_cached_tokens - before.num_cached_tokens
@@ -203,4 +216,5 @@ def measure(llm: Any, workload: Workload) -> Measurement:
         elapsed_s=elapsed,
         num_preemptions=after.num_preemptions - before.num_preemptions,
         prefix_cache_hit_rate=cached / admitted if admitted else 0.0,
+        device_busy_s=timeline.busy_seconds() if timeline is not None else None,
     )

@@ -16,6 +16,7 @@ from nanofn.model import build_model, load_weights, model_shape, resolve_dtype
 from nanofn.runner.cuda_graphs import DecodeGraphs
 from nanofn.runner.inputs import SlotTables, prepare_inputs
 from nanofn.runner.sampler import DeviceSample, Sampler, SamplingRows
+from nanofn.runner.timeline import DeviceTimeline
 from nanofn.state.config import blocks_for
 from nanofn.state.params import SamplingParams
 from nanofn.state.plan import BatchPlan, ScheduledSeq, SeqStart, plan_of
@@ -74,6 +75,7 @@ class ModelRunner:
         self.slot_tables = SlotTables(config.max_num_seqs, config.max_blocks_per_seq, self.device)
         self.slot_params = SlotParams(config.max_num_seqs)
         self._sampling_slots = torch.zeros(0, dtype=torch.int64, device=self.device)
+        self.timeline: DeviceTimeline | None = None  # set (on CUDA) to measure the device's busy time
         self.graphs = None
         # The torch reference attention gathers whole block tables: captured at the graphs'
         # full width it would need more memory than the KV cache leaves. Graphs are for Triton.
@@ -87,9 +89,12 @@ class ModelRunner:
         """Queue a (non-empty) plan's work on the device and sample for the sequences that ask
         for it, in plan order. The tokens stay on the device for the next plan's
         ``PENDING_TOKEN``s; ``wait()`` on the result brings them to the host."""
+        start = self.timeline.mark() if self.timeline is not None else None
         logits = self.forward(plan)
         sample = self.sampler.sample(logits, self.slot_params.rows(plan))
         self.keep_sampled_tokens(plan, sample.token_ids)
+        if start is not None:
+            self.timeline.add(start)
         return sample
 
     def keep_sampled_tokens(self, plan: BatchPlan, tokens: torch.Tensor | None = None) -> None:

@@ -319,8 +319,11 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor,
                  rows: SamplingRows | Sequence[SampleRequest]) -> SampleOutput:
-        """Sample from ``logits`` (float32 ``[len(rows), vocab]``), one token per row."""
-        return self.sample(logits, rows).wait()
+        """Sample from ``logits`` (float32 ``[len(rows), vocab]``), one token per row, as lists
+        (``sample`` leaves the tokens on the device and gives an array when waited for)."""
+        out = self.sample(logits, rows).wait()
+        logprobs = out.logprobs if out.logprobs is not None else [None] * len(out.token_ids)
+        return SampleOutput(out.token_ids.tolist(), logprobs)
 
     def sample(self, logits: torch.Tensor,
                rows: SamplingRows | Sequence[SampleRequest]) -> DeviceSample:
@@ -500,9 +503,11 @@ class DeviceSample:
     def wait(self) -> SampleOutput:
         if self.copied is not None:
             self.copied.synchronize()
-        values = self.host.tolist()
         n = self.num_rows
-        tokens = [int(t) for t in values[:n]]
+        tokens = self.host[:n].numpy().astype(np.int64)  # the core takes arrays as they are
+        if not self.logprob_rows:
+            return SampleOutput(tokens, None)
+        values = self.host.tolist()
         logprobs: list[TokenLogprobs | None] = [None] * n
         if self.logprob_rows:
             k, num_top = len(self.logprob_rows), max(self.logprob_rows.values())
@@ -512,7 +517,7 @@ class DeviceSample:
             for j, (row, wanted) in enumerate(self.logprob_rows.items()):
                 first = j * num_top
                 logprobs[row] = TokenLogprobs(
-                    token_id=tokens[row], logprob=chosen[j], rank=int(ranks[j]),
+                    token_id=int(tokens[row]), logprob=chosen[j], rank=int(ranks[j]),
                     top=tuple((int(top_ids[first + m]), top_values[first + m])
                               for m in range(wanted)))
         return SampleOutput(tokens, logprobs)

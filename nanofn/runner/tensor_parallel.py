@@ -52,6 +52,14 @@ class TensorParallelExecutor:
     def dtype(self) -> torch.dtype:
         return self.runner.dtype
 
+    @property
+    def timeline(self):
+        return self.runner.timeline
+
+    @timeline.setter
+    def timeline(self, timeline) -> None:
+        self.runner.timeline = timeline
+
     def launch(self, plan: BatchPlan) -> DeviceSample:
         self._check_workers()
         message = pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL)  # once for all workers

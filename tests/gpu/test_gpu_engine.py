@@ -133,3 +133,16 @@ def test_the_kv_cache_is_sized_from_gpu_memory(tiny_qwen3):
 def test_tensor_parallel_on_two_gpus(float32_prompts):
     model_dir, prompts = float32_prompts
     assert run(model_dir, prompts, tensor_parallel_size=2) == run(model_dir, prompts)
+
+
+def test_the_device_timeline_measures_the_busy_time_of_a_run(tiny_qwen3):
+    from nanofn.cli.bench import measure, standard_workload
+    from nanofn.runner.timeline import DeviceTimeline
+
+    with LLM(str(tiny_qwen3), max_model_len=256) as llm:
+        workload = standard_workload(16, 64, 32, vocab_size=llm.engine.hf_config.vocab_size)
+        timeline = DeviceTimeline()
+        result = measure(llm, workload, timeline)
+    assert timeline.num_intervals >= 32  # one per step with work: prefills, then decodes
+    assert 0 < result.device_busy_s <= result.elapsed_s
+    assert 0 <= result.device_idle_fraction < 1
