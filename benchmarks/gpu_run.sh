@@ -32,7 +32,7 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
   single triton-graphs
   for b in 1 256; do
     timeout 120 python3 benchmarks/profile_decode.py --random-weights qwen3-0.6b --batch $b \
-      > "$OUT/profile-$b.txt" 2>&1
+      --host-only > "$OUT/profile-$b.txt" 2>&1
     grep -A1 "per decode step" "$OUT/profile-$b.txt"
   done
 fi

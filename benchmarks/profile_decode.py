@@ -25,6 +25,8 @@ def main() -> None:
     ap.add_argument("--random-weights")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--host-only", action="store_true",
+                    help="skip the device profile; list the host's functions by own time")
     args = ap.parse_args()
     llm = LLM(str(args.model or random_weights_model(args.random_weights)), max_model_len=4096)
     engine = llm.engine
@@ -52,7 +54,9 @@ def _profile(engine, args) -> None:
     for _ in range(args.steps):
         engine.step(only_finished=True)
     profiler.disable()
-    pstats.Stats(profiler).sort_stats("cumulative").print_stats(25)
+    pstats.Stats(profiler).sort_stats("tottime" if args.host_only else "cumulative").print_stats(25)
+    if args.host_only:
+        return
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                             torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(10):

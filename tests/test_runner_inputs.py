@@ -64,3 +64,31 @@ def test_a_pending_token_is_the_last_token_sampled_in_its_slot():
     inputs = prepare_inputs(plan_of(2, seqs, started(seqs[1])), BS, tables, CPU)
     assert inputs.input_ids.tolist() == [72, 9, 8, 70]
     assert inputs.positions.tolist() == [5, 0, 1, 17]
+
+
+def test_the_decode_graphs_inputs_are_the_eager_inputs():
+    """What a CUDA graph's replay computes from the one copied buffer (run eagerly here) equals
+    what the eager path computes from the plan: tokens (pending ones resolved), positions,
+    cache slots, sequence lengths and block tables; padding rows write nowhere."""
+    import numpy as np
+
+    from nanofn.runner.cuda_graphs import NUM_FIELDS, decode_inputs, fill_fields
+
+    eager, graph = SlotTables(8, 4, CPU), SlotTables(8, 4, CPU)
+    first = [seq("a", 3, 0, range(17), [5, 6]), seq("b", 1, 0, range(3), [2])]
+    for tables in (eager, graph):
+        prepare_inputs(plan_of(1, first, started(*first)), BS, tables, CPU)
+        tables.keep_sampled(torch.tensor([3, 1]), torch.tensor([40, 41]))
+    decode = [seq("a", 3, 17, [PENDING_TOKEN]), seq("b", 1, 15, [9], [7], first_column=1)]
+    plan = plan_of(2, decode)
+    expected = prepare_inputs(plan, BS, eager, CPU)
+    fields = np.zeros((NUM_FIELDS, 4), np.int32)
+    fill_fields(fields, plan, size=4, spare_slot=8)
+    ids, positions, batch = decode_inputs(torch.from_numpy(fields), graph, BS,
+                                          torch.arange(5, dtype=torch.int32))
+    assert ids[:2].tolist() == expected.input_ids.tolist() == [40, 9]
+    assert positions[:2].tolist() == expected.positions.tolist()
+    assert batch.slot_mapping.tolist() == expected.batch.slot_mapping.tolist() + [-1, -1]
+    assert batch.seq_lens.tolist() == expected.batch.seq_lens.tolist() + [0, 0]
+    assert batch.block_tables[:2, :2].tolist() == expected.batch.block_tables.tolist()
+    assert torch.equal(graph.table[:8], eager.table[:8])  # the spare row took the padding

@@ -1,12 +1,32 @@
-"""CUDA graphs for decode steps: one graph per batch size, replayed with the step's inputs
-copied into static buffers. A decode step of a small model is hundreds of short kernels; a
-graph launches them all at once, so the GPU never waits on Python."""
+"""CUDA graphs for decode steps, fed by one host-to-device copy per step.
+
+A decode step of a small model is hundreds of short kernels; a captured graph launches them all
+at once. The graph also holds the step's input preparation: the host lays the plan's columns
+(token ids, positions, slots, new block-table entries, sample rows) into one pinned int32
+buffer, one copy moves it into the graph's static input buffer, and the replay resolves pending
+tokens from the last sampled ones, appends the new block-table entries, gathers the block
+tables by slot and computes the cache slots. So a decode step costs the host a few numpy
+operations, one copy and one replay, whatever the batch size.
+
+One graph per batch size of ``graph_batch_sizes``; a batch is padded up to the next captured
+size (padding rows write to no cache slot and attend to nothing; padding table entries go to a
+spare row of the slot tables).
+"""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from nanofn.model.batch import AttentionBatch
+from nanofn.runner.inputs import SlotTables
+from nanofn.state.plan import PENDING_TOKEN, BatchPlan
+
+# The fields of the static input buffer, each ``max_batch`` int32s long.
+(IDS, POSITIONS, SLOTS, ENTRY_SLOTS, ENTRY_COLUMNS, ENTRY_BLOCKS, SAMPLE_ROWS,
+ SAMPLING_SLOTS) = range(8)
+NUM_FIELDS = 8
+STAGING_BUFFERS = 3  # pinned host buffers in turn: one may still be copying while the next fills
 
 
 def graph_batch_sizes(max_batch: int) -> list[int]:
@@ -15,21 +35,23 @@ def graph_batch_sizes(max_batch: int) -> list[int]:
 
 
 class DecodeGraphs:
-    """Captured decode forward passes for every batch size of ``graph_batch_sizes``; a batch
-    is padded up to the next captured size (padding rows write nowhere and attend to nothing)."""
-
-    def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor, max_batch: int,
-                 max_blocks_per_seq: int, hidden_size: int):
+    def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor, tables: SlotTables,
+                 max_batch: int, block_size: int, hidden_size: int):
         device = kv_cache.device
         self.sizes = graph_batch_sizes(max_batch)
-        self.input_ids = torch.zeros(max_batch, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(max_batch, dtype=torch.int64, device=device)
-        self.slots = torch.full((max_batch,), -1, dtype=torch.int64, device=device)
-        self.seq_lens = torch.zeros(max_batch, dtype=torch.int32, device=device)
-        self.block_tables = torch.zeros(max_batch, max_blocks_per_seq, dtype=torch.int32, device=device)
+        self.tables = tables
+        self.block_size = block_size
+        self.spare_slot = tables.table.shape[0] - 1  # padding entries land here
+        self.inputs = torch.zeros(NUM_FIELDS, max_batch, dtype=torch.int32, device=device)
+        self.staging = [torch.zeros(NUM_FIELDS, max_batch, dtype=torch.int32).pin_memory()
+                        for _ in range(STAGING_BUFFERS)]
+        self.copied = [torch.cuda.Event() for _ in range(STAGING_BUFFERS)]
+        self.turn = 0
         self.query_start = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
         self.hidden = torch.zeros(max_batch, hidden_size, dtype=kv_cache.dtype, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.inputs[POSITIONS] = -1  # all padding, for the warm-up and the capture
+        self.inputs[ENTRY_SLOTS] = self.spare_slot
         pool = None
         for size in reversed(self.sizes):  # the largest first: the others reuse its memory
             graph = torch.cuda.CUDAGraph()
@@ -46,33 +68,79 @@ class DecodeGraphs:
         return self.sizes[-1]
 
     def _forward_for(self, model, kv_cache: torch.Tensor, size: int):
-        batch = AttentionBatch(
-            slot_mapping=self.slots[:size],
-            query_start=self.query_start[:size + 1],
-            seq_lens=self.seq_lens[:size],
-            block_tables=self.block_tables[:size],
-            query_lens_host=(1,) * size,
-            seq_lens_host=(1,) * size,  # not read by decode attention
-            decode_only=True,
-        )
+        fields, query_start = self.inputs[:, :size], self.query_start[:size + 1]
 
         def run() -> None:
-            self.hidden[:size] = model(self.input_ids[:size], self.positions[:size], batch, kv_cache)
+            ids, positions, batch = decode_inputs(fields, self.tables, self.block_size,
+                                                  query_start)
+            self.hidden[:size] = model(ids, positions, batch, kv_cache)
         return run
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                batch: AttentionBatch) -> torch.Tensor:
-        """The decode step's hidden states ``[B, hidden]``, by replaying the smallest graph
-        that holds ``B`` sequences."""
-        b = batch.num_seqs
-        size = next(s for s in self.sizes if s >= b)
-        width = batch.block_tables.shape[1]
-        self.input_ids[:b] = input_ids
-        self.positions[:b] = positions
-        self.slots[:b] = batch.slot_mapping
-        self.slots[b:size] = -1
-        self.seq_lens[:b] = batch.seq_lens
-        self.seq_lens[b:size] = 0
-        self.block_tables[:b, :width] = batch.block_tables
+    def fits(self, plan: BatchPlan) -> bool:
+        """Whether a plan can run as a graph: decode only, no more sequences than the largest
+        graph, and no more new block-table entries than sequences (a decode step adds at most
+        one block per sequence; a sequence that starts running brings a whole table)."""
+        n = len(plan.seq_ids)
+        return (plan.num_tokens == n and n <= self.max_batch
+                and len(plan.block_entries) <= n)
+
+    def forward(self, plan: BatchPlan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The decode step's hidden states ``[B, hidden]`` (by replaying the smallest graph that
+        holds ``B`` sequences), the rows to sample and their slots."""
+        b, s = len(plan.seq_ids), len(plan.sampling_seq_ids)
+        size = next(size for size in self.sizes if size >= b)
+        turn, self.turn = self.turn, (self.turn + 1) % STAGING_BUFFERS
+        self.copied[turn].synchronize()  # the copy from this buffer, STAGING_BUFFERS steps ago
+        host = self.staging[turn]
+        fill_fields(host.numpy(), plan, size, self.spare_slot)
+        self.inputs[:, :size].copy_(host[:, :size], non_blocking=True)
+        self.copied[turn].record()
         self.graphs[size].replay()
-        return self.hidden[:b]
+        return (self.hidden[:b], self.inputs[SAMPLE_ROWS, :s].long(),
+                self.inputs[SAMPLING_SLOTS, :s].long())
+
+
+def fill_fields(fields: np.ndarray, plan: BatchPlan, size: int, spare_slot: int) -> None:
+    """Lay a decode plan into the graph's input fields (``[NUM_FIELDS, >= size]`` int32), rows
+    past the plan's as padding: no cache slot (position -1), table entries to the spare row."""
+    b, entries = len(plan.seq_ids), plan.block_entries
+    u = len(entries)
+    fields[:, b:size] = 0
+    fields[POSITIONS, b:size] = -1
+    fields[IDS, :b] = plan.token_ids
+    fields[POSITIONS, :b] = plan.start_pos
+    fields[SLOTS, :b] = plan.slots
+    fields[ENTRY_SLOTS, :u] = plan.slots[entries[:, 0]]
+    fields[ENTRY_COLUMNS, :u] = entries[:, 1]
+    fields[ENTRY_BLOCKS, :u] = entries[:, 2]
+    fields[ENTRY_SLOTS, u:size] = spare_slot
+    fields[ENTRY_COLUMNS:ENTRY_BLOCKS + 1, u:size] = 0
+    sample_rows = np.flatnonzero(plan.sample)
+    fields[SAMPLE_ROWS, :len(sample_rows)] = sample_rows
+    fields[SAMPLING_SLOTS, :len(sample_rows)] = plan.slots[sample_rows]
+
+
+def decode_inputs(fields: torch.Tensor, tables: SlotTables, block_size: int,
+                  query_start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch]:
+    """The model's inputs from the input fields, on the device (captured in the graph):
+    pending tokens from the slots' last sampled ones, the new block-table entries written, the
+    block tables gathered by slot, and each token's cache slot."""
+    slots = fields[SLOTS].long()
+    ids = fields[IDS].long()
+    ids = torch.where(ids == PENDING_TOKEN, tables.last_tokens[slots], ids)
+    valid = fields[POSITIONS] >= 0  # padding rows have position -1
+    positions = fields[POSITIONS].long().clamp_min(0)
+    tables.table[fields[ENTRY_SLOTS].long(), fields[ENTRY_COLUMNS].long()] = fields[ENTRY_BLOCKS]
+    block_tables = tables.table[slots]
+    blocks = block_tables.gather(1, (positions // block_size)[:, None])[:, 0].long()
+    size = len(slots)
+    batch = AttentionBatch(
+        slot_mapping=torch.where(valid, blocks * block_size + positions % block_size, -1),
+        query_start=query_start,
+        seq_lens=torch.where(valid, positions + 1, 0).to(torch.int32),
+        block_tables=block_tables,
+        query_lens_host=(1,) * size,
+        seq_lens_host=(1,) * size,  # not read by decode attention
+        decode_only=True,
+    )
+    return ids, positions, batch

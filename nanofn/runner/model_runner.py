@@ -81,8 +81,9 @@ class ModelRunner:
         # full width it would need more memory than the KV cache leaves. Graphs are for Triton.
         if (self.device.type == "cuda" and not config.enforce_eager
                 and self.kernels is not TORCH_KERNELS):
-            self.graphs = DecodeGraphs(self.model, self.kv_cache, min(config.max_num_seqs, 512),
-                                       config.max_blocks_per_seq, hf_config.hidden_size)
+            self.graphs = DecodeGraphs(self.model, self.kv_cache, self.slot_tables,
+                                       min(config.max_num_seqs, 512), config.block_size,
+                                       hf_config.hidden_size)
 
     @torch.inference_mode()
     def launch(self, plan: BatchPlan) -> DeviceSample:
@@ -113,14 +114,13 @@ class ModelRunner:
         """The logits of the sampling sequences, ``[S, vocab]`` float32 (every rank runs this;
         rank 0 samples)."""
         self.slot_params.start(plan.started)
-        inputs = prepare_inputs(plan, self.config.block_size, self.slot_tables, self.device)
-        self._sampling_slots = inputs.sampling_slots
-        batch = inputs.batch
-        if self.graphs is not None and batch.decode_only and batch.num_seqs <= self.graphs.max_batch:
-            hidden = self.graphs.forward(inputs.input_ids, inputs.positions, batch)
+        if self.graphs is not None and self.graphs.fits(plan):
+            hidden, sample_rows, self._sampling_slots = self.graphs.forward(plan)
         else:
-            hidden = self.model(inputs.input_ids, inputs.positions, batch, self.kv_cache)
-        return self.model.compute_logits(hidden[inputs.sample_rows])
+            inputs = prepare_inputs(plan, self.config.block_size, self.slot_tables, self.device)
+            self._sampling_slots, sample_rows = inputs.sampling_slots, inputs.sample_rows
+            hidden = self.model(inputs.input_ids, inputs.positions, inputs.batch, self.kv_cache)
+        return self.model.compute_logits(hidden[sample_rows])
 
     def _decide_num_blocks(self) -> int:
         c = self.config
