@@ -43,8 +43,8 @@ class FakeRunner:
         self.block_size = block_size
         self.vocab_size = vocab_size
         self.slots: list[tuple[int, int] | None] = [None] * (num_blocks * block_size)
-        self.tables: dict[int, list[int]] = {}  # per runner slot, kept by appends as the real runner does
-        self.last_sampled: dict[int, int] = {}  # the previous plan's tokens by slot, for PENDING_TOKEN
+        self.tables: dict[int, list[int]] = {}  # per slot, kept by appends as the real runner
+        self.last_sampled: dict[int, int] = {}  # the previous plan's tokens by slot
 
     def slot(self, block_table: Sequence[int], position: int) -> int:
         return block_table[position // self.block_size] * self.block_size + position % self.block_size

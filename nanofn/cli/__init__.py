@@ -39,10 +39,12 @@ ENGINE_FLAGS: dict[str, dict[str, Any]] = {
     "dtype": dict(choices=["auto", "float16", "bfloat16", "float32"],
                   help="weight and KV cache dtype (default: {default}, the checkpoint's)"),
     "device": dict(help="auto, cpu, cuda or cuda:N (default: {default}: cuda when there is a GPU)"),
-    "max_num_seqs": dict(type=int, metavar="N", help="most sequences per step (default: {default})"),
+    "max_num_seqs": dict(type=int, metavar="N",
+                         help="most sequences per step (default: {default})"),
     "max_num_batched_tokens": dict(type=int, metavar="N",
                                    help="most tokens per step (default: {default})"),
-    "block_size": dict(type=int, metavar="N", help="tokens per KV cache block (default: {default})"),
+    "block_size": dict(type=int, metavar="N",
+                       help="tokens per KV cache block (default: {default})"),
     "gpu_memory_utilization": dict(type=float, metavar="F",
                                    help="share of GPU memory for weights, activations and KV "
                                         "cache (default: {default})"),
@@ -71,7 +73,8 @@ ENGINE_FLAGS: dict[str, dict[str, Any]] = {
 SAMPLING_FLAGS: dict[str, dict[str, Any]] = {
     "max_tokens": dict(type=int, metavar="N", help="most tokens to generate (default: {default})"),
     "temperature": dict(type=float, metavar="T", help="0 is greedy (default: {default})"),
-    "top_p": dict(type=float, metavar="P", help="nucleus sampling mass, in (0, 1] (default: {default})"),
+    "top_p": dict(type=float, metavar="P",
+                  help="nucleus sampling mass, in (0, 1] (default: {default})"),
     "top_k": dict(type=int, metavar="K", help="sample among the K likeliest tokens; 0 or -1: "
                                              "all (default: {default})"),
     "min_p": dict(type=float, metavar="P", help="drop tokens less likely than P times the "
@@ -347,6 +350,9 @@ def run_bench(args: argparse.Namespace) -> int:
         print(f"device busy {format_seconds(result.device_busy_s)}: GPU idle "
               f"{result.device_idle_fraction:.1%} of the run, wall / device-busy "
               f"{result.elapsed_s / result.device_busy_s:.3f}")
+        for label, (steps, busy, idle) in sorted(timeline.by_label().items()):
+            print(f"  {label}: {steps} steps, device {busy:.3f} s, idle before them "
+                  f"{idle:.3f} s")
     print(f"engine: preemptions {result.num_preemptions}, prefix cache hit rate "
           f"{result.prefix_cache_hit_rate:.1%}, KV blocks {num_blocks:,} of "
           f"{config.block_size} tokens")

@@ -22,7 +22,7 @@ from nanofn.state import SamplingParams
 DEFAULT_BANDWIDTH_GBPS = 3028.0  # H100 80GB HBM3, measured device-to-device copy
 DEFAULT_TFLOPS = 813.0  # H100 80GB HBM3, measured bf16 8192^3 matmul
 MAX_TOKEN_ID = 10000
-WARMUP_PROMPT = list(range(1, 17))
+WARMUP_PROMPTS = 16  # the workload's first prompts, each with 16 new tokens
 
 
 @dataclass(frozen=True)
@@ -193,11 +193,13 @@ class Measurement:
 
 
 def measure(llm: Any, workload: Workload, timeline: Any = None) -> Measurement:
-    """Warm up with one short request, then time one ``generate`` of the whole workload; with a
-    ``DeviceTimeline``, also the device's busy time during it."""
+    """Warm up, then time one ``generate`` of the whole workload; with a ``DeviceTimeline``,
+    also the device's busy time during it. The warm-up runs prompts of the workload's sizes
+    (a step's worth of prefill) and some decoding, so that compilation and first-use
+    allocations stay out of the measurement, as engines warm up before serving."""
     vocab_size = llm.engine.hf_config.vocab_size
-    llm.generate([[t % vocab_size for t in WARMUP_PROMPT]],
-                 SamplingParams(max_tokens=16, ignore_eos=True), use_tqdm=False)
+    warmup = [[t % vocab_size for t in prompt] for prompt in workload.prompts[:WARMUP_PROMPTS]]
+    llm.generate(warmup, SamplingParams(max_tokens=16, ignore_eos=True), use_tqdm=False)
     before = llm.engine.state.counters
     llm.engine.runner.timeline = timeline
     start = time.perf_counter()

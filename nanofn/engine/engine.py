@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import gc
 import itertools
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TextIO, Union
@@ -91,7 +91,8 @@ class Engine:
         self.runner = (ModelRunner(self.hf_config, runner_config) if runner_config.tp_size == 1
                        else TensorParallelExecutor(self.hf_config, runner_config))
         state = initial_state(self.scheduler_config, self.runner.num_blocks)
-        self._trace: TextIO | None = open(options.trace, "w", buffering=1) if options.trace else None
+        self._trace: TextIO | None = (open(options.trace, "w", buffering=1) if options.trace
+                                      else None)
         self.loop = EngineLoop(state, self.runner, async_scheduling=options.async_scheduling,
                                trace=self._trace, trace_meta={
                                    "model": str(model_dir), "dtype": str(self.runner.dtype),
@@ -197,8 +198,9 @@ class Engine:
             if seq is None:
                 continue
             seq.token_ids.append(tokens[i])
-            if seq.logprobs is not None and out.logprobs is not None and out.logprobs[i] is not None:
-                self._add_logprobs(seq, out.logprobs[i])
+            logprobs = out.logprobs[i] if out.logprobs is not None else None
+            if seq.logprobs is not None and logprobs is not None:
+                self._add_logprobs(seq, logprobs)
             if seq.detokenizer.add(tokens[i], may_stop(len(seq.token_ids), seq.params.min_tokens)):
                 stop_hits.append(seq_id)
         return stop_hits
@@ -220,8 +222,9 @@ class Engine:
             reason = seq.finish_reason
             output.finish_reason = reason.value
             output.token_ids = list(seq.output_token_ids)
-            by_token = reason is FinishReason.STOP and not (output.watched and output.detokenizer.stopped)
-            dropped = by_token and not output.params.include_stop_str_in_output
+            by_string = output.watched and output.detokenizer.stopped
+            dropped = (reason is FinishReason.STOP and not by_string
+                       and not output.params.include_stop_str_in_output)
             if output.watched:
                 if dropped:
                     output.detokenizer.drop_last_token()

@@ -75,7 +75,7 @@ class ModelRunner:
         self.slot_tables = SlotTables(config.max_num_seqs, config.max_blocks_per_seq, self.device)
         self.slot_params = SlotParams(config.max_num_seqs)
         self._sampling_slots = torch.zeros(0, dtype=torch.int64, device=self.device)
-        self.timeline: DeviceTimeline | None = None  # set (on CUDA) to measure the device's busy time
+        self.timeline: DeviceTimeline | None = None  # set, on CUDA, to measure the busy time
         self.graphs = None
         # The torch reference attention gathers whole block tables: captured at the graphs'
         # full width it would need more memory than the KV cache leaves. Graphs are for Triton.
@@ -95,7 +95,7 @@ class ModelRunner:
         sample = self.sampler.sample(logits, self.slot_params.rows(plan))
         self.keep_sampled_tokens(plan, sample.token_ids)
         if start is not None:
-            self.timeline.add(start)
+            self.timeline.add(start, _step_kind(plan))
         return sample
 
     def keep_sampled_tokens(self, plan: BatchPlan, tokens: torch.Tensor | None = None) -> None:
@@ -190,6 +190,15 @@ def choose_kernels(config: RunnerConfig) -> KernelBackend:
         from nanofn.kernels.triton_ops import TRITON_KERNELS
         return TRITON_KERNELS
     return TORCH_KERNELS
+
+
+def _step_kind(plan: BatchPlan) -> str:
+    """A label for a step: prefill (any chunk of several tokens), or decode by batch size."""
+    n = len(plan.seq_ids)
+    if plan.num_tokens > n:
+        return "prefill"
+    bucket = next(b for b in (1, 8, 32, 128, 1 << 30) if n <= b)
+    return f"decode <= {bucket}" if bucket < 1 << 30 else "decode > 128"
 
 
 def _prefill_plan(lens: list[int], blocks_per_seq: int) -> BatchPlan:

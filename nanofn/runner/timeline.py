@@ -3,17 +3,20 @@
 The plans run one after another on the device's stream, so their event intervals do not
 overlap; what lies between one plan's end and the next one's start is time the device waited
 for the host. Two event records per step cost a few microseconds, unlike the profiler, which
-would slow the host it is meant to watch.
+would slow the host it is meant to watch. Each interval carries a label (the kind of step), so
+that the idle time can be told apart by kind.
 """
 
 from __future__ import annotations
+
+from collections import defaultdict
 
 import torch
 
 
 class DeviceTimeline:
     def __init__(self) -> None:
-        self._intervals: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._intervals: list[tuple[torch.cuda.Event, torch.cuda.Event, str]] = []
 
     @staticmethod
     def mark() -> torch.cuda.Event:
@@ -21,9 +24,9 @@ class DeviceTimeline:
         event.record()
         return event
 
-    def add(self, start: torch.cuda.Event) -> None:
+    def add(self, start: torch.cuda.Event, label: str = "") -> None:
         """Close the interval that ``start`` (from ``mark``) opened, at the work queued since."""
-        self._intervals.append((start, self.mark()))
+        self._intervals.append((start, self.mark(), label))
 
     @property
     def num_intervals(self) -> int:
@@ -34,4 +37,21 @@ class DeviceTimeline:
         if not self._intervals:
             return 0.0
         self._intervals[-1][1].synchronize()
-        return sum(start.elapsed_time(end) for start, end in self._intervals) / 1e3
+        return sum(start.elapsed_time(end) for start, end, _ in self._intervals) / 1e3
+
+    def by_label(self) -> dict[str, tuple[int, float, float]]:
+        """Per label: the steps, their device time, and the device's idle time just before
+        them (since the previous step ended), in seconds."""
+        if not self._intervals:
+            return {}
+        self._intervals[-1][1].synchronize()
+        totals: dict[str, list] = defaultdict(lambda: [0, 0.0, 0.0])
+        previous_end = None
+        for start, end, label in self._intervals:
+            entry = totals[label]
+            entry[0] += 1
+            entry[1] += start.elapsed_time(end) / 1e3
+            if previous_end is not None:
+                entry[2] += max(0.0, previous_end.elapsed_time(start) / 1e3)
+            previous_end = end
+        return {label: tuple(values) for label, values in totals.items()}

@@ -218,6 +218,21 @@ class PoolChanges:
         self._cached[block] = entry
         self._new_hashes[entry.block_hash] = block
 
+    def cache_many(self, blocks: Sequence[int], hashes: Sequence[int], parents: Sequence[int],
+                   token_bytes: Sequence[bytes]) -> None:
+        """``cache`` for many owned blocks at once (block ``k`` holds ``hashes[k]``...)."""
+        new_hashes, gone, known = self._new_hashes, self._gone_hashes, self._pool.by_hash.get
+        entries = [(block, CachedBlock(h, parent, data))
+                   for block, h, parent, data in zip(blocks, hashes, parents, token_bytes)
+                   if h not in new_hashes and (h in gone or known(h) is None)]
+        if not entries:
+            return
+        self._change()
+        for block, entry in entries:
+            if entry.block_hash not in new_hashes:  # two of these blocks may hold one content
+                self._cached[block] = entry
+                new_hashes[entry.block_hash] = block
+
     def build(self) -> BlockPool:
         if not self._changed:
             return self._pool

@@ -12,7 +12,8 @@ ROOT_HASH = 0  # the parent of a sequence's first block
 
 
 def block_hash(parent_hash: int, token_ids: Sequence[int] | np.ndarray) -> int:
-    """``xxhash64`` of the parent hash (8 bytes) then the token ids (4 bytes each), little-endian."""
+    """``xxhash64`` of the parent hash (8 bytes) then the token ids (4 bytes each), both
+    little-endian."""
     return xxhash.xxh64_intdigest(parent_hash.to_bytes(8, "little") + token_bytes(token_ids))
 
 

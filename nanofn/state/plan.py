@@ -3,10 +3,10 @@ runner's answer: the tokens it sampled.
 
 A plan is columns over the sequences it schedules plus what changed since the last plan: the
 new entries of block tables, the sequences that start running (with their sampling
-parameters), the token ids some sequences may not sample. A runner keeps per-sequence state under each sequence's *slot*: block tables by appends, sampling
-parameters from the plan that starts it, and the token it sampled last, which a later plan's
-``PENDING_TOKEN`` stands for. A decode step's plan is thus a few arrays of one entry per
-sequence.
+parameters), the token ids some sequences may not sample. A runner keeps per-sequence state
+under each sequence's *slot*: block tables by appends, sampling parameters from the plan that
+starts it, and the token it sampled last, which a later plan's ``PENDING_TOKEN`` stands for. A
+decode step's plan is thus a few arrays of one entry per sequence.
 """
 
 from __future__ import annotations

@@ -355,14 +355,11 @@ def _cache_computed_blocks(store: SeqStore, cols: np.ndarray, starts: np.ndarray
     store_rows = np.repeat(cols[rows, ROW], counts)
     index = np.repeat(old[rows], counts) + np.arange(int(counts.sum())) - np.repeat(
         np.cumsum(counts) - counts, counts)
-    hashes = store.arrays[HASHES][store_rows, index].tolist()
-    parents = np.where(index > 0, store.arrays[HASHES][store_rows, np.maximum(index - 1, 0)],
-                       0).tolist()
-    blocks = store.arrays[TABLES][store_rows, index].tolist()
+    parents = np.where(index > 0, store.arrays[HASHES][store_rows, np.maximum(index - 1, 0)], 0)
     tokens = store.arrays[TOKENS][store_rows[:, None], index[:, None] * bs + np.arange(bs)]
-    data = np.ascontiguousarray(tokens, dtype="<u4")
-    for k, block in enumerate(blocks):
-        pool.cache(block, CachedBlock(hashes[k], parents[k], data[k].tobytes()))
+    pool.cache_many(store.arrays[TABLES][store_rows, index].tolist(),
+                    store.arrays[HASHES][store_rows, index].tolist(), parents.tolist(),
+                    [row.tobytes() for row in np.ascontiguousarray(tokens, dtype="<u4")])
 
 
 def _block_entries(cols: np.ndarray, grow: np.ndarray, blocks: list[int],
@@ -373,6 +370,9 @@ def _block_entries(cols: np.ndarray, grow: np.ndarray, blocks: list[int],
         return _NO_ENTRIES
     grown = np.flatnonzero(grow)
     counts = grow[grown]
+    if not admissions and len(blocks) == len(grown):  # a decode step: one block each
+        return np.stack([index_in_plan[grown], cols[grown, NUM_BLOCKS] - 1,
+                         np.array(blocks, np.int64)], axis=1)
     first = np.repeat(cols[grown, NUM_BLOCKS] - counts, counts)
     offsets = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
     parts = [np.stack([np.repeat(index_in_plan[grown], counts), first + offsets,

@@ -11,7 +11,7 @@ from pyrsistent import pdeque
 from nanofn.state.batch import (HAS_STOP_IDS, IGNORE_EOS, LENGTH_LIMIT, MIN_TOKENS,
                                 NUM_COMPUTED, NUM_HASHED, NUM_PENDING, NUM_PROMPT, NUM_TOKENS,
                                 ROW, SERIAL, SLOT, RunningBatch, select, with_room)
-from nanofn.state.block_pool import CachedBlock, PoolChanges
+from nanofn.state.block_pool import PoolChanges
 from nanofn.state.config import SchedulerConfig
 from nanofn.state.engine_state import EngineState, evolve
 from nanofn.state.hashing import ROOT_HASH, block_hashes, hash_blocks
@@ -163,10 +163,9 @@ def hash_full_blocks(store: SeqStore, cols: np.ndarray, rows: np.ndarray, pool: 
     cols[rows, NUM_HASHED] = index + 1
     computed = np.flatnonzero(cols[rows, NUM_COMPUTED] >= (index + 1) * block_size)
     if len(computed):
-        blocks = store.arrays[TABLES][store_rows[computed], index[computed]].tolist()
-        parents = parents[computed].tolist()
-        for k, j in enumerate(computed.tolist()):
-            pool.cache(blocks[k], CachedBlock(hashes[j], parents[k], data[j].tobytes()))
+        pool.cache_many(store.arrays[TABLES][store_rows[computed], index[computed]].tolist(),
+                        [hashes[j] for j in computed.tolist()], parents[computed].tolist(),
+                        [row.tobytes() for row in data[computed]])
     return store, cols
 
 
