@@ -120,7 +120,9 @@ class ModelRunner:
             inputs = prepare_inputs(plan, self.config.block_size, self.slot_tables, self.device)
             self._sampling_slots, sample_rows = inputs.sampling_slots, inputs.sample_rows
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.batch, self.kv_cache)
-        return self.model.compute_logits(hidden[sample_rows])
+        if len(plan.sampling_seq_ids) < plan.num_tokens:
+            hidden = hidden[sample_rows]
+        return self.model.compute_logits(hidden)
 
     def _decide_num_blocks(self) -> int:
         c = self.config

@@ -479,8 +479,8 @@ def _to_device(values: np.ndarray | torch.Tensor, device: torch.device) -> torch
 @dataclass
 class DeviceSample:
     """Sampled tokens (and logprobs) on the device, with their copy to the host under way;
-    ``wait`` waits for the copy. Everything travels as one float64 tensor, which holds token
-    ids, ranks and float32 logprobs exactly."""
+    ``wait`` waits for the copy. With logprobs everything travels as one float64 tensor, which
+    holds token ids, ranks and float32 logprobs exactly; without, the int64 tokens alone."""
 
     token_ids: torch.Tensor  # [S] int64, on the device
     num_rows: int
@@ -491,7 +491,11 @@ class DeviceSample:
     @classmethod
     def start(cls, token_ids: torch.Tensor, num_rows: int, logprob_rows: dict[int, int] | None = None,
               logprob_parts: tuple[torch.Tensor, ...] = ()) -> DeviceSample:
-        flat = torch.cat([t.reshape(-1).to(torch.float64) for t in (token_ids, *logprob_parts)])
+        if logprob_parts:
+            flat = torch.cat([t.reshape(-1).to(torch.float64)
+                              for t in (token_ids, *logprob_parts)])
+        else:  # the common case: the tokens alone, as they are
+            flat = token_ids
         if flat.device.type != "cuda":
             return cls(token_ids, num_rows, logprob_rows or {}, flat, None)
         host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
@@ -504,7 +508,7 @@ class DeviceSample:
         if self.copied is not None:
             self.copied.synchronize()
         n = self.num_rows
-        tokens = self.host[:n].numpy().astype(np.int64)  # the core takes arrays as they are
+        tokens = self.host[:n].numpy().astype(np.int64, copy=False)  # the core takes arrays
         if not self.logprob_rows:
             return SampleOutput(tokens, None)
         values = self.host.tolist()
