@@ -112,10 +112,12 @@ class LLM:
         with progress, fewer_gc_pauses():
             while self.engine.has_unfinished_requests():
                 start = time.perf_counter()
-                result = self.engine.step(only_finished=True)
+                result = self.engine.step(only_finished=True, decode_finished=False)
                 progress.update(result, time.perf_counter() - start)
                 finished.update((o.request_id, o) for o in result.outputs)
-        return [finished[i] for i in ids]
+        outputs = [finished[i] for i in ids]
+        self.engine.decode_texts(outputs)  # now that the device has nothing left to do
+        return outputs
 
 
 @dataclass

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import weakref
+from dataclasses import replace
 
 import pytest
 
@@ -433,3 +434,17 @@ def test_text_is_decoded_once_at_the_end_unless_stop_strings_need_it(llm, monkey
                                                    stop=["\x00 never"]), use_tqdm=False)
     assert len(per_step) == 10 * len(PROMPTS)
     assert texts(plain) == texts(watched) and all(texts(plain))
+
+
+def test_a_batch_caller_can_decode_finished_texts_after_the_last_step(tiny_qwen3):
+    engine = Engine(EngineOptions(model=str(tiny_qwen3), num_kv_blocks=64, max_model_len=256))
+    engine.add_request("Hello", GREEDY, request_id="a")
+    engine.add_request("Hello", replace(GREEDY, stop=["\x00 never"]), request_id="b")
+    finished = []
+    while engine.has_unfinished_requests():
+        finished += engine.step(only_finished=True, decode_finished=False).outputs
+    texts_now = {o.request_id: o.outputs[0].text for o in finished}
+    assert texts_now["a"] == "" and texts_now["b"]  # b's stop strings needed its text already
+    engine.decode_texts(finished)
+    assert {o.request_id: o.outputs[0].text for o in finished} == {"a": texts_now["b"],
+                                                                   "b": texts_now["b"]}

@@ -48,7 +48,8 @@ class _SeqOutput:
     logprobs: list[dict[int, Logprob]] | None
     cumulative_logprob: float | None
     finish_reason: str | None = None
-    text: str = ""  # once finished
+    text: str | None = None  # once finished and decoded
+    shown_token_ids: list[int] | None = None  # what the text shows, once finished
 
     @property
     def watched(self) -> bool:
@@ -101,6 +102,7 @@ class Engine:
         self._requests: dict[str, _Request] = {}
         self._seqs: dict[str, tuple[_Request, _SeqOutput]] = {}  # by the core's id
         self._watched: dict[str, _SeqOutput] = {}  # the live ones with stop strings or logprobs
+        self._undecoded: dict[str, _Request] = {}  # finished, their text left to decode_texts
         # Everything loaded so far lives as long as the engine: keep it out of the cyclic
         # collector's way, which would otherwise walk the model's objects every full
         # collection, while the scheduler makes many short-lived records per step.
@@ -171,11 +173,15 @@ class Engine:
 
     # --- the step -------------------------------------------------------------------------
 
-    def step(self, only_finished: bool = False) -> StepResult:
+    def step(self, only_finished: bool = False, decode_finished: bool = True) -> StepResult:
         """One engine step. Returns the requests that got a token or finished (with
-        ``only_finished``, just the finished ones, which is cheaper for batch generation)."""
+        ``only_finished``, just the finished ones, which is cheaper for batch generation).
+
+        ``decode_finished=False`` leaves the text of finished sequences that need no stop
+        strings empty, for ``decode_texts`` to fill in later: a batch caller decodes them when
+        the device has nothing left to do, rather than between two steps."""
         result = self.loop.step(self._take_delivery)
-        finished = self._finish(result.finished)
+        finished = self._finish(result.finished, decode_finished)
         if only_finished:
             outputs = [self._output(r) for r in finished]
         else:
@@ -209,9 +215,9 @@ class Engine:
         return [owner[0] for seq_id in delivery.plan.sampling_seq_ids
                 if (owner := self._seqs.get(seq_id)) is not None]
 
-    def _finish(self, seqs: tuple[Seq, ...]) -> list[_Request]:
+    def _finish(self, seqs: tuple[Seq, ...], decode: bool = True) -> list[_Request]:
         """Take the core's finished records: their tokens are the output; the unwatched ones'
-        text is decoded now, once."""
+        text is decoded once, now or (``decode`` off) in ``decode_texts``."""
         done = []
         for seq in seqs:
             owner = self._seqs.pop(seq.seq_id, None)
@@ -230,13 +236,30 @@ class Engine:
                     output.detokenizer.drop_last_token()
                 output.text = output.detokenizer.visible_text(True)
             else:  # a stop token's text is not part of the output, as in vLLM
-                shown = output.token_ids[:-1] if dropped else output.token_ids
-                output.text = decode_output(self.tokenizer, request.prompt_token_ids, shown,
-                                            output.params)
+                output.shown_token_ids = output.token_ids[:-1] if dropped else output.token_ids
+                if decode:
+                    self._decode(request, output)
             if request.finished:
                 del self._requests[request.request_id]
+                if not decode:
+                    self._undecoded[request.request_id] = request
                 done.append(request)
         return done
+
+    def _decode(self, request: _Request, output: _SeqOutput) -> None:
+        output.text = decode_output(self.tokenizer, request.prompt_token_ids,
+                                    output.shown_token_ids, output.params)
+
+    def decode_texts(self, outputs: Sequence[RequestOutput]) -> None:
+        """Fill in the texts that ``step(decode_finished=False)`` left empty in these outputs."""
+        for out in outputs:
+            request = self._undecoded.pop(out.request_id, None)
+            if request is None:
+                continue
+            for completion, seq in zip(out.outputs, request.seqs):
+                if seq.text is None:
+                    self._decode(request, seq)
+                completion.text = seq.text
 
     def _add_logprobs(self, seq: _SeqOutput, lp: TokenLogprobs) -> None:
         entry = {token: Logprob(value, rank, self.tokenizer.decode([token]))
@@ -249,7 +272,7 @@ class Engine:
         outputs = []
         for s in request.seqs:
             if s.finish_reason is not None:
-                token_ids, text = s.token_ids, s.text
+                token_ids, text = s.token_ids, s.text or ""
             elif s.watched:
                 token_ids, text = s.token_ids, s.detokenizer.visible_text(False)
             else:
