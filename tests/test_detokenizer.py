@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from unittest import mock
 
 import pytest
 from transformers import AutoTokenizer
@@ -66,10 +67,13 @@ def test_decoding_once_gives_what_token_by_token_decoding_gives(tokenizer, skip_
     rng = random.Random(0)
     params = SamplingParams(skip_special_tokens=skip_special_tokens)
     vocab = len(tokenizer)
-    for _ in range(200):
+    replays = []
+    for _ in range(300):
         prompt = [rng.randrange(vocab) for _ in range(rng.randrange(1, 9))]
-        output = [rng.randrange(vocab) for _ in range(rng.randrange(1, 30))]
+        output = [rng.randrange(vocab) for _ in range(rng.randrange(1, 40))]
         incremental = Detokenizer(tokenizer, prompt, params)
         for token in output:
             incremental.add(token, may_stop=False)
-        assert decode_output(tokenizer, prompt, output, params) == incremental.text
+        with mock.patch.object(Detokenizer, "add", side_effect=replays.append):
+            assert decode_output(tokenizer, prompt, output, params) == incremental.text
+    assert not replays  # byte-level: one decode, no token-by-token replay

@@ -30,7 +30,7 @@ class Detokenizer:
         self._text_before_last_token = 0
         self._hold = max((len(s) for s in params.stop), default=1) - 1
         self._backend = tokenizer.backend_tokenizer
-        self._stream = DecodeStream(list(prompt_token_ids[-PROMPT_CONTEXT:]),
+        self._stream = DecodeStream(_context(self._backend, prompt_token_ids, params),
                                     params.skip_special_tokens)
 
     def add(self, token_id: int, may_stop: bool) -> bool:
@@ -75,18 +75,41 @@ def decode_output(tokenizer: Any, prompt_token_ids: Sequence[int], output_token_
                   params: SamplingParams) -> str:
     """The text a ``Detokenizer`` fed ``output_token_ids`` one by one would hold (stop strings
     aside), decoded at once: the decode of the prompt's last tokens and the output, less that
-    of the prompt's last tokens. A byte-level decoder (Llama 3, Qwen) makes that exact unless a
-    character is split across tokens (a replacement character shows); then, and for other
-    decoders, the tokens are replayed through the incremental decoder."""
+    of the prompt's last tokens. The incremental decoder holds back a character split across
+    tokens until it completes, and so never shows the tokens after the last complete one:
+    those are left out here too. A byte-level decoder (Llama 3, Qwen) makes that exact; for
+    other decoders, or a prompt that ends inside a character, the tokens are replayed through
+    the incremental decoder."""
     backend = tokenizer.backend_tokenizer
     if isinstance(backend.decoder, ByteLevel):
-        context = list(prompt_token_ids[-PROMPT_CONTEXT:])
+        context = _context(backend, prompt_token_ids, params)
         skip = params.skip_special_tokens
         before = backend.decode(context, skip_special_tokens=skip)
-        whole = backend.decode(context + list(output_token_ids), skip_special_tokens=skip)
-        if "\ufffd" not in whole and whole.startswith(before):
-            return whole[len(before):]
+        if not before.endswith(_INCOMPLETE):
+            shown = list(output_token_ids)
+            for _ in range(_MAX_HELD_BACK + 1):
+                whole = backend.decode(context + shown, skip_special_tokens=skip)
+                if not whole.endswith(_INCOMPLETE) or not shown:
+                    if whole.startswith(before):
+                        return whole[len(before):]
+                    break
+                shown.pop()  # a character still incomplete at the end: held back
     replay = Detokenizer(tokenizer, prompt_token_ids, params)
     for token in output_token_ids:
         replay.add(token, may_stop=False)
     return replay.text
+
+
+def _context(backend: Any, prompt_token_ids: Sequence[int], params: SamplingParams) -> list[int]:
+    """The prompt's last tokens that the output is decoded after (so that its first word
+    spaces as it would in the prompt's company), cut so as to end on a whole character: a
+    prompt of token ids may end inside one, which the output's text must not take in."""
+    context = list(prompt_token_ids[-PROMPT_CONTEXT:])
+    while context and backend.decode(context, skip_special_tokens=params.skip_special_tokens
+                                     ).endswith(_INCOMPLETE):
+        context.pop()
+    return context
+
+
+_INCOMPLETE = "\ufffd"  # what decoding shows for bytes that are not (yet) a whole character
+_MAX_HELD_BACK = 8  # tokens to drop from the end looking for a complete character, then replay
