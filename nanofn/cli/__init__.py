@@ -352,7 +352,7 @@ def run_bench(args: argparse.Namespace) -> int:
               f"{result.elapsed_s / result.device_busy_s:.3f}")
         for label, (steps, busy, idle) in sorted(timeline.by_label().items()):
             print(f"  {label}: {steps} steps, device {busy:.3f} s, idle before them "
-                  f"{idle:.3f} s")
+                  f"{idle:.3f} s" if steps else f"  {label}: idle {idle:.3f} s")
     print(f"engine: preemptions {result.num_preemptions}, prefix cache hit rate "
           f"{result.prefix_cache_hit_rate:.1%}, KV blocks {num_blocks:,} of "
           f"{config.block_size} tokens")

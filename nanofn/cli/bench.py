@@ -203,9 +203,13 @@ def measure(llm: Any, workload: Workload, timeline: Any = None) -> Measurement:
     before = llm.engine.state.counters
     llm.engine.runner.timeline = timeline
     start = time.perf_counter()
+    if timeline is not None:
+        timeline.begin()
     try:
         outputs = llm.generate(workload.prompts, workload.sampling_params(), use_tqdm=False)
     finally:
+        if timeline is not None:
+            timeline.end()
         elapsed = time.perf_counter() - start
         llm.engine.runner.timeline = None
     after = llm.engine.state.counters

@@ -17,6 +17,16 @@ import torch
 class DeviceTimeline:
     def __init__(self) -> None:
         self._intervals: list[tuple[torch.cuda.Event, torch.cuda.Event, str]] = []
+        self._run: list[torch.cuda.Event] = []  # the run's start and end, when given
+
+    def begin(self) -> None:
+        """Mark the start of the run (before its first step): the idle time before the first
+        step counts from here."""
+        self._run = [self.mark()]
+
+    def end(self) -> None:
+        """Mark the end of the run (after its last step's results were taken)."""
+        self._run.append(self.mark())
 
     @staticmethod
     def mark() -> torch.cuda.Event:
@@ -41,11 +51,18 @@ class DeviceTimeline:
 
     def by_label(self) -> dict[str, tuple[int, float, float]]:
         """Per label: the steps, their device time, and the device's idle time just before
-        them (since the previous step ended), in seconds."""
+        them (since the previous step ended), in seconds; with ``begin`` and ``end``, also the
+        idle time before the first step and after the last one."""
         if not self._intervals:
             return {}
         self._intervals[-1][1].synchronize()
         totals: dict[str, list] = defaultdict(lambda: [0, 0.0, 0.0])
+        if len(self._run) == 2:
+            self._run[1].synchronize()
+            totals["(before the first step)"][2] = \
+                self._run[0].elapsed_time(self._intervals[0][0]) / 1e3
+            totals["(after the last step)"][2] = \
+                self._intervals[-1][1].elapsed_time(self._run[1]) / 1e3
         previous_end = None
         for start, end, label in self._intervals:
             entry = totals[label]

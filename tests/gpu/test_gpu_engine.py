@@ -148,6 +148,7 @@ def test_the_device_timeline_measures_the_busy_time_of_a_run(tiny_qwen3):
     assert 0 <= result.device_idle_fraction < 1
     kinds = timeline.by_label()
     assert "prefill" in kinds and any(kind.startswith("decode") for kind in kinds)
+    assert kinds["(before the first step)"][2] > 0 and kinds["(after the last step)"][2] > 0
     assert sum(steps for steps, _, _ in kinds.values()) == timeline.num_intervals
     assert sum(busy for _, busy, _ in kinds.values()) == pytest.approx(result.device_busy_s)
     assert sum(idle for _, _, idle in kinds.values()) <= result.elapsed_s - result.device_busy_s
