@@ -119,3 +119,31 @@ def test_the_trace_the_loop_writes_replays_to_the_same_plans():
         plans.append(driver.advance().plan)
     replayed = [plan for _, plan in replay(parse_trace(driver.trace_lines), check=True)]
     assert replayed == plans
+
+
+def test_host_work_runs_after_the_launch_and_before_the_wait():
+    order = []
+    runner = CountingRunner()
+    launch = runner.launch
+
+    def logged_launch(plan):
+        order.append("launch")
+        pending = launch(plan)
+        wait = pending.wait
+
+        class Logged:
+            def wait(self):
+                order.append("wait")
+                return wait()
+        return Logged()
+
+    runner.launch = logged_launch
+    loop = EngineLoop(initial_state(SETUP.config, SETUP.num_blocks), runner, async_scheduling=False)
+    loop.add(NewSeq("a", (1, 2, 3), LONG))
+    loop.step(while_waiting=lambda: order.append("host work"))
+    assert order == ["launch", "host work", "wait"]
+    while loop.has_work():
+        loop.step()
+    order.clear()
+    loop.step(while_waiting=lambda: order.append("host work"))
+    assert order == []  # nothing in flight: nothing to overlap with

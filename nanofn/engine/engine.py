@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -29,6 +30,7 @@ from nanofn.state import (EngineState, Figures, FinishReason, InvalidRequest, Ne
 from nanofn.state.policy import may_stop
 
 PromptInput = Union[str, Sequence[int], Mapping[str, Any]]
+DECODES_PER_STEP = 2  # texts left for later that a step decodes while the device computes
 
 
 @dataclass
@@ -103,6 +105,7 @@ class Engine:
         self._seqs: dict[str, tuple[_Request, _SeqOutput]] = {}  # by the core's id
         self._watched: dict[str, _SeqOutput] = {}  # the live ones with stop strings or logprobs
         self._undecoded: dict[str, _Request] = {}  # finished, their text left to decode_texts
+        self._to_decode: deque[tuple[_Request, _SeqOutput]] = deque()  # decoded while waiting
         # Everything loaded so far lives as long as the engine: keep it out of the cyclic
         # collector's way, which would otherwise walk the model's objects every full
         # collection, while the scheduler makes many short-lived records per step.
@@ -178,9 +181,9 @@ class Engine:
         ``only_finished``, just the finished ones, which is cheaper for batch generation).
 
         ``decode_finished=False`` leaves the text of finished sequences that need no stop
-        strings empty, for ``decode_texts`` to fill in later: a batch caller decodes them when
-        the device has nothing left to do, rather than between two steps."""
-        result = self.loop.step(self._take_delivery)
+        strings empty, for ``decode_texts`` to fill in later: the next steps decode a few of
+        them each while the device computes, instead of this one before its launch."""
+        result = self.loop.step(self._take_delivery, self._decode_some)
         finished = self._finish(result.finished, decode_finished)
         if only_finished:
             outputs = [self._output(r) for r in finished]
@@ -239,12 +242,22 @@ class Engine:
                 output.shown_token_ids = output.token_ids[:-1] if dropped else output.token_ids
                 if decode:
                     self._decode(request, output)
+            if not decode and not output.watched:
+                self._to_decode.append((request, output))
             if request.finished:
                 del self._requests[request.request_id]
                 if not decode:
                     self._undecoded[request.request_id] = request
                 done.append(request)
         return done
+
+    def _decode_some(self) -> None:
+        """While the device computes: decode a few of the texts left for later, so that few
+        remain when the device has finished."""
+        for _ in range(min(DECODES_PER_STEP, len(self._to_decode))):
+            request, output = self._to_decode.popleft()
+            if output.text is None:
+                self._decode(request, output)
 
     def _decode(self, request: _Request, output: _SeqOutput) -> None:
         output.text = decode_output(self.tokenizer, request.prompt_token_ids,

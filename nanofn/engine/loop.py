@@ -110,9 +110,12 @@ class EngineLoop:
         return (self._state.has_unfinished or bool(self._new) or self._ready is not None
                 or bool(self._in_flight))
 
-    def step(self, on_delivery: OnDelivery | None = None) -> LoopStep:
+    def step(self, on_delivery: OnDelivery | None = None,
+             while_waiting: Callable[[], None] | None = None) -> LoopStep:
         """One step. ``on_delivery`` sees the delivery the core is about to take, if any, and
-        returns the ids of the sequences whose stop string it completes."""
+        returns the ids of the sequences whose stop string it completes. ``while_waiting`` runs
+        after the launch, before waiting for the device: host work that can use the time the
+        device computes (it should be short, or it delays the next launch)."""
         delivered, self._ready = self._ready, None
         stop_hits = ()
         if delivered is not None and on_delivery is not None:
@@ -126,6 +129,8 @@ class EngineLoop:
             self._in_flight.append((plan, self.runner.launch(plan)))
         if self._trace is not None:
             self._trace.write(step_line(events, plan) + "\n")
+        if while_waiting is not None and self._in_flight:
+            while_waiting()
         self._wait_for_tokens(launched_alone=not plan.is_empty and len(self._in_flight) == 1)
         return LoopStep(plan, delivered, self._state.finished)
 
