@@ -37,8 +37,11 @@ def parent_hash_of(hashes: Sequence[int], block_index: int) -> int:
 
 def block_hashes(token_ids: Sequence[int], block_size: int) -> tuple[int, ...]:
     """The hashes of every full block of ``token_ids``."""
+    data, width = token_bytes(token_ids), 4 * block_size
     hashes: list[int] = []
+    parent = ROOT_HASH
     for i in range(len(token_ids) // block_size):
-        hashes.append(block_hash(parent_hash_of(hashes, i),
-                                 token_ids[i * block_size:(i + 1) * block_size]))
+        parent = xxhash.xxh64_intdigest(parent.to_bytes(8, "little")
+                                        + data[i * width:(i + 1) * width])
+        hashes.append(parent)
     return tuple(hashes)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,12 +26,13 @@ class NewSeq:
     params: SamplingParams
 
 
-def check_new_seq(state: EngineState, new: NewSeq) -> None:
-    """Raise ``InvalidRequest`` if ``new`` cannot be served; touch nothing."""
+def check_new_seq(state: EngineState, new: NewSeq, also_live: Collection[str] = ()) -> None:
+    """Raise ``InvalidRequest`` if ``new`` cannot be served (``also_live``: ids taken besides
+    the state's live ones); touch nothing."""
     c = state.config
     if not isinstance(new.seq_id, str) or not new.seq_id:
         raise InvalidRequest(f"request_id must be a non-empty string, got {new.seq_id!r}")
-    if new.seq_id in state.live_ids:
+    if new.seq_id in state.live_ids or new.seq_id in also_live:
         raise InvalidRequest(f"request_id {new.seq_id!r} is already in use")
     if has_token_in_flight(state, new.seq_id):
         raise InvalidRequest(f"request_id {new.seq_id!r} still has a sampled token in flight "
@@ -83,12 +85,12 @@ def add_seqs(state: EngineState, new_seqs: tuple[NewSeq, ...]) -> EngineState:
     raises and leaves the state as it was)."""
     if not new_seqs:
         return state
-    waiting, live = state.waiting, state.live_ids
+    waiting, added = state.waiting, {}
     for new in new_seqs:
-        check_new_seq(evolve(state, live_ids=live), new)
+        check_new_seq(state, new, added)
         waiting = waiting.append(_new_seq(state, new))
-        live = live.set(new.seq_id, True)
-    return evolve(state, waiting=waiting, live_ids=live)
+        added[new.seq_id] = True
+    return evolve(state, waiting=waiting, live_ids=state.live_ids.update_known(added))
 
 
 def _new_seq(state: EngineState, new: NewSeq) -> Seq:

@@ -29,7 +29,7 @@ from nanofn.state.batch import (HAS_PENALTIES, HAS_STOP_IDS, IGNORE_EOS, LENGTH_
                                 MIN_TOKENS, NUM_BLOCKS, NUM_CACHED, NUM_COLS, NUM_COMPUTED,
                                 NUM_HASHED, NUM_PENDING, NUM_PREEMPTIONS, NUM_PROMPT, NUM_TOKENS,
                                 ROW, SERIAL, SLOT, RunningBatch, frozen, with_room)
-from nanofn.state.block_pool import CachedBlock, PoolChanges, find_cached_prefix
+from nanofn.state.block_pool import PoolChanges, find_cached_prefix
 from nanofn.state.config import SchedulerConfig, blocks_for
 from nanofn.state.engine_state import EngineState, InFlight, evolve
 from nanofn.state.hashing import parent_hash_of, token_bytes
@@ -186,10 +186,11 @@ def admit(pool: PoolChanges, seq: Seq, budget: int, c: SchedulerConfig) -> Admis
     bs = c.block_size
     hits: list[int] = []
     if c.enable_prefix_caching:
+        data, width = token_bytes(seq.token_ids), 4 * bs
         # Leave at least one token to compute, so that there are logits to sample from.
         limit = (seq.num_tokens - 1) // bs
         hits = find_cached_prefix(pool, seq.block_hashes,
-                                  lambda i: token_bytes(seq.token_ids[i * bs:(i + 1) * bs]), limit)
+                                  lambda i: data[i * width:(i + 1) * width], limit)
     cached = len(hits) * bs
     count = seq.num_tokens - cached
     if count > budget:
@@ -203,10 +204,11 @@ def admit(pool: PoolChanges, seq: Seq, budget: int, c: SchedulerConfig) -> Admis
     pool.take_cached(hits)
     blocks = hits + pool.allocate(needed)
     if c.enable_prefix_caching:  # now, so that the sequences admitted next can hit them
-        for b in range(len(hits), min(cached + count, seq.num_tokens) // bs):
-            pool.cache(blocks[b], CachedBlock(seq.block_hashes[b],
-                                              parent_hash_of(seq.block_hashes, b),
-                                              token_bytes(seq.token_ids[b * bs:(b + 1) * bs])))
+        full = range(len(hits), min(cached + count, seq.num_tokens) // bs)
+        hashes = seq.block_hashes
+        pool.cache_many([blocks[b] for b in full], [hashes[b] for b in full],
+                        [parent_hash_of(hashes, b) for b in full],
+                        [data[b * width:(b + 1) * width] for b in full])
     return Admission(seq, blocks, cached, count)
 
 
@@ -239,23 +241,28 @@ def _append_admitted(store: SeqStore, cols: np.ndarray, admissions: list[Admissi
     blocks and hashes); they take slots and serials."""
     if not admissions:
         return cols, slots
-    rows = store.take_rows(len(admissions))
-    new = np.zeros((len(admissions), NUM_COLS), np.int64)
-    for k, (a, row) in enumerate(zip(admissions, rows.tolist())):
+    rows = store.take_rows(len(admissions)).tolist()
+    new = []
+    for k, (a, row) in enumerate(zip(admissions, rows)):
         seq, p = a.seq, a.seq.params
         store.extend(TOKENS, row, 0, seq.token_ids)
         store.extend(TABLES, row, 0, a.blocks)
         store.extend(HASHES, row, 0, np.array(seq.block_hashes, np.uint64))
-        new[k, [SERIAL, SLOT, ROW, NUM_TOKENS, NUM_COMPUTED, NUM_BLOCKS, NUM_HASHED, NUM_PROMPT,
-                LENGTH_LIMIT, MIN_TOKENS, IGNORE_EOS, HAS_STOP_IDS, HAS_PENALTIES,
-                NUM_PREEMPTIONS, NUM_CACHED]] = (
-            next_serial + k, slots.first, row, seq.num_tokens, a.num_cached, len(a.blocks),
-            len(seq.block_hashes), seq.num_prompt_tokens,
-            length_limit(p, seq.num_prompt_tokens, c.max_model_len), p.min_tokens,
-            p.ignore_eos, bool(p.stop_token_ids), p.has_penalties, seq.num_preemptions,
-            a.num_cached)
+        new.append((next_serial + k, slots.first, row, seq.num_tokens, a.num_cached,
+                    len(a.blocks), len(seq.block_hashes), seq.num_prompt_tokens,
+                    length_limit(p, seq.num_prompt_tokens, c.max_model_len), p.min_tokens,
+                    p.ignore_eos, bool(p.stop_token_ids), p.has_penalties, seq.num_preemptions,
+                    a.num_cached))
         slots = slots.rest
-    return np.concatenate([cols, new]), slots
+    admitted = np.zeros((len(admissions), NUM_COLS), np.int64)
+    admitted[:, _ADMITTED_COLS] = new
+    return np.concatenate([cols, admitted]), slots
+
+
+# The columns an admission sets, in the order ``_append_admitted`` lists them (the others: 0).
+_ADMITTED_COLS = [SERIAL, SLOT, ROW, NUM_TOKENS, NUM_COMPUTED, NUM_BLOCKS, NUM_HASHED, NUM_PROMPT,
+                  LENGTH_LIMIT, MIN_TOKENS, IGNORE_EOS, HAS_STOP_IDS, HAS_PENALTIES,
+                  NUM_PREEMPTIONS, NUM_CACHED]
 
 
 def _plan(step: int, store: SeqStore, key: object, cols: np.ndarray, counts: np.ndarray,
@@ -375,11 +382,10 @@ def _block_entries(cols: np.ndarray, grow: np.ndarray, blocks: list[int],
                          np.array(blocks, np.int64)], axis=1)
     first = np.repeat(cols[grown, NUM_BLOCKS] - counts, counts)
     offsets = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
-    parts = [np.stack([np.repeat(index_in_plan[grown], counts), first + offsets,
-                       np.array(blocks, np.int64)], axis=1)]
-    for k, a in enumerate(admissions):
-        n = len(a.blocks)
-        parts.append(np.stack([np.full(n, index_in_plan[num_running + k]), np.arange(n),
-                               np.array(a.blocks, np.int64)], axis=1))
-    return np.concatenate(parts).astype(np.int64).reshape(-1, 3)
+    running = np.stack([np.repeat(index_in_plan[grown], counts), first + offsets,
+                        np.array(blocks, np.int64)], axis=1)
+    plan_indices = index_in_plan[num_running:].tolist()
+    admitted = [(i, column, block) for i, a in zip(plan_indices, admissions)
+                for column, block in enumerate(a.blocks)]
+    return np.concatenate([running, np.array(admitted, np.int64).reshape(-1, 3)])
 
