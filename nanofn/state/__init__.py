@@ -1,7 +1,10 @@
-"""The pure engine core: records, block pool, prefix cache, scheduler, step and traces.
+"""The pure engine core: records, the running batch's columns, block pool, prefix cache,
+scheduler, stopping policy, step and traces.
 
-Nothing here imports torch, touches files, reads clocks or draws random numbers: every
-function maps immutable records to new immutable records.
+Nothing here imports torch, touches files, reads clocks or draws random numbers: every function
+maps immutable values to new immutable values. One object is shared between states, the
+append-only ``SeqStore`` behind the running batch, and it is written only where no state can
+see (``nanofn.state.store`` says how), so no state ever changes.
 """
 
 from nanofn.state.config import SchedulerConfig, blocks_for
