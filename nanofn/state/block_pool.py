@@ -212,11 +212,7 @@ class PoolChanges:
     def cache(self, block: int, entry: CachedBlock) -> None:
         """Record that an owned ``block`` holds ``entry``; a no-op when another block already
         holds the same content (two sequences computed it at once)."""
-        if self.block_of(entry.block_hash) is not None:
-            return
-        self._change()
-        self._cached[block] = entry
-        self._new_hashes[entry.block_hash] = block
+        self.cache_many([block], [entry.block_hash], [entry.parent_hash], [entry.token_bytes])
 
     def cache_many(self, blocks: Sequence[int], hashes: Sequence[int], parents: Sequence[int],
                    token_bytes: Sequence[bytes]) -> None:
