@@ -19,8 +19,8 @@ import numpy as np
 import torch
 
 from nanofn.model.batch import AttentionBatch
-from nanofn.runner.inputs import SlotTables
-from nanofn.state.plan import PENDING_TOKEN, BatchPlan
+from nanofn.runner.inputs import SlotTables, cache_slots
+from nanofn.state.plan import BatchPlan
 
 # The fields of the static input buffer, each ``max_batch`` int32s long.
 (IDS, POSITIONS, SLOTS, ENTRY_SLOTS, ENTRY_COLUMNS, ENTRY_BLOCKS, SAMPLE_ROWS,
@@ -126,16 +126,15 @@ def decode_inputs(fields: torch.Tensor, tables: SlotTables, block_size: int,
     pending tokens from the slots' last sampled ones, the new block-table entries written, the
     block tables gathered by slot, and each token's cache slot."""
     slots = fields[SLOTS].long()
-    ids = fields[IDS].long()
-    ids = torch.where(ids == PENDING_TOKEN, tables.last_tokens[slots], ids)
+    ids = tables.resolve_pending(fields[IDS].long(), slots)
     valid = fields[POSITIONS] >= 0  # padding rows have position -1
     positions = fields[POSITIONS].long().clamp_min(0)
     tables.table[fields[ENTRY_SLOTS].long(), fields[ENTRY_COLUMNS].long()] = fields[ENTRY_BLOCKS]
     block_tables = tables.table[slots]
-    blocks = block_tables.gather(1, (positions // block_size)[:, None])[:, 0].long()
     size = len(slots)
     batch = AttentionBatch(
-        slot_mapping=torch.where(valid, blocks * block_size + positions % block_size, -1),
+        slot_mapping=torch.where(valid, cache_slots(block_tables, torch.arange(
+            size, device=slots.device), positions, block_size), -1),
         query_start=query_start,
         seq_lens=torch.where(valid, positions + 1, 0).to(torch.int32),
         block_tables=block_tables,

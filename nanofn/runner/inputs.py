@@ -40,6 +40,18 @@ class SlotTables:
         if len(slots):
             self.last_tokens[slots] = tokens
 
+    def resolve_pending(self, ids: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """``ids`` with each ``PENDING_TOKEN`` replaced by the token its slot sampled last."""
+        return torch.where(ids == PENDING_TOKEN, self.last_tokens[slots], ids)
+
+
+def cache_slots(block_tables: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
+                block_size: int) -> torch.Tensor:
+    """Each token's slot in the paged cache, from its sequence's block table (row ``rows[i]``
+    of ``block_tables`` for token ``i``) and its position."""
+    blocks = block_tables[rows, positions // block_size].long()
+    return blocks * block_size + positions % block_size
+
 
 def prepare_inputs(plan: BatchPlan, block_size: int, tables: SlotTables,
                    device: torch.device) -> ModelInputs:
@@ -75,12 +87,10 @@ def prepare_inputs(plan: BatchPlan, block_size: int, tables: SlotTables,
         offsets = torch.arange(num_tokens, device=device) - (ends_t - counts_t)[seq_index]
         positions = starts_t[seq_index] + offsets
     if pending:
-        ids = torch.where(ids == PENDING_TOKEN, tables.last_tokens[slots_t[seq_index]], ids)
+        ids = tables.resolve_pending(ids, slots_t[seq_index])
     block_tables = tables.table[slots_t, :width]
-    slot_mapping = block_tables[seq_index, positions // block_size].long() * block_size \
-        + positions % block_size
     batch = AttentionBatch(
-        slot_mapping=slot_mapping,
+        slot_mapping=cache_slots(block_tables, seq_index, positions, block_size),
         query_start=torch.cat([ends_t.new_zeros(1), ends_t]).to(torch.int32),
         seq_lens=seq_lens_t.to(torch.int32),
         block_tables=block_tables,

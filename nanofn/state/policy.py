@@ -20,6 +20,20 @@ def may_stop(num_output_tokens, min_tokens):
     return num_output_tokens > min_tokens
 
 
+def may_stop_next(num_output_tokens_before, min_tokens):
+    """Whether the token sampled after ``num_output_tokens_before`` output tokens may stop the
+    sequence."""
+    return may_stop(num_output_tokens_before + 1, min_tokens)
+
+
+def finishing(ends, num_tokens, num_prompt_tokens, min_tokens, limit):
+    """``(stops, finishes)``: whether a sequence of ``num_tokens`` tokens whose newest one
+    ``ends`` it (a stop token, or its stop string) stops on it, and whether it finishes at all
+    (stopping, or by length). Element by element over columns too."""
+    stops = ends & may_stop(num_tokens - num_prompt_tokens, min_tokens)
+    return stops, stops | at_length_limit(num_tokens, limit)
+
+
 def length_limit(params: SamplingParams, num_prompt_tokens: int, max_model_len: int) -> int:
     """The number of tokens (prompt and output) at which a sequence stops by length."""
     if params.max_tokens is None:
@@ -69,6 +83,6 @@ def banned_token_ids(params: SamplingParams, num_output_tokens_before: int,
                      eos_token_ids: tuple[int, ...]) -> tuple[int, ...]:
     """The token ids the next token may not be: the stopping ones while stopping is not allowed
     yet, so that ``min_tokens`` holds whatever the model prefers."""
-    if may_stop(num_output_tokens_before + 1, params.min_tokens):
+    if may_stop_next(num_output_tokens_before, params.min_tokens):
         return ()
     return stop_token_ids(params, eos_token_ids)

@@ -34,7 +34,7 @@ from nanofn.state.config import SchedulerConfig, blocks_for
 from nanofn.state.engine_state import EngineState, InFlight, evolve
 from nanofn.state.hashing import parent_hash_of, token_bytes
 from nanofn.state.plan import PENDING_TOKEN, BatchPlan, SeqStart, empty_plan
-from nanofn.state.policy import at_length_limit, length_limit, may_stop, stop_token_ids
+from nanofn.state.policy import at_length_limit, length_limit, may_stop_next, stop_token_ids
 from nanofn.state.records import Seq, SeqStatus
 from nanofn.state.store import HASHES, TABLES, TOKENS, SeqStore
 
@@ -317,7 +317,7 @@ def _banned(cols: np.ndarray, sampling: np.ndarray, index_in_plan: np.ndarray, s
     if not min_tokens.any():
         return ()
     before = cols[sampling, NUM_COMPUTED] - cols[sampling, NUM_PROMPT]
-    held_back = sampling[~may_stop(before + 1, min_tokens)]
+    held_back = sampling[~may_stop_next(before, min_tokens)]
     banned = ((int(index_in_plan[i]), stop_token_ids(specs[i].params, c.eos_token_ids))
               for i in held_back.tolist())
     return tuple(item for item in banned if item[1])

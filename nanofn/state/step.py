@@ -16,7 +16,7 @@ from nanofn.state.config import SchedulerConfig
 from nanofn.state.engine_state import EngineState, evolve
 from nanofn.state.hashing import ROOT_HASH, block_hashes, hash_blocks
 from nanofn.state.plan import BatchPlan
-from nanofn.state.policy import at_length_limit, ends_on, length_limit, may_stop, stops_on
+from nanofn.state.policy import ends_on, finishing, length_limit, stops_on
 from nanofn.state.records import FinishReason, Seq, SeqStatus
 from nanofn.state.requests import NewSeq, add_seqs
 from nanofn.state.scheduler import schedule
@@ -123,7 +123,6 @@ def _finish_reasons(batch: RunningBatch, rows: np.ndarray | slice, tokens: np.nd
     cols = batch.cols
     num_tokens = cols[rows, NUM_TOKENS]
     indices = np.arange(len(batch))[rows]
-    done = at_length_limit(num_tokens, cols[rows, LENGTH_LIMIT])
     ends = ends_on(tokens, True, c.eos_token_ids)
     if ends.any():
         ends &= cols[rows, IGNORE_EOS] == 0
@@ -137,10 +136,8 @@ def _finish_reasons(batch: RunningBatch, rows: np.ndarray | slice, tokens: np.nd
             j = position.get(batch.index(seq_id), None)
             if j is not None:
                 ends[j] = True
-    stop = ends
-    if ends.any():
-        stop = ends & may_stop(num_tokens - cols[rows, NUM_PROMPT], cols[rows, MIN_TOKENS])
-        done = done | stop
+    stop, done = finishing(ends, num_tokens, cols[rows, NUM_PROMPT], cols[rows, MIN_TOKENS],
+                           cols[rows, LENGTH_LIMIT])
     if not done.any():
         return {}
     return {int(indices[j]): FinishReason.STOP if stop[j] else FinishReason.LENGTH
@@ -205,12 +202,11 @@ def _record_finish_reason(seq: Seq, stop_string_hit: bool,
                           c: SchedulerConfig) -> FinishReason | None:
     """Why a sequence (a record) ends with its newest token, or None if it goes on."""
     p = seq.params
-    if may_stop(seq.num_output_tokens, p.min_tokens) and (
-            stop_string_hit or stops_on(seq.token_ids[-1], p, c.eos_token_ids)):
-        return FinishReason.STOP
-    if at_length_limit(seq.num_tokens, length_limit(p, seq.num_prompt_tokens, c.max_model_len)):
-        return FinishReason.LENGTH
-    return None
+    stops, finishes = finishing(
+        stop_string_hit or stops_on(seq.token_ids[-1], p, c.eos_token_ids), seq.num_tokens,
+        seq.num_prompt_tokens, p.min_tokens, length_limit(p, seq.num_prompt_tokens,
+                                                          c.max_model_len))
+    return FinishReason.STOP if stops else FinishReason.LENGTH if finishes else None
 
 
 # --- finishing ---------------------------------------------------------------------------------
@@ -267,6 +263,6 @@ def _counted(state: EngineState, newly_finished: list[str]) -> EngineState:
         return state
     counters = replace(state.counters,
                        num_finished=state.counters.num_finished + len(newly_finished))
-    return evolve(state, live_ids=state.live_ids.update(deletions=newly_finished),
+    return evolve(state, live_ids=state.live_ids.update_known({}, newly_finished),
                    counters=counters)
 
