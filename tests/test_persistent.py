@@ -37,6 +37,11 @@ def test_a_pdict_behaves_as_a_dict_and_keeps_every_version(ops):
     assert copy.deepcopy(pd) == pd and pickle.loads(pickle.dumps(pd)) == pd
 
 
+def test_a_key_both_removed_and_added_is_replaced():
+    pd = PDict({1: "a", 2: "b"}).update_known({1: "c", 3: "d"}, [1, 2])
+    assert dict(pd.items()) == {1: "c", 3: "d"} and len(pd) == 2
+
+
 CONFIG = SchedulerConfig(block_size=16, max_num_seqs=4, max_num_batched_tokens=64,
                          max_model_len=128, enable_prefix_caching=True,
                          enable_chunked_prefill=True, eos_token_ids=(0,), vocab_size=None)

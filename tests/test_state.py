@@ -124,6 +124,18 @@ def test_a_hash_hit_is_confirmed_against_the_stored_tokens():
     assert find_cached_prefix(pool, [h], lambda i: token_bytes([3, 4]), limit=1) == []
 
 
+def test_content_evicted_and_cached_again_in_one_step_is_counted_once():
+    pool, (a, b) = allocate(new_block_pool(2), 2)
+    entry = CachedBlock(block_hash(ROOT_HASH, [1]), ROOT_HASH, token_bytes([1]))
+    pool = release(cache_block(pool, a, entry), [a, b])  # a: cached free, b: plain free
+    changes = PoolChanges(pool)
+    first, second = changes.allocate(2)  # b, then a, whose content leaves the cache
+    changes.cache(second, entry)  # and comes back, in the block that computed it again
+    pool = changes.build()
+    assert (first, second) == (b, a)
+    assert len(pool.by_hash) == 1 and pool.by_hash.get(entry.block_hash) == a
+
+
 def test_releasing_a_block_twice_is_an_error():
     pool, (block,) = allocate(new_block_pool(1), 1)
     pool = release(pool, [block])

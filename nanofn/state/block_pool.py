@@ -217,17 +217,16 @@ class PoolChanges:
     def cache_many(self, blocks: Sequence[int], hashes: Sequence[int], parents: Sequence[int],
                    token_bytes: Sequence[bytes]) -> None:
         """``cache`` for many owned blocks at once (block ``k`` holds ``hashes[k]``...)."""
-        new_hashes, gone, known = self._new_hashes, self._gone_hashes, self._pool.by_hash.get
         entries = [(block, CachedBlock(h, parent, data))
                    for block, h, parent, data in zip(blocks, hashes, parents, token_bytes)
-                   if h not in new_hashes and (h in gone or known(h) is None)]
+                   if self.block_of(h) is None]
         if not entries:
             return
         self._change()
         for block, entry in entries:
-            if entry.block_hash not in new_hashes:  # two of these blocks may hold one content
+            if self.block_of(entry.block_hash) is None:  # two of them may hold one content
                 self._cached[block] = entry
-                new_hashes[entry.block_hash] = block
+                self._new_hashes[entry.block_hash] = block
 
     def build(self) -> BlockPool:
         if not self._changed:
@@ -240,7 +239,6 @@ class PoolChanges:
             for position, block in enumerate(kept):
                 stamps[block] = position
             lru, head = pvector(kept), 0
-        gone = [h for h in self._gone_hashes if h not in self._new_hashes]
         return BlockPool(
             ref_counts=self._refs.persistent(),
             plain_free=self._plain,
@@ -250,7 +248,7 @@ class PoolChanges:
             num_cached_free=self._num_cached_free,
             lru_stamps=stamps.persistent(),
             cached=self._cached.persistent(),
-            by_hash=self._pool.by_hash.update_known(self._new_hashes, gone),
+            by_hash=self._pool.by_hash.update_known(self._new_hashes, self._gone_hashes),
         )
 
 

@@ -85,13 +85,13 @@ class PDict:
         return self._with_layer(layer, size)
 
     def update_known(self, added: Mapping, removed: Iterable[Hashable] = ()) -> PDict:
-        """``update`` for a caller that knows ``added``'s keys are absent and ``removed``'s
-        present (and apart): no lookups to keep the length."""
-        layer = dict(added)
-        removed = list(removed)
-        for key in removed:
-            layer[key] = _GONE
-        return self._with_layer(layer, self._len + len(added) - len(removed))
+        """``update`` for a caller that knows ``added``'s keys are absent, unless ``removed``
+        names them too (then they are replaced), and ``removed``'s present: no lookups to keep
+        the length."""
+        layer = dict.fromkeys(removed, _GONE)
+        size = self._len - len(layer) + len(added)
+        layer.update(added)
+        return self._with_layer(layer, size)
 
     def _with_layer(self, layer: dict, size: int) -> PDict:
         if not layer:
