@@ -11,6 +11,14 @@ operations, one copy and one replay, whatever the batch size.
 One graph per batch size of ``graph_batch_sizes``; a batch is padded up to the next captured
 size (padding rows write to no cache slot and attend to nothing; padding table entries go to a
 spare row of the slot tables).
+
+With ``sample=True`` each size has a second graph that goes on to the tokens: the logits of the
+sampling rows, the fused Triton draw (``sample_plain``, keyed by a base the host draws from the
+sampler's generator, as the eager sampler does, plus the sampling row) with each slot's
+temperature from a device table, and the tokens kept by slot for the next step's pending ones.
+The runner replays it when every sampling row is plain (no penalties, banned tokens, filters
+other than on greedy rows, seed or logprobs), so the common decode step is one replay and one
+copy back, with no sampler work on the host.
 """
 
 from __future__ import annotations
@@ -22,10 +30,12 @@ from nanofn.model.batch import AttentionBatch
 from nanofn.runner.inputs import SlotTables, cache_slots
 from nanofn.state.plan import BatchPlan
 
-# The fields of the static input buffer, each ``max_batch`` int32s long.
+# The fields of the static input buffer, each ``max_batch`` int32s long (``KEY_BASE`` holds
+# the sampling key base in its first two entries, 31 bits each).
 (IDS, POSITIONS, SLOTS, ENTRY_SLOTS, ENTRY_COLUMNS, ENTRY_BLOCKS, SAMPLE_ROWS,
- SAMPLING_SLOTS) = range(8)
-NUM_FIELDS = 8
+ SAMPLING_SLOTS, KEY_BASE) = range(9)
+NUM_FIELDS = 9
+KEY_BASE_BITS = 31
 STAGING_BUFFERS = 3  # pinned host buffers in turn: one may still be copying while the next fills
 
 
@@ -36,7 +46,10 @@ def graph_batch_sizes(max_batch: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor, tables: SlotTables,
-                 max_batch: int, block_size: int, hidden_size: int):
+                 max_batch: int, block_size: int, hidden_size: int,
+                 slot_temperature: torch.Tensor | None = None):
+        """``slot_temperature`` (float32 per slot, 0 for greedy, the spare slot last): capture
+        the sampling graphs too."""
         device = kv_cache.device
         self.sizes = graph_batch_sizes(max_batch)
         self.tables = tables
@@ -49,31 +62,43 @@ class DecodeGraphs:
         self.turn = 0
         self.query_start = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
         self.hidden = torch.zeros(max_batch, hidden_size, dtype=kv_cache.dtype, device=device)
+        self.tokens = torch.zeros(max_batch, dtype=torch.int64, device=device)
+        self.slot_temperature = slot_temperature
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.sampling_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.inputs[POSITIONS] = -1  # all padding, for the warm-up and the capture
         self.inputs[ENTRY_SLOTS] = self.spare_slot
+        self.inputs[SAMPLING_SLOTS] = self.spare_slot
         pool = None
         for size in reversed(self.sizes):  # the largest first: the others reuse its memory
-            graph = torch.cuda.CUDAGraph()
-            run = self._forward_for(model, kv_cache, size)
-            run()  # warm up (Triton compiles, allocator settles) outside the capture
-            with torch.cuda.graph(graph, pool):
-                run()
-            pool = graph.pool()
-            self.graphs[size] = graph
+            kinds = [(self.graphs, False)]
+            if slot_temperature is not None:
+                kinds.insert(0, (self.sampling_graphs, True))
+            for graphs, sample in kinds:
+                graph = torch.cuda.CUDAGraph()
+                run = self._forward_for(model, kv_cache, size, sample)
+                run()  # warm up (Triton compiles, allocator settles) outside the capture
+                with torch.cuda.graph(graph, pool):
+                    run()
+                pool = graph.pool()
+                graphs[size] = graph
         torch.cuda.synchronize(device)
 
     @property
     def max_batch(self) -> int:
         return self.sizes[-1]
 
-    def _forward_for(self, model, kv_cache: torch.Tensor, size: int):
+    def _forward_for(self, model, kv_cache: torch.Tensor, size: int, sample: bool):
         fields, query_start = self.inputs[:, :size], self.query_start[:size + 1]
 
         def run() -> None:
             ids, positions, batch = decode_inputs(fields, self.tables, self.block_size,
                                                   query_start)
-            self.hidden[:size] = model(ids, positions, batch, kv_cache)
+            hidden = model(ids, positions, batch, kv_cache)
+            self.hidden[:size] = hidden
+            if sample:
+                self.tokens[:size] = sample_in_graph(model, hidden, fields, self.tables,
+                                                     self.slot_temperature)
         return run
 
     def fits(self, plan: BatchPlan) -> bool:
@@ -88,16 +113,28 @@ class DecodeGraphs:
         """The decode step's hidden states ``[B, hidden]`` (by replaying the smallest graph that
         holds ``B`` sequences), the rows to sample and their slots."""
         b, s = len(plan.seq_ids), len(plan.sampling_seq_ids)
-        size = next(size for size in self.sizes if size >= b)
+        self._replay(self.graphs, plan, 0)
+        return (self.hidden[:b], self.inputs[SAMPLE_ROWS, :s].long(),
+                self.inputs[SAMPLING_SLOTS, :s].long())
+
+    def sample(self, plan: BatchPlan, key_base: int) -> torch.Tensor:
+        """The decode step's sampled tokens ``[S]`` (int64, on the device), drawn in the graph
+        with keys ``key_base + sampling row``; the slots keep them for the next step."""
+        self._replay(self.sampling_graphs, plan, key_base)
+        return self.tokens[:len(plan.sampling_seq_ids)]
+
+    def _replay(self, graphs: dict[int, torch.cuda.CUDAGraph], plan: BatchPlan,
+                key_base: int) -> None:
+        size = next(size for size in self.sizes if size >= len(plan.seq_ids))
         turn, self.turn = self.turn, (self.turn + 1) % STAGING_BUFFERS
         self.copied[turn].synchronize()  # the copy from this buffer, STAGING_BUFFERS steps ago
         host = self.staging[turn]
-        fill_fields(host.numpy(), plan, size, self.spare_slot)
+        fields = host.numpy()
+        fill_fields(fields, plan, size, self.spare_slot)
+        fields[KEY_BASE, :2] = (key_base & ((1 << KEY_BASE_BITS) - 1), key_base >> KEY_BASE_BITS)
         self.inputs[:, :size].copy_(host[:, :size], non_blocking=True)
         self.copied[turn].record()
-        self.graphs[size].replay()
-        return (self.hidden[:b], self.inputs[SAMPLE_ROWS, :s].long(),
-                self.inputs[SAMPLING_SLOTS, :s].long())
+        graphs[size].replay()
 
 
 def fill_fields(fields: np.ndarray, plan: BatchPlan, size: int, spare_slot: int) -> None:
@@ -116,8 +153,26 @@ def fill_fields(fields: np.ndarray, plan: BatchPlan, size: int, spare_slot: int)
     fields[ENTRY_SLOTS, u:size] = spare_slot
     fields[ENTRY_COLUMNS:ENTRY_BLOCKS + 1, u:size] = 0
     sample_rows = np.flatnonzero(plan.sample)
-    fields[SAMPLE_ROWS, :len(sample_rows)] = sample_rows
-    fields[SAMPLING_SLOTS, :len(sample_rows)] = plan.slots[sample_rows]
+    s = len(sample_rows)
+    fields[SAMPLE_ROWS, :s] = sample_rows
+    fields[SAMPLING_SLOTS, :s] = plan.slots[sample_rows]
+    fields[SAMPLE_ROWS, s:size] = 0
+    fields[SAMPLING_SLOTS, s:size] = spare_slot
+
+
+def sample_in_graph(model: torch.nn.Module, hidden: torch.Tensor, fields: torch.Tensor,
+                    tables: SlotTables, slot_temperature: torch.Tensor) -> torch.Tensor:
+    """The sampling rows' tokens (padding rows sample too, into the spare slot), kept by slot:
+    the eager runner's logits, ``Sampler``'s fused draw and ``keep_sampled``, on the device."""
+    from nanofn.kernels.triton_sampling import sample_plain
+
+    rows, slots = fields[SAMPLE_ROWS].long(), fields[SAMPLING_SLOTS].long()
+    logits = model.compute_logits(hidden[rows])
+    base = (fields[KEY_BASE, 1].long() << KEY_BASE_BITS) | fields[KEY_BASE, 0].long()
+    keys = base + torch.arange(len(rows), device=rows.device)
+    tokens = sample_plain(logits, slot_temperature[slots], keys)
+    tables.keep_sampled(slots, tokens)
+    return tokens
 
 
 def decode_inputs(fields: torch.Tensor, tables: SlotTables, block_size: int,

@@ -28,13 +28,13 @@ class ModelInputs:
 
 
 class SlotTables:
-    """Per slot, on the device: the block table, and the token sampled last. The table has a
-    spare last row, where writes that must go somewhere harmless go (CUDA graphs' padding)."""
+    """Per slot, on the device: the block table, and the token sampled last. Both have a spare
+    last slot, where writes that must go somewhere harmless go (CUDA graphs' padding)."""
 
     def __init__(self, max_seqs: int, max_blocks_per_seq: int, device: torch.device):
         self.table = torch.zeros(max_seqs + 1, max_blocks_per_seq, dtype=torch.int32,
                                  device=device)
-        self.last_tokens = torch.zeros(max_seqs, dtype=torch.int64, device=device)
+        self.last_tokens = torch.zeros(max_seqs + 1, dtype=torch.int64, device=device)
 
     def keep_sampled(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
         if len(slots):

@@ -15,7 +15,7 @@ from nanofn.kernels import TORCH_KERNELS, KernelBackend
 from nanofn.model import build_model, load_weights, model_shape, resolve_dtype
 from nanofn.runner.cuda_graphs import DecodeGraphs
 from nanofn.runner.inputs import SlotTables, prepare_inputs
-from nanofn.runner.sampler import DeviceSample, Sampler, SamplingRows
+from nanofn.runner.sampler import DeviceSample, Sampler, SamplingRows, to_device
 from nanofn.runner.timeline import DeviceTimeline
 from nanofn.state.config import blocks_for
 from nanofn.state.params import SamplingParams
@@ -79,11 +79,15 @@ class ModelRunner:
         self.graphs = None
         # The torch reference attention gathers whole block tables: captured at the graphs'
         # full width it would need more memory than the KV cache leaves. Graphs are for Triton.
+        # Plain sampling in the graphs too, where one rank samples with Triton.
+        self.slot_temperature = None
         if (self.device.type == "cuda" and not config.enforce_eager
                 and self.kernels is not TORCH_KERNELS):
+            if config.tp_size == 1 and self.sampler.use_triton:
+                self.slot_temperature = torch.zeros(config.max_num_seqs + 1, device=self.device)
             self.graphs = DecodeGraphs(self.model, self.kv_cache, self.slot_tables,
                                        min(config.max_num_seqs, 512), config.block_size,
-                                       hf_config.hidden_size)
+                                       hf_config.hidden_size, self.slot_temperature)
 
     @torch.inference_mode()
     def launch(self, plan: BatchPlan) -> DeviceSample:
@@ -91,12 +95,39 @@ class ModelRunner:
         for it, in plan order. The tokens stay on the device for the next plan's
         ``PENDING_TOKEN``s; ``wait()`` on the result brings them to the host."""
         start = self.timeline.mark() if self.timeline is not None else None
-        logits = self.forward(plan)
-        sample = self.sampler.sample(logits, self.slot_params.rows(plan))
-        self.keep_sampled_tokens(plan, sample.token_ids)
+        if self._samples_in_graph(plan):
+            self._start(plan.started)
+            sampling_slots = plan.slots[plan.sample]
+            greedy = not self.slot_params.floats[sampling_slots, SlotParams.TEMPERATURE].any()
+            key_base = 0 if greedy else self.sampler.key_base()  # as the eager sampler draws
+            sample = DeviceSample.start(self.graphs.sample(plan, key_base),
+                                        len(plan.sampling_seq_ids))
+        else:
+            logits = self.forward(plan)
+            sample = self.sampler.sample(logits, self.slot_params.rows(plan))
+            self.keep_sampled_tokens(plan, sample.token_ids)
         if start is not None:
             self.timeline.add(start, _step_kind(plan))
         return sample
+
+    def _samples_in_graph(self, plan: BatchPlan) -> bool:
+        """Whether a decode graph can sample this plan: every sampling row plain (see
+        ``DecodeGraphs``)."""
+        return (self.slot_temperature is not None and not plan.banned and not plan.histories
+                and self.graphs.fits(plan)
+                and bool(self.slot_params.plain[plan.slots[plan.sample]].all()))
+
+    def _start(self, started: tuple[SeqStart, ...]) -> None:
+        """Record the sampling parameters of the sequences that start (and their temperatures
+        on the device, for the sampling graphs)."""
+        if not started:
+            return
+        self.slot_params.start(started)
+        if self.slot_temperature is not None:
+            slots = np.array([s.slot for s in started], np.int64)
+            temperatures = self.slot_params.floats[slots, SlotParams.TEMPERATURE]
+            self.slot_temperature[to_device(slots, self.device)] = to_device(temperatures,
+                                                                             self.device)
 
     def keep_sampled_tokens(self, plan: BatchPlan, tokens: torch.Tensor | None = None) -> None:
         """Keep the plan's sampled tokens by slot, for the next plan's ``PENDING_TOKEN``s; with
@@ -113,7 +144,7 @@ class ModelRunner:
     def forward(self, plan: BatchPlan) -> torch.Tensor:
         """The logits of the sampling sequences, ``[S, vocab]`` float32 (every rank runs this;
         rank 0 samples)."""
-        self.slot_params.start(plan.started)
+        self._start(plan.started)
         if self.graphs is not None and self.graphs.fits(plan):
             hidden, sample_rows, self._sampling_slots = self.graphs.forward(plan)
         else:
@@ -226,6 +257,7 @@ class SlotParams:
         self.ints = np.zeros((max_seqs, 3), np.int64)
         self.seeds = np.zeros(max_seqs, np.uint64)
         self.num_prompt = np.zeros(max_seqs, np.int64)
+        self.plain = np.zeros(max_seqs, np.bool_)  # a CUDA graph can sample it (see DecodeGraphs)
 
     def start(self, starts: tuple[SeqStart, ...]) -> None:
         for s in starts:
@@ -236,6 +268,9 @@ class SlotParams:
                                  p.seed is not None)
             self.seeds[s.slot] = (p.seed or 0) & 0xFFFF_FFFF_FFFF_FFFF
             self.num_prompt[s.slot] = s.num_prompt_tokens
+            self.plain[s.slot] = (p.seed is None and p.logprobs is None and not p.has_penalties
+                                  and (p.greedy or (p.min_p == 0 and p.top_k <= 0
+                                                    and p.top_p >= 1)))
 
     def rows(self, plan: BatchPlan) -> SamplingRows:
         """The sampler's input for the plan's sampling sequences, in plan order."""

@@ -171,7 +171,7 @@ def token_counts(token_lists: Sequence[Sequence[int]], vocab_size: int,
     lengths = torch.tensor([len(ids) for ids in token_lists])
     rows = torch.repeat_interleave(torch.arange(len(token_lists)), lengths)
     flat_index = rows * vocab_size + torch.frombuffer(flat_ids, dtype=torch.int64)
-    flat_index = _to_device(flat_index, device)
+    flat_index = to_device(flat_index, device)
     counts.view(-1).index_add_(0, flat_index, torch.ones(flat_index.shape, device=device))
     return counts
 
@@ -346,15 +346,21 @@ class Sampler:
             token_ids = self._draw(logits, rows, noise)
         return self._output(logits, token_ids, rows)
 
+    def key_base(self) -> int:
+        """The Triton draw's key of unseeded row 0 in the next call (row ``i``'s is this plus
+        ``i``), from the sampler's generator; a draw that samples in a CUDA graph takes it here."""
+        return int(torch.randint(_BASE_KEYS, (), generator=self.generator))
+
     def _draw_with_triton(self, logits: torch.Tensor, rows: SamplingRows, greedy: np.ndarray,
                           plain: np.ndarray) -> torch.Tensor:
         """Every row through the fused kernel (cheaper than gathering the plain ones), then the
         other rows through the torch steps, with the same noise, over the fused kernel's tokens."""
         from nanofn.kernels.triton_sampling import exponential_noise, sample_plain
 
-        base = int(torch.randint(_BASE_KEYS, (), generator=self.generator))
-        keys = self._ints(np.where(rows.seeded, row_seeds(rows.seed, rows.position).view(np.int64),
-                                   base + np.arange(len(rows))))
+        keys = self.key_base() + np.arange(len(rows))
+        if rows.seeded.any():
+            keys = np.where(rows.seeded, row_seeds(rows.seed, rows.position).view(np.int64), keys)
+        keys = self._ints(keys)
         temperatures = np.where(greedy, 0, rows.temperature)  # the kernel's greedy rows are T = 0
         token_ids = sample_plain(logits, self._floats(temperatures), keys)
         others = np.flatnonzero(~plain)
@@ -451,10 +457,10 @@ class Sampler:
                                   (chosen, ranks, top.indices, top.values))
 
     def _ints(self, values: np.ndarray) -> torch.Tensor:
-        return _to_device(np.asarray(values, np.int64), self.device)
+        return to_device(np.asarray(values, np.int64), self.device)
 
     def _floats(self, values: np.ndarray) -> torch.Tensor:
-        return _to_device(np.asarray(values, np.float32), self.device)
+        return to_device(np.asarray(values, np.float32), self.device)
 
 
 def _seen_tokens(request: SampleRequest, field: str) -> Sequence[int]:
@@ -464,7 +470,7 @@ def _seen_tokens(request: SampleRequest, field: str) -> Sequence[int]:
     return tokens
 
 
-def _to_device(values: np.ndarray | torch.Tensor, device: torch.device) -> torch.Tensor:
+def to_device(values: np.ndarray | torch.Tensor, device: torch.device) -> torch.Tensor:
     """Host values as a tensor on ``device``, copied without waiting for it (pinned on CUDA).
 
     An array is copied (``torch.tensor``), so the tensor never shares the memory of the caller's

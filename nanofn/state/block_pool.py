@@ -19,10 +19,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
-from pyrsistent import PVector, plist, pvector
-from pyrsistent.typing import PList
+from pyrsistent import PVector, pvector
 
 from nanofn.state.hashing import parent_hash_of
 from nanofn.state.pdict import PDict
@@ -30,10 +30,10 @@ from nanofn.state.pdict import PDict
 NO_STAMP = -1
 
 
-@dataclass(frozen=True, slots=True)
-class CachedBlock:
+class CachedBlock(NamedTuple):
     """What a cached block holds, kept so that a hash hit can be confirmed token by token:
-    its tokens as the bytes that were hashed (``token_bytes``)."""
+    its tokens as the bytes that were hashed (``token_bytes``). A named tuple: one is built
+    for every block that fills, and a tuple costs a fraction of a frozen dataclass."""
 
     block_hash: int
     parent_hash: int
@@ -44,10 +44,37 @@ class CachedBlock:
         return tuple(np.frombuffer(self.token_bytes, "<u4").tolist())
 
 
+class BlockStack:
+    """A persistent stack of block ids: a read-only array whose end is the top. Popping shares
+    the array (a shorter view); pushing copies it, which only steps that free blocks do."""
+
+    __slots__ = ("blocks",)
+
+    def __init__(self, blocks: np.ndarray):
+        blocks.flags.writeable = False
+        self.blocks = blocks
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def __iter__(self) -> Iterator[int]:
+        """Top first: the order they would be allocated in."""
+        return iter(self.blocks[::-1].tolist())
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, BlockStack) and np.array_equal(self.blocks, other.blocks)
+
+    def __hash__(self) -> int:
+        return hash(self.blocks.tobytes())
+
+    def __repr__(self) -> str:
+        return f"BlockStack({list(self)})"
+
+
 @dataclass(frozen=True, slots=True)
 class BlockPool:
     ref_counts: PVector  # per block
-    plain_free: PList  # a stack of free blocks that hold nothing cached
+    plain_free: BlockStack  # free blocks that hold nothing cached
     num_plain_free: int
     lru: PVector  # cached blocks in the order they were freed; entries before lru_head are gone
     lru_head: int
@@ -83,7 +110,7 @@ class BlockPool:
 def new_block_pool(num_blocks: int) -> BlockPool:
     return BlockPool(
         ref_counts=pvector([0] * num_blocks),
-        plain_free=plist(range(num_blocks)),
+        plain_free=BlockStack(np.arange(num_blocks - 1, -1, -1, dtype=np.int64)),
         num_plain_free=num_blocks,
         lru=pvector(),
         lru_head=0,
@@ -110,8 +137,9 @@ class PoolChanges:
         self._stamps = pool.lru_stamps
         self._cached = pool.cached
         self._lru = pool.lru
-        self._plain = pool.plain_free
-        self._num_plain = pool.num_plain_free
+        self._plain = pool.plain_free.blocks  # the stack below ``_pushed``, to ``_plain_top``
+        self._plain_top = len(self._plain)
+        self._pushed: list[int] = []  # plain blocks freed in this step, last on top
         self._head = pool.lru_head
         self._num_cached_free = pool.num_cached_free
         self._new_hashes: dict[int, int] = {}
@@ -121,6 +149,10 @@ class PoolChanges:
     @property
     def num_free(self) -> int:
         return self._num_plain + self._num_cached_free
+
+    @property
+    def _num_plain(self) -> int:
+        return self._plain_top + len(self._pushed)
 
     def ref_count(self, block: int) -> int:
         return self._refs[block]
@@ -150,12 +182,15 @@ class PoolChanges:
         if not count:
             return []
         self._change()
-        refs, blocks = self._refs, []
-        while len(blocks) < count and self._num_plain:
-            block, self._plain = self._plain.first, self._plain.rest
-            self._num_plain -= 1
+        refs, pushed = self._refs, self._pushed
+        blocks = [pushed.pop() for _ in range(min(count, len(pushed)))]
+        taken = min(count - len(blocks), self._plain_top)
+        if taken:
+            top = self._plain_top
+            blocks += self._plain[top - taken:top][::-1].tolist()
+            self._plain_top = top - taken
+        for block in blocks:
             refs[block] = 1
-            blocks.append(block)
         lru, stamps, cached = self._lru, self._stamps, self._cached
         while len(blocks) < count:
             position = self._head
@@ -196,8 +231,7 @@ class PoolChanges:
                 self._lru.append(block)
                 self._num_cached_free += 1
             else:
-                self._plain = self._plain.cons(block)
-                self._num_plain += 1
+                self._pushed.append(block)
 
     def take_cached(self, blocks: Iterable[int]) -> None:
         """Add a reference to each block found in the cache (a free one leaves the queue: its
@@ -217,16 +251,21 @@ class PoolChanges:
     def cache_many(self, blocks: Sequence[int], hashes: Sequence[int], parents: Sequence[int],
                    token_bytes: Sequence[bytes]) -> None:
         """``cache`` for many owned blocks at once (block ``k`` holds ``hashes[k]``...)."""
-        entries = [(block, CachedBlock(h, parent, data))
-                   for block, h, parent, data in zip(blocks, hashes, parents, token_bytes)
-                   if self.block_of(h) is None]
-        if not entries:
+        absent = self._absent(hashes)
+        if not absent:
             return
         self._change()
-        for block, entry in entries:
-            if self.block_of(entry.block_hash) is None:  # two of them may hold one content
-                self._cached[block] = entry
-                self._new_hashes[entry.block_hash] = block
+        cached, new_hashes = self._cached, self._new_hashes
+        for block, h, parent, data in zip(blocks, hashes, parents, token_bytes):
+            if h in absent:
+                absent.discard(h)  # two of them may hold one content: the first caches it
+                cached[block] = CachedBlock(h, parent, data)
+                new_hashes[h] = block
+
+    def _absent(self, hashes: Iterable[int]) -> set[int]:
+        """The hashes that no block holds now."""
+        candidates = [h for h in hashes if h not in self._new_hashes]
+        return self._pool.by_hash.absent(candidates) | self._gone_hashes.intersection(candidates)
 
     def build(self) -> BlockPool:
         if not self._changed:
@@ -241,7 +280,8 @@ class PoolChanges:
             lru, head = pvector(kept), 0
         return BlockPool(
             ref_counts=self._refs.persistent(),
-            plain_free=self._plain,
+            plain_free=BlockStack(np.concatenate([self._plain[:self._plain_top], self._pushed])
+                                  if self._pushed else self._plain[:self._plain_top]),
             num_plain_free=self._num_plain,
             lru=lru,
             lru_head=head,

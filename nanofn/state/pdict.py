@@ -45,6 +45,21 @@ class PDict:
                 return default if value is _GONE else value
         return default
 
+    def absent(self, keys: Iterable[Hashable]) -> set:
+        """The keys that are not in the dict, found with one set intersection per layer (C
+        speed, iterating the smaller side) instead of a lookup per key per layer: a key that
+        is absent, like a fresh block's hash, would read every layer."""
+        unresolved = set(keys)
+        absent = set(unresolved)
+        for layer in self._layers:
+            if not unresolved:
+                break
+            found = layer.keys() & unresolved
+            if found:
+                unresolved -= found
+                absent -= {k for k in found if layer[k] is not _GONE}
+        return absent
+
     def __contains__(self, key: Hashable) -> bool:
         return self.get(key, _GONE) is not _GONE
 

@@ -106,6 +106,36 @@ def test_cuda_graphs_give_the_eager_tokens(float32_prompts):
     assert run(model_dir, prompts) == run(model_dir, prompts, enforce_eager=True)
 
 
+def test_decode_graphs_sample_as_the_eager_sampler_does(float32_prompts, monkeypatch):
+    """Plain rows (temperature only) are drawn inside the decode graphs, the others (logprobs,
+    penalties, top_p) by the eager sampler after the graph; with the engine's seed both give
+    the tokens an eager run gives, and the graphs did sample."""
+    from nanofn.runner.cuda_graphs import DecodeGraphs
+
+    model_dir, prompts = float32_prompts
+    kinds = [SamplingParams(temperature=0.8, max_tokens=NEW_TOKENS, ignore_eos=True),
+             SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True),
+             SamplingParams(temperature=0.8, top_p=0.9, max_tokens=NEW_TOKENS, ignore_eos=True),
+             SamplingParams(temperature=0.8, logprobs=2, max_tokens=NEW_TOKENS, ignore_eos=True)]
+
+    def tokens(params, **options):
+        with LLM(str(model_dir), dtype="float32", gpu_memory_utilization=0.3, max_model_len=512,
+                 seed=7, **options) as llm:
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            return [o.outputs[0].token_ids for o in outs]
+
+    replays = []
+    sample = DecodeGraphs.sample
+    monkeypatch.setattr(DecodeGraphs, "sample", lambda self, *a: replays.append(1) or sample(self, *a))
+    plain = [kinds[i % 2] for i in range(len(prompts))]
+    mixed = [kinds[i % 4] for i in range(len(prompts))]
+    assert tokens(plain) == tokens(plain, enforce_eager=True)
+    assert len(replays) >= NEW_TOKENS - 2
+    replays.clear()
+    assert tokens(mixed) == tokens(mixed, enforce_eager=True)
+    assert not replays  # a row with top_p or logprobs in every step: the eager sampler draws
+
+
 def test_preemption_and_chunked_prefill_on_the_gpu(float32_prompts):
     model_dir, prompts = float32_prompts
     plain = run(model_dir, prompts, enable_prefix_caching=False)
