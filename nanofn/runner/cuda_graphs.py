@@ -30,11 +30,11 @@ from nanofn.model.batch import AttentionBatch
 from nanofn.runner.inputs import SlotTables, cache_slots
 from nanofn.state.plan import BatchPlan
 
-# The fields of the static input buffer, each ``max_batch`` int32s long (``KEY_BASE`` holds
-# the sampling key base in its first two entries, 31 bits each).
+# The fields of the static input buffer, each ``max_batch`` int32s long (the sampling key base
+# is in the first entries of the last two, 31 bits in each).
 (IDS, POSITIONS, SLOTS, ENTRY_SLOTS, ENTRY_COLUMNS, ENTRY_BLOCKS, SAMPLE_ROWS,
- SAMPLING_SLOTS, KEY_BASE) = range(9)
-NUM_FIELDS = 9
+ SAMPLING_SLOTS, KEY_BASE_LOW, KEY_BASE_HIGH) = range(10)
+NUM_FIELDS = 10
 KEY_BASE_BITS = 31
 STAGING_BUFFERS = 3  # pinned host buffers in turn: one may still be copying while the next fills
 
@@ -131,7 +131,7 @@ class DecodeGraphs:
         host = self.staging[turn]
         fields = host.numpy()
         fill_fields(fields, plan, size, self.spare_slot)
-        fields[KEY_BASE, :2] = (key_base & ((1 << KEY_BASE_BITS) - 1), key_base >> KEY_BASE_BITS)
+        fields[KEY_BASE_LOW:, 0] = (key_base & ((1 << KEY_BASE_BITS) - 1), key_base >> KEY_BASE_BITS)
         self.inputs[:, :size].copy_(host[:, :size], non_blocking=True)
         self.copied[turn].record()
         graphs[size].replay()
@@ -168,7 +168,7 @@ def sample_in_graph(model: torch.nn.Module, hidden: torch.Tensor, fields: torch.
 
     rows, slots = fields[SAMPLE_ROWS].long(), fields[SAMPLING_SLOTS].long()
     logits = model.compute_logits(hidden[rows])
-    base = (fields[KEY_BASE, 1].long() << KEY_BASE_BITS) | fields[KEY_BASE, 0].long()
+    base = (fields[KEY_BASE_HIGH, 0].long() << KEY_BASE_BITS) | fields[KEY_BASE_LOW, 0].long()
     keys = base + torch.arange(len(rows), device=rows.device)
     tokens = sample_plain(logits, slot_temperature[slots], keys)
     tables.keep_sampled(slots, tokens)
