@@ -40,6 +40,9 @@ class _Done:
     def wait(self) -> SampleOutput:
         return self.output
 
+    def done(self) -> bool:
+        return True
+
 
 def main() -> None:
     ap = argparse.ArgumentParser()

@@ -37,6 +37,9 @@ class Sampled:
     def wait(self) -> SampleOutput:
         return self.output
 
+    def done(self) -> bool:
+        return True
+
 
 class FakeRunner:
     def __init__(self, num_blocks: int, block_size: int, vocab_size: int = 40):

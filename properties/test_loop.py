@@ -35,6 +35,9 @@ class CountingRunner(FakeRunner):
             def wait(self):
                 runner.waited += 1
                 return sampled.wait()
+
+            def done(self):
+                return True
         return Pending()
 
 
@@ -135,6 +138,9 @@ def test_host_work_runs_after_the_launch_and_before_the_wait():
             def wait(self):
                 order.append("wait")
                 return wait()
+
+            def done(self):
+                return True
         return Logged()
 
     runner.launch = logged_launch

@@ -448,3 +448,26 @@ def test_a_batch_caller_can_decode_finished_texts_after_the_last_step(tiny_qwen3
     engine.decode_texts(finished)
     assert {o.request_id: o.outputs[0].text for o in finished} == {"a": texts_now["b"],
                                                                    "b": texts_now["b"]}
+
+
+def test_texts_left_for_later_are_decoded_while_the_device_is_busy_and_no_longer(
+        tiny_qwen3, monkeypatch):
+    """The steps decode the finished texts left for later only while the device computes (a
+    CPU runner is never busy after a launch; here the loop says it is for three checks)."""
+    engine = Engine(EngineOptions(model=str(tiny_qwen3), num_kv_blocks=64, max_model_len=256))
+    import nanofn.engine.engine as engine_module
+
+    for i, n in enumerate((1, 1, 1, 1, 1, 4)):
+        engine.add_request("Hello", replace(GREEDY, max_tokens=n), request_id=str(i))
+    busy = iter([True] * 3)
+    monkeypatch.setattr(engine.loop, "device_busy", lambda: next(busy, False))
+    decoded = []
+    decode = engine_module.decode_output
+    monkeypatch.setattr(engine_module, "decode_output",
+                        lambda *a: decoded.append(a) or decode(*a))
+    finished = []
+    while engine.has_unfinished_requests():
+        finished += engine.step(only_finished=True, decode_finished=False).outputs
+    assert len(decoded) == 3  # three of the five short ones, while the device was "busy"
+    engine.decode_texts(finished)
+    assert len(decoded) == 6 and all(o.outputs[0].text for o in finished)

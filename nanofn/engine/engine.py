@@ -30,7 +30,6 @@ from nanofn.state import (EngineState, Figures, FinishReason, InvalidRequest, Ne
 from nanofn.state.policy import may_stop
 
 PromptInput = Union[str, Sequence[int], Mapping[str, Any]]
-DECODES_PER_STEP = 2  # texts left for later that a step decodes while the device computes
 
 
 @dataclass
@@ -252,9 +251,10 @@ class Engine:
         return done
 
     def _decode_some(self) -> None:
-        """While the device computes: decode a few of the texts left for later, so that few
-        remain when the device has finished."""
-        for _ in range(min(DECODES_PER_STEP, len(self._to_decode))):
+        """While the device computes: decode texts left for later, as long as the device is
+        busy (a text of a thousand tokens takes the host about a millisecond, longer than a
+        decode step of a few sequences), so that few remain when the device has finished."""
+        while self._to_decode and self.loop.device_busy():
             request, output = self._to_decode.popleft()
             if output.text is None:
                 self._decode(request, output)

@@ -34,6 +34,10 @@ class Pending(Protocol):
 
     def wait(self) -> SampleOutput: ...
 
+    def done(self) -> bool:
+        """Whether ``wait`` would return at once (asks the device; never blocks)."""
+        ...
+
 
 class Runner(Protocol):
     """Executes plans: ``launch`` queues a (non-empty) plan's work and returns at once."""
@@ -110,12 +114,18 @@ class EngineLoop:
         return (self._state.has_unfinished or bool(self._new) or self._ready is not None
                 or bool(self._in_flight))
 
+    def device_busy(self) -> bool:
+        """Whether the oldest launched plan, whose tokens the step waits for, is still being
+        computed: host work done now costs the device nothing."""
+        return bool(self._in_flight) and not self._in_flight[0][1].done()
+
     def step(self, on_delivery: OnDelivery | None = None,
              while_waiting: Callable[[], None] | None = None) -> LoopStep:
         """One step. ``on_delivery`` sees the delivery the core is about to take, if any, and
         returns the ids of the sequences whose stop string it completes. ``while_waiting`` runs
         after the launch, before waiting for the device: host work that can use the time the
-        device computes (it should be short, or it delays the next launch)."""
+        device computes (it should stop once ``device_busy`` is false, or it delays the next
+        launch)."""
         delivered, self._ready = self._ready, None
         stop_hits = ()
         if delivered is not None and on_delivery is not None:

@@ -510,6 +510,9 @@ class DeviceSample:
         copied.record()
         return cls(token_ids, num_rows, logprob_rows or {}, host, copied)
 
+    def done(self) -> bool:
+        return self.copied is None or self.copied.query()
+
     def wait(self) -> SampleOutput:
         if self.copied is not None:
             self.copied.synchronize()
