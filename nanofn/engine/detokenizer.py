@@ -88,6 +88,7 @@ def decode_output(tokenizer: Any, prompt_token_ids: Sequence[int], output_token_
         if not before.endswith(_INCOMPLETE):
             shown = list(output_token_ids)
             for _ in range(_MAX_HELD_BACK + 1):
+                _drop_unknown_tail(backend, shown)  # they add no bytes, complete nothing
                 whole = backend.decode(context + shown, skip_special_tokens=skip)
                 if not whole.endswith(_INCOMPLETE) or not shown:
                     if whole.startswith(before):
@@ -98,6 +99,14 @@ def decode_output(tokenizer: Any, prompt_token_ids: Sequence[int], output_token_
     for token in output_token_ids:
         replay.add(token, may_stop=False)
     return replay.text
+
+
+def _drop_unknown_tail(backend: Any, token_ids: list[int]) -> None:
+    """Drop the ids at the end that the tokenizer does not know (a model's vocabulary is often
+    larger than its tokenizer's): a run of them after a broken character would otherwise use
+    up the tokens held back, and send the text to the slow replay."""
+    while token_ids and backend.id_to_token(token_ids[-1]) is None:
+        token_ids.pop()
 
 
 def _context(backend: Any, prompt_token_ids: Sequence[int], params: SamplingParams) -> list[int]:
