@@ -42,6 +42,12 @@ if [ "$what" = kernels ]; then
     timeout 120 python3 "$f" 2>&1 | tee -a "$OUT/kernels.txt" | tail -15
   done
 fi
+if [ "$what" = tp ]; then  # two GPUs: TP=2 parity, then TP=1 and TP=2 on a larger shape
+  timeout 240 python3 -m pytest tests/gpu/test_gpu_engine.py -q -rs -k tensor_parallel 2>&1 \
+    | tee "$OUT/gpu_tp_tests.log" | tail -5
+  bench qwen3-8b-tp1 --random-weights qwen3-8b --profile
+  bench qwen3-8b-tp2 --random-weights qwen3-8b --tensor-parallel-size 2
+fi
 if [ "$what" = baseline ]; then
   single torch-eager --kernel-backend=torch --enforce-eager=true
   bench torch-eager --kernel-backend torch --enforce-eager

@@ -92,29 +92,39 @@ class LLM:
         """Queue every prompt, or none: a bad one is reported with its index and the ones
         queued before it are withdrawn."""
         ids: list[str] = []
-        for index, (prompt, p) in enumerate(zip(prompts, params)):
-            try:
-                ids.append(self.engine.add_request(prompt, p))
-            except ValueError as e:
-                for request_id in ids:
-                    self.engine.abort_request(request_id)
-                self._drain()
-                raise type(e)(f"prompt {index}: {e}") from e
+        try:
+            for index, (prompt, p) in enumerate(zip(prompts, params)):
+                try:
+                    ids.append(self.engine.add_request(prompt, p))
+                except ValueError as e:
+                    raise type(e)(f"prompt {index}: {e}") from e
+        except BaseException:
+            self.engine.abort_and_settle(ids)
+            raise
         return ids
 
-    def _drain(self) -> None:
-        while self.engine.has_unfinished_requests():
-            self.engine.step(only_finished=True)
-
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        """Step until the requests finish. Interrupted (or failing) anywhere, the call's
+        requests are aborted and their work settled before the exception goes on: the LLM
+        stays usable, with nothing of this call left."""
+        try:
+            return self._step_until_done(ids, use_tqdm)
+        except BaseException:
+            self.engine.abort_and_settle(ids)
+            raise
+
+    def _step_until_done(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
+        remaining = set(ids)
         progress = _Progress(len(ids), use_tqdm)
         with progress, fewer_gc_pauses():
-            while self.engine.has_unfinished_requests():
+            while remaining:
                 start = time.perf_counter()
                 result = self.engine.step(only_finished=True, decode_finished=False)
                 progress.update(result, time.perf_counter() - start)
-                finished.update((o.request_id, o) for o in result.outputs)
+                for output in result.outputs:
+                    finished[output.request_id] = output
+                    remaining.discard(output.request_id)
         outputs = [finished[i] for i in ids]
         self.engine.decode_texts(outputs)  # now that the device has nothing left to do
         return outputs

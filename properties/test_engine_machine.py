@@ -18,6 +18,7 @@ from nanofn.state.plan import PENDING_TOKEN
 from properties.driver import Driver
 from properties.fake_runner import check_running_contexts
 from properties.invariants import check_all
+from properties.profile import examples, steps
 from properties.strategies import MAX_MODEL_LEN, requests, setups
 
 # Every preemption, as (free blocks when it was decided, victim before, victim after).
@@ -103,6 +104,7 @@ class EngineMachine(RuleBasedStateMachine):
         check_running_contexts(self.driver.runner, state)
         self.driver.runner.check_cache_contents(state)
         self.recorded.append((state, plan))
+        checked_steps.append(1)
         if len(self.recorded) % 3 == 1:
             self.snapshots.append((state, copy.deepcopy(state)))
         _note_coverage(old_state, state, plan)
@@ -146,10 +148,15 @@ def _note_coverage(old, new, plan) -> None:
 
 
 EngineMachine.TestCase.settings = settings(
-    max_examples=300, stateful_step_count=40, deadline=None,
+    max_examples=examples(300), stateful_step_count=steps(40), deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
+checked_steps: list = []  # one entry per step whose invariants were checked
+
+
 def test_engine_state_machine():
+    checked_steps.clear()
     with mock.patch.object(scheduler, "preempt", _spying_preempt):
         EngineMachine.TestCase().runTest()
+    print(f"state machine: {len(checked_steps)} steps checked")

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from nanofn.state import NewSeq, SamplingParams
 from properties.driver import Driver, run_workload
+from properties.profile import examples
 from properties.strategies import CoreSetup, requests, scheduler_config, setups
 
 workloads = st.lists(st.tuples(st.integers(0, 8), requests()), min_size=1, max_size=10).map(
@@ -18,14 +19,14 @@ PLAIN = CoreSetup(scheduler_config(max_num_seqs=1, enable_prefix_caching=False,
                                    enable_chunked_prefill=False), num_blocks=64)
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(300), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(workload=workloads, setup=setups(caching=st.just(True), chunking=st.just(True)),
        pipelined=st.booleans())
 def test_outputs_equal_a_plain_run(workload, setup, pipelined):
     assert run_workload(setup, workload, pipelined) == run_workload(PLAIN, workload)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(workload=workloads, setup=setups(), pipelined=st.booleans())
 def test_outputs_equal_under_any_configuration(workload, setup, pipelined):
     assert run_workload(setup, workload, pipelined) == run_workload(PLAIN, workload)

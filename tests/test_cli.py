@@ -283,7 +283,41 @@ def test_replay_check_passes_on_a_real_trace_and_fails_on_a_tampered_one(trace_p
     tampered = tmp_path / "tampered.jsonl"
     tampered.write_text("\n".join(lines) + "\n")
     code, out, err = run(capsys, "replay", str(tampered), "--check")
-    assert code == 1 and f"step {row['step']}: the replayed plan differs" in err
+    assert code == 1 and f"line 6: step {row['step']} replayed differs" in err
+
+
+def test_replay_check_catches_every_single_flipped_sampled_token(trace_path, tmp_path, capsys):
+    """The trace is recorded with async scheduling, whose plans carry pending tokens: the
+    digest covers the delivered tokens themselves."""
+    lines = trace_path.read_text().splitlines()
+    flips = [(i, j) for i, line in enumerate(lines[1:], start=1)
+             for j in range(len(json.loads(line).get("sampled", [])))]
+    assert len(flips) > 40
+    for i, j in flips[::3]:
+        row = json.loads(lines[i])
+        row["sampled"][j] = (row["sampled"][j] + 1) % 50
+        tampered = tmp_path / "flipped.jsonl"
+        tampered.write_text("\n".join(lines[:i] + [json.dumps(row)] + lines[i + 1:]) + "\n")
+        code, _, err = run(capsys, "replay", str(tampered), "--check")
+        assert code == 1 and err.count("\n") == 1, (i, j, err)
+
+
+@pytest.mark.parametrize("edit", [
+    lambda row: [row],  # a list where a step belongs
+    lambda row: {**row, "sampled": [-1] + row["sampled"][1:]},
+    lambda row: {**row, "sampled": ["ab"] + row["sampled"][1:]},
+    lambda row: {**row, "sampled": [10**12] + row["sampled"][1:]},
+    lambda row: {**row, "step": "5"},
+])
+def test_a_malformed_step_line_is_a_one_line_error_naming_the_line(trace_path, tmp_path, capsys,
+                                                                   edit):
+    lines = trace_path.read_text().splitlines()
+    i = next(i for i, line in enumerate(lines[1:], start=1) if json.loads(line).get("sampled"))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("\n".join(lines[:i] + [json.dumps(edit(json.loads(lines[i])))]
+                             + lines[i + 1:]) + "\n")
+    code, _, err = run(capsys, "replay", str(bad), "--check")
+    assert code in (1, 2) and f"line {i + 1}" in err and err.count("\n") == 1, err
 
 
 def test_replay_of_an_unreadable_trace_or_a_missing_step_exits_2(trace_path, tmp_path, capsys):

@@ -20,7 +20,7 @@ import torch
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from nanofn.engine.detokenizer import Detokenizer, decode_output
-from nanofn.engine.loop import Delivery, EngineLoop
+from nanofn.engine.loop import Delivery, EngineLoop, LoopStep
 from nanofn.engine.options import EngineOptions
 from nanofn.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from nanofn.runner.model_runner import ModelRunner, RunnerConfig
@@ -100,6 +100,7 @@ class Engine:
                                    "model": str(model_dir), "dtype": str(self.runner.dtype),
                                    "tensor_parallel_size": runner_config.tp_size})
         self._ids = itertools.count()
+        self._unfinished_step: LoopStep | None = None  # taken from the loop, not yet handled
         self._requests: dict[str, _Request] = {}
         self._seqs: dict[str, tuple[_Request, _SeqOutput]] = {}  # by the core's id
         self._watched: dict[str, _SeqOutput] = {}  # the live ones with stop strings or logprobs
@@ -124,25 +125,39 @@ class Engine:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise InvalidRequest(f"sampling params must be SamplingParams, got {type(params).__name__}")
-        request_id = str(next(self._ids)) if request_id is None else request_id
+        request_id = self._new_id() if request_id is None else request_id
         if request_id in self._requests:
             raise InvalidRequest(f"request_id {request_id!r} is already in use")
         text, token_ids = self.tokenize(prompt)
         news = [NewSeq(seq_id, tuple(token_ids), child)
                 for seq_id, child in _children(request_id, params)]
         seq_ids = self._add_all(news)
-        watched = bool(params.stop) or params.logprobs is not None
-        request = _Request(request_id, text, token_ids, [
-            _SeqOutput(seq_id, i, params,
-                       Detokenizer(self.tokenizer, token_ids, params) if watched else None, [],
-                       [] if params.logprobs is not None else None,
-                       0.0 if params.logprobs is not None else None)
-            for i, seq_id in enumerate(seq_ids)])
-        self._requests[request_id] = request
-        for seq in request.seqs:
-            self._seqs[seq.seq_id] = (request, seq)
-            if watched:
-                self._watched[seq.seq_id] = seq
+        try:
+            watched = bool(params.stop) or params.logprobs is not None
+            request = _Request(request_id, text, token_ids, [
+                _SeqOutput(seq_id, i, params,
+                           Detokenizer(self.tokenizer, token_ids, params) if watched else None,
+                           [], [] if params.logprobs is not None else None,
+                           0.0 if params.logprobs is not None else None)
+                for i, seq_id in enumerate(seq_ids)])
+            for seq in request.seqs:
+                self._seqs[seq.seq_id] = (request, seq)
+                if watched:
+                    self._watched[seq.seq_id] = seq
+            self._requests[request_id] = request
+        except BaseException:  # an interrupt, say: the core must not run what nobody owns
+            for seq_id in seq_ids:
+                self.loop.abort(seq_id)
+                self._seqs.pop(seq_id, None)
+                self._watched.pop(seq_id, None)
+            raise
+        return request_id
+
+    def _new_id(self) -> str:
+        """The next automatic request id that no request in the engine has (a user may have
+        taken one of the numbers)."""
+        while (request_id := str(next(self._ids))) in self._requests:
+            pass
         return request_id
 
     def _add_all(self, news: list[NewSeq]) -> list[str]:
@@ -151,7 +166,7 @@ class Engine:
         try:
             for new in news:
                 seq_ids.append(self.loop.add(new))
-        except InvalidRequest:
+        except BaseException:
             for seq_id in seq_ids:
                 self.loop.abort(seq_id)
             raise
@@ -182,8 +197,14 @@ class Engine:
         ``decode_finished=False`` leaves the text of finished sequences that need no stop
         strings empty, for ``decode_texts`` to fill in later: the next steps decode a few of
         them each while the device computes, instead of this one before its launch."""
-        result = self.loop.step(self._take_delivery, self._decode_some)
+        if self._unfinished_step is not None:  # a step interrupted after the core's step
+            self._finish(self._unfinished_step.finished)
+            self._unfinished_step = None
+        if self._requests and not self.loop.has_work():
+            self._no_progress()
+        result = self._unfinished_step = self.loop.step(self._take_delivery, self._decode_some)
         finished = self._finish(result.finished, decode_finished)
+        self._unfinished_step = None
         if only_finished:
             outputs = [self._output(r) for r in finished]
         else:
@@ -219,36 +240,68 @@ class Engine:
 
     def _finish(self, seqs: tuple[Seq, ...], decode: bool = True) -> list[_Request]:
         """Take the core's finished records: their tokens are the output; the unwatched ones'
-        text is decoded once, now or (``decode`` off) in ``decode_texts``."""
+        text is decoded once, now or (``decode`` off) in ``decode_texts``. Taking the same
+        records again (after an interrupted step) completes what was left."""
         done = []
         for seq in seqs:
-            owner = self._seqs.pop(seq.seq_id, None)
+            owner = self._seqs.get(seq.seq_id)
             if owner is None:
                 continue
             request, output = owner
-            self._watched.pop(seq.seq_id, None)
-            reason = seq.finish_reason
-            output.finish_reason = reason.value
-            output.token_ids = list(seq.output_token_ids)
-            by_string = output.watched and output.detokenizer.stopped
-            dropped = (reason is FinishReason.STOP and not by_string
-                       and not output.params.include_stop_str_in_output)
-            if output.watched:
-                if dropped:
-                    output.detokenizer.drop_last_token()
-                output.text = output.detokenizer.visible_text(True)
-            else:  # a stop token's text is not part of the output, as in vLLM
-                output.shown_token_ids = output.token_ids[:-1] if dropped else output.token_ids
-                if decode:
-                    self._decode(request, output)
-            if not decode and not output.watched:
-                self._to_decode.append((request, output))
-            if request.finished:
-                del self._requests[request.request_id]
+            if output.finish_reason is None:
+                self._take_output(request, output, seq, decode)
+            if request.finished and request.request_id in self._requests:
                 if not decode:
                     self._undecoded[request.request_id] = request
+                del self._requests[request.request_id]
                 done.append(request)
+            self._watched.pop(seq.seq_id, None)
+            del self._seqs[seq.seq_id]
         return done
+
+    def _take_output(self, request: _Request, output: _SeqOutput, seq: Seq,
+                     decode: bool) -> None:
+        reason = seq.finish_reason
+        output.token_ids = list(seq.output_token_ids)
+        by_string = output.watched and output.detokenizer.stopped
+        dropped = (reason is FinishReason.STOP and not by_string
+                   and not output.params.include_stop_str_in_output)
+        if output.watched:
+            if dropped:
+                output.detokenizer.drop_last_token()
+            output.text = output.detokenizer.visible_text(True)
+        else:  # a stop token's text is not part of the output, as in vLLM
+            output.shown_token_ids = output.token_ids[:-1] if dropped else output.token_ids
+            if decode:
+                self._decode(request, output)
+            else:
+                self._to_decode.append((request, output))
+        output.finish_reason = reason.value  # last: the output is whole
+
+    def abort_and_settle(self, request_ids: Sequence[str]) -> None:
+        """After a call was interrupted: abort its requests and step until they have left and
+        every plan launched so far has been delivered, so that their blocks are free, the
+        device has finished their work and nothing of them is left (their outputs are
+        dropped). Other requests go on as in any step."""
+        for request_id in request_ids:
+            self.abort_request(request_id)
+        launches = self.loop.num_launched
+        while (any(request_id in self._requests for request_id in request_ids)
+               or not self.loop.settled(launches)):
+            self.step(only_finished=True)
+        for request_id in request_ids:
+            self._undecoded.pop(request_id, None)
+
+    def _no_progress(self) -> None:
+        """Requests the core does not know any more (a bug, or an interrupt at a point not
+        yet made safe): raise rather than step for ever, and forget them."""
+        stale = list(self._requests)
+        for request_id in stale:
+            for seq in self._requests.pop(request_id).seqs:
+                self._seqs.pop(seq.seq_id, None)
+                self._watched.pop(seq.seq_id, None)
+        raise RuntimeError(f"requests {stale} are unfinished but the engine has nothing to "
+                           f"step (the core does not know them); they were dropped")
 
     def _decode_some(self) -> None:
         """While the device computes: decode texts left for later, as long as the device is

@@ -80,8 +80,17 @@ class EngineLoop:
         self._trace = trace
         self._new: list[NewSeq] = []
         self._aborts: list[str] = []
-        self._in_flight: deque[tuple[BatchPlan, Pending]] = deque()  # launched, not waited for
+        self._dirty: list[int] = []  # blocks a failed launch may have written
+        # launched, not waited for: (launch index, plan, its tokens on their way)
+        self._in_flight: deque[tuple[int, BatchPlan, Pending]] = deque()
+        self.num_launched = 0
         self._ready: Delivery | None = None  # waited for, not delivered to the core
+        self._ready_index = 0
+        self._shown: tuple[Delivery, tuple[str, ...]] | None = None  # and its stop hits
+        # A step committed but not yet returned (an interruption came after its launch):
+        self._unreported: LoopStep | None = None
+        self._trace_line: str | None = None  # its trace line, until written
+        self._launched_alone = False
         self._renames = itertools.count()
         if trace is not None:
             trace.write(header_line(state, trace_meta) + "\n")
@@ -111,13 +120,13 @@ class EngineLoop:
 
     def has_work(self) -> bool:
         """Whether stepping would do anything: live or queued sequences, or tokens in flight."""
-        return (self._state.has_unfinished or bool(self._new) or self._ready is not None
-                or bool(self._in_flight))
+        return (self._state.has_unfinished or bool(self._new) or bool(self._aborts)
+                or self._ready is not None or bool(self._in_flight))
 
     def device_busy(self) -> bool:
         """Whether the oldest launched plan, whose tokens the step waits for, is still being
         computed: host work done now costs the device nothing."""
-        return bool(self._in_flight) and not self._in_flight[0][1].done()
+        return bool(self._in_flight) and not self._in_flight[0][2].done()
 
     def step(self, on_delivery: OnDelivery | None = None,
              while_waiting: Callable[[], None] | None = None) -> LoopStep:
@@ -125,28 +134,71 @@ class EngineLoop:
         returns the ids of the sequences whose stop string it completes. ``while_waiting`` runs
         after the launch, before waiting for the device: host work that can use the time the
         device computes (it should stop once ``device_busy`` is false, or it delays the next
-        launch)."""
-        delivered, self._ready = self._ready, None
-        stop_hits = ()
-        if delivered is not None and on_delivery is not None:
-            stop_hits = tuple(on_delivery(delivered))
-        events = Events(sampled=None if delivered is None else tuple(delivered.output.token_ids),
-                        stop_hits=stop_hits, aborts=tuple(self._aborts),
-                        new_seqs=tuple(self._new))
-        self._state, plan = step(self._state, events)
-        self._new, self._aborts = [], []
-        if not plan.is_empty:  # first, so that the device starts while the host does the rest
-            self._in_flight.append((plan, self.runner.launch(plan)))
-        if self._trace is not None:
-            self._trace.write(step_line(events, plan) + "\n")
+        launch).
+
+        A step is a transaction. If it raises (an exception or an interrupt) before its plan
+        is launched, the loop is as it was: the delivery and the queued events wait for the
+        next step (``on_delivery`` is not shown the same delivery twice). If the launch
+        raises, the plan is not applied either: the core's state stays as it was, and the next
+        step aborts the plan's sequences and drops the blocks it was to write from the prefix
+        cache, since the device may have run part of it. After the launch the step has
+        happened; after a later interruption (the trace, ``while_waiting``, the wait) the next
+        call finishes that step and returns it, rather than stepping again."""
+        if self._unreported is None:
+            self._advance(on_delivery)
+        if self._trace_line is not None:
+            self._trace.write(self._trace_line)
+            self._trace_line = None
         if while_waiting is not None and self._in_flight:
             while_waiting()
-        self._wait_for_tokens(launched_alone=not plan.is_empty and len(self._in_flight) == 1)
-        return LoopStep(plan, delivered, self._state.finished)
+        self._wait_for_tokens(self._launched_alone)
+        result, self._unreported = self._unreported, None
+        return result
+
+    def _advance(self, on_delivery: OnDelivery | None) -> None:
+        """The step's transaction: the delivery and the queued events to the core, the plan
+        launched, all committed at once (see ``step``)."""
+        delivered = self._ready
+        stop_hits: tuple[str, ...] = ()
+        if delivered is not None and on_delivery is not None:
+            if self._shown is None or self._shown[0] is not delivered:
+                self._shown = (delivered, tuple(on_delivery(delivered)))
+            stop_hits = self._shown[1]
+        events = Events(sampled=None if delivered is None else delivered.output.token_ids,
+                        stop_hits=stop_hits, aborts=tuple(self._aborts),
+                        new_seqs=tuple(self._new), dirty_blocks=tuple(self._dirty))
+        state, plan = step(self._state, events)
+        trace_line = step_line(events, plan) + "\n" if self._trace is not None else None
+        if not plan.is_empty:
+            try:
+                pending = self.runner.launch(plan)
+            except BaseException:
+                self._aborts.extend(plan.seq_ids)
+                self._dirty.extend(plan.block_entries[:, 2].tolist())
+                raise
+            self._in_flight.append((self.num_launched, plan, pending))
+            self.num_launched += 1
+        # Committed: from here on, what an interruption leaves is finished by the next call.
+        self._state, self._ready, self._shown = state, None, None
+        self._new, self._aborts, self._dirty = [], [], []
+        self._trace_line = trace_line
+        self._launched_alone = not plan.is_empty and len(self._in_flight) == 1
+        self._unreported = LoopStep(plan, delivered, state.finished)
+
+    def settled(self, launches: int) -> bool:
+        """Whether every plan among the first ``launches`` launched has been delivered to the
+        core (``num_launched`` counts them)."""
+        unsettled = [index for index, _, _ in self._in_flight]
+        if self._ready is not None:
+            unsettled.append(self._ready_index)
+        return not unsettled or min(unsettled) >= launches
 
     def _wait_for_tokens(self, launched_alone: bool) -> None:
-        """Bring the oldest launched plan's tokens to the host for the next step."""
+        """Bring the oldest launched plan's tokens to the host for the next step (if the wait
+        is interrupted, the plan stays in flight, to be waited for again)."""
         if not self._in_flight or (self.async_scheduling and launched_alone):
             return
-        plan, pending = self._in_flight.popleft()
-        self._ready = Delivery(plan, pending.wait())
+        index, plan, pending = self._in_flight[0]
+        output = pending.wait()
+        self._in_flight.popleft()
+        self._ready, self._ready_index = Delivery(plan, output), index

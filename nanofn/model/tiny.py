@@ -87,6 +87,20 @@ PRESETS: dict[str, dict[str, Any]] = {
         rope_theta=1000000.0,
         rms_norm_eps=1e-6,
     ),
+    # A larger shape, for tensor parallelism (untied embeddings, as the real model).
+    "qwen3-8b": dict(
+        num_hidden_layers=36,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=151936,
+        tie_word_embeddings=False,
+        max_position_embeddings=40960,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+    ),
     # The same architecture in miniature: for tests and quick CPU runs of `nanofn bench`.
     "qwen3-tiny": dict(
         num_hidden_layers=2,

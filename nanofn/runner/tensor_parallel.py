@@ -41,8 +41,9 @@ class TensorParallelExecutor:
             self._pipes.append(ours)
             self._workers.append(worker)
         self._wait_for_workers()
-        _join_group(config, 0, init_method)
-        self.runner = ModelRunner(hf_config, _rank_config(config, 0))
+        own = _rank_config(config, 0)
+        _join_group(own, init_method)
+        self.runner = ModelRunner(hf_config, own)
 
     @property
     def num_blocks(self) -> int:
@@ -106,18 +107,20 @@ def _rank_config(config: RunnerConfig, rank: int) -> RunnerConfig:
     return replace(config, tp_rank=rank, device=device)
 
 
-def _join_group(config: RunnerConfig, rank: int, init_method: str) -> None:
+def _join_group(config: RunnerConfig, init_method: str) -> None:
+    """Join the process group as ``config.tp_rank``, on ``config.device`` (already the rank's
+    own, see ``_rank_config``)."""
     if config.device.type == "cuda":
-        torch.cuda.set_device(_rank_config(config, rank).device)
+        torch.cuda.set_device(config.device)
     backend = "nccl" if config.device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=init_method, rank=rank,
+    dist.init_process_group(backend, init_method=init_method, rank=config.tp_rank,
                             world_size=config.tp_size, timeout=COLLECTIVE_TIMEOUT)
 
 
 def _worker_main(hf_config: Any, config: RunnerConfig, init_method: str, pipe) -> None:
     try:
         pipe.send("started")
-        _join_group(config, config.tp_rank, init_method)
+        _join_group(config, init_method)
         runner = ModelRunner(hf_config, config)
         while (message := pipe.recv_bytes()) != STOP:
             plan = pickle.loads(message)

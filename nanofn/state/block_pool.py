@@ -213,6 +213,18 @@ class PoolChanges:
         else:
             self._gone_hashes.add(entry.block_hash)
 
+    def forget(self, blocks: Iterable[int]) -> None:
+        """Drop these blocks' contents from the prefix cache (a free one becomes plain): their
+        device contents are not known any more."""
+        for block in blocks:
+            if self._cached[block] is None:
+                continue
+            self._change()
+            if self._refs[block] == 0:  # its queue entry goes stale
+                self._num_cached_free -= 1
+                self._pushed.append(block)
+            self._forget(block)
+
     def release(self, blocks: Iterable[int]) -> None:
         """Drop one reference to each block, in the given order; a block whose count reaches
         zero joins the back of the eviction queue if it is cached, else the plain free stack.

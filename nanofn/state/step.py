@@ -33,7 +33,9 @@ class Events:
     text reached a stop string with the token now delivered (seen by the shell's
     detokenizer); they finish with reason ``stop`` after taking that token, if ``may_stop``
     allows it. New sequences join the waiting queue before aborts apply, so a sequence can
-    be aborted in the step that adds it. Aborts of sequences that are not live, stop hits of
+    be aborted in the step that adds it. ``dirty_blocks`` are blocks whose device contents
+    are unknown (a launch that failed may have written them): they leave the prefix cache
+    before the aborts apply. Aborts of sequences that are not live, stop hits of
     sequences that took no token now, and delivered tokens of sequences no longer live are
     ignored: they may have just finished on their own (an id with a token in flight cannot
     be reused, see ``check_new_seq``).
@@ -43,6 +45,7 @@ class Events:
     stop_hits: tuple[str, ...] = ()
     new_seqs: tuple[NewSeq, ...] = ()
     aborts: tuple[str, ...] = ()
+    dirty_blocks: tuple[int, ...] = ()
 
 
 def step(state: EngineState, events: Events) -> tuple[EngineState, BatchPlan]:
@@ -53,6 +56,7 @@ def step(state: EngineState, events: Events) -> tuple[EngineState, BatchPlan]:
         state = apply_sampled(state, np.asarray(events.sampled, np.int64),
                               frozenset(events.stop_hits))
     state = add_seqs(state, events.new_seqs)
+    state = forget_blocks(state, events.dirty_blocks)
     state = finish_by_id(state, events.aborts, FinishReason.ABORT)
     return schedule(state)
 
@@ -64,6 +68,28 @@ def _check_delivery(state: EngineState, sampled) -> None:
     if len(sampled) != len(state.undelivered[0]):
         raise ValueError(f"step {state.step + 1}: got {len(sampled)} sampled tokens, the plan "
                          f"they belong to sampled {len(state.undelivered[0])} sequences")
+    tokens = np.asarray(sampled)
+    vocab_size = state.config.vocab_size
+    if len(tokens) and (tokens.dtype.kind not in "iu" or tokens.min() < 0 or (
+            vocab_size is not None and tokens.max() >= vocab_size)):
+        bad = next(t for t in sampled if not _is_token(t, vocab_size))
+        vocab = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
+        raise ValueError(f"step {state.step + 1}: sampled token {bad!r} is not a token id in "
+                         f"{vocab}")
+
+
+def _is_token(t: object, vocab_size: int | None) -> bool:
+    return (isinstance(t, (int, np.integer)) and not isinstance(t, bool) and t >= 0
+            and (vocab_size is None or t < vocab_size))
+
+
+def forget_blocks(state: EngineState, blocks: tuple[int, ...]) -> EngineState:
+    """The state with these blocks out of the prefix cache (free ones become plain)."""
+    if not blocks:
+        return state
+    pool = PoolChanges(state.pool)
+    pool.forget(blocks)
+    return evolve(state, pool=pool.build())
 
 
 # --- delivered tokens ------------------------------------------------------------------------

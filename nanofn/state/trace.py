@@ -1,11 +1,15 @@
 """Traces: a run recorded as its events, replayable without a model or a GPU.
 
-Format (JSON lines, versioned): a header ``{"format": "nanofn-trace", "version": 3,
-"config": {...}, "num_blocks": n, "meta": {...}}``, then one line per step ``{"step": n, "sampled": [...],
-"stop_hits": [...], "aborts": [...], "new": [{"id", "prompt", "params"}], "plan": digest}``
-(empty lists left out, except "sampled": present, even empty, on every step that delivered
-the tokens of a plan). Since ``step`` is pure, the events alone rebuild every state and plan;
-the digest of each recorded plan lets a replay prove it.
+Format (JSON lines, versioned): a header ``{"format": "nanofn-trace", "version": 4,
+"config": {...}, "num_blocks": n, "meta": {...}}``, then one line per step ``{"step": n,
+"sampled": [...], "stop_hits": [...], "aborts": [...], "dirty": [...], "new": [{"id", "prompt",
+"params"}], "plan": digest}`` (empty lists left out, except "sampled": present, even empty, on
+every step that delivered the tokens of a plan). Since ``step`` is pure, the events alone
+rebuild every state and plan; the digest of each step (``step_digest``: its plan and the
+tokens it delivered) lets a replay prove it, so a token changed in a trace fails ``check``.
+
+Version 4 added the delivered tokens to the digest and "dirty" (blocks a failed launch may
+have written); version 3 traces are refused with a message saying so.
 """
 
 from __future__ import annotations
@@ -15,6 +19,9 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+import xxhash
+
 from nanofn.state.config import SchedulerConfig
 from nanofn.state.engine_state import EngineState, initial_state
 from nanofn.state.params import SamplingParams
@@ -23,7 +30,7 @@ from nanofn.state.requests import NewSeq
 from nanofn.state.step import Events, step
 
 TRACE_FORMAT = "nanofn-trace"
-TRACE_VERSION = 3
+TRACE_VERSION = 4
 
 
 class TraceError(ValueError):
@@ -34,7 +41,8 @@ class TraceError(ValueError):
 class TracedStep:
     step: int
     events: Events
-    plan_digest: str
+    digest: str  # step_digest of the recorded step
+    line: int  # in the trace file
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,11 +68,22 @@ def step_line(events: Events, plan: BatchPlan) -> str:
         line["stop_hits"] = list(events.stop_hits)
     if events.aborts:
         line["aborts"] = list(events.aborts)
+    if events.dirty_blocks:
+        line["dirty"] = [int(b) for b in events.dirty_blocks]
     if events.new_seqs:
         line["new"] = [{"id": r.seq_id, "prompt": list(r.prompt_token_ids),
                         "params": r.params.to_dict()} for r in events.new_seqs]
-    line["plan"] = plan_digest(plan)
+    line["plan"] = step_digest(events, plan)
     return json.dumps(line)
+
+
+def step_digest(events: Events, plan: BatchPlan) -> str:
+    """The fingerprint of a step: its plan's (``plan_digest``) and the tokens it delivered,
+    which async plans do not show (they carry ``PENDING_TOKEN``)."""
+    h = xxhash.xxh64(plan_digest(plan).encode())
+    if events.sampled is not None:
+        h.update(b"|" + np.asarray(events.sampled, "<i8").tobytes())
+    return h.hexdigest()
 
 
 def parse_trace(lines: Iterable[str]) -> Trace:
@@ -99,17 +118,37 @@ def parse_trace(lines: Iterable[str]) -> Trace:
 def _parse_step(line_number: int, row: str) -> TracedStep:
     try:
         d = json.loads(row)
+        if not isinstance(d, dict):
+            raise TypeError(f"a step is a JSON object, not {type(d).__name__}")
         events = Events(
-            sampled=tuple(d["sampled"]) if "sampled" in d else None,
-            stop_hits=tuple(d.get("stop_hits", ())),
-            aborts=tuple(d.get("aborts", ())),
-            new_seqs=tuple(NewSeq(r["id"], tuple(r["prompt"]),
+            sampled=_ints(d["sampled"], "sampled") if "sampled" in d else None,
+            stop_hits=_strings(d.get("stop_hits", []), "stop_hits"),
+            aborts=_strings(d.get("aborts", []), "aborts"),
+            new_seqs=tuple(NewSeq(r["id"], _ints(r["prompt"], "prompt"),
                                   SamplingParams.from_dict(r["params"]))
                            for r in d.get("new", ())),
+            dirty_blocks=_ints(d.get("dirty", []), "dirty"),
         )
-        return TracedStep(d["step"], events, d["plan"])
+        step_number, digest = d["step"], d["plan"]
+        if not isinstance(step_number, int) or not isinstance(digest, str):
+            raise TypeError("step must be an integer and plan a digest string")
+        return TracedStep(step_number, events, digest, line_number)
     except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
         raise TraceError(f"line {line_number}: {type(e).__name__}: {e}") from None
+
+
+def _ints(values: Any, name: str) -> tuple[int, ...]:
+    """A list of token or block ids (non-negative integers below 2**62)."""
+    if not isinstance(values, list) or not all(
+            type(v) is int and 0 <= v < 1 << 62 for v in values):
+        raise ValueError(f"{name} must be a list of non-negative integers, got {values!r:.80}")
+    return tuple(values)
+
+
+def _strings(values: Any, name: str) -> tuple[str, ...]:
+    if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
+        raise ValueError(f"{name} must be a list of strings, got {values!r:.80}")
+    return tuple(values)
 
 
 def replay(trace: Trace, check: bool = False) -> Iterator[tuple[EngineState, BatchPlan]]:
@@ -117,11 +156,15 @@ def replay(trace: Trace, check: bool = False) -> Iterator[tuple[EngineState, Bat
     ``TraceError`` at the first plan whose digest differs from the recorded one."""
     state = initial_state(trace.config, trace.num_blocks)
     for traced in trace.steps:
-        state, plan = step(state, traced.events)
+        try:
+            state, plan = step(state, traced.events)
+        except ValueError as e:  # events the core refuses: a corrupted trace
+            raise TraceError(f"line {traced.line}: the core refuses the step's events: {e}") \
+                from None
         if plan.step != traced.step:
-            raise TraceError(f"replay reached step {plan.step} where the trace has step "
-                             f"{traced.step}")
-        if check and plan_digest(plan) != traced.plan_digest:
-            raise TraceError(f"step {traced.step}: the replayed plan differs from the recorded "
-                             f"one ({plan_digest(plan)} != {traced.plan_digest})")
+            raise TraceError(f"line {traced.line}: replay reached step {plan.step} where the "
+                             f"trace has step {traced.step}")
+        if check and step_digest(traced.events, plan) != traced.digest:
+            raise TraceError(f"line {traced.line}: step {traced.step} replayed differs from the "
+                             f"recorded one (its plan or its delivered tokens)")
         yield state, plan
