@@ -30,6 +30,7 @@ STOP = b"stop"  # tells a worker to leave (a pickled plan never equals it)
 class TensorParallelExecutor:
     def __init__(self, hf_config: Any, config: RunnerConfig):
         size = config.tp_size
+        _dump_stacks_later()
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         context = multiprocessing.get_context("spawn")
         self._pipes, self._workers = [], []
@@ -74,8 +75,7 @@ class TensorParallelExecutor:
         for worker in self._workers:
             worker.join(timeout=30)
         self._pipes, self._workers = [], []
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        _leave_group()
 
     def _wait_for_workers(self) -> None:
         """Each worker says hello before joining the process group; one that dies first
@@ -118,6 +118,7 @@ def _join_group(config: RunnerConfig, init_method: str) -> None:
 
 
 def _worker_main(hf_config: Any, config: RunnerConfig, init_method: str, pipe) -> None:
+    _dump_stacks_later()
     try:
         pipe.send("started")
         _join_group(config, init_method)
@@ -130,8 +131,29 @@ def _worker_main(hf_config: Any, config: RunnerConfig, init_method: str, pipe) -
         pipe.send(traceback.format_exc())
         raise
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        _leave_group()
+
+
+def _leave_group() -> None:
+    """Leave the process group. NCCL's destroy waits for the other ranks (and hung at the
+    end of every TP run on two H200s, with the decode graphs holding NCCL kernels); its abort
+    is local and immediate. gloo's destroy is quick."""
+    if not dist.is_initialized():
+        return
+    if dist.get_backend() == "nccl":
+        dist.distributed_c10d._abort_process_group()  # (private: torch has no public abort)
+    else:
+        dist.destroy_process_group()
+
+
+def _dump_stacks_later() -> None:
+    """``NANOFN_DUMP_STACKS_AFTER=S``: print every thread's stack after S seconds (to see
+    where a rank waits)."""
+    import faulthandler
+    import os
+    after = os.environ.get("NANOFN_DUMP_STACKS_AFTER")
+    if after:
+        faulthandler.dump_traceback_later(float(after), exit=False)
 
 
 def _free_port() -> int:
