@@ -99,7 +99,7 @@ class LLM:
                 except ValueError as e:
                     raise type(e)(f"prompt {index}: {e}") from e
         except BaseException:
-            self.engine.abort_and_settle(ids)
+            self._settle(ids)
             raise
         return ids
 
@@ -110,8 +110,15 @@ class LLM:
         try:
             return self._step_until_done(ids, use_tqdm)
         except BaseException:
-            self.engine.abort_and_settle(ids)
+            self._settle(ids)
             raise
+
+    def _settle(self, ids: list[str]) -> None:
+        """Abort an interrupted call's requests. An engine that cannot step any more (a
+        tensor-parallel worker died) cannot settle them: the error that interrupted the call
+        says why, and it is the one raised."""
+        with contextlib.suppress(Exception):
+            self.engine.abort_and_settle(ids)
 
     def _step_until_done(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}

@@ -4,13 +4,23 @@ Every rank holds its shard of the weights and of the KV cache (its share of the 
 runs every plan; the layers' collectives go through ``torch.distributed`` (NCCL on GPUs, gloo on
 CPUs). Plans reach the workers through pipes; only rank 0 samples, and its tokens are the
 result.
+
+A watchdog thread in rank 0 watches the workers: each beats a heart (a shared timestamp, from
+a thread of its own, so that a rank busy in a long step still beats). A worker that exits, or
+whose heart stops for ``UNRESPONSIVE_AFTER`` seconds (a stopped process), is recorded with its
+traceback and killed, which breaks the collectives rank 0 may wait in; rank 0's next call (or
+the one that was waiting) raises a ``WorkerFailure`` naming the rank. The executor is broken
+from then on: every call raises the same error, and ``close`` only cleans up.
 """
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import pickle
 import socket
+import threading
+import time
 import traceback
 from dataclasses import replace
 from datetime import timedelta
@@ -25,6 +35,12 @@ from nanofn.state.plan import BatchPlan
 
 COLLECTIVE_TIMEOUT = timedelta(minutes=5)
 STOP = b"stop"  # tells a worker to leave (a pickled plan never equals it)
+HEARTBEAT_S = 0.5
+UNRESPONSIVE_AFTER = 8.0  # seconds without a heartbeat before a worker counts as stopped
+
+
+class WorkerFailure(RuntimeError):
+    """A tensor-parallel worker died or stopped responding; the engine cannot go on."""
 
 
 class TensorParallelExecutor:
@@ -33,18 +49,28 @@ class TensorParallelExecutor:
         _dump_stacks_later()
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         context = multiprocessing.get_context("spawn")
-        self._pipes, self._workers = [], []
+        self._pipes, self._workers, self._hearts = [], [], []
+        self._failure: str | None = None  # set by the watchdog
+        self._closed = threading.Event()
         for rank in range(1, size):
             ours, theirs = context.Pipe()
+            heart = context.Value("d", time.monotonic(), lock=False)
             worker = context.Process(target=_worker_main, daemon=True, name=f"nanofn-tp{rank}",
-                                     args=(hf_config, _rank_config(config, rank), init_method, theirs))
+                                     args=(hf_config, _rank_config(config, rank), init_method,
+                                           theirs, heart))
             worker.start()
             self._pipes.append(ours)
             self._workers.append(worker)
-        self._wait_for_workers()
-        own = _rank_config(config, 0)
-        _join_group(own, init_method)
-        self.runner = ModelRunner(hf_config, own)
+            self._hearts.append(heart)
+        try:
+            self._wait_for_workers()
+            threading.Thread(target=self._watch, name="nanofn-tp-watchdog", daemon=True).start()
+            own = _rank_config(config, 0)
+            _join_group(own, init_method)
+            self.runner = self._guarded(ModelRunner, hf_config, own)
+        except BaseException:
+            self.close()
+            raise
 
     @property
     def num_blocks(self) -> int:
@@ -62,20 +88,80 @@ class TensorParallelExecutor:
     def timeline(self, timeline) -> None:
         self.runner.timeline = timeline
 
-    def launch(self, plan: BatchPlan) -> DeviceSample:
-        self._check_workers()
+    def launch(self, plan: BatchPlan) -> _WatchedSample:
+        self._raise_if_failed()
         message = pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL)  # once for all workers
+        self._guarded(self._send, message)
+        return _WatchedSample(self, self._guarded(self.runner.launch, plan))
+
+    def _send(self, message: bytes) -> None:
         for pipe in self._pipes:
             pipe.send_bytes(message)
-        return self.runner.launch(plan)
+
+    def _guarded(self, call, *args):
+        """``call(*args)``, with a failure of any kind while a worker has failed reported as
+        that worker's failure (a collective broken by its death, a pipe it closed...)."""
+        try:
+            return call(*args)
+        except Exception as error:
+            self._check_workers(wait_s=UNRESPONSIVE_AFTER + 2 * HEARTBEAT_S)
+            if self._failure is not None:
+                raise WorkerFailure(self._failure) from error
+            raise
+
+    def _raise_if_failed(self) -> None:
+        if self._failure is not None:
+            raise WorkerFailure(self._failure)
 
     def close(self) -> None:
-        for pipe in self._pipes:
-            pipe.send_bytes(STOP)
+        """Stop the workers (killing any that does not leave) and leave the group; quiet,
+        also after a worker failed."""
+        self._closed.set()
+        for pipe, worker in zip(self._pipes, self._workers):
+            if worker.is_alive():
+                with contextlib.suppress(OSError):
+                    pipe.send_bytes(STOP)
         for worker in self._workers:
-            worker.join(timeout=30)
+            worker.join(timeout=10 if self._failure is None else 1)
+            if worker.is_alive():
+                worker.kill()
+                worker.join(timeout=5)
         self._pipes, self._workers = [], []
-        _leave_group()
+        with contextlib.suppress(Exception):
+            _leave_group()
+
+    def _watch(self) -> None:
+        while not self._closed.wait(HEARTBEAT_S):
+            self._check_workers()
+            if self._failure is not None:
+                return
+
+    def _check_workers(self, wait_s: float = 0.0) -> None:
+        """Record the first worker that has exited or stopped beating (waiting up to
+        ``wait_s`` for it to show), and kill the stopped one."""
+        deadline = time.monotonic() + wait_s
+        while self._failure is None:
+            for rank, (pipe, worker, heart) in enumerate(
+                    zip(self._pipes, self._workers, self._hearts), start=1):
+                report = ""
+                with contextlib.suppress(OSError, EOFError):
+                    if pipe.poll():
+                        report = f":\n{pipe.recv()}"
+                if not worker.is_alive():
+                    self._failure = (f"tensor-parallel rank {rank} exited (code "
+                                     f"{worker.exitcode}){report}")
+                elif time.monotonic() - heart.value > UNRESPONSIVE_AFTER:
+                    worker.kill()
+                    self._failure = (f"tensor-parallel rank {rank} stopped responding (no "
+                                     f"heartbeat for {UNRESPONSIVE_AFTER:.0f} s) and was "
+                                     f"killed{report}")
+                elif report:
+                    self._failure = f"tensor-parallel rank {rank} failed{report}"
+                if self._failure is not None:
+                    return
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(HEARTBEAT_S / 5)
 
     def _wait_for_workers(self) -> None:
         """Each worker says hello before joining the process group; one that dies first
@@ -91,12 +177,23 @@ class TensorParallelExecutor:
                         f"`if __name__ == '__main__':`")
             pipe.recv()
 
-    def _check_workers(self) -> None:
-        for rank, (pipe, worker) in enumerate(zip(self._pipes, self._workers), start=1):
-            if pipe.poll():
-                raise RuntimeError(f"tensor-parallel rank {rank} failed:\n{pipe.recv()}")
-            if not worker.is_alive():
-                raise RuntimeError(f"tensor-parallel rank {rank} exited (code {worker.exitcode})")
+
+
+class _WatchedSample:
+    """Rank 0's sampled tokens; waiting for them reports a failed worker as such."""
+
+    def __init__(self, executor: TensorParallelExecutor, sample: DeviceSample):
+        self._executor, self._sample = executor, sample
+
+    def done(self) -> bool:
+        return self._sample.done()
+
+    def wait(self):
+        """Spin on the copy's event (as CUDA's own wait does) so that a failed worker, which
+        would leave NCCL's kernels waiting for ever, is noticed."""
+        while not self._sample.done():
+            self._executor._raise_if_failed()
+        return self._executor._guarded(self._sample.wait)
 
 
 def _rank_config(config: RunnerConfig, rank: int) -> RunnerConfig:
@@ -117,8 +214,9 @@ def _join_group(config: RunnerConfig, init_method: str) -> None:
                             world_size=config.tp_size, timeout=COLLECTIVE_TIMEOUT)
 
 
-def _worker_main(hf_config: Any, config: RunnerConfig, init_method: str, pipe) -> None:
+def _worker_main(hf_config: Any, config: RunnerConfig, init_method: str, pipe, heart) -> None:
     _dump_stacks_later()
+    threading.Thread(target=_beat, args=(heart,), daemon=True).start()
     try:
         pipe.send("started")
         _join_group(config, init_method)
@@ -132,6 +230,14 @@ def _worker_main(hf_config: Any, config: RunnerConfig, init_method: str, pipe) -
         raise
     finally:
         _leave_group()
+
+
+def _beat(heart) -> None:
+    """The worker's heartbeat, from its own thread: beats while the rank computes or waits,
+    stops only with the process (exited, killed or stopped)."""
+    while True:
+        heart.value = time.monotonic()
+        time.sleep(HEARTBEAT_S)
 
 
 def _leave_group() -> None:
