@@ -53,8 +53,7 @@ class LLM:
              use_tqdm: bool = True) -> list[RequestOutput]:
         """Answer one conversation (a list of ``{"role", "content"}`` messages) or several,
         through the tokenizer's chat template (or ``chat_template``)."""
-        single = bool(messages) and isinstance(messages[0], Mapping)
-        conversations = [messages] if single else list(messages)
+        conversations = _conversations(messages)
         tokenizer = self.get_tokenizer()
         if chat_template is None and not getattr(tokenizer, "chat_template", None):
             raise ValueError("the tokenizer has no chat template; pass chat_template=...")
@@ -188,11 +187,20 @@ def fewer_gc_pauses() -> Iterator[None]:
 
 
 def _as_list(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:
+    """One prompt or a list of them, as a list; what is neither is a ``TypeError``."""
     if isinstance(prompts, (str, Mapping)):
         return [prompts]
+    if isinstance(prompts, (bytes, bytearray)) or not isinstance(prompts, Sequence):
+        raise TypeError(f"prompts must be a string, a list of token ids, a dict or a list of "
+                        f"those, got {type(prompts).__name__}")
     prompts = list(prompts)
     if prompts and all(isinstance(t, int) for t in prompts):  # one prompt of token ids
         return [prompts]
+    for index, prompt in enumerate(prompts):
+        if isinstance(prompt, (bytes, bytearray)) or not isinstance(prompt, (str, Mapping,
+                                                                             Sequence)):
+            raise TypeError(f"prompt {index}: a prompt must be a string, a list of token ids "
+                            f"or a dict, got {type(prompt).__name__}")
     return prompts
 
 
@@ -202,8 +210,35 @@ def _params_per_prompt(params: SamplingParams | Sequence[SamplingParams] | None,
         return [SamplingParams()] * count
     if isinstance(params, SamplingParams):
         return [params] * count
+    if isinstance(params, Mapping) or not isinstance(params, Sequence):
+        raise TypeError(f"sampling_params must be SamplingParams or a list of them, got "
+                        f"{type(params).__name__}" + (" (SamplingParams(**d) makes one from a "
+                                                      "dict)" if isinstance(params, Mapping)
+                                                      else ""))
     params = list(params)
     if len(params) != count:
         raise ValueError(f"got {len(params)} sampling params for {count} prompts; give one, "
                          f"or one per prompt")
     return params
+
+
+def _conversations(messages: Any) -> list[list[Message]]:
+    """One conversation or a list of them, checked: each a list of ``{"role", "content"}``."""
+    wrong = TypeError(f"messages must be a list of {{'role', 'content'}} dicts (or a list of "
+                      f"such lists), got {type(messages).__name__}")
+    if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Sequence):
+        raise wrong
+    single = bool(messages) and isinstance(messages[0], Mapping)
+    conversations = [list(messages)] if single else list(messages)
+    for c, conversation in enumerate(conversations):
+        if isinstance(conversation, (str, bytes, Mapping)) or not isinstance(conversation,
+                                                                            Sequence):
+            raise wrong
+        for m, message in enumerate(conversation):
+            where = f"message {m}" + (f" of conversation {c}" if not single else "")
+            if not isinstance(message, Mapping):
+                raise TypeError(f"{where} must be a dict, got {type(message).__name__}")
+            missing = [key for key in ("role", "content") if key not in message]
+            if missing:
+                raise ValueError(f"{where} has no {' or '.join(map(repr, missing))}")
+    return conversations

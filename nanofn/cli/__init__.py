@@ -174,10 +174,11 @@ def load_llm(model: str | Path, args: argparse.Namespace) -> Any:
 
 @contextmanager
 def _user_errors() -> Iterator[None]:
-    """Bad option values and missing folders become one-line errors, not tracebacks."""
+    """Bad option values, missing or unreadable model files become one-line errors, not
+    tracebacks."""
     try:
         yield
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:
         raise UsageError(str(e)) from e
 
 

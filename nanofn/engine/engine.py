@@ -23,6 +23,7 @@ from nanofn.engine.detokenizer import Detokenizer, decode_output
 from nanofn.engine.loop import Delivery, EngineLoop, LoopStep
 from nanofn.engine.options import EngineOptions
 from nanofn.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from nanofn.model import model_shape, resolve_dtype
 from nanofn.runner.model_runner import ModelRunner, RunnerConfig
 from nanofn.runner.tensor_parallel import TensorParallelExecutor
 from nanofn.state import (EngineState, Figures, FinishReason, InvalidRequest, NewSeq,
@@ -90,6 +91,7 @@ class Engine:
         self.scheduler_config = options.scheduler_config(self.max_model_len, self.eos_token_ids,
                                                          self.hf_config.vocab_size)
         runner_config = _runner_config(options, model_dir, self.max_model_len)
+        _check_kv_cache_size(self.hf_config, runner_config)
         self.runner = (ModelRunner(self.hf_config, runner_config) if runner_config.tp_size == 1
                        else TensorParallelExecutor(self.hf_config, runner_config))
         state = initial_state(self.scheduler_config, self.runner.num_blocks)
@@ -375,9 +377,36 @@ class Engine:
             self.runner.close()
 
 
+def _check_kv_cache_size(hf_config: Any, config: RunnerConfig) -> None:
+    """A KV cache given by size that cannot hold one sequence of ``max_model_len``: said now,
+    before the weights load (a cache sized from GPU memory is checked once it is measured)."""
+    if config.num_kv_blocks is not None:
+        blocks = config.num_kv_blocks
+    elif config.kv_cache_memory_bytes is not None:
+        shape = model_shape(hf_config, config.tp_size)
+        dtype = resolve_dtype(hf_config, config.dtype)
+        blocks = config.kv_cache_memory_bytes // shape.block_bytes(config.block_size, dtype)
+    else:
+        return
+    if blocks < config.max_blocks_per_seq:
+        raise ValueError(f"a KV cache of {blocks} blocks of {config.block_size} tokens cannot "
+                         f"hold one sequence of max_model_len {config.max_model_len} (it needs "
+                         f"{config.max_blocks_per_seq}); give it more or lower max_model_len")
+
+
 def _runner_config(options: EngineOptions, model_dir: Path, max_model_len: int) -> RunnerConfig:
     device = torch.device(options.device if options.device != "auto" else
                           "cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        last = (device.index or 0) + options.tensor_parallel_size
+        if last > count:
+            raise ValueError(f"device {options.device!r} with tensor_parallel_size "
+                             f"{options.tensor_parallel_size} needs GPUs up to cuda:{last - 1}, "
+                             f"but torch sees {count} CUDA GPU(s)")
+    elif options.kernel_backend == "triton":
+        raise ValueError(f"kernel_backend 'triton' needs a CUDA device; this engine runs on "
+                         f"{device.type} (use 'torch' or 'auto')")
     return RunnerConfig(
         model_dir=model_dir,
         dtype=options.dtype,
@@ -448,8 +477,17 @@ def _model_dir(model: str) -> Path:
     return path
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
 def _load_tokenizer(path: str | Path) -> Any:
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        raise FileNotFoundError(f"tokenizer folder {str(folder)!r} does not exist")
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        raise FileNotFoundError(f"{str(folder)!r} has no tokenizer (none of "
+                                f"{', '.join(TOKENIZER_FILES)}); pass tokenizer=FOLDER")
+    tokenizer = AutoTokenizer.from_pretrained(folder)
     if getattr(tokenizer, "backend_tokenizer", None) is None:
         raise ValueError(f"the tokenizer in {str(path)!r} is not a fast (tokenizers) one; nanofn "
                          f"needs tokenizer.json")

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from nanofn.kernels import TORCH_KERNELS, KernelBackend
 from nanofn.model.config import check_activation, check_context_fits_window
@@ -89,7 +89,7 @@ def load_weights(model: CausalLM, model_dir: str | Path) -> None:
     params = dict(model.named_parameters())  # a tied lm_head shares, so omits, its weight
     missing = {name for param_name in params for name in _checkpoint_names(param_name)}
     for path in files:
-        with safe_open(path, framework="pt", device="cpu") as checkpoint:
+        with _open_checkpoint(path) as checkpoint:
             for name in checkpoint.keys():
                 if _is_ignored(name, model):
                     continue
@@ -104,6 +104,14 @@ def load_weights(model: CausalLM, model_dir: str | Path) -> None:
                 missing.discard(name)
     if missing:
         raise ValueError(f"checkpoint {model_dir} lacks tensors: {', '.join(sorted(missing))}")
+
+
+def _open_checkpoint(path: Path):
+    try:
+        return safe_open(path, framework="pt", device="cpu")
+    except SafetensorError as error:
+        raise ValueError(f"cannot read weights file {path} (truncated, or not safetensors): "
+                         f"{error}") from error
 
 
 def checkpoint_files(model_dir: str | Path) -> list[Path]:

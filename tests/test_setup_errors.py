@@ -1,0 +1,112 @@
+"""Bad set-ups and bad calls get an error naming the file, option, prompt or message, raised
+before any costly work; the CLI prints them as one line with exit code 2."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from nanofn import LLM, SamplingParams
+from nanofn.cli import main
+from nanofn.engine.engine import TOKENIZER_FILES
+
+
+@pytest.fixture
+def model_copy(tiny_qwen3, tmp_path):
+    def copy(name: str):
+        folder = tmp_path / name
+        shutil.copytree(tiny_qwen3, folder)
+        return folder
+    return copy
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_qwen3):
+    with LLM(str(tiny_qwen3), num_kv_blocks=64, max_model_len=256) as llm:
+        yield llm
+
+
+def weights_never_load(monkeypatch):
+    import nanofn.runner.model_runner as model_runner
+
+    def refuse(*args):
+        raise AssertionError("the weights were loaded before the set-up was checked")
+    monkeypatch.setattr(model_runner, "load_weights", refuse)
+
+
+def test_a_config_that_is_not_json_names_the_file(model_copy, capsys):
+    folder = model_copy("bad-config")
+    (folder / "config.json").write_text("{not json")
+    with pytest.raises(OSError, match="config.json"):
+        LLM(str(folder))
+    assert main(["generate", str(folder), "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert "config.json" in err and "Traceback" not in err and err.count("\n") == 1
+
+
+def test_a_truncated_weights_file_names_the_file(model_copy):
+    folder = model_copy("truncated")
+    weights = next(folder.glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.raises(ValueError, match=f"cannot read weights file {weights}"):
+        LLM(str(folder))
+
+
+def test_a_folder_without_a_tokenizer_or_a_missing_tokenizer_folder(model_copy, tiny_qwen3,
+                                                                   monkeypatch):
+    weights_never_load(monkeypatch)
+    folder = model_copy("no-tokenizer")
+    for name in (*TOKENIZER_FILES, "special_tokens_map.json", "merges.txt",
+                 "chat_template.jinja"):
+        (folder / name).unlink(missing_ok=True)
+    with pytest.raises(FileNotFoundError, match="has no tokenizer .*pass tokenizer=FOLDER"):
+        LLM(str(folder))
+    with pytest.raises(FileNotFoundError, match="tokenizer folder '/nonexistent' does not"):
+        LLM(str(tiny_qwen3), tokenizer="/nonexistent")
+
+
+def test_a_device_or_backend_this_machine_lacks(tiny_qwen3, monkeypatch):
+    import torch
+
+    weights_never_load(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="torch sees 0 CUDA GPU"):
+        LLM(str(tiny_qwen3), device="cuda")
+    with pytest.raises(ValueError, match="kernel_backend 'triton' needs a CUDA device"):
+        LLM(str(tiny_qwen3), kernel_backend="triton")
+
+
+def test_a_kv_cache_too_small_for_one_sequence_is_said_before_loading(tiny_qwen3, monkeypatch):
+    weights_never_load(monkeypatch)
+    with pytest.raises(ValueError, match="2 blocks of 16 tokens cannot hold one sequence"):
+        LLM(str(tiny_qwen3), num_kv_blocks=2, max_model_len=512)
+    with pytest.raises(ValueError, match="cannot hold one sequence of max_model_len 512"):
+        LLM(str(tiny_qwen3), kv_cache_memory_bytes=1000, max_model_len=512)
+
+
+@pytest.mark.parametrize("prompts, message", [
+    (123, "prompts must be .* got int"),
+    (b"hi", "got bytes"),
+    (["fine", 4.5], "prompt 1: a prompt must be .* got float"),
+])
+def test_prompts_that_are_not_prompts(llm, prompts, message):
+    with pytest.raises(TypeError, match=message):
+        llm.generate(prompts, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_sampling_params_given_as_a_dict(llm):
+    with pytest.raises(TypeError, match=r"got dict \(SamplingParams\(\*\*d\) makes one"):
+        llm.generate("hi", {"max_tokens": 3}, use_tqdm=False)
+
+
+@pytest.mark.parametrize("messages, error, message", [
+    ("hello", TypeError, "messages must be a list of"),
+    ([{"content": "hi"}], ValueError, "message 0 has no 'role'"),
+    ([[{"role": "user", "content": "a"}], [{"role": "user"}]], ValueError,
+     "message 0 of conversation 1 has no 'content'"),
+])
+def test_chat_messages_that_are_not_messages(llm, messages, error, message):
+    with pytest.raises(error, match=message):
+        llm.chat(messages, SamplingParams(max_tokens=2), use_tqdm=False)
