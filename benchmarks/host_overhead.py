@@ -57,7 +57,7 @@ def main() -> None:
     params = SamplingParams(max_tokens=a.steps + 40, ignore_eos=True)
     rng = random.Random(1)
     for _ in range(a.num_seqs):
-        engine.add_request([rng.randrange(300) for _ in range(500)], params)
+        engine.add_request([rng.randrange(300) for _ in range(500)], params, stream=False)
     with fewer_gc_pauses():
         for _ in range(20):  # prefill
             engine.step(only_finished=True)

@@ -33,7 +33,7 @@ def main() -> None:
     rng = random.Random(0)
     params = SamplingParams(temperature=0.6, max_tokens=1000, ignore_eos=True)
     for _ in range(args.batch):
-        engine.add_request([rng.randrange(10000) for _ in range(512)], params)
+        engine.add_request([rng.randrange(10000) for _ in range(512)], params, stream=False)
     with fewer_gc_pauses():  # as LLM.generate runs its steps
         _profile(engine, args)
 

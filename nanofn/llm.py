@@ -94,7 +94,7 @@ class LLM:
         try:
             for index, (prompt, p) in enumerate(zip(prompts, params)):
                 try:
-                    ids.append(self.engine.add_request(prompt, p))
+                    ids.append(self.engine.add_request(prompt, p, stream=False))
                 except ValueError as e:
                     raise type(e)(f"prompt {index}: {e}") from e
         except BaseException:

@@ -438,7 +438,7 @@ def test_text_is_decoded_once_at_the_end_unless_stop_strings_need_it(llm, monkey
 
 def test_a_batch_caller_can_decode_finished_texts_after_the_last_step(tiny_qwen3):
     engine = Engine(EngineOptions(model=str(tiny_qwen3), num_kv_blocks=64, max_model_len=256))
-    engine.add_request("Hello", GREEDY, request_id="a")
+    engine.add_request("Hello", GREEDY, request_id="a", stream=False)
     engine.add_request("Hello", replace(GREEDY, stop=["\x00 never"]), request_id="b")
     finished = []
     while engine.has_unfinished_requests():
@@ -458,7 +458,7 @@ def test_texts_left_for_later_are_decoded_while_the_device_is_busy_and_no_longer
     import nanofn.engine.engine as engine_module
 
     for i, n in enumerate((1, 1, 1, 1, 1, 4)):
-        engine.add_request("Hello", replace(GREEDY, max_tokens=n), request_id=str(i))
+        engine.add_request("Hello", replace(GREEDY, max_tokens=n), request_id=str(i), stream=False)
     busy = iter([True] * 3)
     monkeypatch.setattr(engine.loop, "device_busy", lambda: next(busy, False))
     decoded = []

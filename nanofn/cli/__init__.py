@@ -129,6 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "scheduling core.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_generate(commands)
+    _add_serve(commands)
     _add_bench(commands)
     _add_replay(commands)
     return parser
@@ -243,6 +244,45 @@ def _add_generate(commands: Any) -> None:
     add_flags(p, "sampling", SAMPLING_FLAGS, SamplingParams)
     add_flags(p, "engine options", ENGINE_FLAGS, EngineOptions)
     p.set_defaults(run=run_generate)
+
+
+def _add_serve(commands: Any) -> None:
+    p = commands.add_parser(
+        "serve", help="serve a model over an OpenAI-compatible HTTP API",
+        description="Serve a local Hugging Face model over the OpenAI API (/v1/completions, "
+                    "/v1/chat/completions, /v1/models), with /health, /version, /tokenize, "
+                    "/detokenize and Prometheus /metrics. Without MODEL, the built-in demo "
+                    "model.",
+        epilog="example: nanofn serve /models/Qwen3-0.6B --port 8000 --api-key secret")
+    p.add_argument("model", nargs="?", metavar="MODEL",
+                   help="a local Hugging Face model folder (default: the built-in demo model)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    p.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/ requests")
+    p.add_argument("--served-model-name", metavar="NAME",
+                   help="the model's name in the API (default: MODEL as given)")
+    add_flags(p, "engine options", ENGINE_FLAGS, EngineOptions)
+    p.set_defaults(run=run_serve)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from nanofn.server.app import build_app
+    from nanofn.server.async_engine import AsyncLLM
+
+    model = args.model or str(demo_model())
+    with _user_errors():
+        llm = AsyncLLM(model, **engine_kwargs(args))
+    try:
+        app = build_app(llm, args.served_model_name or args.model or DEMO_MODEL, args.api_key)
+        # uvicorn stops taking connections on SIGINT/SIGTERM and lets the requests in flight
+        # finish (or their clients go) before it returns.
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
+                    timeout_graceful_shutdown=30)
+    finally:
+        llm.close()
+    return 0
 
 
 def run_generate(args: argparse.Namespace) -> int:

@@ -65,6 +65,7 @@ class _Request:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
+    stream: bool  # reported whenever it advances, not only when it finishes
     seqs: list[_SeqOutput]
 
     @property
@@ -121,9 +122,11 @@ class Engine:
     # --- requests -------------------------------------------------------------------------
 
     def add_request(self, prompt: PromptInput, params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
+                    request_id: str | None = None, stream: bool = True) -> str:
         """Queue a request; it starts at the next ``step()``. Raises ``InvalidRequest`` (a
-        ``ValueError``) naming the problem, leaving the engine as it was."""
+        ``ValueError``) naming the problem, leaving the engine as it was. ``stream``: its
+        text is decoded as the tokens come and ``step()`` reports it whenever it advances;
+        otherwise only when it finishes (and its text is decoded once, at the end)."""
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise InvalidRequest(f"sampling params must be SamplingParams, got {type(params).__name__}")
@@ -135,8 +138,8 @@ class Engine:
                 for seq_id, child in _children(request_id, params)]
         seq_ids = self._add_all(news)
         try:
-            watched = bool(params.stop) or params.logprobs is not None
-            request = _Request(request_id, text, token_ids, [
+            watched = stream or bool(params.stop) or params.logprobs is not None
+            request = _Request(request_id, text, token_ids, stream, [
                 _SeqOutput(seq_id, i, params,
                            Detokenizer(self.tokenizer, token_ids, params) if watched else None,
                            [], [] if params.logprobs is not None else None,
@@ -210,7 +213,8 @@ class Engine:
         if only_finished:
             outputs = [self._output(r) for r in finished]
         else:
-            advanced = [] if result.delivered is None else self._advanced(result.delivered)
+            advanced = ([] if result.delivered is None else
+                        [r for r in self._advanced(result.delivered) if r.stream])
             current = _CurrentTokens(self.loop.state)
             outputs = [self._output(r, current) for r in _unique(advanced + finished)]
         return StepResult(outputs, result.plan.num_prefill_tokens, result.plan.num_decode_tokens)

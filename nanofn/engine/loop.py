@@ -18,9 +18,12 @@ a fake runner, so the pipeline users run is the one the Hypothesis machine check
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import signal
+import threading
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol, TextIO
 
@@ -169,9 +172,12 @@ class EngineLoop:
                         new_seqs=tuple(self._new), dirty_blocks=tuple(self._dirty))
         state, plan = step(self._state, events)
         trace_line = step_line(events, plan) + "\n" if self._trace is not None else None
+        interrupted = False
         if not plan.is_empty:
             try:
-                pending = self.runner.launch(plan)
+                with _interrupts_deferred() as deferred:
+                    pending = self.runner.launch(plan)
+                interrupted = deferred.happened
             except BaseException:
                 self._aborts.extend(plan.seq_ids)
                 self._dirty.extend(plan.block_entries[:, 2].tolist())
@@ -184,6 +190,9 @@ class EngineLoop:
         self._trace_line = trace_line
         self._launched_alone = not plan.is_empty and len(self._in_flight) == 1
         self._unreported = LoopStep(plan, delivered, state.finished)
+        if interrupted:  # Ctrl-C during the launch: now that the step is whole
+            raise KeyboardInterrupt
+
 
     def settled(self, launches: int) -> bool:
         """Whether every plan among the first ``launches`` launched has been delivered to the
@@ -202,3 +211,28 @@ class EngineLoop:
         output = pending.wait()
         self._in_flight.popleft()
         self._ready, self._ready_index = Delivery(plan, output), index
+
+
+class _Deferred:
+    happened = False
+
+
+@contextlib.contextmanager
+def _interrupts_deferred() -> Iterator[_Deferred]:
+    """Hold back Ctrl-C (SIGINT) while a plan is launched: a launch cut in the middle may
+    have sent the plan to some tensor-parallel ranks and not to others, whose collectives
+    would then pair with the wrong plan's. Only the main thread receives signals; elsewhere
+    this does nothing."""
+    deferred = _Deferred()
+    if threading.current_thread() is not threading.main_thread():
+        yield deferred
+        return
+
+    def hold(signum, frame) -> None:
+        deferred.happened = True
+
+    previous = signal.signal(signal.SIGINT, hold)
+    try:
+        yield deferred
+    finally:
+        signal.signal(signal.SIGINT, previous)

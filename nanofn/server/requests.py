@@ -1,0 +1,131 @@
+"""Reading OpenAI request bodies: prompts, chat messages and sampling parameters, with errors
+that name the field (``APIError``, OpenAI's JSON shape)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi.responses import JSONResponse
+
+from nanofn.state import SamplingParams
+
+# Body fields that map to SamplingParams fields of the same name (vLLM's extras included).
+SAME_NAME = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
+             "frequency_penalty", "repetition_penalty", "min_tokens", "ignore_eos",
+             "stop_token_ids", "include_stop_str_in_output", "skip_special_tokens")
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, error_type: str = "BadRequestError",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = (status, message,
+                                                                       error_type, param, code)
+
+    def response(self) -> JSONResponse:
+        return JSONResponse({"error": {"message": self.message, "type": self.type,
+                                       "param": self.param, "code": self.code}},
+                            status_code=self.status)
+
+
+def completion_prompts(body: dict) -> list:
+    """The prompts of a completion request: a string, a list of strings, a list of token ids
+    or a list of those."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt, list) and prompt:
+        if all(_is_token(t) for t in prompt):
+            return [{"prompt_token_ids": prompt}]
+        if all(isinstance(p, str) for p in prompt):
+            return prompt
+        if all(isinstance(p, list) and p and all(_is_token(t) for t in p) for p in prompt):
+            return [{"prompt_token_ids": p} for p in prompt]
+    raise APIError(400, "prompt must be a string, a list of strings, a list of token ids or a "
+                        "list of such lists (not empty)", param="prompt")
+
+
+def chat_prompt(tokenizer: Any, body: dict) -> dict:
+    """The prompt of a chat request through the tokenizer's chat template."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise APIError(400, "messages must be a non-empty list", param="messages")
+    conversation = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or "role" not in message:
+            raise APIError(400, f"messages[{i}] must be an object with a role", param="messages")
+        content = message.get("content")
+        if isinstance(content, list):  # text parts
+            if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+                raise APIError(400, f"messages[{i}].content: only text parts are supported",
+                               param="messages")
+            content = "".join(p.get("text", "") for p in content)
+        elif content is not None and not isinstance(content, str):
+            raise APIError(400, f"messages[{i}].content must be a string or a list of text "
+                                f"parts", param="messages")
+        conversation.append({**message, "content": content or ""})
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict):
+        raise APIError(400, "chat_template_kwargs must be an object",
+                       param="chat_template_kwargs")
+    if not getattr(tokenizer, "chat_template", None):
+        raise APIError(400, "the model's tokenizer has no chat template", param="messages")
+    try:
+        text = tokenizer.apply_chat_template(
+            conversation, tokenize=False,
+            add_generation_prompt=body.get("add_generation_prompt", True), **kwargs)
+    except Exception as error:  # the template's own errors (a role it does not know...)
+        raise APIError(400, f"the chat template failed: {error}", param="messages") from None
+    return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
+
+
+def sampling_params(body: dict, chat: bool) -> SamplingParams:
+    fields: dict[str, Any] = {name: body[name] for name in SAME_NAME
+                              if body.get(name) is not None}
+    max_tokens = body.get("max_completion_tokens") if chat else None
+    if max_tokens is None:
+        max_tokens = body.get("max_tokens", None if chat else 16)
+    fields["max_tokens"] = max_tokens
+    stop = body.get("stop")
+    if stop is not None:
+        fields["stop"] = [stop] if isinstance(stop, str) else stop
+    logprobs = _logprobs(body, chat)
+    if logprobs is not None:
+        fields["logprobs"] = logprobs
+    try:
+        return SamplingParams(**fields)
+    except (TypeError, ValueError) as error:
+        message = str(error)
+        field = message.split(" ", 1)[0]
+        param = "max_tokens" if field == "max_tokens" and chat and \
+            "max_completion_tokens" in body else field
+        raise APIError(400, message, param=param if param.isidentifier() else None) from None
+
+
+def _logprobs(body: dict, chat: bool) -> int | None:
+    if chat:
+        if not body.get("logprobs"):
+            return None
+        top = body.get("top_logprobs", 0)
+        if not _is_token(top) or top > 20:
+            raise APIError(400, "top_logprobs must be an integer in [0, 20]",
+                           param="top_logprobs")
+        return top
+    logprobs = body.get("logprobs")
+    if logprobs is None:
+        return None
+    if not _is_token(logprobs) or logprobs > 20:
+        raise APIError(400, "logprobs must be an integer in [0, 20]", param="logprobs")
+    return logprobs
+
+
+def stream_options(body: dict) -> bool:
+    """Whether a streamed response ends with a usage chunk."""
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise APIError(400, "stream_options must be an object", param="stream_options")
+    return bool(options.get("include_usage", False))
+
+
+def _is_token(t: Any) -> bool:
+    return type(t) is int and t >= 0
