@@ -272,17 +272,34 @@ def run_serve(args: argparse.Namespace) -> int:
     from nanofn.server.async_engine import AsyncLLM
 
     model = args.model or str(demo_model())
+    server_class = _uvicorn_server()
     with _user_errors():
         llm = AsyncLLM(model, **engine_kwargs(args))
     try:
         app = build_app(llm, args.served_model_name or args.model or DEMO_MODEL, args.api_key)
-        # uvicorn stops taking connections on SIGINT/SIGTERM and lets the requests in flight
-        # finish (or their clients go) before it returns.
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
-                    timeout_graceful_shutdown=30)
+        config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                                timeout_graceful_shutdown=30)
+        server_class(config).run()
     finally:
         llm.close()
     return 0
+
+
+def _uvicorn_server() -> type:
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn stops taking connections on SIGINT or SIGTERM and lets the requests in
+        flight finish (or their clients go); then it raises the signal again, which would
+        kill the process before the engine closes. Here ``serve`` returns, and exits 0."""
+
+        @contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            with super().capture_signals():
+                yield
+                self._captured_signals.clear()
+
+    return Server
 
 
 def run_generate(args: argparse.Namespace) -> int:

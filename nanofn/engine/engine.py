@@ -23,8 +23,7 @@ from nanofn.engine.detokenizer import Detokenizer, decode_output
 from nanofn.engine.loop import Delivery, EngineLoop, LoopStep
 from nanofn.engine.options import EngineOptions
 from nanofn.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from nanofn.model import model_shape, resolve_dtype
-from nanofn.runner.model_runner import ModelRunner, RunnerConfig
+from nanofn.runner.model_runner import ModelRunner, RunnerConfig, check_kv_cache_size
 from nanofn.runner.tensor_parallel import TensorParallelExecutor
 from nanofn.state import (EngineState, Figures, FinishReason, InvalidRequest, NewSeq,
                           SamplingParams, Seq, TokenLogprobs, figures, initial_state)
@@ -92,7 +91,7 @@ class Engine:
         self.scheduler_config = options.scheduler_config(self.max_model_len, self.eos_token_ids,
                                                          self.hf_config.vocab_size)
         runner_config = _runner_config(options, model_dir, self.max_model_len)
-        _check_kv_cache_size(self.hf_config, runner_config)
+        check_kv_cache_size(self.hf_config, runner_config)
         self.runner = (ModelRunner(self.hf_config, runner_config) if runner_config.tp_size == 1
                        else TensorParallelExecutor(self.hf_config, runner_config))
         state = initial_state(self.scheduler_config, self.runner.num_blocks)
@@ -379,23 +378,6 @@ class Engine:
             self._trace = None
         if isinstance(self.runner, TensorParallelExecutor):
             self.runner.close()
-
-
-def _check_kv_cache_size(hf_config: Any, config: RunnerConfig) -> None:
-    """A KV cache given by size that cannot hold one sequence of ``max_model_len``: said now,
-    before the weights load (a cache sized from GPU memory is checked once it is measured)."""
-    if config.num_kv_blocks is not None:
-        blocks = config.num_kv_blocks
-    elif config.kv_cache_memory_bytes is not None:
-        shape = model_shape(hf_config, config.tp_size)
-        dtype = resolve_dtype(hf_config, config.dtype)
-        blocks = config.kv_cache_memory_bytes // shape.block_bytes(config.block_size, dtype)
-    else:
-        return
-    if blocks < config.max_blocks_per_seq:
-        raise ValueError(f"a KV cache of {blocks} blocks of {config.block_size} tokens cannot "
-                         f"hold one sequence of max_model_len {config.max_model_len} (it needs "
-                         f"{config.max_blocks_per_seq}); give it more or lower max_model_len")
 
 
 def _runner_config(options: EngineOptions, model_dir: Path, max_model_len: int) -> RunnerConfig:

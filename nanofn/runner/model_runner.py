@@ -213,6 +213,23 @@ class ModelRunner:
         return scratch.numel() * scratch.element_size()
 
 
+def check_kv_cache_size(hf_config: Any, config: RunnerConfig) -> None:
+    """A KV cache given by size that cannot hold one sequence of ``max_model_len``: said now,
+    before the weights load (a cache sized from GPU memory is checked once it is measured)."""
+    if config.num_kv_blocks is not None:
+        blocks = config.num_kv_blocks
+    elif config.kv_cache_memory_bytes is not None:
+        shape = model_shape(hf_config, config.tp_size)
+        dtype = resolve_dtype(hf_config, config.dtype)
+        blocks = config.kv_cache_memory_bytes // shape.block_bytes(config.block_size, dtype)
+    else:
+        return
+    if blocks < config.max_blocks_per_seq:
+        raise ValueError(f"a KV cache of {blocks} blocks of {config.block_size} tokens cannot "
+                         f"hold one sequence of max_model_len {config.max_model_len} (it needs "
+                         f"{config.max_blocks_per_seq}); give it more or lower max_model_len")
+
+
 def choose_kernels(config: RunnerConfig) -> KernelBackend:
     """The model's kernels (attention, norms, rotary, activation), chosen once per engine: Triton
     on CUDA, the torch references elsewhere (or as ``config.kernel_backend`` asks)."""

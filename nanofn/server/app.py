@@ -8,7 +8,7 @@ import asyncio
 import json
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -33,13 +33,11 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None) -> Fas
     async def api_error(_: Request, error: APIError) -> JSONResponse:
         return error.response()
 
-    @app.middleware("http")
-    async def authorize(request: Request, call_next: Callable) -> Response:
-        if api_key is not None and request.url.path.startswith("/v1/"):
-            if request.headers.get("authorization", "") != f"Bearer {api_key}":
-                return APIError(401, "a valid API key is needed: Authorization: Bearer KEY",
-                                "authentication_error", code="invalid_api_key").response()
-        return await call_next(request)
+    def authorize(request: Request) -> None:
+        """With ``api_key``, the /v1/ routes need ``Authorization: Bearer KEY``."""
+        if api_key is not None and request.headers.get("authorization") != f"Bearer {api_key}":
+            raise APIError(401, "a valid API key is needed: Authorization: Bearer KEY",
+                           "authentication_error", code="invalid_api_key")
 
     @app.get("/health")
     async def health() -> Response:
@@ -52,7 +50,8 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None) -> Fas
         return {"version": VERSION}
 
     @app.get("/v1/models")
-    async def models() -> dict:
+    async def models(request: Request) -> dict:
+        authorize(request)
         return {"object": "list", "data": [{
             "id": model_name, "object": "model", "created": int(time.time()),
             "owned_by": "nanofn", "max_model_len": llm.engine.max_model_len}]}
@@ -84,6 +83,7 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None) -> Fas
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
+        authorize(request)
         body = await _body(request)
         _check_model(body, model_name)
         prompts = completion_prompts(body)
@@ -92,6 +92,7 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None) -> Fas
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
+        authorize(request)
         body = await _body(request)
         _check_model(body, model_name)
         prompt = chat_prompt(llm.tokenizer, body)
@@ -203,9 +204,10 @@ async def _events(shape: _Shape, streams: list, firsts: list,
         if include_usage:
             yield _sse({**shape.chunk(0, []), "usage": shape.usage(finals)})
         yield "data: [DONE]\n\n"
-    finally:
+    finally:  # the client went away, or all is sent: stop the pumps, then the requests
         for task in tasks:
             task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         for stream in streams:
             await stream.aclose()
 

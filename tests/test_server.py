@@ -1,0 +1,223 @@
+"""``nanofn serve`` as a subprocess on 127.0.0.1, driven with the real ``openai`` client (and
+httpx where the client hides the HTTP): completions and chat, streamed and not, n > 1, stop
+strings, logprobs, usage, errors, disconnects, and a bounded load with cancellations."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import re
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+openai = pytest.importorskip("openai")
+
+API_KEY = "test-key"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_qwen3):
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "nanofn", "serve", str(tiny_qwen3), "--port", str(port),
+         "--api-key", API_KEY, "--served-model-name", "tiny", "--max-model-len", "256",
+         "--num-kv-blocks", "64", "--max-num-seqs", "16"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"the server exited:\n{process.stdout.read()}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.3)
+    else:
+        process.kill()
+        raise RuntimeError("the server did not start within 120 s")
+    yield url
+    process.terminate()  # SIGTERM: a clean exit
+    assert process.wait(timeout=60) == 0, process.stdout.read()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key=API_KEY, max_retries=0)
+
+
+def metric(server: str, name: str) -> float:
+    text = httpx.get(f"{server}/metrics").text
+    match = re.search(rf"^{re.escape(name)} ([0-9.e+-]+)$", text, re.MULTILINE)
+    assert match, f"{name} not in /metrics"
+    return float(match.group(1))
+
+
+def wait_until_idle(server: str) -> None:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if (metric(server, "vllm:num_requests_running") == 0
+                and metric(server, "vllm:num_requests_waiting") == 0
+                and metric(server, "nanofn:kv_blocks_used") == 0):
+            return
+        time.sleep(0.2)
+    raise AssertionError("requests or KV blocks are still held")
+
+
+def test_models_health_version_tokenize_detokenize(server, client):
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    assert httpx.get(f"{server}/health").status_code == 200
+    assert "version" in httpx.get(f"{server}/version").json()
+    tokens = httpx.post(f"{server}/tokenize", json={"prompt": "Hello there"}).json()
+    assert tokens["count"] == len(tokens["tokens"]) > 0
+    text = httpx.post(f"{server}/detokenize", json={"tokens": tokens["tokens"]}).json()
+    assert text["prompt"] == "Hello there"
+
+
+def test_a_completion_with_usage_and_a_seed(client):
+    a = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=12,
+                                  temperature=0.8, seed=3)
+    b = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=12,
+                                  temperature=0.8, seed=3)
+    assert a.choices[0].text == b.choices[0].text
+    assert a.choices[0].finish_reason == "length"
+    assert a.usage.completion_tokens == 12 and a.usage.prompt_tokens > 0
+    assert a.usage.total_tokens == a.usage.prompt_tokens + 12
+
+
+def test_streamed_text_equals_the_whole_text(client):
+    kwargs = dict(model="tiny", prompt="The cat", max_tokens=20, temperature=0.7, seed=11)
+    whole = client.completions.create(**kwargs).choices[0].text
+    chunks = list(client.completions.create(**kwargs, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole
+    assert chunks[-1].usage.completion_tokens == 20
+    messages = [{"role": "user", "content": "Say something"}]
+    chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=15,
+                                          temperature=0.7, seed=5)
+    streamed = client.chat.completions.create(model="tiny", messages=messages, max_tokens=15,
+                                              temperature=0.7, seed=5, stream=True)
+    text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+    assert text == chat.choices[0].message.content
+    assert chat.choices[0].message.role == "assistant"
+
+
+def test_n_token_prompts_echo_and_several_prompts(client):
+    out = client.completions.create(model="tiny", prompt="Hi", max_tokens=5, n=3, seed=1,
+                                    temperature=1.0)
+    assert sorted(c.index for c in out.choices) == [0, 1, 2]
+    assert out.usage.completion_tokens == 15
+    several = client.completions.create(model="tiny", prompt=[[5, 6, 7], [8, 9]], max_tokens=4,
+                                        temperature=0)
+    assert sorted(c.index for c in several.choices) == [0, 1]
+    echoed = client.completions.create(model="tiny", prompt="Echo me", max_tokens=3, echo=True,
+                                       temperature=0)
+    assert echoed.choices[0].text.startswith("Echo me")
+
+
+def test_a_stop_string_ends_the_text_before_it(client):
+    whole = client.completions.create(model="tiny", prompt="abc", max_tokens=40,
+                                      temperature=0).choices[0].text
+    stop = whole[len(whole) // 2:len(whole) // 2 + 2]
+    cut = client.completions.create(model="tiny", prompt="abc", max_tokens=40, temperature=0,
+                                    stop=[stop])
+    assert cut.choices[0].text == whole[:whole.index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+
+
+def test_logprobs(client):
+    out = client.completions.create(model="tiny", prompt="Hello", max_tokens=4, logprobs=2,
+                                    temperature=0)
+    lp = out.choices[0].logprobs
+    assert len(lp.token_logprobs) == 4 and all(v <= 0 for v in lp.token_logprobs)
+    assert all(len(top) >= 2 for top in lp.top_logprobs)
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user",
+                                                                   "content": "x"}],
+                                          max_tokens=3, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 3 and all(len(t.top_logprobs) >= 2 for t in content)
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    ({"max_tokens": -1}, "max_tokens"),
+    ({"temperature": -0.5}, "temperature"),
+    ({"top_p": 2.0}, "top_p"),
+    ({"prompt": "word " * 300}, None),  # longer than max_model_len 256
+])
+def test_bad_parameters_are_400_naming_the_field(client, kwargs, param):
+    with pytest.raises(openai.BadRequestError) as error:
+        client.completions.create(**{"model": "tiny", "prompt": "Hi", **kwargs})
+    body = error.value.body
+    assert set(body) >= {"message", "type", "param", "code"}
+    if param is not None:
+        assert body["param"] == param and param in body["message"]
+    else:
+        assert "max_model_len" in body["message"]
+
+
+def test_auth_unknown_model_and_malformed_json(server, client):
+    no_key = openai.OpenAI(base_url=f"{server}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        no_key.completions.create(model="tiny", prompt="Hi", max_tokens=2)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-9", prompt="Hi", max_tokens=2)
+    response = httpx.post(f"{server}/v1/completions", content=b"{not json",
+                          headers={"Authorization": f"Bearer {API_KEY}"})
+    assert response.status_code == 400 and "not JSON" in response.json()["error"]["message"]
+
+
+def test_a_client_that_disconnects_mid_stream_aborts_its_request(server):
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    body = {"model": "tiny", "prompt": "Go on", "max_tokens": 200, "stream": True,
+            "ignore_eos": True}
+    with httpx.stream("POST", f"{server}/v1/completions", json=body, headers=headers) as r:
+        lines = r.iter_lines()
+        next(line for line in lines if line.startswith("data:"))
+    wait_until_idle(server)
+
+
+def test_a_bounded_load_with_cancellations(server):
+    """100 requests, 16 at a time, a fifth cancelled mid-stream: every other one completes,
+    and afterwards nothing runs and every KV block is free."""
+    async def one(client, i: int, cancel: bool) -> str | None:
+        stream = await client.completions.create(model="tiny", prompt=f"Request {i}",
+                                                 max_tokens=30, stream=True,
+                                                 extra_body={"ignore_eos": True})
+        text, finish = "", None
+        async for chunk in stream:
+            if chunk.choices:
+                text += chunk.choices[0].text
+                finish = chunk.choices[0].finish_reason or finish
+            if cancel and text:
+                await stream.close()
+                return None
+        return finish
+
+    async def run() -> list:
+        client = openai.AsyncOpenAI(base_url=f"{server}/v1", api_key=API_KEY, max_retries=0)
+        gate = asyncio.Semaphore(16)
+        rng = random.Random(0)
+        cancels = [rng.random() < 0.2 for _ in range(100)]
+
+        async def gated(i):
+            async with gate:
+                return await one(client, i, cancels[i])
+        results = await asyncio.gather(*(gated(i) for i in range(100)))
+        await client.close()
+        return list(zip(cancels, results))
+
+    results = asyncio.run(run())
+    assert all(finish == "length" for cancelled, finish in results if not cancelled)
+    assert sum(cancelled for cancelled, _ in results) >= 10
+    wait_until_idle(server)
