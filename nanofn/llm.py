@@ -15,7 +15,7 @@ from nanofn.engine.beam_search import BeamSearchOutput, BeamSearchParams, beam_s
 from nanofn.engine.engine import Engine, PromptInput
 from nanofn.engine.options import EngineOptions
 from nanofn.engine.outputs import RequestOutput
-from nanofn.state import SamplingParams
+from nanofn.state import InvalidRequest, SamplingParams
 
 Message = Mapping[str, Any]
 
@@ -199,8 +199,8 @@ def _as_list(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:
     for index, prompt in enumerate(prompts):
         if isinstance(prompt, (bytes, bytearray)) or not isinstance(prompt, (str, Mapping,
                                                                              Sequence)):
-            raise TypeError(f"prompt {index}: a prompt must be a string, a list of token ids "
-                            f"or a dict, got {type(prompt).__name__}")
+            raise InvalidRequest(f"prompt {index}: a prompt must be a string, a list of token "
+                                 f"ids or a dict, got {type(prompt).__name__}")
     return prompts
 
 

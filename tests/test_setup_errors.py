@@ -85,13 +85,13 @@ def test_a_kv_cache_too_small_for_one_sequence_is_said_before_loading(tiny_qwen3
         LLM(str(tiny_qwen3), kv_cache_memory_bytes=1000, max_model_len=512)
 
 
-@pytest.mark.parametrize("prompts, message", [
-    (123, "prompts must be .* got int"),
-    (b"hi", "got bytes"),
-    (["fine", 4.5], "prompt 1: a prompt must be .* got float"),
+@pytest.mark.parametrize("prompts, error, message", [
+    (123, TypeError, "prompts must be .* got int"),
+    (b"hi", TypeError, "got bytes"),
+    (["fine", 4.5], ValueError, "prompt 1: a prompt must be .* got float"),
 ])
-def test_prompts_that_are_not_prompts(llm, prompts, message):
-    with pytest.raises(TypeError, match=message):
+def test_prompts_that_are_not_prompts(llm, prompts, error, message):
+    with pytest.raises(error, match=message):
         llm.generate(prompts, use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
 
