@@ -85,6 +85,22 @@ def test_models_health_version_tokenize_detokenize(server, client):
     assert text["prompt"] == "Hello there"
 
 
+def test_chat_template_kwargs_reach_the_template_and_metrics_count(server, client):
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}]
+    plain = httpx.post(f"{server}/tokenize", json={"messages": messages}).json()["tokens"]
+    no_thinking = httpx.post(f"{server}/tokenize", json={
+        "messages": messages, "chat_template_kwargs": {"enable_thinking": False}}).json()
+    assert no_thinking["tokens"][:len(plain)] == plain and no_thinking["count"] > len(plain)
+    out = client.chat.completions.create(model="tiny", messages=messages, max_tokens=2,
+                                         extra_body={"chat_template_kwargs":
+                                                     {"enable_thinking": False}})
+    assert out.usage.prompt_tokens == no_thinking["count"]
+    for name in ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
+                 "vllm:num_preemptions_total", "vllm:kv_cache_usage_perc"):
+        metric(server, name)
+    assert metric(server, "vllm:prefix_cache_queries_total") >= no_thinking["count"]
+
+
 def test_a_completion_with_usage_and_a_seed(client):
     a = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=12,
                                   temperature=0.8, seed=3)

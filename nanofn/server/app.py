@@ -15,6 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client import generate_latest
+from prometheus_client.core import CounterMetricFamily
 
 from nanofn.engine.outputs import RequestOutput
 from nanofn.server.async_engine import AsyncLLM, EngineDead
@@ -330,8 +331,7 @@ class Metrics:
         self.hit_rate = Gauge("nanofn:prefix_cache_hit_rate",
                               "Prompt tokens found in the prefix cache, since the start",
                               registry=registry)
-        self.preemptions = Gauge("vllm:num_preemptions", "Preemptions since the start",
-                                 registry=registry)
+        registry.register(_CoreCounters(llm))
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of finished requests",
                                      registry=registry)
         self.generation_tokens = Counter("vllm:generation_tokens",
@@ -360,5 +360,23 @@ class Metrics:
         self.kv_usage.set(figures.kv_cache_usage)
         self.kv_blocks_used.set(figures.kv_blocks_used)
         self.hit_rate.set(figures.prefix_cache_hit_rate)
-        self.preemptions.set(figures.num_preemptions)
         return generate_latest(self.registry)
+
+
+class _CoreCounters:
+    """The core's own running totals, read from its latest (immutable) state at each scrape:
+    preemptions, and prefix-cache queries and hits in tokens, as vLLM counts them."""
+
+    def __init__(self, llm: AsyncLLM):
+        self.llm = llm
+
+    def collect(self):
+        counters = self.llm.engine.state.counters
+        for name, documentation, value in (
+                ("vllm:num_preemptions", "Preemptions since the start",
+                 counters.num_preemptions),
+                ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                 counters.num_admitted_tokens),
+                ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache",
+                 counters.num_cached_tokens)):
+            yield CounterMetricFamily(name, documentation, value=value)
