@@ -8,7 +8,7 @@ import asyncio
 import json
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -137,7 +137,7 @@ async def _respond(llm: AsyncLLM, metrics: Metrics, body: dict, model_name: str,
         raise APIError(400, str(error), param=_param_of(str(error))) from None
     except EngineDead as error:
         raise APIError(503, str(error), "server_error") from None
-    shape = _Shape(response_id, created, model_name, chat, params.n, body)
+    shape = _Shape(response_id, created, model_name, chat, params.n, body, llm.tokenizer.decode)
     if body.get("stream", False):
         include_usage = stream_options(body)
         return StreamingResponse(_events(shape, streams, firsts, include_usage),
@@ -227,10 +227,17 @@ class _Shape:
     """OpenAI's response shapes for one call."""
 
     def __init__(self, response_id: str, created: int, model: str, chat: bool, n: int,
-                 body: dict):
+                 body: dict, decode: Callable[[list[int]], str]):
         self.id, self.created, self.model, self.chat, self.n = response_id, created, model, chat, n
         self.echo = bool(body.get("echo", False)) and not chat
+        self.decode = decode
         self.logprobs = body.get("logprobs") not in (None, False)
+        self.num_top = int(body.get("top_logprobs") or 0) if chat else int(body.get("logprobs") or 0)
+
+    def prompt_text(self, output: RequestOutput) -> str:
+        """What ``echo`` puts first: the prompt as given, or its tokens decoded."""
+        return output.prompt if output.prompt is not None else self.decode(
+            output.prompt_token_ids)
 
     def choice_index(self, prompt_index: int, completion_index: int) -> int:
         return prompt_index * self.n + completion_index
@@ -239,7 +246,7 @@ class _Shape:
         choices = []
         for p, final in enumerate(finals):
             for c in final.outputs:
-                text = (final.prompt or "") + c.text if self.echo else c.text
+                text = self.prompt_text(final) + c.text if self.echo else c.text
                 choice: dict[str, Any] = {"index": self.choice_index(p, c.index),
                                           "logprobs": self._logprobs(c, 0),
                                           "finish_reason": _finish_reason(c.finish_reason)}
@@ -267,7 +274,7 @@ class _Shape:
                 continue
             text = c.text[text_sent:]
             if self.echo and c.index not in sent:
-                text = (output.prompt or "") + text
+                text = self.prompt_text(output) + text
             if not text and c.finish_reason is None:
                 continue
             sent[c.index] = (len(c.text), len(c.token_ids), c.finish_reason is not None)
@@ -297,17 +304,19 @@ class _Shape:
                 "bytes": list((top[token].decoded_token or "").encode()),
                 "top_logprobs": [{"token": lp.decoded_token, "logprob": lp.logprob,
                                   "bytes": list((lp.decoded_token or "").encode())}
-                                 for t, lp in _ranked(top) if t != token or lp.rank <= len(top)]}
+                                 for lp in self._top(top)]}
                 for token, top in entries]}
         return {"tokens": [top[token].decoded_token for token, top in entries],
                 "token_logprobs": [top[token].logprob for token, top in entries],
-                "top_logprobs": [{lp.decoded_token: lp.logprob for _, lp in _ranked(top)}
+                "top_logprobs": [{lp.decoded_token: lp.logprob for lp in self._top(top)}
                                  for _, top in entries],
                 "text_offset": []}
 
-
-def _ranked(top: dict) -> list:
-    return sorted(top.items(), key=lambda item: item[1].rank)
+    def _top(self, entry: dict) -> list:
+        """The ``num_top`` most likely tokens of a position's entry (which also holds the
+        sampled token, whatever its rank), best first."""
+        ranked = sorted(entry.values(), key=lambda lp: lp.rank)
+        return [lp for lp in ranked if lp.rank <= self.num_top][:self.num_top]
 
 
 def _finish_reason(reason: str | None) -> str | None:
