@@ -110,3 +110,31 @@ def test_sampling_params_given_as_a_dict(llm):
 def test_chat_messages_that_are_not_messages(llm, messages, error, message):
     with pytest.raises(error, match=message):
         llm.chat(messages, SamplingParams(max_tokens=2), use_tqdm=False)
+
+
+def test_a_start_that_fails_after_the_weights_loaded_lets_them_go(tiny_qwen3, monkeypatch):
+    """The exception's traceback keeps the half-built runner's frame; its weights must not be
+    kept with it (on a GPU that held the memory until the process ended)."""
+    import gc
+    import weakref
+
+    import nanofn.runner.model_runner as model_runner
+
+    built = []
+    build_model = model_runner.build_model
+
+    def recording_build_model(*args, **kwargs):
+        model = build_model(*args, **kwargs)
+        built.append(weakref.ref(model))
+        return model
+
+    def failing_blocks(self):
+        raise RuntimeError("no memory for the KV cache")
+
+    monkeypatch.setattr(model_runner, "build_model", recording_build_model)
+    monkeypatch.setattr(model_runner.ModelRunner, "_decide_num_blocks", failing_blocks)
+    with pytest.raises(RuntimeError, match="no memory for the KV cache") as failure:
+        LLM(str(tiny_qwen3), max_model_len=256)
+    gc.collect()
+    assert failure.value.__traceback__ is not None  # still held, as a caller would
+    assert built and built[0]() is None, "the model's weights outlived the failed start"

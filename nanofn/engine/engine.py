@@ -92,11 +92,17 @@ class Engine:
                                                          self.hf_config.vocab_size)
         runner_config = _runner_config(options, model_dir, self.max_model_len)
         check_kv_cache_size(self.hf_config, runner_config)
-        self.runner = (ModelRunner(self.hf_config, runner_config) if runner_config.tp_size == 1
-                       else TensorParallelExecutor(self.hf_config, runner_config))
-        state = initial_state(self.scheduler_config, self.runner.num_blocks)
         self._trace: TextIO | None = (open(options.trace, "w", buffering=1) if options.trace
                                       else None)
+        try:
+            self.runner = (ModelRunner(self.hf_config, runner_config)
+                           if runner_config.tp_size == 1
+                           else TensorParallelExecutor(self.hf_config, runner_config))
+        except BaseException:
+            if self._trace is not None:
+                self._trace.close()
+            raise
+        state = initial_state(self.scheduler_config, self.runner.num_blocks)
         self.loop = EngineLoop(state, self.runner, async_scheduling=options.async_scheduling,
                                trace=self._trace, trace_meta={
                                    "model": str(model_dir), "dtype": str(self.runner.dtype),

@@ -53,6 +53,18 @@ class RunnerConfig:
 
 class ModelRunner:
     def __init__(self, hf_config: Any, config: RunnerConfig):
+        try:
+            self._build(hf_config, config)
+        except BaseException:
+            # The exception's traceback holds this half-built runner (its frame's ``self``)
+            # for as long as the caller keeps the exception: let go of the weights, the KV
+            # cache and the graphs now, so that a failed start does not hold the GPU.
+            self.__dict__.clear()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            raise
+
+    def _build(self, hf_config: Any, config: RunnerConfig) -> None:
         self.config = config
         self.device = config.device
         if self.device.index is not None:  # streams, events, graphs and Triton use the current one
