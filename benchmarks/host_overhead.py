@@ -16,7 +16,7 @@ import time
 from nanofn import SamplingParams
 from nanofn.engine.engine import Engine
 from nanofn.engine.options import EngineOptions
-from nanofn.llm import fewer_gc_pauses
+from nanofn.engine.collector import fewer_gc_pauses
 from nanofn.state import SampleOutput
 from nanofn.model.tiny import make_tiny_checkpoint
 

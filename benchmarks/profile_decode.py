@@ -16,7 +16,7 @@ import torch
 
 from nanofn import LLM, SamplingParams
 from nanofn.cli import random_weights_model
-from nanofn.llm import fewer_gc_pauses
+from nanofn.engine.collector import fewer_gc_pauses
 
 
 def main() -> None:

@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import contextlib
-import gc
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from tqdm.auto import tqdm
 
 from nanofn.engine.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
+from nanofn.engine.collector import fewer_gc_pauses
 from nanofn.engine.engine import Engine, PromptInput
 from nanofn.engine.options import EngineOptions
 from nanofn.engine.outputs import RequestOutput
@@ -171,19 +171,6 @@ class _Progress:
 
 def _rate(counter: list[float]) -> str:
     return f"{counter[0] / counter[1]:,.0f}" if counter[1] else "-"
-
-
-@contextlib.contextmanager
-def fewer_gc_pauses() -> Iterator[None]:
-    """The pure core makes many small immutable objects per step; with Python's default
-    threshold (700) the cyclic collector runs several times a step and doubles the core's
-    cost. Collect less often while generating, and restore the setting afterwards."""
-    previous = gc.get_threshold()
-    gc.set_threshold(20_000, *previous[1:])
-    try:
-        yield
-    finally:
-        gc.set_threshold(*previous)
 
 
 def _as_list(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:

@@ -20,6 +20,7 @@ from typing import Any
 from nanofn.engine.engine import Engine, PromptInput
 from nanofn.engine.options import EngineOptions
 from nanofn.engine.outputs import RequestOutput
+from nanofn.engine.collector import fewer_gc_pauses
 from nanofn.state import Figures, SamplingParams
 
 
@@ -94,16 +95,20 @@ class AsyncLLM:
 
     def _run(self) -> None:
         try:
-            while not self._stopping:
-                self._take_commands(wait=not self.engine.has_unfinished_requests())
-                if self.engine.has_unfinished_requests():
-                    self._step()
-            self._abort_all()
+            with fewer_gc_pauses():  # as LLM.generate steps (the process's collector setting)
+                self._serve()
         except BaseException as error:  # a bug, or a dead tensor-parallel worker
             self.failure = error
             for stream in list(self._streams.values()):
                 _send(stream, EngineDead(f"the engine stopped: {error!r}"))
             self._streams.clear()
+
+    def _serve(self) -> None:
+        while not self._stopping:
+            self._take_commands(wait=not self.engine.has_unfinished_requests())
+            if self.engine.has_unfinished_requests():
+                self._step()
+        self._abort_all()
 
     def _take_commands(self, wait: bool) -> None:
         """Apply the queued commands; with ``wait``, block until there is one."""
