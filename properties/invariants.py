@@ -6,6 +6,7 @@ from collections import Counter, defaultdict
 
 from nanofn.state import PENDING_TOKEN, BatchPlan, EngineState, SeqStatus
 from nanofn.state.batch import SLOT
+from nanofn.state.hashing import block_hash, block_hashes
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -108,8 +109,24 @@ def check_plan(state: EngineState, plan: BatchPlan) -> None:
     assert {s.seq_id for s in plan.started} <= set(ids)
 
 
+def check_hashes(state: EngineState) -> None:
+    """Every cached block's hash is the chained hash of what it holds, and every record's
+    block hashes are those of its tokens (a running one's may lag: hashing is lazy)."""
+    for block, entry in state.pool.cached_blocks():
+        assert block_hash(entry.parent_hash, entry.token_ids) == entry.block_hash, block
+    if not state.config.enable_prefix_caching:
+        return
+    bs = state.config.block_size
+    for seq in (*state.running, *state.waiting, *state.finished):
+        expected = block_hashes(seq.token_ids, bs)
+        if seq.status is SeqStatus.RUNNING:
+            expected = expected[:len(seq.block_hashes)]
+        assert seq.block_hashes == expected, f"{seq.seq_id}: wrong block hashes"
+
+
 def check_all(state: EngineState, plan: BatchPlan) -> None:
     check_block_accounting(state)
+    check_hashes(state)
     check_sharing(state)
     check_sequences(state)
     check_plan(state, plan)

@@ -26,9 +26,9 @@ preemptions: list = []
 _real_preempt = scheduler.preempt
 
 
-def _spying_preempt(pool, batch, i):
+def _spying_preempt(pool, batch, i, config):
     free = pool.num_free
-    victim = _real_preempt(pool, batch, i)
+    victim = _real_preempt(pool, batch, i, config)
     preemptions.append((free, batch.seq(i), victim))
     return victim
 

@@ -41,7 +41,9 @@ class Seq:
     delivered yet (a runner working one step ahead). The KV of the first ``num_computed``
     positions is in the cache (or is being written by the step that scheduled them), in the
     blocks of ``block_table``. ``block_hashes[i]`` is the chained hash of full known block
-    ``i``, computed once when the block fills, whether or not it is cached.
+    ``i``, computed once, whether or not it is cached. A waiting or finished record has the
+    hashes of all its full blocks; a running one's may lag behind the blocks decoding has
+    filled, which are hashed when needed (``nanofn/state/filled.py``).
     """
 
     spec: SeqSpec

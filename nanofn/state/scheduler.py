@@ -32,6 +32,7 @@ from nanofn.state.batch import (HAS_PENALTIES, HAS_STOP_IDS, IGNORE_EOS, LENGTH_
 from nanofn.state.block_pool import PoolChanges, find_cached_prefix
 from nanofn.state.config import SchedulerConfig, blocks_for
 from nanofn.state.engine_state import EngineState, InFlight, evolve
+from nanofn.state.filled import hash_pending_blocks, leaving_record
 from nanofn.state.hashing import parent_hash_of, token_bytes
 from nanofn.state.plan import PENDING_TOKEN, BatchPlan, SeqStart, empty_plan
 from nanofn.state.policy import at_length_limit, length_limit, may_stop_next, stop_token_ids
@@ -74,6 +75,12 @@ def schedule(state: EngineState) -> tuple[EngineState, BatchPlan]:
 
     admissions: list[Admission] = []
     budget = c.max_num_batched_tokens - int(counts.sum())
+    store, key, hashed = batch.store, batch.write_key, False
+    if (c.enable_prefix_caching and not victims and waiting and budget > 0
+            and kept < c.max_num_seqs and waiting.left.num_pending == 0):
+        # The running sequences' filled blocks join the prefix cache before it is searched.
+        store, cols = hash_pending_blocks(store, cols, pool, c.block_size, key)
+        hashed = True
     while (not victims and waiting and budget > 0 and kept + len(admissions) < c.max_num_seqs
            and waiting.left.num_pending == 0):
         admission = admit(pool, waiting.left, budget, c)
@@ -83,10 +90,10 @@ def schedule(state: EngineState) -> tuple[EngineState, BatchPlan]:
         waiting = waiting.popleft()
         budget -= admission.count
 
-    store, key = batch.store, batch.write_key
     if blocks or admissions:
         store, cols = _write_new_blocks(store, cols, grow, blocks, admissions, key)
         cols, slots = _append_admitted(store, cols, admissions, slots, state.next_serial, c)
+    if blocks or admissions or hashed:
         key = store.claim()
     ids, specs = batch.ids, batch.specs
     if victims or admissions:
@@ -157,7 +164,7 @@ def schedule_under_pressure(batch: RunningBatch, pool: PoolChanges, c: Scheduler
             if count > 0:
                 break
             victim = end - 1
-            victims.append((victim, preempt(pool, batch, victim)))
+            victims.append((victim, preempt(pool, batch, victim, c)))
             end = victim
             if victim == i:
                 count = 0
@@ -171,12 +178,12 @@ def schedule_under_pressure(batch: RunningBatch, pool: PoolChanges, c: Scheduler
     return counts, grow, blocks, end, victims
 
 
-def preempt(pool: PoolChanges, batch: RunningBatch, i: int) -> Seq:
+def preempt(pool: PoolChanges, batch: RunningBatch, i: int, c: SchedulerConfig) -> Seq:
     """Give back all of row ``i``'s blocks (the last ones become the first to be evicted);
     it becomes a waiting record that keeps its tokens, pending ones included, and will
     recompute them."""
+    seq = leaving_record(batch, i, pool, c.block_size, c.enable_prefix_caching)
     pool.release(reversed(batch.table(i).tolist()))
-    seq = batch.seq(i)
     return replace(seq, status=SeqStatus.WAITING, num_computed=0, block_table=(),
                    num_preemptions=seq.num_preemptions + 1)
 
@@ -354,7 +361,9 @@ def _cache_computed_blocks(store: SeqStore, cols: np.ndarray, starts: np.ndarray
     starts = starts[:len(cols)]
     if not (starts < known).any():  # only pending tokens computed (async decode): none filled
         return
-    old, new = np.minimum(starts, known) // bs, np.minimum(cols[:, NUM_COMPUTED], known) // bs
+    old = np.minimum(starts, known) // bs
+    # Only hashed blocks: the pending ones are cached when hashed (filled.py).
+    new = np.minimum(np.minimum(cols[:, NUM_COMPUTED], known) // bs, cols[:, NUM_HASHED])
     rows = np.flatnonzero(new > old)
     if not len(rows):
         return

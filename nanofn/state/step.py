@@ -9,18 +9,19 @@ import numpy as np
 from pyrsistent import pdeque
 
 from nanofn.state.batch import (HAS_STOP_IDS, IGNORE_EOS, LENGTH_LIMIT, MIN_TOKENS,
-                                NUM_COMPUTED, NUM_HASHED, NUM_PENDING, NUM_PROMPT, NUM_TOKENS,
+                                NUM_PENDING, NUM_PROMPT, NUM_TOKENS,
                                 ROW, SERIAL, SLOT, RunningBatch, select, with_room)
 from nanofn.state.block_pool import PoolChanges
 from nanofn.state.config import SchedulerConfig
 from nanofn.state.engine_state import EngineState, evolve
-from nanofn.state.hashing import ROOT_HASH, block_hashes, hash_blocks
+from nanofn.state.filled import leaving_record
+from nanofn.state.hashing import block_hashes
 from nanofn.state.plan import BatchPlan
 from nanofn.state.policy import ends_on, finishing, length_limit, stops_on
 from nanofn.state.records import FinishReason, Seq, SeqStatus
 from nanofn.state.requests import NewSeq, add_seqs
 from nanofn.state.scheduler import schedule
-from nanofn.state.store import HASHES, TABLES, TOKENS, SeqStore
+from nanofn.state.store import TOKENS
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,9 +104,8 @@ def apply_sampled(state: EngineState, sampled: np.ndarray,
     batch = state.batch
     rows = _rows_of(batch, in_flight.serials)
     if rows is None:  # every running sequence, in batch order: whole columns, no gathers
-        rows = everyone = slice(None)
+        rows = slice(None)
     else:
-        everyone = None
         running = rows >= 0
         if not running.all():
             state = _deliver_to_waiting(state, in_flight.seq_ids, sampled, ~running, stop_hits)
@@ -119,13 +119,7 @@ def apply_sampled(state: EngineState, sampled: np.ndarray,
     store.append(TOKENS, cols[rows, ROW], lengths, sampled)
     cols[rows, NUM_TOKENS] = lengths + 1
     cols[rows, NUM_PENDING] -= 1
-    pool = PoolChanges(state.pool)
-    if c.enable_prefix_caching:
-        filled = (lengths + 1) % c.block_size == 0
-        if filled.any():
-            indices = np.flatnonzero(filled) if everyone is not None else rows[filled]
-            store, cols = hash_full_blocks(store, cols, indices, pool, c.block_size,
-                                           batch.write_key)
+    pool = PoolChanges(state.pool)  # (blocks the tokens fill are hashed later: filled.py)
     batch = RunningBatch(cols, batch.specs, batch.ids, store, store.claim())
     reasons = _finish_reasons(batch, rows, sampled, stop_hits, c)
     return finish_rows(evolve(state, batch=batch, undelivered=undelivered), pool, reasons)
@@ -168,28 +162,6 @@ def _finish_reasons(batch: RunningBatch, rows: np.ndarray | slice, tokens: np.nd
         return {}
     return {int(indices[j]): FinishReason.STOP if stop[j] else FinishReason.LENGTH
             for j in np.flatnonzero(done).tolist()}
-
-
-def hash_full_blocks(store: SeqStore, cols: np.ndarray, rows: np.ndarray, pool: PoolChanges,
-                     block_size: int, key: object) -> tuple[SeqStore, np.ndarray]:
-    """Each of ``rows`` just filled a block with known tokens: hash it (chained to the block
-    before), and record it in the prefix cache if its KV is computed (else the step that
-    computes it will). ``key``: the write key of the batch ``cols`` comes from."""
-    store, cols = with_room(store, cols, HASHES, rows, key=key)
-    index, store_rows = cols[rows, NUM_HASHED], cols[rows, ROW]
-    positions = index[:, None] * block_size + np.arange(block_size)
-    tokens = store.arrays[TOKENS][store_rows[:, None], positions]
-    parents = np.where(index > 0, store.arrays[HASHES][store_rows, np.maximum(index - 1, 0)],
-                       np.uint64(ROOT_HASH))
-    hashes, data = hash_blocks(parents, tokens)
-    store.append(HASHES, store_rows, index, np.array(hashes, np.uint64))
-    cols[rows, NUM_HASHED] = index + 1
-    computed = np.flatnonzero(cols[rows, NUM_COMPUTED] >= (index + 1) * block_size)
-    if len(computed):
-        pool.cache_many(store.arrays[TABLES][store_rows[computed], index[computed]].tolist(),
-                        [hashes[j] for j in computed.tolist()], parents[computed].tolist(),
-                        [row.tobytes() for row in data[computed]])
-    return store, cols
 
 
 def _deliver_to_waiting(state: EngineState, seq_ids: tuple[str, ...], sampled: np.ndarray,
@@ -271,9 +243,10 @@ def finish_rows(state: EngineState, pool: PoolChanges,
     batch = state.batch
     finished, slots = list(state.finished), state.free_slots
     keep = np.ones(len(batch), bool)
+    c = state.config
     for i in sorted(reasons):
+        seq = leaving_record(batch, i, pool, c.block_size, c.enable_prefix_caching)
         pool.release(reversed(batch.table(i).tolist()))
-        seq = batch.seq(i)
         finished.append(replace(seq, status=SeqStatus.FINISHED, finish_reason=reasons[i],
                                 block_table=()))
         slots = slots.cons(int(batch.cols[i, SLOT]))

@@ -1,0 +1,77 @@
+"""Hashing the blocks that decoding fills, lazily.
+
+A running sequence's block hashes (for the prefix cache) are taken when they are needed, not
+when decoding fills the block: before the prefix cache is searched (a step that admits), and
+when the sequence leaves the batch (finished or preempted) and gives its blocks back. So a
+decode step that fills blocks does no hashing; the hashes, and the prefix cache at every
+lookup and release, are what hashing at fill time would give. ``NUM_HASHED`` counts a row's
+hashed blocks; full blocks past it are pending.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import xxhash
+
+from nanofn.state.batch import NUM_COMPUTED, NUM_HASHED, NUM_TOKENS, ROW, RunningBatch, with_room
+from nanofn.state.block_pool import PoolChanges
+from nanofn.state.hashing import ROOT_HASH
+from nanofn.state.records import Seq
+from nanofn.state.store import HASHES, TABLES, TOKENS, SeqStore
+
+
+def hash_pending_blocks(store: SeqStore, cols: np.ndarray, pool: PoolChanges, block_size: int,
+                        key: object) -> tuple[SeqStore, np.ndarray]:
+    """Hash every row's pending full blocks into the store (``cols`` is writable; ``key``
+    the write key of the batch it comes from), and cache the computed ones."""
+    pending = cols[:, NUM_TOKENS] // block_size - cols[:, NUM_HASHED]
+    rows = np.flatnonzero(pending > 0)
+    if not len(rows):
+        return store, cols
+    store, cols = with_room(store, cols, HASHES, rows, pending[rows], key=key)
+    for i in rows.tolist():
+        row, first = int(cols[i, ROW]), int(cols[i, NUM_HASHED])
+        hashes = _hash_and_cache(store, row, first, int(pending[i]),
+                                 int(cols[i, NUM_COMPUTED]), pool, block_size)
+        store.extend(HASHES, row, first, np.array(hashes, np.uint64))
+        cols[i, NUM_HASHED] = first + len(hashes)
+    return store, cols
+
+
+def leaving_record(batch: RunningBatch, i: int, pool: PoolChanges, block_size: int,
+                   prefix_caching: bool) -> Seq:
+    """Row ``i`` as a record with all its block hashes, its pending blocks hashed (and the
+    computed ones cached) before it gives its blocks back."""
+    seq = batch.seq(i)
+    cols = batch.cols[i]
+    first = int(cols[NUM_HASHED])
+    count = int(cols[NUM_TOKENS]) // block_size - first
+    if not prefix_caching or count <= 0:
+        return seq
+    hashes = _hash_and_cache(batch.store, int(cols[ROW]), first, count, int(cols[NUM_COMPUTED]),
+                             pool, block_size)
+    return replace(seq, block_hashes=seq.block_hashes + tuple(hashes))
+
+
+def _hash_and_cache(store: SeqStore, row: int, first: int, count: int, num_computed: int,
+                    pool: PoolChanges, block_size: int) -> list[int]:
+    """The chained hashes of blocks ``first .. first + count - 1`` of a store row; the ones
+    whose KV is computed go into the prefix cache."""
+    width = 4 * block_size
+    data = store.arrays[TOKENS][row, first * block_size:(first + count) * block_size].astype(
+        "<u4").tobytes()
+    parent = int(store.arrays[HASHES][row, first - 1]) if first else ROOT_HASH
+    hashes, parents = [], []
+    for k in range(count):
+        parents.append(parent)
+        parent = xxhash.xxh64_intdigest(parent.to_bytes(8, "little")
+                                        + data[k * width:(k + 1) * width])
+        hashes.append(parent)
+    computed = min(count, num_computed // block_size - first)
+    if computed > 0:
+        blocks = store.arrays[TABLES][row, first:first + computed].tolist()
+        pool.cache_many(blocks, hashes[:computed], parents[:computed],
+                        [data[k * width:(k + 1) * width] for k in range(computed)])
+    return hashes
