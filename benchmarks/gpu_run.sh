@@ -48,6 +48,16 @@ if [ "$what" = tp ]; then  # two GPUs: TP=2 parity, then TP=1 and TP=2 on a larg
   bench qwen3-8b-tp1 --random-weights qwen3-8b --profile
   bench qwen3-8b-tp2 --random-weights qwen3-8b --tensor-parallel-size 2
 fi
+if [ "$what" = serve ]; then  # needs fastapi, uvicorn, prometheus_client, openai wheels in .whl/
+  model=$(python3 -c "from nanofn.cli import random_weights_model as r; print(r('qwen3-0.6b'))")
+  python3 -m nanofn serve "$model" --port 8011 --max-model-len 4096 > "$OUT/serve.log" 2>&1 &
+  server=$!
+  for _ in $(seq 1 240); do curl -sf localhost:8011/health > /dev/null && break; sleep 1; done
+  timeout 300 python3 benchmarks/serve.py --url http://127.0.0.1:8011 --requests 256 \
+    --concurrency 64 --prompt-len 512 --max-tokens 256 --json "$OUT/serve.json" \
+    | tee "$OUT/serve.txt"
+  kill -TERM $server; wait $server
+fi
 if [ "$what" = baseline ]; then
   single torch-eager --kernel-backend=torch --enforce-eager=true
   bench torch-eager --kernel-backend torch --enforce-eager

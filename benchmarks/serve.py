@@ -1,0 +1,104 @@
+"""A serving benchmark: streamed completions against a running ``nanofn serve`` (or any
+OpenAI-compatible server) at a fixed concurrency, reporting output throughput and the p50/p99
+of the time to first token and of the inter-token latency.
+
+Usage: python benchmarks/serve.py --url http://127.0.0.1:8000 [--model NAME] [--requests 256]
+       [--concurrency 64] [--prompt-len 512] [--max-tokens 256] [--api-key KEY]
+       [--vocab-size 10000] [--json PATH]
+
+Prompts are random token ids (``--prompt-len`` each) and every request asks for exactly
+``--max-tokens`` tokens (``ignore_eos``), so runs compare across servers and models.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import time
+
+import numpy as np
+import openai
+
+
+async def one_request(client, model: str, prompt: list[int], max_tokens: int) -> dict:
+    start = time.perf_counter()
+    first = None
+    arrivals = []  # (time, tokens so far)
+    stream = await client.completions.create(
+        model=model, prompt=prompt, max_tokens=max_tokens, temperature=0.6, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    tokens = 0
+    async for chunk in stream:
+        now = time.perf_counter()
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
+        if chunk.choices and chunk.choices[0].text:
+            first = now if first is None else first
+            arrivals.append(now)
+    end = time.perf_counter()
+    gaps = np.diff(arrivals) if len(arrivals) > 1 else np.array([])
+    # A chunk may carry several tokens: spread each gap over the tokens it brought.
+    per_token = (end - first) / max(tokens - 1, 1) if first is not None else None
+    return {"ttft": (first or end) - start, "tokens": tokens, "e2e": end - start,
+            "gaps": gaps.tolist(), "per_token": per_token}
+
+
+async def run(a) -> dict:
+    client = openai.AsyncOpenAI(base_url=f"{a.url}/v1", api_key=a.api_key or "none",
+                                max_retries=0, timeout=600)
+    model = a.model or (await client.models.list()).data[0].id
+    rng = random.Random(0)
+    prompts = [[rng.randrange(10, a.vocab_size) for _ in range(a.prompt_len)]
+               for _ in range(a.requests)]
+    await one_request(client, model, prompts[0][:32], 8)  # warm up
+    gate = asyncio.Semaphore(a.concurrency)
+
+    async def gated(prompt):
+        async with gate:
+            return await one_request(client, model, prompt, a.max_tokens)
+
+    start = time.perf_counter()
+    results = await asyncio.gather(*(gated(p) for p in prompts))
+    elapsed = time.perf_counter() - start
+    await client.close()
+    ttft = np.array([r["ttft"] for r in results])
+    itl = np.array([r["per_token"] for r in results if r["per_token"] is not None])
+    tokens = sum(r["tokens"] for r in results)
+    return {"model": model, "requests": a.requests, "concurrency": a.concurrency,
+            "prompt_len": a.prompt_len, "max_tokens": a.max_tokens, "elapsed_s": elapsed,
+            "output_tokens": tokens, "output_tok_s": tokens / elapsed,
+            "ttft_p50_ms": float(np.percentile(ttft, 50) * 1e3),
+            "ttft_p99_ms": float(np.percentile(ttft, 99) * 1e3),
+            "itl_p50_ms": float(np.percentile(itl, 50) * 1e3),
+            "itl_p99_ms": float(np.percentile(itl, 99) * 1e3)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--url", default="http://127.0.0.1:8000")
+    ap.add_argument("--model")
+    ap.add_argument("--requests", type=int, default=256)
+    ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--api-key")
+    ap.add_argument("--vocab-size", type=int, default=10_000,
+                    help="prompt token ids are drawn below it (the demo model has 400)")
+    ap.add_argument("--json", metavar="PATH")
+    a = ap.parse_args()
+    result = asyncio.run(run(a))
+    print(f"{result['requests']} requests, {result['concurrency']} at a time, prompts of "
+          f"{result['prompt_len']} tokens, {result['max_tokens']} new tokens each: "
+          f"{result['elapsed_s']:.2f} s, {result['output_tok_s']:,.0f} output tok/s")
+    print(f"time to first token p50 {result['ttft_p50_ms']:.1f} ms, p99 "
+          f"{result['ttft_p99_ms']:.1f} ms; inter-token latency p50 {result['itl_p50_ms']:.2f} "
+          f"ms, p99 {result['itl_p99_ms']:.2f} ms")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
