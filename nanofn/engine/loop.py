@@ -193,7 +193,6 @@ class EngineLoop:
         if interrupted:  # Ctrl-C during the launch: now that the step is whole
             raise KeyboardInterrupt
 
-
     def settled(self, launches: int) -> bool:
         """Whether every plan among the first ``launches`` launched has been delivered to the
         core (``num_launched`` counts them)."""

@@ -178,7 +178,6 @@ class TensorParallelExecutor:
             pipe.recv()
 
 
-
 class _WatchedSample:
     """Rank 0's sampled tokens; waiting for them reports a failed worker as such."""
 

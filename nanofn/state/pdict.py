@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Iterable, Iterator, Mapping
 from typing import Any
 
+
 class _Gone:
     """A deleted key's value, in a layer above the one that holds the key: one object, which
     copies and pickles stay (they look it up by name)."""
