@@ -129,6 +129,16 @@ def test_streamed_text_equals_the_whole_text(client):
     assert chat.choices[0].message.role == "assistant"
 
 
+def test_a_streamed_n_gives_each_choice_its_whole_text(client):
+    kwargs = dict(model="tiny", prompt="Twice", max_tokens=12, n=2, temperature=1.0, seed=9)
+    whole = {c.index: c.text for c in client.completions.create(**kwargs).choices}
+    streamed = {0: "", 1: ""}
+    for chunk in client.completions.create(**kwargs, stream=True):
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.text
+    assert streamed == whole
+
+
 def test_n_token_prompts_echo_and_several_prompts(client):
     out = client.completions.create(model="tiny", prompt="Hi", max_tokens=5, n=3, seed=1,
                                     temperature=1.0)
