@@ -33,6 +33,7 @@ def test_a_pdict_behaves_as_a_dict_and_keeps_every_version(ops):
         assert dict(pd.items()) == expected and len(pd) == len(expected)
         assert all(pd.get(k) == v and k in pd for k, v in expected.items())
         assert all(k not in pd for k in range(31) if k not in expected)
+        assert pd.absent(range(31)) == {k for k in range(31) if k not in expected}
     pd = versions[-1][0]
     assert copy.deepcopy(pd) == pd and pickle.loads(pickle.dumps(pd)) == pd
 

@@ -107,9 +107,9 @@ class ModelRunner:
         for it, in plan order. The tokens stay on the device for the next plan's
         ``PENDING_TOKEN``s; ``wait()`` on the result brings them to the host."""
         start = self.timeline.mark() if self.timeline is not None else None
-        if self._samples_in_graph(plan):
+        sampling_slots = plan.slots[plan.sample]
+        if self._samples_in_graph(plan, sampling_slots):
             self._start(plan.started)
-            sampling_slots = plan.slots[plan.sample]
             greedy = not self.slot_params.floats[sampling_slots, SlotParams.TEMPERATURE].any()
             key_base = 0 if greedy else self.sampler.key_base()  # as the eager sampler draws
             sample = DeviceSample.start(self.graphs.sample(plan, key_base),
@@ -122,12 +122,11 @@ class ModelRunner:
             self.timeline.add(start, _step_kind(plan))
         return sample
 
-    def _samples_in_graph(self, plan: BatchPlan) -> bool:
+    def _samples_in_graph(self, plan: BatchPlan, sampling_slots: np.ndarray) -> bool:
         """Whether a decode graph can sample this plan: every sampling row plain (see
         ``DecodeGraphs``)."""
         return (self.slot_temperature is not None and not plan.banned and not plan.histories
-                and self.graphs.fits(plan)
-                and bool(self.slot_params.plain[plan.slots[plan.sample]].all()))
+                and self.graphs.fits(plan) and bool(self.slot_params.plain[sampling_slots].all()))
 
     def _start(self, started: tuple[SeqStart, ...]) -> None:
         """Record the sampling parameters of the sequences that start (and their temperatures

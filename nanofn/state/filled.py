@@ -13,11 +13,10 @@ from __future__ import annotations
 from dataclasses import replace
 
 import numpy as np
-import xxhash
 
 from nanofn.state.batch import NUM_COMPUTED, NUM_HASHED, NUM_TOKENS, ROW, RunningBatch, with_room
 from nanofn.state.block_pool import PoolChanges
-from nanofn.state.hashing import ROOT_HASH
+from nanofn.state.hashing import ROOT_HASH, chained_hashes, token_bytes
 from nanofn.state.records import Seq
 from nanofn.state.store import HASHES, TABLES, TOKENS, SeqStore
 
@@ -60,18 +59,12 @@ def _hash_and_cache(store: SeqStore, row: int, first: int, count: int, num_compu
     """The chained hashes of blocks ``first .. first + count - 1`` of a store row; the ones
     whose KV is computed go into the prefix cache."""
     width = 4 * block_size
-    data = store.arrays[TOKENS][row, first * block_size:(first + count) * block_size].astype(
-        "<u4").tobytes()
+    data = token_bytes(store.arrays[TOKENS][row, first * block_size:(first + count) * block_size])
     parent = int(store.arrays[HASHES][row, first - 1]) if first else ROOT_HASH
-    hashes, parents = [], []
-    for k in range(count):
-        parents.append(parent)
-        parent = xxhash.xxh64_intdigest(parent.to_bytes(8, "little")
-                                        + data[k * width:(k + 1) * width])
-        hashes.append(parent)
+    hashes = chained_hashes(parent, data, block_size, count)
     computed = min(count, num_computed // block_size - first)
     if computed > 0:
         blocks = store.arrays[TABLES][row, first:first + computed].tolist()
-        pool.cache_many(blocks, hashes[:computed], parents[:computed],
+        pool.cache_many(blocks, hashes[:computed], [parent, *hashes[:computed - 1]],
                         [data[k * width:(k + 1) * width] for k in range(computed)])
     return hashes

@@ -22,26 +22,22 @@ def token_bytes(token_ids: Sequence[int] | np.ndarray) -> bytes:
     return np.asarray(token_ids, dtype="<u4").tobytes()
 
 
-def hash_blocks(parent_hashes: np.ndarray, blocks: np.ndarray) -> tuple[list[int], np.ndarray]:
-    """``block_hash`` of many blocks at once (``blocks``: ``[k, block_size]`` token ids, each
-    chained to its ``parent_hashes[k]``); also returns the blocks' bytes ``[k, 4 * block_size]``."""
-    tokens = np.ascontiguousarray(blocks, dtype="<u4").view(np.uint8).reshape(len(blocks), -1)
-    data = np.concatenate([parent_hashes.astype("<u8").view(np.uint8).reshape(-1, 8), tokens],
-                          axis=1)
-    return [xxhash.xxh64_intdigest(row) for row in data], tokens
-
-
 def parent_hash_of(hashes: Sequence[int], block_index: int) -> int:
     return int(hashes[block_index - 1]) if block_index > 0 else ROOT_HASH
 
 
 def block_hashes(token_ids: Sequence[int], block_size: int) -> tuple[int, ...]:
     """The hashes of every full block of ``token_ids``."""
-    data, width = token_bytes(token_ids), 4 * block_size
-    hashes: list[int] = []
-    parent = ROOT_HASH
-    for i in range(len(token_ids) // block_size):
+    return tuple(chained_hashes(ROOT_HASH, token_bytes(token_ids), block_size,
+                                len(token_ids) // block_size))
+
+
+def chained_hashes(parent: int, data: bytes, block_size: int, count: int) -> list[int]:
+    """The hashes of the first ``count`` blocks of ``data`` (``token_bytes`` of whole blocks),
+    the first chained to ``parent``, each next one to the one before."""
+    width, hashes = 4 * block_size, []
+    for i in range(count):
         parent = xxhash.xxh64_intdigest(parent.to_bytes(8, "little")
                                         + data[i * width:(i + 1) * width])
         hashes.append(parent)
-    return tuple(hashes)
+    return hashes

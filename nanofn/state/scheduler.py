@@ -76,13 +76,12 @@ def schedule(state: EngineState) -> tuple[EngineState, BatchPlan]:
     admissions: list[Admission] = []
     budget = c.max_num_batched_tokens - int(counts.sum())
     store, key, hashed = batch.store, batch.write_key, False
-    if (c.enable_prefix_caching and not victims and waiting and budget > 0
-            and kept < c.max_num_seqs and waiting.left.num_pending == 0):
-        # The running sequences' filled blocks join the prefix cache before it is searched.
-        store, cols = hash_pending_blocks(store, cols, pool, c.block_size, key)
-        hashed = True
     while (not victims and waiting and budget > 0 and kept + len(admissions) < c.max_num_seqs
            and waiting.left.num_pending == 0):
+        if c.enable_prefix_caching and not hashed:
+            # The running sequences' filled blocks join the prefix cache before it is searched.
+            store, cols = hash_pending_blocks(store, cols, pool, c.block_size, key)
+            hashed = True
         admission = admit(pool, waiting.left, budget, c)
         if admission is None:
             break
