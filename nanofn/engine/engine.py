@@ -8,7 +8,6 @@ sampled by earlier calls' plans.
 
 from __future__ import annotations
 
-import gc
 import itertools
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -19,6 +18,7 @@ from typing import Any, TextIO, Union
 import torch
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
+from nanofn.engine.collector import freeze_while_alive
 from nanofn.engine.detokenizer import Detokenizer, decode_output
 from nanofn.engine.loop import Delivery, EngineLoop, LoopStep
 from nanofn.engine.options import EngineOptions
@@ -117,8 +117,7 @@ class Engine:
         # Everything loaded so far lives as long as the engine: keep it out of the cyclic
         # collector's way, which would otherwise walk the model's objects every full
         # collection, while the scheduler makes many short-lived records per step.
-        gc.collect()
-        gc.freeze()
+        self._unfreeze = freeze_while_alive(self)
 
     @property
     def state(self) -> EngineState:
@@ -379,6 +378,7 @@ class Engine:
         return None, _token_list(prompt)
 
     def close(self) -> None:
+        self._unfreeze()
         if self._trace is not None:
             self._trace.close()
             self._trace = None
@@ -414,6 +414,7 @@ def _runner_config(options: EngineOptions, model_dir: Path, max_model_len: int) 
         enforce_eager=options.enforce_eager,
         kernel_backend=options.kernel_backend,
         tp_size=options.tensor_parallel_size,
+        cpu_threads=options.cpu_threads,
     )
 
 
