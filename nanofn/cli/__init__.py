@@ -67,6 +67,9 @@ ENGINE_FLAGS: dict[str, dict[str, Any]] = {
                            help="kernels for attention, norms, rotary and activation (default: "
                                 "{default}: triton on CUDA and the torch references on a CPU)"),
     "trace": dict(metavar="PATH", help="record the run's trace here, for `nanofn replay`"),
+    "cpu_threads": dict(type=int, metavar="N",
+                        help="torch threads on a CPU device (default: 1 for models of hidden "
+                             "size under 1024, such as the demo; else torch's, one per core)"),
 }
 
 # SamplingParams field -> argparse settings, as for ENGINE_FLAGS.

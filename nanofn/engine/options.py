@@ -33,6 +33,7 @@ class EngineOptions:
     device: str = "auto"  # "cuda" when there is a GPU, else "cpu"
     kernel_backend: str = "auto"  # "triton" on CUDA, "torch" (the references) on CPU
     async_scheduling: bool = True  # schedule the next step while the device runs this one
+    cpu_threads: int | None = None  # torch's threads on a CPU device; default: runner.cpu_threads
 
     def __post_init__(self) -> None:
         for problem in _problems(self):
@@ -77,7 +78,7 @@ def _problems(o: EngineOptions):
         value = getattr(o, name)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             yield f"{name} must be a positive integer, got {value!r}"
-    for name in ("max_model_len", "kv_cache_memory_bytes", "num_kv_blocks"):
+    for name in ("max_model_len", "kv_cache_memory_bytes", "num_kv_blocks", "cpu_threads"):
         value = getattr(o, name)
         if value is not None and (not isinstance(value, int) or value < 1):
             yield f"{name} must be a positive integer or None, got {value!r}"
