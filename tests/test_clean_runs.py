@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import argparse
 import gc
+import json
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -13,6 +15,8 @@ import torch
 
 from nanofn import LLM
 from nanofn.cli import main
+from nanofn.cli.bench import (CPU_SIZES, DEFAULT_BANDWIDTH_GBPS, DEFAULT_TFLOPS, STANDARD_SIZES,
+                              device_rates)
 from nanofn.engine.options import EngineOptions
 from nanofn.runner.model_runner import cpu_threads
 
@@ -110,3 +114,65 @@ def test_a_bad_cpu_threads_value_is_an_error_naming_it(value):
     with pytest.raises(ValueError, match=f"cpu_threads must be a positive integer or None, "
                                          f"got {value!r}"):
         EngineOptions(model="m", cpu_threads=value)
+
+
+# --- bench ----------------------------------------------------------------------------------
+
+def test_bench_on_a_cpu_defaults_to_a_small_workload_with_no_floor(tmp_path, monkeypatch,
+                                                                   capsys):
+    """No model and no sizes: the demo model and the CPU workload (made smaller here, so that
+    the test stays quick)."""
+    monkeypatch.setenv("NANOFN_CACHE", str(tmp_path))
+    monkeypatch.setitem(CPU_SIZES, "num_seqs", 3)
+    monkeypatch.setitem(CPU_SIZES, "max_input_len", 30)
+    monkeypatch.setitem(CPU_SIZES, "max_output_len", 5)
+    report = tmp_path / "bench.json"
+    code, out, err = run(capsys, "bench", "--json", str(report))
+    assert code == 0, err
+    assert ("workload: 3 requests, prompts of U(1, 30) tokens, U(1, 5) output tokens each "
+            "(the CPU default)") in out
+    assert "demo-qwen3" in out and "on cpu" in out
+    assert "no floor: the rates of this device (cpu) are not known" in out
+    assert "of the floor" not in out
+    figures = json.loads(report.read_text())
+    assert figures["num_requests"] == 3 and figures["workload"] == CPU_SIZES
+    assert "fraction_of_floor" not in figures and "floor_s" not in figures
+
+
+def test_bench_on_a_cpu_shows_a_floor_for_rates_given(tiny_qwen3, tmp_path, capsys):
+    report = tmp_path / "bench.json"
+    code, out, _ = run(capsys, "bench", str(tiny_qwen3), "--num-seqs", "2", "--max-input-len",
+                       "20", "--max-output-len", "4", "--bw", "50", "--tflops", "1",
+                       "--json", str(report), *SMALL_ENGINE)
+    assert code == 0
+    assert "workload: 2 requests, prompts of U(1, 20) tokens, U(1, 4) output tokens each\n" in out
+    assert "(at 50 GB/s, 1 TFLOP/s)" in out and "of the floor" in out
+    figures = json.loads(report.read_text())
+    assert figures["bw_gbps"] == 50 and figures["tflops"] == 1
+    assert figures["fraction_of_floor"] == pytest.approx(figures["floor_s"]
+                                                         / figures["elapsed_s"])
+
+
+def test_bench_with_one_rate_on_a_cpu_still_shows_no_floor(tiny_qwen3, capsys):
+    code, out, _ = run(capsys, "bench", str(tiny_qwen3), "--num-seqs", "1", "--max-input-len",
+                       "8", "--max-output-len", "2", "--bw", "50", *SMALL_ENGINE)
+    assert code == 0 and "no floor" in out and "of the floor" not in out
+
+
+def test_the_floor_uses_the_rates_given_else_the_devices_measured_ones():
+    assert device_rates(H100, None, None) == (DEFAULT_BANDWIDTH_GBPS, DEFAULT_TFLOPS)
+    assert device_rates(H100, 2000.0, None) == (2000.0, DEFAULT_TFLOPS)
+    assert device_rates("cpu", None, None) is None
+    assert device_rates("NVIDIA B200", None, 900.0) is None
+    assert device_rates("NVIDIA B200", 8000.0, 2250.0) == (8000.0, 2250.0)
+
+
+def test_the_standard_workload_stays_the_default_on_a_gpu():
+    from nanofn.cli import _workload_sizes
+
+    none_given = argparse.Namespace(num_seqs=None, max_input_len=None, max_output_len=None)
+    assert _workload_sizes(none_given, H100) == STANDARD_SIZES == {
+        "num_seqs": 256, "max_input_len": 1024, "max_output_len": 1024}
+    assert _workload_sizes(none_given, "cpu") == CPU_SIZES
+    some_given = argparse.Namespace(num_seqs=8, max_input_len=None, max_output_len=None)
+    assert _workload_sizes(some_given, "cpu") == {**CPU_SIZES, "num_seqs": 8}

@@ -138,7 +138,8 @@ def test_bench_prints_the_figures_and_writes_json(tiny_qwen3, tmp_path, capsys):
     report = tmp_path / "bench.json"
     code, out, _ = run(capsys, "bench", str(tiny_qwen3), "--num-seqs", "3", "--max-input-len",
                        "40", "--max-output-len", "8", "--num-kv-blocks", "6",
-                       "--max-model-len", "64", "--json", str(report))
+                       "--max-model-len", "64", "--bw", "3028", "--tflops", "813",
+                       "--json", str(report))
     assert code == 0
     workload = standard_workload(3, 40, 8)
     figures = json.loads(report.read_text())

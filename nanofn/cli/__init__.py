@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from nanofn.engine.options import EngineOptions
-from nanofn.cli.bench import (DEFAULT_BANDWIDTH_GBPS, DEFAULT_TFLOPS, ModelDims, floor,
-                          format_seconds, measure, standard_workload)
+from nanofn.cli.bench import (CPU_SIZES, KNOWN_DEVICE_RATES, STANDARD_SIZES, ModelDims,
+                          describe_sizes, device_rates, floor, format_seconds, measure, standard_workload)
 from nanofn.state import (EngineState, SamplingParams, Seq, TraceError, figures, parse_trace,
                           replay)
 from nanofn.state.plan import PENDING_TOKEN, BatchPlan, ScheduledSeq
@@ -338,29 +338,33 @@ def _add_bench(commands: Any) -> None:
         "bench", help="measure offline throughput on the standard workload",
         description="Time nano-vllm's offline-throughput workload (seed 0: random token-id "
                     "prompts of U(100, 1024) tokens, U(100, 1024) output tokens each, "
-                    "ignore_eos, temperature 0.6) after one warm-up request, and compare it "
-                    "with the physical floor of the model's shape on the workload. Prints "
-                    "the tokens, the elapsed time, output tok/s, the fraction of the floor "
-                    "reached and the engine's figures. Give MODEL or --random-weights.",
+                    "ignore_eos, temperature 0.6) after a warm-up, and compare it with the "
+                    "physical floor of the model's shape on the workload, where the device's "
+                    "rates are known (an H100) or given (--bw and --tflops). On a CPU the "
+                    "default workload is smaller (64 requests, prompts of U(100, 256) tokens, "
+                    "U(100, 128) output tokens). Prints the workload, the tokens, the elapsed "
+                    "time, output tok/s, the fraction of the floor reached and the engine's "
+                    "figures. Without MODEL or --random-weights, the built-in demo model.",
         epilog="example: nanofn bench --random-weights qwen3-0.6b --json result.json")
-    model = p.add_mutually_exclusive_group(required=True)
+    model = p.add_mutually_exclusive_group()
     model.add_argument("model", nargs="?", metavar="MODEL",
-                       help="a local Hugging Face model folder")
+                       help="a local Hugging Face model folder (default: the built-in demo "
+                            "model)")
     model.add_argument("--random-weights", choices=list(PRESETS), metavar="PRESET",
                        help=f"a random-weight checkpoint of this shape, built once into the "
                             f"cache folder (choices: {', '.join(PRESETS)})")
-    p.add_argument("--num-seqs", type=int, default=256, metavar="N",
-                   help="number of requests (default: 256)")
-    p.add_argument("--max-input-len", type=int, default=1024, metavar="N",
-                   help="prompt lengths are U(100, N), or U(1, N) below 100 (default: 1024)")
-    p.add_argument("--max-output-len", type=int, default=1024, metavar="N",
-                   help="output lengths are U(100, N), or U(1, N) below 100 (default: 1024)")
-    p.add_argument("--bw", type=float, default=DEFAULT_BANDWIDTH_GBPS, metavar="GBPS",
-                   help=f"memory bandwidth for the floor, GB/s (default: "
-                        f"{DEFAULT_BANDWIDTH_GBPS:g}, an H100's)")
-    p.add_argument("--tflops", type=float, default=DEFAULT_TFLOPS, metavar="T",
-                   help=f"matmul rate for the floor, TFLOP/s (default: {DEFAULT_TFLOPS:g}, an "
-                        f"H100's bf16)")
+    for name, meaning in (("num_seqs", "number of requests"),
+                          ("max_input_len", "prompt lengths are U(100, N), or U(1, N) below 100"),
+                          ("max_output_len", "output lengths are U(100, N), or U(1, N) below 100")):
+        p.add_argument("--" + name.replace("_", "-"), type=int, metavar="N",
+                       help=f"{meaning} (default: {STANDARD_SIZES[name]}; {CPU_SIZES[name]} on "
+                            f"a CPU)")
+    p.add_argument("--bw", type=float, metavar="GBPS",
+                   help=f"memory bandwidth for the floor, GB/s (default: the device's where "
+                        f"known: {_known_rates(0)}; elsewhere no floor is shown)")
+    p.add_argument("--tflops", type=float, metavar="T",
+                   help=f"matmul rate for the floor, TFLOP/s (default: the device's where "
+                        f"known: {_known_rates(1)})")
     p.add_argument("--json", metavar="PATH", help="also write the figures to PATH as JSON")
     p.add_argument("--profile", action="store_true",
                    help="also measure the GPU's busy time (CUDA events around each step) and "
@@ -369,33 +373,49 @@ def _add_bench(commands: Any) -> None:
     p.set_defaults(run=run_bench)
 
 
+def _workload_sizes(args: argparse.Namespace, device: str) -> dict[str, int]:
+    """The workload's sizes: those given, the others the device's defaults (smaller on a CPU)."""
+    defaults = CPU_SIZES if device == "cpu" else STANDARD_SIZES
+    return {name: default if getattr(args, name) is None else getattr(args, name)
+            for name, default in defaults.items()}
+
+
+def _known_rates(index: int) -> str:
+    return ", ".join(f"{rates[index]:g} on an {name}" for name, rates in KNOWN_DEVICE_RATES.items())
+
+
 def run_bench(args: argparse.Namespace) -> int:
     for flag in ("num_seqs", "max_input_len", "max_output_len", "bw", "tflops"):
-        if getattr(args, flag) <= 0:
-            raise UsageError(f"--{flag.replace('_', '-')} must be positive, got "
-                             f"{getattr(args, flag)}")
-    model = args.model or random_weights_model(args.random_weights)
+        value = getattr(args, flag)
+        if value is not None and value <= 0:
+            raise UsageError(f"--{flag.replace('_', '-')} must be positive, got {value}")
+    model = (args.model or (random_weights_model(args.random_weights) if args.random_weights
+                            else demo_model()))
     llm = load_llm(model, args)
     engine = llm.engine
-    workload = standard_workload(args.num_seqs, args.max_input_len, args.max_output_len,
-                                 vocab_size=engine.hf_config.vocab_size)
+    device = _device_name(engine.options)
+    sizes = _workload_sizes(args, device)
+    workload = standard_workload(**sizes, vocab_size=engine.hf_config.vocab_size)
     timeline = None
     if args.profile:
-        if _device_name(engine.options) == "cpu":
+        if device == "cpu":
             raise UsageError("--profile measures a GPU's busy time: it needs a CUDA device")
         from nanofn.runner.timeline import DeviceTimeline
         timeline = DeviceTimeline()
+    print(f"workload: {describe_sizes(sizes)}"
+          + (" (the CPU default)" if sizes == CPU_SIZES != STANDARD_SIZES else ""), flush=True)
     with llm, _user_errors():
         result = measure(llm, workload, timeline)
     dtype = engine.runner.dtype
     dims = ModelDims.from_config(engine.hf_config.to_dict())
-    best = floor(dims, [len(p) for p in workload.prompts], workload.max_tokens,
-                 bandwidth_gbps=args.bw, tflops=args.tflops, bytes_per_param=dtype.itemsize)
-    fraction = best.seconds / result.elapsed_s
+    rates = device_rates(device, args.bw, args.tflops)
+    best = None
+    if rates is not None:
+        best = floor(dims, [len(p) for p in workload.prompts], workload.max_tokens,
+                     bandwidth_gbps=rates[0], tflops=rates[1], bytes_per_param=dtype.itemsize)
     config = engine.scheduler_config
     num_blocks = engine.state.pool.num_blocks
-    setup = {"model": str(model), "device": _device_name(engine.options),
-             "dtype": str(dtype).removeprefix("torch."),
+    setup = {"model": str(model), "device": device, "dtype": str(dtype).removeprefix("torch."),
              "tensor_parallel_size": engine.options.tensor_parallel_size}
     parallel = (f" x {setup['tensor_parallel_size']}" if setup["tensor_parallel_size"] > 1
                 else "")
@@ -405,8 +425,12 @@ def run_bench(args: argparse.Namespace) -> int:
           f"output tokens {result.num_output_tokens:,}")
     print(f"elapsed {format_seconds(result.elapsed_s)}  ->  {result.output_tok_s:,.0f} output "
           f"tok/s")
-    print(f"floor: {best.describe()} (at {args.bw:g} GB/s, {args.tflops:g} TFLOP/s); this run: "
-          f"{_percent(fraction)} of the floor")
+    if best is None:
+        print(f"no floor: the rates of this device ({device}) are not known; give both --bw "
+              f"and --tflops to compare with one")
+    else:
+        print(f"floor: {best.describe()} (at {rates[0]:g} GB/s, {rates[1]:g} TFLOP/s); this "
+              f"run: {_percent(best.seconds / result.elapsed_s)} of the floor")
     if result.device_busy_s is not None:
         print(f"device busy {format_seconds(result.device_busy_s)}: GPU idle "
               f"{result.device_idle_fraction:.1%} of the run, wall / device-busy "
@@ -419,17 +443,17 @@ def run_bench(args: argparse.Namespace) -> int:
           f"{config.block_size} tokens")
     if args.json:
         report = {
-            **setup,
-            "workload": {"num_seqs": args.num_seqs, "max_input_len": args.max_input_len,
-                         "max_output_len": args.max_output_len},
-            "engine_options": engine_kwargs(args),
+            **setup, "workload": sizes, "engine_options": engine_kwargs(args),
             **asdict(result), "output_tok_s": result.output_tok_s,
             "device_idle_fraction": result.device_idle_fraction,
-            "floor_prefill_s": best.prefill_s, "floor_decode_s": best.decode_s,
-            "floor_s": best.seconds, "floor_output_tok_s": best.output_tok_s,
-            "fraction_of_floor": fraction, "bw_gbps": args.bw, "tflops": args.tflops,
             "num_kv_blocks": num_blocks, "block_size": config.block_size,
         }
+        if best is not None:
+            report.update({
+                "floor_prefill_s": best.prefill_s, "floor_decode_s": best.decode_s,
+                "floor_s": best.seconds, "floor_output_tok_s": best.output_tok_s,
+                "fraction_of_floor": best.seconds / result.elapsed_s, "bw_gbps": rates[0],
+                "tflops": rates[1]})
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
     return 0
 

@@ -21,6 +21,12 @@ from nanofn.state import SamplingParams
 
 DEFAULT_BANDWIDTH_GBPS = 3028.0  # H100 80GB HBM3, measured device-to-device copy
 DEFAULT_TFLOPS = 813.0  # H100 80GB HBM3, measured bf16 8192^3 matmul
+# device name (as torch.cuda.get_device_name gives it) -> measured (GB/s, TFLOP/s)
+KNOWN_DEVICE_RATES = {"NVIDIA H100 80GB HBM3": (DEFAULT_BANDWIDTH_GBPS, DEFAULT_TFLOPS)}
+# The workload's sizes: the standard one, and the default on a CPU, which runs it with the demo
+# model in seconds (the standard one would take hours there).
+STANDARD_SIZES = {"num_seqs": 256, "max_input_len": 1024, "max_output_len": 1024}
+CPU_SIZES = {"num_seqs": 64, "max_input_len": 256, "max_output_len": 128}
 MAX_TOKEN_ID = 10000
 WARMUP_PROMPTS = 16  # the workload's first prompts, each with 16 new tokens
 
@@ -57,10 +63,34 @@ def standard_workload(num_seqs: int = 256, max_input_len: int = 1024,
 
 
 def _draw_len(rng: random.Random, max_len: int) -> int:
-    return rng.randint(100, max_len) if max_len >= 100 else rng.randint(1, max_len)
+    return rng.randint(_min_len(max_len), max_len)
+
+
+def _min_len(max_len: int) -> int:
+    return 100 if max_len >= 100 else 1
+
+
+def describe_sizes(sizes: Mapping[str, int]) -> str:
+    """``standard_workload``'s keyword arguments, in words."""
+    def lengths(max_len: int) -> str:
+        return f"U({_min_len(max_len)}, {max_len})"
+
+    return (f"{sizes['num_seqs']} requests, prompts of {lengths(sizes['max_input_len'])} "
+            f"tokens, {lengths(sizes['max_output_len'])} output tokens each")
 
 
 # --- the floor ------------------------------------------------------------------------------
+
+def device_rates(device_name: str, bandwidth_gbps: float | None,
+                 tflops: float | None) -> tuple[float, float] | None:
+    """The memory bandwidth (GB/s) and matmul rate (TFLOP/s) for the floor: those given, the
+    others measured on this device (``KNOWN_DEVICE_RATES``); None when one is neither (a CPU,
+    a GPU not measured): a floor from another device's rates would be meaningless."""
+    known_bandwidth, known_tflops = KNOWN_DEVICE_RATES.get(device_name, (None, None))
+    bandwidth = known_bandwidth if bandwidth_gbps is None else bandwidth_gbps
+    tflops = known_tflops if tflops is None else tflops
+    return None if bandwidth is None or tflops is None else (bandwidth, tflops)
+
 
 @dataclass(frozen=True)
 class ModelDims:
