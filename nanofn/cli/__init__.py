@@ -403,7 +403,7 @@ def run_bench(args: argparse.Namespace) -> int:
         from nanofn.runner.timeline import DeviceTimeline
         timeline = DeviceTimeline()
     print(f"workload: {describe_sizes(sizes)}"
-          + (" (the CPU default)" if sizes == CPU_SIZES != STANDARD_SIZES else ""), flush=True)
+          + (" (the CPU default)" if device == "cpu" and sizes == CPU_SIZES else ""), flush=True)
     with llm, _user_errors():
         result = measure(llm, workload, timeline)
     dtype = engine.runner.dtype
