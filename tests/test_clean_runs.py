@@ -8,7 +8,6 @@ import gc
 import json
 import subprocess
 import sys
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,7 +17,6 @@ from nanofn.cli import main
 from nanofn.cli.bench import (CPU_SIZES, DEFAULT_BANDWIDTH_GBPS, DEFAULT_TFLOPS, STANDARD_SIZES,
                               device_rates)
 from nanofn.engine.options import EngineOptions
-from nanofn.runner.model_runner import cpu_threads
 
 H100 = "NVIDIA H100 80GB HBM3"
 SMALL_ENGINE = ["--num-kv-blocks", "40", "--max-model-len", "128"]
@@ -101,12 +99,9 @@ def test_the_cpu_threads_flag_reaches_the_engine(tiny_qwen3, restore_threads, ca
 
 
 def test_a_wider_model_keeps_torchs_default_unless_asked():
-    def config(cpu_threads_option):
-        return SimpleNamespace(cpu_threads=cpu_threads_option)
-
-    assert cpu_threads(SimpleNamespace(hidden_size=1024), config(None)) is None
-    assert cpu_threads(SimpleNamespace(hidden_size=64), config(None)) == 1
-    assert cpu_threads(SimpleNamespace(hidden_size=4096), config(3)) == 3
+    assert EngineOptions(model="m").cpu_threads_for(hidden_size=1024) is None
+    assert EngineOptions(model="m").cpu_threads_for(hidden_size=64) == 1
+    assert EngineOptions(model="m", cpu_threads=3).cpu_threads_for(hidden_size=4096) == 3
 
 
 @pytest.mark.parametrize("value", [0, -1, 1.5, "2"])

@@ -90,7 +90,8 @@ class Engine:
         # Checked now, before the costly part (weights, KV cache, CUDA graphs).
         self.scheduler_config = options.scheduler_config(self.max_model_len, self.eos_token_ids,
                                                          self.hf_config.vocab_size)
-        runner_config = _runner_config(options, model_dir, self.max_model_len)
+        runner_config = _runner_config(options, model_dir, self.max_model_len,
+                                       self.hf_config.hidden_size)
         check_kv_cache_size(self.hf_config, runner_config)
         self._trace: TextIO | None = (open(options.trace, "w", buffering=1) if options.trace
                                       else None)
@@ -386,7 +387,8 @@ class Engine:
             self.runner.close()
 
 
-def _runner_config(options: EngineOptions, model_dir: Path, max_model_len: int) -> RunnerConfig:
+def _runner_config(options: EngineOptions, model_dir: Path, max_model_len: int,
+                   hidden_size: int) -> RunnerConfig:
     device = torch.device(options.device if options.device != "auto" else
                           "cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda":
@@ -414,7 +416,7 @@ def _runner_config(options: EngineOptions, model_dir: Path, max_model_len: int) 
         enforce_eager=options.enforce_eager,
         kernel_backend=options.kernel_backend,
         tp_size=options.tensor_parallel_size,
-        cpu_threads=options.cpu_threads,
+        cpu_threads=options.cpu_threads_for(hidden_size) if device.type == "cpu" else None,
     )
 
 

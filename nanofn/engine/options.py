@@ -10,6 +10,7 @@ from typing import Any
 from nanofn.state import SchedulerConfig
 
 KERNEL_BACKENDS = ("auto", "torch", "triton")
+SMALL_HIDDEN_SIZE = 1024  # narrower models run on one CPU thread by default
 
 
 @dataclass(frozen=True)
@@ -33,7 +34,7 @@ class EngineOptions:
     device: str = "auto"  # "cuda" when there is a GPU, else "cpu"
     kernel_backend: str = "auto"  # "triton" on CUDA, "torch" (the references) on CPU
     async_scheduling: bool = True  # schedule the next step while the device runs this one
-    cpu_threads: int | None = None  # torch's threads on a CPU device; default: runner.cpu_threads
+    cpu_threads: int | None = None  # torch's threads on a CPU device; default: cpu_threads_for
 
     def __post_init__(self) -> None:
         for problem in _problems(self):
@@ -62,6 +63,20 @@ class EngineOptions:
             eos_token_ids=eos_token_ids,
             vocab_size=vocab_size,
         )
+
+    def cpu_threads_for(self, hidden_size: int) -> int | None:
+        """torch's threads for a model this wide on a CPU: ``cpu_threads`` if given, else one
+        for a model narrower than ``SMALL_HIDDEN_SIZE`` (the demo and test models), else None:
+        torch's default, a thread per core.
+
+        A small model's matrices are too small to split: more threads only synchronise, and on
+        a busy machine with few cores they wait for each other (benchmarks/RESULTS.md: the
+        demo's 32-prompt batch on a busy 2-core machine, 0.11-0.14 s with one thread, up to
+        3.8 s with torch's two).
+        """
+        if self.cpu_threads is not None:
+            return self.cpu_threads
+        return 1 if hidden_size < SMALL_HIDDEN_SIZE else None
 
 
 def default(name: str) -> Any:

@@ -24,7 +24,6 @@ from nanofn.state.plan import BatchPlan, ScheduledSeq, SeqStart, plan_of
 log = logging.getLogger("nanofn")
 
 CPU_KV_CACHE_BYTES = 4 << 30  # the default KV cache on a CPU, as vLLM's CPU backend
-SMALL_HIDDEN_SIZE = 1024  # models narrower than this run on one CPU thread by default
 
 
 @dataclass(frozen=True)
@@ -46,7 +45,7 @@ class RunnerConfig:
     kernel_backend: str
     tp_size: int
     tp_rank: int = 0
-    cpu_threads: int | None = None  # as asked for; None: cpu_threads() decides
+    cpu_threads: int | None = None  # torch's threads on a CPU; None: torch's (and on a GPU)
 
     @property
     def max_blocks_per_seq(self) -> int:
@@ -71,9 +70,8 @@ class ModelRunner:
         self.device = config.device
         if self.device.index is not None:  # streams, events, graphs and Triton use the current one
             torch.cuda.set_device(self.device)
-        threads = cpu_threads(hf_config, config) if self.device.type == "cpu" else None
-        if threads is not None:
-            torch.set_num_threads(threads)
+        if self.device.type == "cpu" and config.cpu_threads is not None:
+            torch.set_num_threads(config.cpu_threads)
         self.kernels = choose_kernels(config)
         self.dtype = resolve_dtype(hf_config, config.dtype)
         self.model = build_model(hf_config, dtype=self.dtype, device=config.device,
@@ -244,20 +242,6 @@ def check_kv_cache_size(hf_config: Any, config: RunnerConfig) -> None:
         raise ValueError(f"a KV cache of {blocks} blocks of {config.block_size} tokens cannot "
                          f"hold one sequence of max_model_len {config.max_model_len} (it needs "
                          f"{config.max_blocks_per_seq}); give it more or lower max_model_len")
-
-
-def cpu_threads(hf_config: Any, config: RunnerConfig) -> int | None:
-    """torch's intra-op threads for a run on a CPU: ``config.cpu_threads`` if given, else one
-    for a small model (hidden size under ``SMALL_HIDDEN_SIZE``: the demo and test models),
-    else None, torch's default (a thread per core).
-
-    A small model's matrices are too small to split: more threads only synchronise, and on a
-    busy machine with few cores they wait for each other. The demo's 32-prompt batch on a
-    busy 2-core machine took 0.1-0.6 s with one thread, 0.7-5 s with two (torch's default).
-    """
-    if config.cpu_threads is not None:
-        return config.cpu_threads
-    return 1 if hf_config.hidden_size < SMALL_HIDDEN_SIZE else None
 
 
 def choose_kernels(config: RunnerConfig) -> KernelBackend:
