@@ -173,6 +173,10 @@ def test_logprobs(client):
     lp = out.choices[0].logprobs
     assert len(lp.token_logprobs) == 4 and all(v <= 0 for v in lp.token_logprobs)
     assert all(len(top) == 2 for top in lp.top_logprobs)
+    sampled_only = client.completions.create(model="tiny", prompt="Hello", max_tokens=4,
+                                             logprobs=0, temperature=0).choices[0].logprobs
+    assert sampled_only.token_logprobs == lp.token_logprobs
+    assert all(top == {} for top in sampled_only.top_logprobs)
     chat = client.chat.completions.create(model="tiny", messages=[{"role": "user",
                                                                    "content": "x"}],
                                           max_tokens=3, logprobs=True, top_logprobs=2)
@@ -253,3 +257,28 @@ def test_a_bounded_load_with_cancellations(server):
     assert all(finish == "length" for cancelled, finish in results if not cancelled)
     assert sum(cancelled for cancelled, _ in results) >= 25
     wait_until_idle(server)
+
+
+def test_a_token_without_text_still_gets_a_chunk():
+    """As in vLLM, each step that brings tokens is streamed even when they decode to no text yet
+    (ids the tokenizer does not know, a held-back partial character): clients time tokens by
+    chunks, and logprobs travel with them."""
+    from nanofn.engine.outputs import CompletionOutput, Logprob, RequestOutput
+    from nanofn.server.app import _Shape
+
+    shape = _Shape("cmpl-1", 0, "m", chat=False, n=1, body={"logprobs": 0}, decode=str)
+    sent: dict = {}
+
+    def output(text: str, tokens: list[int], finish: str | None = None) -> RequestOutput:
+        logprobs = [{t: Logprob(-1.0, 1, str(t))} for t in tokens]
+        completion = CompletionOutput(0, text, tokens, -1.0 * len(tokens), logprobs, finish)
+        return RequestOutput("1", None, [1, 2], [completion], finish is not None)
+
+    first = shape.delta_choices(0, output("a", [5]), sent)
+    silent = shape.delta_choices(0, output("a", [5, 400]), sent)
+    same = shape.delta_choices(0, output("a", [5, 400]), sent)
+    last = shape.delta_choices(0, output("ab", [5, 400, 6], "length"), sent)
+    assert [c["text"] for c in first + silent + last] == ["a", "", "b"]
+    assert [c["logprobs"]["tokens"] for c in first + silent + last] == [["5"], ["400"], ["6"]]
+    assert same == []
+    assert last[0]["finish_reason"] == "length"

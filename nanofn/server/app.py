@@ -231,7 +231,8 @@ class _Shape:
         self.id, self.created, self.model, self.chat, self.n = response_id, created, model, chat, n
         self.echo = bool(body.get("echo", False)) and not chat
         self.decode = decode
-        self.logprobs = body.get("logprobs") not in (None, False)
+        logprobs = body.get("logprobs")  # completions: 0 asks for the sampled tokens' alone
+        self.logprobs = logprobs is not None and logprobs is not False
         self.num_top = int(body.get("top_logprobs") or 0) if chat else int(body.get("logprobs") or 0)
 
     def prompt_text(self, output: RequestOutput) -> str:
@@ -275,8 +276,8 @@ class _Shape:
             text = c.text[text_sent:]
             if self.echo and c.index not in sent:
                 text = self.prompt_text(output) + text
-            if not text and c.finish_reason is None:
-                continue
+            if not text and len(c.token_ids) == tokens_sent and c.finish_reason is None:
+                continue  # nothing new; a token with no text yet (held back) still gets a chunk
             sent[c.index] = (len(c.text), len(c.token_ids), c.finish_reason is not None)
             choice: dict[str, Any] = {"index": self.choice_index(prompt_index, c.index),
                                       "logprobs": self._logprobs(c, tokens_sent),
