@@ -382,9 +382,9 @@ def run_bench(args: argparse.Namespace) -> int:
             raise UsageError("--profile measures a GPU's busy time: it needs a CUDA device")
         from nanofn.runner.timeline import DeviceTimeline
         timeline = DeviceTimeline()
+    dtype = engine.runner.dtype
     with llm, _user_errors():
         result = measure(llm, workload, timeline)
-    dtype = engine.runner.dtype
     dims = ModelDims.from_config(engine.hf_config.to_dict())
     best = floor(dims, [len(p) for p in workload.prompts], workload.max_tokens,
                  bandwidth_gbps=args.bw, tflops=args.tflops, bytes_per_param=dtype.itemsize)

@@ -108,6 +108,7 @@ class Engine:
                                    "model": str(model_dir), "dtype": str(self.runner.dtype),
                                    "tensor_parallel_size": runner_config.tp_size})
         self._ids = itertools.count()
+        self.closed = False
         self._unfinished_step: LoopStep | None = None  # taken from the loop, not yet handled
         self._requests: dict[str, _Request] = {}
         self._seqs: dict[str, tuple[_Request, _SeqOutput]] = {}  # by the core's id
@@ -132,6 +133,7 @@ class Engine:
         ``ValueError``) naming the problem, leaving the engine as it was. ``stream``: its
         text is decoded as the tokens come and ``step()`` reports it whenever it advances;
         otherwise only when it finishes (and its text is decoded once, at the end)."""
+        self._check_open()
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise InvalidRequest(f"sampling params must be SamplingParams, got {type(params).__name__}")
@@ -207,6 +209,7 @@ class Engine:
         ``decode_finished=False`` leaves the text of finished sequences that need no stop
         strings empty, for ``decode_texts`` to fill in later: the next steps decode a few of
         them each while the device computes, instead of this one before its launch."""
+        self._check_open()
         if self._unfinished_step is not None:  # a step interrupted after the core's step
             self._finish(self._unfinished_step.finished)
             self._unfinished_step = None
@@ -379,11 +382,19 @@ class Engine:
         return None, _token_list(prompt)
 
     def close(self) -> None:
+        """Close the trace, stop the workers and give the device memory back (weights, KV
+        cache, graphs) now rather than when the engine is collected. Later calls raise."""
         if self._trace is not None:
             self._trace.close()
             self._trace = None
-        if isinstance(self.runner, TensorParallelExecutor):
+        if not self.closed:
+            self.closed = True
             self.runner.close()
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("this engine is closed (LLM.close() or the end of its `with` "
+                               "block): create a new LLM")
 
 
 def _runner_config(options: EngineOptions, model_dir: Path, max_model_len: int) -> RunnerConfig:

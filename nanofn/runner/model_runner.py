@@ -59,10 +59,15 @@ class ModelRunner:
             # The exception's traceback holds this half-built runner (its frame's ``self``)
             # for as long as the caller keeps the exception: let go of the weights, the KV
             # cache and the graphs now, so that a failed start does not hold the GPU.
-            self.__dict__.clear()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+            self.close()
             raise
+
+    def close(self) -> None:
+        """Let go of the weights, the KV cache and the graphs (the runner is unusable after),
+        and give the memory back to the device."""
+        self.__dict__.clear()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
     def _build(self, hf_config: Any, config: RunnerConfig) -> None:
         self.config = config

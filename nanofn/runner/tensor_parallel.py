@@ -129,6 +129,8 @@ class TensorParallelExecutor:
         self._pipes, self._workers = [], []
         with contextlib.suppress(Exception):
             _leave_group()
+        if hasattr(self, "runner"):
+            self.runner.close()
 
     def _watch(self) -> None:
         while not self._closed.wait(HEARTBEAT_S):

@@ -159,6 +159,16 @@ def test_the_kv_cache_is_sized_from_gpu_memory(tiny_qwen3):
     assert 1.8 < large / small < 2.2
 
 
+def test_close_gives_the_gpu_memory_back_while_the_llm_is_still_held(tiny_qwen3):
+    before = torch.cuda.memory_allocated()
+    llm = LLM(str(tiny_qwen3), gpu_memory_utilization=0.3, max_model_len=512)
+    llm.generate(["Hello"], GREEDY, use_tqdm=False)
+    in_use = torch.cuda.memory_allocated() - before
+    assert in_use > 2**30  # the KV cache: 30% of the GPU less the weights
+    llm.close()
+    assert torch.cuda.memory_allocated() - before < 64 * 2**20
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_tensor_parallel_on_two_gpus(float32_prompts):
     model_dir, prompts = float32_prompts
