@@ -127,10 +127,10 @@ class TensorParallelExecutor:
                 worker.kill()
                 worker.join(timeout=5)
         self._pipes, self._workers = [], []
+        if hasattr(self, "runner"):
+            self.runner.close()  # first: see _leave_group
         with contextlib.suppress(Exception):
             _leave_group()
-        if hasattr(self, "runner"):
-            self.runner.close()
 
     def _watch(self) -> None:
         while not self._closed.wait(HEARTBEAT_S):
@@ -226,6 +226,7 @@ def _worker_main(hf_config: Any, config: RunnerConfig, init_method: str, pipe, h
             plan = pickle.loads(message)
             runner.forward(plan)
             runner.keep_sampled_tokens(plan)
+        runner.close()  # first: see _leave_group
     except Exception:
         pipe.send(traceback.format_exc())
         raise
@@ -242,9 +243,10 @@ def _beat(heart) -> None:
 
 
 def _leave_group() -> None:
-    """Leave the process group. NCCL's destroy waits for the other ranks (and hung at the
-    end of every TP run on two H200s, with the decode graphs holding NCCL kernels); its abort
-    is local and immediate. gloo's destroy is quick."""
+    """Leave the process group. NCCL's destroy waits for the other ranks; its abort is local,
+    but it too waits for the CUDA graphs that captured the communicator's kernels to be
+    destroyed (on two H200s it hung for good with the decode graphs alive): close the rank's
+    runner, graphs included, before calling this. gloo's destroy is quick."""
     if not dist.is_initialized():
         return
     if dist.get_backend() == "nccl":
