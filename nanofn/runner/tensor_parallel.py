@@ -22,6 +22,7 @@ import socket
 import threading
 import time
 import traceback
+import warnings
 from dataclasses import replace
 from datetime import timedelta
 from typing import Any
@@ -37,6 +38,7 @@ COLLECTIVE_TIMEOUT = timedelta(minutes=5)
 STOP = b"stop"  # tells a worker to leave (a pickled plan never equals it)
 HEARTBEAT_S = 0.5
 UNRESPONSIVE_AFTER = 8.0  # seconds without a heartbeat before a worker counts as stopped
+RELEASE_AFTER_FAILURE_S = 20.0  # the most close() waits for rank 0's device after a failure
 
 
 class WorkerFailure(RuntimeError):
@@ -127,10 +129,36 @@ class TensorParallelExecutor:
                 worker.kill()
                 worker.join(timeout=5)
         self._pipes, self._workers = [], []
+        if self._failure is None:
+            self._release()
+            return
+        # A dead rank leaves this rank's collective kernels waiting for it on the device, and
+        # freeing memory waits for them: release in a thread of its own, so that close()
+        # returns whatever the device does.
+        release = threading.Thread(target=self._release_after_failure, daemon=True)
+        release.start()
+        release.join(RELEASE_AFTER_FAILURE_S)
+        if release.is_alive():
+            warnings.warn(f"rank 0 could not give its device memory back within "
+                          f"{RELEASE_AFTER_FAILURE_S:.0f} s of the failure of another rank; "
+                          f"it is held until this process exits", RuntimeWarning, stacklevel=2)
+
+    def _release(self) -> None:
+        """Rank 0's runner first (see ``_leave_group``), then the group."""
         if hasattr(self, "runner"):
-            self.runner.close()  # first: see _leave_group
+            self.runner.close()
         with contextlib.suppress(Exception):
             _leave_group()
+
+    def _release_after_failure(self) -> None:
+        """Abort the group first, from a thread of its own: that ends the collective kernels
+        left waiting for the dead rank; then free the runner, whose graphs the abort may wait
+        for."""
+        abort = threading.Thread(target=_leave_group_quietly, daemon=True)
+        abort.start()
+        if hasattr(self, "runner"):
+            self.runner.close()
+        abort.join()
 
     def _watch(self) -> None:
         while not self._closed.wait(HEARTBEAT_S):
@@ -240,6 +268,11 @@ def _beat(heart) -> None:
     while True:
         heart.value = time.monotonic()
         time.sleep(HEARTBEAT_S)
+
+
+def _leave_group_quietly() -> None:
+    with contextlib.suppress(Exception):
+        _leave_group()
 
 
 def _leave_group() -> None:
