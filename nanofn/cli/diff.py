@@ -16,7 +16,6 @@ from nanofn.state import EngineState, Seq
 from nanofn.state.plan import PENDING_TOKEN, ScheduledSeq
 from nanofn.state.trace_diff import ReplayedStep, StepDifference, TraceDiff
 
-LABEL_WIDTH = 34
 MAX_COLUMN = 48  # a wider A value pushes its B value along rather than widening every row
 EVENT_NAMES = {"sampled": "delivered tokens", "new_seqs": "new requests", "aborts": "aborts",
                "stop_hits": "stop-string hits", "dirty_blocks": "dirty blocks"}
@@ -157,9 +156,10 @@ def _columns(rows: list[tuple[str, str, str]], indent: int, heading: bool = Fals
     ``heading``, under an ``A  B`` line."""
     if only_differing:
         rows = [row for row in rows if row[1] != row[2]]
+    labels = max((len(label) for label, _, _ in rows), default=0)
     width = min(MAX_COLUMN, max((len(a) for _, a, _ in rows), default=0))
-    lines = [f"{' ' * indent} {'':<{LABEL_WIDTH}} {'A':<{width}}  B"] if heading else []
+    lines = [f"{' ' * indent} {'':<{labels}}  {'A':<{width}}  B"] if heading else []
     for label, a, b in rows:
         mark = "*" if a != b else " "
-        lines.append(f"{' ' * indent}{mark}{label:<{LABEL_WIDTH}} {a:<{width}}  {b}")
+        lines.append(f"{' ' * indent}{mark}{label:<{labels}}  {a:<{width}}  {b}")
     return lines
