@@ -275,11 +275,16 @@ def test_plot_draws_a_png_of_the_run(busy, tmp_path, capsys):
         assert label in text, label
 
 
-def test_plot_refuses_an_unknown_format_or_an_unwritable_path(busy, tmp_path, capsys):
+def test_plot_refuses_an_unknown_format_an_unwritable_path_or_an_empty_trace(busy, tmp_path,
+                                                                            capsys):
     code, _, err = run(capsys, "replay", str(busy), "--plot", str(tmp_path / "run.bmp"))
     assert code == 2 and "the file's suffix chooses the format, one of .png, .svg, .pdf" in err
     code, _, err = run(capsys, "replay", str(busy), "--plot", str(tmp_path / "no" / "run.png"))
     assert code == 2 and err.startswith("nanofn replay: error: cannot write ")
+    header_only = tmp_path / "header-only.jsonl"
+    header_only.write_text(busy.read_text().splitlines()[0] + "\n")
+    code, _, err = run(capsys, "replay", str(header_only), "--plot", str(tmp_path / "run.png"))
+    assert code == 2 and "has no steps to draw" in err
 
 
 def test_plot_without_matplotlib_names_the_extra(busy, tmp_path, capsys, monkeypatch):

@@ -545,6 +545,8 @@ def _plot(trace: Trace, args: argparse.Namespace) -> None:
     if Path(args.plot).suffix.lower().lstrip(".") not in FORMATS:
         raise UsageError(f"--plot {args.plot}: the file's suffix chooses the format, one of "
                          f"{', '.join('.' + f for f in FORMATS)}")
+    if not trace.steps:
+        raise UsageError(f"--plot: trace {args.trace} has no steps to draw")
     series = run_series(replay(trace, check=args.check))
     model = Path(trace.meta.get("model", "?")).name
     try:
@@ -563,7 +565,7 @@ def run_diff(args: argparse.Namespace) -> int:
     except TraceError as e:
         raise UsageError(f"cannot replay {e} (A: {args.trace_a}, B: {args.trace_b})") from e
     print(f"A: {args.trace_a}\nB: {args.trace_b}")
-    print("\n".join(describe_diff(diff, (len(a.steps), len(b.steps)))))
+    print("\n".join(describe_diff(diff, len(a.steps))))
     return 0 if diff.identical else 1
 
 

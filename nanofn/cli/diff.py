@@ -14,24 +14,24 @@ from typing import Any
 from nanofn.cli import _scheduled, _short
 from nanofn.state import EngineState, Seq
 from nanofn.state.plan import PENDING_TOKEN, ScheduledSeq
-from nanofn.state.trace_diff import ReplayedStep, StepDifference, TraceDiff
+from nanofn.state.trace_diff import StepDifference, TraceDiff
 
 MAX_COLUMN = 48  # a wider A value pushes its B value along rather than widening every row
 EVENT_NAMES = {"sampled": "delivered tokens", "new_seqs": "new requests", "aborts": "aborts",
                "stop_hits": "stop-string hits", "dirty_blocks": "dirty blocks"}
 
 
-def describe_diff(diff: TraceDiff, num_steps: tuple[int, int]) -> list[str]:
-    """The report's lines; ``num_steps`` are the two traces' lengths."""
+def describe_diff(diff: TraceDiff, num_steps: int) -> list[str]:
+    """The report's lines; ``num_steps`` is trace A's length."""
     if diff.identical:
-        return [f"identical: the same settings and the same {num_steps[0]} steps (plans and "
+        return [f"identical: the same settings and the same {num_steps} steps (plans and "
                 f"delivered tokens)"]
     lines = []
     if diff.header:
         lines.append("settings differ:")
         lines += [f"  {name}: {a} in A, {b} in B" for name, a, b in diff.header]
     if diff.step is None:
-        lines.append(f"the {num_steps[0]} steps are the same (plans and delivered tokens)")
+        lines.append(f"the {num_steps} steps are the same (plans and delivered tokens)")
     else:
         lines += _describe_step(diff.step)
     return lines
@@ -52,13 +52,14 @@ def _describe_step(d: StepDifference) -> list[str]:
         lines.append("  plans:")
         lines += _columns([(f"seq {seq_id}", _entry(a), _entry(b))
                            for seq_id, a, b in plan_changes], indent=4)
-    lines += _columns([("preempted", " ".join(d.a.state.preempted) or "none",
-                        " ".join(d.b.state.preempted) or "none")], indent=2, only_differing=True)
+    if d.a.state.preempted != d.b.state.preempted:
+        lines += _columns([("preempted", " ".join(d.a.state.preempted) or "none",
+                            " ".join(d.b.state.preempted) or "none")], indent=2)
     for name, a, b in d.event_changes():
         lines.append(f"  {EVENT_NAMES[name]}:")
         lines += _columns(_event_rows(name, a, b), indent=4)
     lines.append(f"state after step {d.step}, side by side (* where A and B differ):")
-    lines += _state_rows(d.a, d.b)
+    lines += _state_rows(d.a.state, d.b.state, {seq_id for seq_id, _, _ in plan_changes})
     return lines
 
 
@@ -82,15 +83,14 @@ def _event_rows(name: str, a: Any, b: Any) -> list[tuple[str, str, str]]:
              _short(list(b)) if b is not None else "none")]
 
 
-def _state_rows(a: ReplayedStep, b: ReplayedStep) -> list[str]:
-    """The sequences that differ (or that the plans scheduled differently), then the pools."""
-    seqs_a, seqs_b = _seqs(a.state), _seqs(b.state)
-    named = {seq_id for seq_id, _, _ in StepDifference(a.plan.step, a, b).plan_changes()}
+def _state_rows(a: EngineState, b: EngineState, named: set[str]) -> list[str]:
+    """The sequences that differ or are ``named`` (scheduled differently), then the pools."""
+    seqs_a, seqs_b = _seqs(a), _seqs(b)
     shown = [seq_id for seq_id in {**seqs_a, **seqs_b}
              if seq_id in named or _seq_rows(seqs_a.get(seq_id), seqs_b.get(seq_id), True)]
     rows = [row for seq_id in shown for row in _titled(
         f"seq {seq_id}", _seq_rows(seqs_a.get(seq_id), seqs_b.get(seq_id), False))]
-    rows += _titled("block pool", _pool_rows(a.state, b.state))
+    rows += _titled("block pool", _pool_rows(a, b))
     lines = _columns(rows, indent=2, heading=True)
     same = len({**seqs_a, **seqs_b}) - len(shown)
     if same:
@@ -100,7 +100,8 @@ def _state_rows(a: ReplayedStep, b: ReplayedStep) -> list[str]:
 
 def _titled(title: str, rows: list[tuple[str, str, str]]) -> list[tuple[str, str, str]]:
     """Rows whose labels are indented under ``title``, which heads the first."""
-    return [(f"{title if i == 0 else '':<12}{label}", a, b) for i, (label, a, b) in enumerate(rows)]
+    return [(f"{title if i == 0 else '':<12}{label}", a, b)
+            for i, (label, a, b) in enumerate(rows)]
 
 
 def _seqs(state: EngineState) -> dict[str, Seq]:
@@ -150,12 +151,9 @@ def _pool_rows(a: EngineState, b: EngineState) -> list[tuple[str, str, str]]:
              str(b.counters.num_cached_tokens))]
 
 
-def _columns(rows: list[tuple[str, str, str]], indent: int, heading: bool = False,
-             only_differing: bool = False) -> list[str]:
+def _columns(rows: list[tuple[str, str, str]], indent: int, heading: bool = False) -> list[str]:
     """``label  A  B`` rows aligned in columns, each marked ``*`` when A and B differ; with
     ``heading``, under an ``A  B`` line."""
-    if only_differing:
-        rows = [row for row in rows if row[1] != row[2]]
     labels = max((len(label) for label, _, _ in rows), default=0)
     width = min(MAX_COLUMN, max((len(a) for _, a, _ in rows), default=0))
     lines = [f"{' ' * indent} {'':<{labels}}  {'A':<{width}}  B"] if heading else []

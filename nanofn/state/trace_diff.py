@@ -33,8 +33,9 @@ class ReplayedStep:
     @property
     def sampled_by(self) -> tuple[str, ...]:
         """The sequences whose tokens this step delivered, in the order of ``sampled``."""
-        delivered = self.traced.events.sampled is not None and self.before.undelivered
-        return self.before.undelivered[0].seq_ids if delivered else ()
+        if self.traced.events.sampled is None or not self.before.undelivered:
+            return ()
+        return self.before.undelivered[0].seq_ids
 
 
 @dataclass(frozen=True, slots=True)
