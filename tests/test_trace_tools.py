@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 import struct
+import subprocess
 import sys
 from pathlib import Path
 
@@ -301,3 +302,21 @@ def test_the_readme_shows_the_picture_of_a_run():
     assert "![" in readme and "(docs/run.png)" in readme
     assert "nanofn replay run.jsonl --plot run.png" in readme
     assert png_size(picture)[0] >= 800 and picture.stat().st_size < 150_000
+
+
+def test_diff_help_names_its_exit_codes(capsys):
+    code, out, _ = run(capsys, "diff", "--help")
+    flat = " ".join(out.split())
+    assert code == 0 and "A B" in flat
+    assert "Exit code 0 when the traces are identical, 1 when they differ, 2 when" in flat
+
+
+def test_diff_and_replay_import_neither_torch_nor_matplotlib(roomy):
+    code = ("import contextlib, io, sys; from nanofn.cli import main\n"
+            "with contextlib.redirect_stdout(io.StringIO()):\n"
+            f"    codes = main(['diff', {str(roomy)!r}, {str(roomy)!r}]), "
+            f"main(['replay', {str(roomy)!r}, '--check'])\n"
+            "print(codes, 'torch' in sys.modules, 'matplotlib' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            check=True, cwd=ROOT)
+    assert result.stdout.strip() == "(0, 0) False False"
