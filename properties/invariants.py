@@ -99,7 +99,7 @@ def check_plan(state: EngineState, plan: BatchPlan) -> None:
         pending = s.context_len - s.start_pos - len(known)
         assert pending in (0, 1) and s.token_ids == known + (PENDING_TOKEN,) * pending
         if pending:  # only the last token, and never for a sequence that needs its history
-            assert s.sample and not seq.params.has_penalties
+            assert s.sample and not seq.params.needs_history
         if s.sample:
             assert seq.num_uncomputed == 1 and seq.num_pending >= 1
         assert s.slot == slots[s.seq_id]
