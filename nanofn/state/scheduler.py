@@ -302,6 +302,8 @@ def _plan(step: int, store: SeqStore, key: object, cols: np.ndarray, counts: np.
     index_in_plan = np.full(len(cols), -1)
     index_in_plan[scheduled] = np.arange(len(indices))
     num_running = len(cols) - len(admissions)
+    num_decode = int(np.count_nonzero(
+        (counts[scheduled] == 1) & (starts[scheduled] >= cols[scheduled, NUM_PROMPT])))
     plan = BatchPlan(
         step=step,
         seq_ids=ids if everyone else tuple(ids[i] for i in indices.tolist()),
@@ -311,13 +313,13 @@ def _plan(step: int, store: SeqStore, key: object, cols: np.ndarray, counts: np.
         sample=sample,
         token_ids=token_ids,
         block_entries=_block_entries(cols, grow, blocks, admissions, index_in_plan, num_running),
-        num_decode_tokens=int(np.count_nonzero(
-            (counts[scheduled] == 1) & (starts[scheduled] >= cols[scheduled, NUM_PROMPT]))),
+        num_decode_tokens=num_decode,
         started=tuple(SeqStart(int(cols[num_running + k, SLOT]), a.seq.seq_id, a.seq.params,
                                a.seq.num_prompt_tokens) for k, a in enumerate(admissions)),
         banned=_banned(new_batch, sampling, index_in_plan, c),
         histories=_histories(new_batch, sampling, index_in_plan),
-        prompt_logprobs=_prompt_logprobs(new_batch, starts, counts, index_in_plan),
+        prompt_logprobs=(_prompt_logprobs(new_batch, starts, counts, index_in_plan)
+                         if num_decode < len(token_ids) else ()),  # only prompt chunks have any
     )
     return new_batch, plan, cols[sampling, SERIAL]
 
@@ -333,8 +335,9 @@ def _banned(batch: RunningBatch, sampling: np.ndarray, index_in_plan: np.ndarray
         before = cols[sampling, NUM_COMPUTED] - cols[sampling, NUM_PROMPT]
         for i in sampling[~may_stop_next(before, min_tokens)].tolist():
             banned[i] = stop_token_ids(specs[i].params, c.eos_token_ids)
-    with_history = sampling[cols[sampling, NEEDS_HISTORY] != 0]
-    for i in with_history.tolist():
+    with_history = (sampling[cols[sampling, NEEDS_HISTORY] != 0].tolist()
+                    if cols[:, NEEDS_HISTORY].any() else [])
+    for i in with_history:
         bad_words = specs[i].params.bad_words_token_ids
         if bad_words:
             output = batch.tokens(i)[int(cols[i, NUM_PROMPT]):].tolist()
