@@ -15,7 +15,9 @@ class SamplingParams:
     """How to sample one request's output, with vLLM's field names and defaults.
 
     Invalid values raise ``ValueError`` naming the field and the allowed range.
-    ``stop`` and ``stop_token_ids`` are stored as tuples; ``top_k`` of -1 or 0 means no limit.
+    ``stop``, ``stop_token_ids``, ``allowed_token_ids`` and ``bad_words`` are stored as tuples,
+    ``logit_bias`` as ``(token id, bias)`` pairs in token order (so the record stays hashable
+    and JSON keeps its ids); ``top_k`` of -1 or 0 means no limit.
     """
 
     n: int = 1
