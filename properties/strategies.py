@@ -70,6 +70,10 @@ def sampling_params(draw, prompt_len: int) -> SamplingParams:
         ignore_eos=draw(st.booleans()),
         stop_token_ids=draw(st.lists(st.integers(1, 39), max_size=1)),
         repetition_penalty=draw(st.sampled_from([1.0, 1.0, 1.0, 1.2])),
+        # Bad words need the history too; prompt logprobs keep a request off the prefix cache.
+        bad_words_token_ids=draw(st.lists(st.tuples(st.integers(1, 39)) | st.tuples(
+            st.integers(1, 39), st.integers(1, 39)), max_size=2)),
+        prompt_logprobs=draw(st.sampled_from([None, None, None, 1])),
     )
 
 

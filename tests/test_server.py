@@ -184,6 +184,35 @@ def test_logprobs(client):
     assert len(content) == 3 and all(len(t.top_logprobs) == 2 for t in content)
 
 
+def test_vllm_request_fields_and_stop_reason(server, client):
+    def detokenize(tokens: list[int]) -> str:
+        return httpx.post(f"{server}/detokenize", json={"tokens": tokens}).json()["prompt"]
+
+    biased = client.completions.create(model="tiny", prompt="Hello", max_tokens=4,
+                                       temperature=0, logit_bias={"57": 1000},
+                                       extra_body={"ignore_eos": True})
+    assert biased.choices[0].text == detokenize([57] * 4)  # clamped to 100: still the argmax
+    allowed = client.completions.create(model="tiny", prompt="Hello", max_tokens=6,
+                                        extra_body={"allowed_token_ids": [57, 58],
+                                                    "ignore_eos": True, "seed": 3})
+    assert set(allowed.choices[0].text) <= set(detokenize([57]) + detokenize([58]))
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    body = httpx.post(f"{server}/v1/completions", headers=headers, json={
+        "model": "tiny", "prompt": "Hello world again", "max_tokens": 3, "temperature": 0,
+        "prompt_logprobs": 1, "truncate_prompt_tokens": 2, "repetition_penalty": 1.3,
+        "stop_token_ids": [57], "logit_bias": {"57": 100}}).json()
+    (choice,) = body["choices"]
+    assert body["usage"]["prompt_tokens"] == 2
+    first, second = choice["prompt_logprobs"]
+    assert first is None and 1 <= len(second) <= 2
+    assert all(v["logprob"] <= 0 and v["rank"] >= 1 for v in second.values())
+    assert choice["finish_reason"] == "stop" and choice["stop_reason"] == 57
+    with pytest.raises(openai.BadRequestError) as error:
+        client.completions.create(model="tiny", prompt="Hi",
+                                  extra_body={"bad_words": ["", "x"]})
+    assert error.value.body["param"] == "bad_words"
+
+
 @pytest.mark.parametrize("kwargs, param", [
     ({"max_tokens": -1}, "max_tokens"),
     ({"temperature": -0.5}, "temperature"),

@@ -68,6 +68,9 @@ ENGINE_FLAGS: dict[str, dict[str, Any]] = {
                            help="kernels for attention, norms, rotary and activation (default: "
                                 "{default}: triton on CUDA and the torch references on a CPU)"),
     "trace": dict(metavar="PATH", help="record the run's trace here, for `nanofn replay`"),
+    "generation_config": dict(metavar="auto|vllm|FOLDER",
+                              help="sampling defaults: auto, the model's generation_config.json; "
+                                   "vllm, none; or a folder's (default: {default})"),
 }
 
 # SamplingParams field -> argparse settings, as for ENGINE_FLAGS.

@@ -121,6 +121,11 @@ class EngineLoop:
         finished ids are ignored."""
         self._aborts.append(seq_id)
 
+    def forget_cached_blocks(self) -> None:
+        """Drop every block from the prefix cache at the next step (as the blocks of a failed
+        launch are: the step's ``dirty_blocks`` events, which the trace records)."""
+        self._dirty.extend(block for block, _ in self._state.pool.cached_blocks())
+
     def has_work(self) -> bool:
         """Whether stepping would do anything: live or queued sequences, or tokens in flight."""
         return (self._state.has_unfinished or bool(self._new) or bool(self._aborts)

@@ -86,3 +86,16 @@ def banned_token_ids(params: SamplingParams, num_output_tokens_before: int,
     if may_stop_next(num_output_tokens_before, params.min_tokens):
         return ()
     return stop_token_ids(params, eos_token_ids)
+
+
+def bad_word_bans(bad_words_token_ids: tuple[tuple[int, ...], ...],
+                  output_token_ids: list[int]) -> tuple[int, ...]:
+    """The token ids that would complete a bad word now, as vLLM decides: a word's last token
+    when the output so far ends with the rest of the word (always, for a one-token word)."""
+    banned = []
+    for word in bad_words_token_ids:
+        prefix = list(word[:-1])
+        if not prefix or output_token_ids[len(output_token_ids) - len(prefix):] == prefix:
+            if word[-1] not in banned:
+                banned.append(word[-1])
+    return tuple(banned)

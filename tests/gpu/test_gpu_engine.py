@@ -136,6 +136,49 @@ def test_decode_graphs_sample_as_the_eager_sampler_does(float32_prompts, monkeyp
     assert not replays  # a row with top_p or logprobs in every step: the eager sampler draws
 
 
+def test_shaped_logits_bad_words_and_prompt_logprobs_leave_the_graph_sampler(float32_prompts,
+                                                                             monkeypatch):
+    """Rows with a logit bias, allowed tokens, bad words or prompt logprobs are not plain: the
+    eager sampler draws them after the graph, giving the tokens an eager run gives; allowed
+    tokens hold, and prompt logprobs match transformers' (float32)."""
+    from nanofn.runner.cuda_graphs import DecodeGraphs
+
+    model_dir, prompts = float32_prompts
+    base = dict(temperature=0.8, max_tokens=NEW_TOKENS, ignore_eos=True)
+    allowed = list(range(3, 60))
+    kinds = [SamplingParams(**base, logit_bias={5: 4.0, 9: -3.0}),
+             SamplingParams(**base, allowed_token_ids=allowed),
+             SamplingParams(**base, bad_words_token_ids=[(7,), (11, 12)]),
+             SamplingParams(**base, prompt_logprobs=3)]
+    mixed = [kinds[i % len(kinds)] for i in range(len(prompts))]
+
+    def outputs(**options):
+        with LLM(str(model_dir), dtype="float32", gpu_memory_utilization=0.3, max_model_len=512,
+                 seed=7, **options) as llm:
+            return llm.generate([{"prompt_token_ids": p} for p in prompts], mixed,
+                                use_tqdm=False)
+
+    replays = []
+    sample = DecodeGraphs.sample
+    monkeypatch.setattr(DecodeGraphs, "sample", lambda self, *a: replays.append(1) or sample(self, *a))
+    graphs, eager = outputs(), outputs(enforce_eager=True)
+    assert [o.outputs[0].token_ids for o in graphs] == [o.outputs[0].token_ids for o in eager]
+    assert not replays
+    for params, out in zip(mixed, graphs):
+        tokens = out.outputs[0].token_ids
+        if params.allowed_token_ids is not None:
+            assert set(tokens) <= set(allowed)
+        if params.bad_words_token_ids:
+            assert 7 not in tokens and (11, 12) not in set(zip(tokens, tokens[1:]))
+        if params.prompt_logprobs is not None:
+            expected = hf_logits(model_dir, out.prompt_token_ids, torch.float32).log_softmax(-1)
+            got = [entry[t].logprob for t, entry in zip(out.prompt_token_ids[1:],
+                                                         out.prompt_logprobs[1:])]
+            want = expected[:-1].gather(-1, torch.tensor(out.prompt_token_ids[1:],
+                                                         device="cuda")[:, None])[:, 0]
+            assert got == pytest.approx(want.tolist(), abs=2e-3)
+
+
 def test_preemption_and_chunked_prefill_on_the_gpu(float32_prompts):
     model_dir, prompts = float32_prompts
     plain = run(model_dir, prompts, enable_prefix_caching=False)
