@@ -196,3 +196,13 @@ class SampleOutput:
 
     token_ids: Sequence[int]  # a list or an int64 array
     logprobs: Sequence[TokenLogprobs | None] | None = None  # None: no row asked for logprobs
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class TokenBitmask:
+    """The tokens some sampling rows of a plan may sample (structured output), from the shell's
+    grammars: bit ``t % 32`` of ``bits[k, t // 32]`` allows token ``t`` for sampling row
+    ``rows[k]`` (an index into ``plan.sampling_seq_ids``); other rows are free."""
+
+    rows: np.ndarray  # [R] int64
+    bits: np.ndarray  # [R, words] int32

@@ -6,8 +6,8 @@
    (possibly itself), which gives back every block and returns to the head of the waiting
    queue to be recomputed later.
    A sequence whose last token is still pending (sampled by the plan in flight) is
-   scheduled with that token as ``PENDING_TOKEN``, unless it needs its history (penalties),
-   more than one token is pending, or that token is its last by length: then it waits.
+   scheduled with that token as ``PENDING_TOKEN``, unless it needs that token on the host
+   (penalties count it, a grammar's mask depends on it), more than one token is pending, or that token is its last by length: then it waits.
 2. Then, unless this step preempted, waiting sequences first come first served while the
    budget, ``max_num_seqs`` and the free blocks allow. A waiting sequence starts from the
    longest prefix found in the prefix cache; its prompt is cut to the budget left (chunked
@@ -28,7 +28,8 @@ import numpy as np
 from nanofn.state.batch import (HAS_PENALTIES, HAS_STOP_IDS, IGNORE_EOS, LENGTH_LIMIT,
                                 MIN_TOKENS, NUM_BLOCKS, NUM_CACHED, NUM_COLS, NUM_COMPUTED,
                                 NUM_HASHED, NUM_PENDING, NUM_PREEMPTIONS, NUM_PROMPT, NUM_TOKENS,
-                                ROW, SERIAL, SLOT, RunningBatch, frozen, with_room)
+                                ROW, SERIAL, SLOT, WAITS_FOR_TOKEN, RunningBatch, frozen,
+                                with_room)
 from nanofn.state.block_pool import PoolChanges, find_cached_prefix
 from nanofn.state.config import SchedulerConfig, blocks_for
 from nanofn.state.engine_state import EngineState, InFlight, evolve
@@ -122,11 +123,12 @@ def schedule(state: EngineState) -> tuple[EngineState, BatchPlan]:
 
 def ready(cols: np.ndarray) -> np.ndarray:
     """Which running sequences can be scheduled now: nothing pending, or only their last
-    token, which is not their last by length and whose history nobody needs (penalties)."""
+    token, which is not their last by length and which sampling does not need on the host
+    (penalties, grammars)."""
     pending = cols[:, NUM_PENDING]
     one_pending = (pending == 1) & ~at_length_limit(cols[:, NUM_TOKENS] + 1, cols[:, LENGTH_LIMIT])
-    if cols[:, HAS_PENALTIES].any():
-        one_pending &= cols[:, HAS_PENALTIES] == 0
+    if cols[:, WAITS_FOR_TOKEN].any():
+        one_pending &= cols[:, WAITS_FOR_TOKEN] == 0
     return (pending == 0) | one_pending
 
 
@@ -258,7 +260,7 @@ def _append_admitted(store: SeqStore, cols: np.ndarray, admissions: list[Admissi
                     len(a.blocks), len(seq.block_hashes), seq.num_prompt_tokens,
                     length_limit(p, seq.num_prompt_tokens, c.max_model_len), p.min_tokens,
                     p.ignore_eos, bool(p.stop_token_ids), p.has_penalties, seq.num_preemptions,
-                    a.num_cached))
+                    a.num_cached, p.waits_for_token))
         slots = slots.rest
     admitted = np.zeros((len(admissions), NUM_COLS), np.int64)
     admitted[:, _ADMITTED_COLS] = new
@@ -268,7 +270,7 @@ def _append_admitted(store: SeqStore, cols: np.ndarray, admissions: list[Admissi
 # The columns an admission sets, in the order ``_append_admitted`` lists them (the others: 0).
 _ADMITTED_COLS = [SERIAL, SLOT, ROW, NUM_TOKENS, NUM_COMPUTED, NUM_BLOCKS, NUM_HASHED, NUM_PROMPT,
                   LENGTH_LIMIT, MIN_TOKENS, IGNORE_EOS, HAS_STOP_IDS, HAS_PENALTIES,
-                  NUM_PREEMPTIONS, NUM_CACHED]
+                  NUM_PREEMPTIONS, NUM_CACHED, WAITS_FOR_TOKEN]
 
 
 def _plan(step: int, store: SeqStore, key: object, cols: np.ndarray, counts: np.ndarray,
