@@ -123,7 +123,7 @@ def test_bad_constraints_name_the_field(fields, message):
 def test_a_dict_of_fields_is_accepted_and_unknown_ones_are_named():
     params = SamplingParams(structured_outputs={"regex": "a+"})
     assert params.structured_outputs == StructuredOutputsParams(regex="a+")
-    with pytest.raises(ValueError, match="unknown structured_outputs field.*: regx"):
+    with pytest.raises(ValueError, match="structured_outputs has unknown field.*: regx"):
         SamplingParams(structured_outputs={"regx": "a+"})
     with pytest.raises(ValueError, match="structured_outputs must be StructuredOutputsParams"):
         SamplingParams(structured_outputs="a+")
@@ -275,19 +275,19 @@ def test_ignore_eos_still_ends_when_the_grammar_does(tiny_qwen3):
 
 
 @pytest.mark.parametrize("constraint, message", [
-    (StructuredOutputsParams(json={"type": "nonsense"}), "invalid structured_outputs.json"),
-    (StructuredOutputsParams(json="{not json"), "invalid structured_outputs.json"),
-    (StructuredOutputsParams(regex="a(b"), "invalid structured_outputs.regex.*unclosed group"),
-    (StructuredOutputsParams(grammar="start: ("), "invalid structured_outputs.grammar"),
+    (StructuredOutputsParams(json={"type": "nonsense"}), "invalid json"),
+    (StructuredOutputsParams(json="{not json"), "invalid json"),
+    (StructuredOutputsParams(regex="a(b"), "invalid regex.*unclosed group"),
+    (StructuredOutputsParams(grammar="start: ("), "invalid grammar"),
 ])
 def test_an_invalid_constraint_fails_its_request_only(tiny_qwen3, constraint, message):
     with LLM(str(tiny_qwen3), num_kv_blocks=64, max_model_len=256) as llm:
-        with pytest.raises(InvalidRequest, match=f"(?s)prompt 1: request .*{message}"):
+        with pytest.raises(InvalidRequest, match=f"(?s)prompt 1: structured_outputs of request .*{message}"):
             llm.generate(PROMPTS[:2], [constrained("choice"),
                                        SamplingParams(structured_outputs=constraint)],
                          use_tqdm=False)
         engine = llm.engine
-        with pytest.raises(InvalidRequest, match=f"(?s)request .bad.: {message}"):
+        with pytest.raises(InvalidRequest, match=f"(?s)structured_outputs of request 'bad': {message}"):
             engine.add_request("hi", SamplingParams(structured_outputs=constraint), "bad")
         assert not engine.has_unfinished_requests() and not engine.grammars.matchers
         (out,) = llm.generate(PROMPTS[:1], constrained("choice"), use_tqdm=False)

@@ -73,9 +73,6 @@ class Grammars:
         self._executor: Any = None
         self.matchers: dict[str, Any] = {}
 
-    def __bool__(self) -> bool:
-        return bool(self.matchers)
-
     def compile(self, request_id: str, params: StructuredOutputsParams) -> Any:
         """A fresh matcher for the constraint; ``InvalidRequest`` naming the request and the
         problem if it does not compile."""
@@ -87,12 +84,10 @@ class Grammars:
         try:
             text = grammar_text(params)
         except ValueError as error:
-            raise InvalidRequest(f"request {request_id!r}: invalid structured_outputs."
-                                 f"{params.kind}: {error}") from None
+            raise _invalid(request_id, params, str(error)) from None
         matcher = llg.LLMatcher(self._tokenizer, text, log_level=0)
         if matcher.is_error():
-            raise InvalidRequest(f"request {request_id!r}: invalid structured_outputs."
-                                 f"{params.kind}: {matcher.get_error()}")
+            raise _invalid(request_id, params, matcher.get_error())
         return matcher
 
     def add(self, seq_id: str, matcher: Any) -> None:
@@ -126,6 +121,11 @@ class Grammars:
         llguidance.numpy.fill_next_token_bitmask_par(
             self._executor, [(matcher, k) for k, (_, matcher) in enumerate(found)], bits)
         return TokenBitmask(np.array([row for row, _ in found], np.int64), bits)
+
+
+def _invalid(request_id: str, params: StructuredOutputsParams, error: str) -> InvalidRequest:
+    return InvalidRequest(f"structured_outputs of request {request_id!r}: invalid {params.kind}: "
+                          f"{error}")
 
 
 class MaskingRunner:

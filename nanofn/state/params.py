@@ -137,7 +137,7 @@ def _structured_from_dict(d: dict[str, Any]) -> StructuredOutputsParams:
     known = {f.name for f in fields(StructuredOutputsParams)}
     unknown = sorted(set(d) - known)
     if unknown:
-        raise ValueError(f"unknown structured_outputs field(s): {', '.join(unknown)} (known: "
+        raise ValueError(f"structured_outputs has unknown field(s): {', '.join(unknown)} (known: "
                          f"{', '.join(sorted(known))})")
     return StructuredOutputsParams(**d)
 
