@@ -302,3 +302,17 @@ def test_without_llguidance_the_error_names_the_extra(tiny_qwen3, monkeypatch):
         monkeypatch.undo()
         (out,) = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=3), use_tqdm=False)
     assert len(out.outputs[0].token_ids) == 3
+
+
+def test_a_trace_with_constraints_replays_and_checks(tiny_qwen3, tmp_path):
+    from nanofn.state import parse_trace, replay
+
+    path = tmp_path / "run.jsonl"
+    kinds = ["json", "regex", "choice"]
+    with LLM(str(tiny_qwen3), num_kv_blocks=64, max_model_len=256, trace=str(path)) as llm:
+        outs = llm.generate(PROMPTS[:3], [constrained(k) for k in kinds], use_tqdm=False)
+    check_outputs(outs, kinds)
+    states = [state for state, _ in replay(parse_trace(path.read_text().splitlines()),
+                                           check=True)]
+    finished = {seq.seq_id: seq for state in states for seq in state.finished}
+    assert [finished[o.request_id].params for o in outs] == [constrained(k) for k in kinds]

@@ -211,13 +211,14 @@ def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor,
     ``bitmask[k, t // 32]`` (int32 ``[len(rows), words]``) allows token ``t`` for row
     ``rows[k]``; ids past ``32 * words`` are masked (a model's vocabulary may be larger than
     its tokenizer's)."""
-    bits = torch.arange(32, device=bitmask.device, dtype=torch.int32)
-    allowed = ((bitmask[:, :, None] >> bits) & 1).bool().reshape(len(rows), -1)
+    bit_values = torch.tensor([1 << i for i in range(32)], dtype=torch.int64)
+    bit_values = bit_values.to(torch.int32).to(bitmask.device)  # 1 << 31 wraps to int32's sign
+    allowed = ((bitmask[:, :, None] & bit_values) != 0).reshape(len(rows), -1)
     vocab_size = logits.shape[-1]
     if allowed.shape[-1] < vocab_size:
         allowed = torch.nn.functional.pad(allowed, (0, vocab_size - allowed.shape[-1]))
     logits = logits.clone()
-    logits[rows] = logits[rows].masked_fill(~allowed[:, :vocab_size], float("-inf"))
+    logits[rows] = logits[rows].masked_fill_(~allowed[:, :vocab_size], float("-inf"))
     return logits
 
 
