@@ -316,3 +316,20 @@ def test_a_trace_with_constraints_replays_and_checks(tiny_qwen3, tmp_path):
                                            check=True)]
     finished = {seq.seq_id: seq for state in states for seq in state.finished}
     assert [finished[o.request_id].params for o in outs] == [constrained(k) for k in kinds]
+
+
+def test_min_tokens_pads_a_short_constrained_output_with_end_tokens(tiny_qwen3):
+    """A grammar that ends before min_tokens: the end token is not banned (the mask allows
+    nothing else), the sequence goes on with end tokens and stops once min_tokens allows."""
+    from nanofn.state.policy import banned_token_ids
+
+    params = constrained("choice", min_tokens=5, max_tokens=20)
+    assert banned_token_ids(params, 0, (0,)) == ()
+    assert banned_token_ids(SamplingParams(min_tokens=5), 0, (0,)) == (0,)
+    with LLM(str(tiny_qwen3), num_kv_blocks=64, max_model_len=256) as llm:
+        outs = llm.generate(PROMPTS[:2], [params, constrained("choice", min_tokens=5,
+                                                              temperature=0.0)], use_tqdm=False)
+    check_outputs(outs, ["choice", "choice"])
+    for out in outs:
+        ids = out.outputs[0].token_ids
+        assert len(ids) == 6 and ids[-1] == 0, ids  # 5 tokens, then the end

@@ -320,14 +320,15 @@ def _plan(step: int, store: SeqStore, key: object, cols: np.ndarray, counts: np.
 
 def _banned(cols: np.ndarray, sampling: np.ndarray, index_in_plan: np.ndarray, specs: tuple,
             c: SchedulerConfig) -> tuple[tuple[int, tuple[int, ...]], ...]:
-    """``(plan index, token ids)`` for the sampling sequences that may not stop yet."""
+    """``(plan index, token ids)`` for the sampling sequences that may not stop yet (as
+    ``policy.banned_token_ids`` says: none for constrained ones)."""
     min_tokens = cols[sampling, MIN_TOKENS]
     if not min_tokens.any():
         return ()
     before = cols[sampling, NUM_COMPUTED] - cols[sampling, NUM_PROMPT]
     held_back = sampling[~may_stop_next(before, min_tokens)]
     banned = ((int(index_in_plan[i]), stop_token_ids(specs[i].params, c.eos_token_ids))
-              for i in held_back.tolist())
+              for i in held_back.tolist() if specs[i].params.structured_outputs is None)
     return tuple(item for item in banned if item[1])
 
 
