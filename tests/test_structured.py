@@ -333,3 +333,26 @@ def test_min_tokens_pads_a_short_constrained_output_with_end_tokens(tiny_qwen3):
     for out in outs:
         ids = out.outputs[0].token_ids
         assert len(ids) == 6 and ids[-1] == 0, ids  # 5 tokens, then the end
+
+
+def test_the_mask_covers_the_model_vocabulary_and_allows_no_id_past_the_tokenizer(tiny_qwen3):
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from nanofn.engine.structured import Grammars
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3)
+    vocab = json.loads((tiny_qwen3 / "config.json").read_text())["vocab_size"]
+    assert vocab > len(tokenizer)
+    grammars = Grammars(tokenizer, vocab, (tokenizer.eos_token_id,))
+    for i, kind in enumerate(["json_object", "regex"]):
+        grammars.add(f"s{i}", grammars.compile("r", constrained(kind).structured_outputs))
+    plan = SimpleNamespace(sampling_seq_ids=("free", "s1", "s0"))
+    mask = grammars.bitmask(plan)
+    assert mask.rows.tolist() == [1, 2] and mask.bits.shape == (2, (vocab + 31) // 32)
+    allowed = allowed_by(mask.bits, vocab)
+    assert allowed.any(axis=1).all() and not allowed[:, len(tokenizer):].any()
+    assert allowed[1].nonzero()[0].tolist() == tokenizer.convert_tokens_to_ids(["{"])
+    assert grammars.accept("s0", tokenizer.convert_tokens_to_ids("{")) is False
+    assert grammars.accept("s0", tokenizer.convert_tokens_to_ids("x")) is True  # not JSON

@@ -144,8 +144,8 @@ class Engine:
         text, token_ids = self.tokenize(prompt)
         news = [NewSeq(seq_id, tuple(token_ids), child)
                 for seq_id, child in _children(request_id, params)]
-        matchers = ([self.grammars.compile(request_id, params.structured_outputs)
-                     for _ in news] if params.structured_outputs is not None else [])
+        matchers = (self.grammars.matchers_for(request_id, params.structured_outputs, len(news))
+                    if params.structured_outputs is not None else [])
         seq_ids = self._add_all(news)
         try:
             for seq_id, matcher in zip(seq_ids, matchers):

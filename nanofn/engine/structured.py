@@ -90,6 +90,12 @@ class Grammars:
             raise _invalid(request_id, params, matcher.get_error())
         return matcher
 
+    def matchers_for(self, request_id: str, params: StructuredOutputsParams,
+                     count: int) -> list[Any]:
+        """``count`` matchers of one constraint (one per output sequence), compiled once."""
+        first = self.compile(request_id, params)
+        return [first] + [first.deep_copy() for _ in range(count - 1)]
+
     def add(self, seq_id: str, matcher: Any) -> None:
         self.matchers[seq_id] = matcher
 
