@@ -356,3 +356,16 @@ def test_the_mask_covers_the_model_vocabulary_and_allows_no_id_past_the_tokenize
     assert allowed[1].nonzero()[0].tolist() == tokenizer.convert_tokens_to_ids(["{"])
     assert grammars.accept("s0", tokenizer.convert_tokens_to_ids("{")) is False
     assert grammars.accept("s0", tokenizer.convert_tokens_to_ids("x")) is True  # not JSON
+
+
+def test_tensor_parallel_ranks_sample_within_the_mask(tiny_qwen3):
+    """Rank 0 alone samples, so the mask goes to it alone; the workers run the same plans."""
+    kinds = ["regex", "choice", "json"]
+    params = [constrained(k, temperature=0.0) for k in kinds]
+    with LLM(str(tiny_qwen3), num_kv_blocks=64, max_model_len=256,
+             tensor_parallel_size=2) as llm:
+        split = llm.generate(PROMPTS[:3], params, use_tqdm=False)
+    with LLM(str(tiny_qwen3), num_kv_blocks=64, max_model_len=256) as llm:
+        whole = llm.generate(PROMPTS[:3], params, use_tqdm=False)
+    check_outputs(split, kinds)
+    assert [o.outputs[0].token_ids for o in split] == [o.outputs[0].token_ids for o in whole]

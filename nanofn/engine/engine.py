@@ -23,7 +23,7 @@ from nanofn.engine.detokenizer import Detokenizer, decode_output
 from nanofn.engine.loop import Delivery, EngineLoop, LoopStep
 from nanofn.engine.options import EngineOptions
 from nanofn.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from nanofn.engine.structured import Grammars, MaskingRunner
+from nanofn.engine.structured import Grammars
 from nanofn.runner.model_runner import ModelRunner, RunnerConfig, check_kv_cache_size
 from nanofn.runner.tensor_parallel import TensorParallelExecutor
 from nanofn.state import (EngineState, Figures, FinishReason, InvalidRequest, NewSeq,
@@ -105,11 +105,11 @@ class Engine:
             raise
         state = initial_state(self.scheduler_config, self.runner.num_blocks)
         self.grammars = Grammars(self.tokenizer, self.hf_config.vocab_size, self.eos_token_ids)
-        self.loop = EngineLoop(state, MaskingRunner(self.runner, self.grammars),
-                               async_scheduling=options.async_scheduling,
+        self.loop = EngineLoop(state, self.runner, async_scheduling=options.async_scheduling,
                                trace=self._trace, trace_meta={
                                    "model": str(model_dir), "dtype": str(self.runner.dtype),
-                                   "tensor_parallel_size": runner_config.tp_size})
+                                   "tensor_parallel_size": runner_config.tp_size},
+                               token_masks=self.grammars.bitmask)
         self._ids = itertools.count()
         self._unfinished_step: LoopStep | None = None  # taken from the loop, not yet handled
         self._requests: dict[str, _Request] = {}

@@ -6,9 +6,10 @@ every token it sampled before has reached the host and advanced its matcher. Per
 
 - ``accept`` advances a sequence's matcher by the token just delivered (the engine's
   delivery hook) and says whether the grammar has ended there;
-- ``MaskingRunner.launch`` asks each constrained sampling row's matcher which tokens may come
-  next, as one int32 bitmask for those rows (``TokenBitmask``), which the runner copies to the
-  device once and applies to the logits before any other sampling step.
+- ``bitmask`` (the ``EngineLoop``'s ``token_masks``, called before each launch) asks each
+  constrained sampling row's matcher which tokens may come next, as one int32 bitmask for
+  those rows (``TokenBitmask``), which the runner copies to the device once and applies to
+  the logits before any other sampling step.
 
 A grammar ends when its matcher has taken an end-of-sequence token; the sequence then finishes
 with reason ``stop`` even with ``ignore_eos`` (its text is complete: what follows could only be
@@ -134,18 +135,3 @@ class Grammars:
 def _invalid(request_id: str, params: StructuredOutputsParams, error: str) -> InvalidRequest:
     return InvalidRequest(f"structured_outputs of request {request_id!r}: invalid {params.kind}: "
                           f"{error}")
-
-
-class MaskingRunner:
-    """A runner seen through the grammars: each launch carries the mask of its constrained
-    rows (the ``EngineLoop`` launches plans through it)."""
-
-    def __init__(self, runner: Any, grammars: Grammars):
-        self.runner = runner
-        self.grammars = grammars
-
-    def launch(self, plan: BatchPlan) -> Any:
-        bitmask = self.grammars.bitmask(plan)
-        if bitmask is None:
-            return self.runner.launch(plan)
-        return self.runner.launch(plan, bitmask)

@@ -93,7 +93,8 @@ class TensorParallelExecutor:
         self._raise_if_failed()
         message = pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL)  # once for all workers
         self._guarded(self._send, message)
-        return _WatchedSample(self, self._guarded(self.runner.launch, plan, token_bitmask))
+        masked = () if token_bitmask is None else (token_bitmask,)
+        return _WatchedSample(self, self._guarded(self.runner.launch, plan, *masked))
 
     def _send(self, message: bytes) -> None:
         for pipe in self._pipes:
