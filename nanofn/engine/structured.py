@@ -110,7 +110,7 @@ class Grammars:
         if matcher is None:
             return False
         if matcher.is_stopped() and token in self.eos_token_ids:
-            return True  # more end tokens, after min_tokens held back the first one's stop
+            return True  # complete (only an end token fits), or padded up to min_tokens
         if not matcher.consume_token(token):
             log.warning("sequence %s: token %d does not fit its grammar (%s); finishing it",
                         seq_id, token, matcher.get_error())
