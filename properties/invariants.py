@@ -98,8 +98,8 @@ def check_plan(state: EngineState, plan: BatchPlan) -> None:
         known = tuple(seq.token_ids[s.start_pos:s.context_len])
         pending = s.context_len - s.start_pos - len(known)
         assert pending in (0, 1) and s.token_ids == known + (PENDING_TOKEN,) * pending
-        if pending:  # only the last token, and never for a sequence that needs its history
-            assert s.sample and not seq.params.needs_history
+        if pending:  # only the last token, and never for one that needs it (history, grammars)
+            assert s.sample and not seq.params.waits_for_token
         if s.sample:
             assert seq.num_uncomputed == 1 and seq.num_pending >= 1
         assert s.slot == slots[s.seq_id]

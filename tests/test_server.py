@@ -5,6 +5,7 @@ strings, logprobs, usage, errors, disconnects, and a bounded load with cancellat
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import re
 import socket
@@ -311,3 +312,47 @@ def test_a_token_without_text_still_gets_a_chunk():
     assert [c["logprobs"]["tokens"] for c in first + silent + last] == [["5"], ["400"], ["6"]]
     assert same == []
     assert last[0]["finish_reason"] == "length"
+ANSWER_SCHEMA = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]},
+                                                  "score": {"type": "integer", "minimum": 0,
+                                                            "maximum": 9}},
+                 "required": ["answer", "score"], "additionalProperties": False}
+
+
+def test_structured_output_through_response_format_and_vllm_fields(client):
+    pytest.importorskip("llguidance")
+    messages = [{"role": "user", "content": "Answer in JSON"}]
+    chat = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=200, n=2, seed=1,
+        response_format={"type": "json_schema",
+                         "json_schema": {"name": "answer", "schema": ANSWER_SCHEMA}},
+        extra_body={"structured_outputs": {"disable_any_whitespace": True}})
+    for choice in chat.choices:
+        value = json.loads(choice.message.content)
+        assert choice.finish_reason == "stop" and set(value) == {"answer", "score"}
+        assert value["answer"] in ("yes", "no") and value["score"] in range(10)
+    anything = client.chat.completions.create(model="tiny", messages=messages, max_tokens=200,
+                                              seed=2, response_format={"type": "json_object"})
+    assert isinstance(json.loads(anything.choices[0].message.content), dict)
+    regex = client.completions.create(model="tiny", prompt="Code:", max_tokens=30, seed=3,
+                                      extra_body={"structured_outputs": {"regex": "[A-Z]{3}-[0-9]{2}"}})
+    assert re.fullmatch("[A-Z]{3}-[0-9]{2}", regex.choices[0].text)
+    streamed = client.completions.create(model="tiny", prompt="Pick:", max_tokens=30, stream=True,
+                                         extra_body={"guided_choice": ["left", "right"]})
+    assert "".join(c.choices[0].text for c in streamed if c.choices) in ("left", "right")
+
+
+@pytest.mark.parametrize("extra, param, words", [
+    ({"structured_outputs": {"regex": "a(b"}}, "structured_outputs", "invalid regex"),
+    ({"structured_outputs": {"regx": "a"}}, "structured_outputs", "unknown field"),
+    ({"response_format": {"type": "xml"}}, "response_format", "json_schema"),
+    ({"guided_regex": "a", "structured_outputs": {"regex": "b"}}, "guided_regex",
+     "one output constraint"),
+    ({"structured_outputs": {"disable_any_whitespace": True}}, "structured_outputs",
+     "exactly one of json"),
+])
+def test_a_bad_output_constraint_is_400(server, client, extra, param, words):
+    pytest.importorskip("llguidance")
+    with pytest.raises(openai.BadRequestError) as error:
+        client.completions.create(model="tiny", prompt="Hi", max_tokens=5, extra_body=extra)
+    assert error.value.body["param"] == param and words in error.value.body["message"]
+    wait_until_idle(server)

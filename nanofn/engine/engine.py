@@ -25,6 +25,7 @@ from nanofn.engine.generation_config import generation_defaults
 from nanofn.engine.loop import Delivery, EngineLoop, LoopStep
 from nanofn.engine.options import EngineOptions
 from nanofn.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from nanofn.engine.structured import Grammars
 from nanofn.runner.model_runner import ModelRunner, RunnerConfig, check_kv_cache_size
 from nanofn.runner.tensor_parallel import TensorParallelExecutor
 from nanofn.state import (EngineState, Figures, FinishReason, InvalidRequest, NewSeq,
@@ -112,10 +113,12 @@ class Engine:
                 self._trace.close()
             raise
         state = initial_state(self.scheduler_config, self.runner.num_blocks)
+        self.grammars = Grammars(self.tokenizer, self.hf_config.vocab_size, self.eos_token_ids)
         self.loop = EngineLoop(state, self.runner, async_scheduling=options.async_scheduling,
                                trace=self._trace, trace_meta={
                                    "model": str(model_dir), "dtype": str(self.runner.dtype),
-                                   "tensor_parallel_size": runner_config.tp_size})
+                                   "tensor_parallel_size": runner_config.tp_size},
+                               token_masks=self.grammars.bitmask)
         self._ids = itertools.count()
         self.closed = False
         self._unfinished_step: LoopStep | None = None  # taken from the loop, not yet handled
@@ -173,8 +176,12 @@ class Engine:
         token_ids = self._truncated(token_ids, params.truncate_prompt_tokens)
         news = [NewSeq(seq_id, tuple(token_ids), child)
                 for seq_id, child in _children(request_id, params)]
+        matchers = (self.grammars.matchers_for(request_id, params.structured_outputs, len(news))
+                    if params.structured_outputs is not None else [])
         seq_ids = self._add_all(news)
         try:
+            for seq_id, matcher in zip(seq_ids, matchers):
+                self.grammars.add(seq_id, matcher)
             watched = stream or bool(params.stop) or params.logprobs is not None
             request = _Request(request_id, text, token_ids, stream, [
                 _SeqOutput(seq_id, i, params,
@@ -193,6 +200,7 @@ class Engine:
                 self.loop.abort(seq_id)
                 self._seqs.pop(seq_id, None)
                 self._watched.pop(seq_id, None)
+                self.grammars.remove(seq_id)
             raise
         return request_id
 
@@ -291,17 +299,17 @@ class Engine:
 
     def _take_delivery(self, delivery: Delivery) -> list[str]:
         """Hand the delivered tokens to the watched sequences; return those whose stop string
-        they complete. Tokens of sequences that finished meanwhile (they were sampled one step
-        ahead) are dropped; the others' tokens wait in the core."""
+        they complete (or whose grammar ends). Tokens of sequences that finished meanwhile (they
+        were sampled one step ahead) are dropped; the others' tokens wait in the core."""
         if self._awaiting_first_token:
             self._note_first_tokens(delivery.plan.sampling_seq_ids)
         if delivery.output.prompt_logprobs:
             self._take_prompt_logprobs(delivery.output.prompt_logprobs)
-        if not self._watched:
+        if not self._watched and not self.grammars.matchers:
             return []
         out = delivery.output
         tokens = out.token_ids.tolist() if hasattr(out.token_ids, "tolist") else out.token_ids
-        stop_hits = []
+        stop_hits = self._advance_grammars(delivery.plan.sampling_seq_ids, tokens)
         for i, seq_id in enumerate(delivery.plan.sampling_seq_ids):
             seq = self._watched.get(seq_id)
             if seq is None:
@@ -336,6 +344,12 @@ class Engine:
             owner = self._seqs.get(seq_id)
             if owner is not None and owner[0].metrics.first_token_time is None:
                 owner[0].metrics.first_token_time = now
+    def _advance_grammars(self, seq_ids: Sequence[str], tokens: list[int]) -> list[str]:
+        """Advance the constrained sequences' matchers; the ids of those whose grammar ended."""
+        if not self.grammars.matchers:
+            return []
+        return [seq_id for seq_id, token in zip(seq_ids, tokens)
+                if self.grammars.accept(seq_id, token)]
 
     def _advanced(self, delivery: Delivery) -> list[_Request]:
         return [owner[0] for seq_id in delivery.plan.sampling_seq_ids
@@ -361,6 +375,7 @@ class Engine:
                 del self._requests[request.request_id]
                 done.append(request)
             self._watched.pop(seq.seq_id, None)
+            self.grammars.remove(seq.seq_id)
             del self._seqs[seq.seq_id]
         return done
 
@@ -430,6 +445,7 @@ class Engine:
             for seq in self._requests.pop(request_id).seqs:
                 self._seqs.pop(seq.seq_id, None)
                 self._watched.pop(seq.seq_id, None)
+                self.grammars.remove(seq.seq_id)
         raise RuntimeError(f"requests {stale} are unfinished but the engine has nothing to "
                            f"step (the core does not know them); they were dropped")
 

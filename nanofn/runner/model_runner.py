@@ -19,7 +19,8 @@ from nanofn.runner.sampler import DeviceSample, Sampler, SamplingRows, to_device
 from nanofn.runner.timeline import DeviceTimeline
 from nanofn.state.config import blocks_for
 from nanofn.state.params import SamplingParams
-from nanofn.state.plan import BatchPlan, ScheduledSeq, SeqStart, TokenLogprobs, plan_of
+from nanofn.state.plan import (BatchPlan, ScheduledSeq, SeqStart, TokenBitmask, TokenLogprobs,
+                               plan_of)
 
 log = logging.getLogger("nanofn")
 
@@ -107,13 +108,14 @@ class ModelRunner:
                                        hf_config.hidden_size, self.slot_temperature)
 
     @torch.inference_mode()
-    def launch(self, plan: BatchPlan) -> DeviceSample:
+    def launch(self, plan: BatchPlan, token_bitmask: TokenBitmask | None = None) -> DeviceSample:
         """Queue a (non-empty) plan's work on the device and sample for the sequences that ask
-        for it, in plan order. The tokens stay on the device for the next plan's
-        ``PENDING_TOKEN``s; ``wait()`` on the result brings them to the host."""
+        for it, in plan order, within ``token_bitmask`` (structured output) if given. The
+        tokens stay on the device for the next plan's ``PENDING_TOKEN``s; ``wait()`` on the
+        result brings them to the host."""
         start = self.timeline.mark() if self.timeline is not None else None
         sampling_slots = plan.slots[plan.sample]
-        if self._samples_in_graph(plan, sampling_slots):
+        if token_bitmask is None and self._samples_in_graph(plan, sampling_slots):
             self._start(plan.started)
             greedy = not self.slot_params.floats[sampling_slots, SlotParams.TEMPERATURE].any()
             key_base = 0 if greedy else self.sampler.key_base()  # as the eager sampler draws
@@ -122,7 +124,8 @@ class ModelRunner:
         else:
             logits = self.forward(plan)
             num_sampling = len(plan.sampling_seq_ids)
-            sample = self.sampler.sample(logits[:num_sampling], self.slot_params.rows(plan))
+            sample = self.sampler.sample(logits[:num_sampling], self.slot_params.rows(plan),
+                                         token_bitmask)
             self.keep_sampled_tokens(plan, sample.token_ids)
             if plan.prompt_logprobs:
                 sample.prompt_logprobs = prompt_logprobs(logits[num_sampling:], plan)
@@ -345,7 +348,7 @@ class SlotParams:
             self.seeds[s.slot] = (p.seed or 0) & 0xFFFF_FFFF_FFFF_FFFF
             self.num_prompt[s.slot] = s.num_prompt_tokens
             self.plain[s.slot] = (p.seed is None and p.logprobs is None and not p.has_penalties
-                                  and not p.shapes_logits
+                                  and not p.shapes_logits and p.structured_outputs is None
                                   and (p.greedy or (p.min_p == 0 and p.top_k <= 0
                                                     and p.top_p >= 1)))
             self.shapes_logits[s.slot] = p.shapes_logits

@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 from nanofn.state.params import GREEDY_TEMPERATURE, SamplingParams
-from nanofn.state.plan import SampleOutput, TokenLogprobs
+from nanofn.state.plan import SampleOutput, TokenBitmask, TokenLogprobs
 
 _MASK64 = (1 << 64) - 1
 _BASE_KEYS = 1 << 62  # unseeded rows' keys are base + row index: keep the sum within int64
@@ -252,6 +252,23 @@ def add_logit_bias(logits: torch.Tensor,
     return logits.index_put((rows, columns), values, accumulate=True)
 
 
+def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor,
+                        bitmask: torch.Tensor) -> torch.Tensor:
+    """``logits`` with the tokens each of ``rows`` may not sample at -inf: bit ``t % 32`` of
+    ``bitmask[k, t // 32]`` (int32 ``[len(rows), words]``) allows token ``t`` for row
+    ``rows[k]``; ids past ``32 * words`` are masked (a model's vocabulary may be larger than
+    its tokenizer's)."""
+    bit_values = torch.tensor([1 << i for i in range(32)], dtype=torch.int64)
+    bit_values = bit_values.to(torch.int32).to(bitmask.device)  # 1 << 31 wraps to int32's sign
+    allowed = ((bitmask[:, :, None] & bit_values) != 0).reshape(len(rows), -1)
+    vocab_size = logits.shape[-1]
+    if allowed.shape[-1] < vocab_size:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab_size - allowed.shape[-1]))
+    logits = logits.clone()
+    logits[rows] = logits[rows].masked_fill_(~allowed[:, :vocab_size], float("-inf"))
+    return logits
+
+
 def apply_temperature(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
     return logits / temperature[:, None]
 
@@ -364,20 +381,25 @@ class Sampler:
             self.generator.manual_seed(seed)
         self._row_generator = torch.Generator(self.device)  # re-seeded for each seeded row
 
-    def __call__(self, logits: torch.Tensor,
-                 rows: SamplingRows | Sequence[SampleRequest]) -> SampleOutput:
+    def __call__(self, logits: torch.Tensor, rows: SamplingRows | Sequence[SampleRequest],
+                 token_bitmask: TokenBitmask | None = None) -> SampleOutput:
         """Sample from ``logits`` (float32 ``[len(rows), vocab]``), one token per row, as lists
         (``sample`` leaves the tokens on the device and gives an array when waited for)."""
-        out = self.sample(logits, rows).wait()
+        out = self.sample(logits, rows, token_bitmask).wait()
         logprobs = out.logprobs if out.logprobs is not None else [None] * len(out.token_ids)
         return SampleOutput(out.token_ids.tolist(), logprobs)
 
-    def sample(self, logits: torch.Tensor,
-               rows: SamplingRows | Sequence[SampleRequest]) -> DeviceSample:
+    def sample(self, logits: torch.Tensor, rows: SamplingRows | Sequence[SampleRequest],
+               token_bitmask: TokenBitmask | None = None) -> DeviceSample:
         """As ``__call__``, but the tokens stay on the device (the next step may read them
-        there) while their copy to the host proceeds in the background."""
+        there) while their copy to the host proceeds in the background. ``token_bitmask``
+        (structured output) limits some rows to the tokens it allows, before any other step;
+        their logprobs are those of the masked logits, as in vLLM."""
         if not isinstance(rows, SamplingRows):
             rows = SamplingRows.from_requests(rows)
+        if token_bitmask is not None:
+            logits = apply_token_bitmask(logits, self._ints(token_bitmask.rows),
+                                         to_device(token_bitmask.bits, self.device))
         greedy, special = rows.greedy(), rows.special()
         if (greedy & ~special & (rows.logprobs < 0)).all():
             return DeviceSample.start(logits.argmax(dim=-1), len(rows))

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from nanofn.runner.model_runner import ModelRunner, RunnerConfig
 from nanofn.runner.sampler import DeviceSample
-from nanofn.state.plan import BatchPlan
+from nanofn.state.plan import BatchPlan, TokenBitmask
 
 COLLECTIVE_TIMEOUT = timedelta(minutes=5)
 STOP = b"stop"  # tells a worker to leave (a pickled plan never equals it)
@@ -90,11 +90,13 @@ class TensorParallelExecutor:
     def timeline(self, timeline) -> None:
         self.runner.timeline = timeline
 
-    def launch(self, plan: BatchPlan) -> _WatchedSample:
+    def launch(self, plan: BatchPlan, token_bitmask: TokenBitmask | None = None) -> _WatchedSample:
+        """Every rank runs the plan; rank 0 alone samples, so the mask stays here."""
         self._raise_if_failed()
         message = pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL)  # once for all workers
         self._guarded(self._send, message)
-        return _WatchedSample(self, self._guarded(self.runner.launch, plan))
+        masked = () if token_bitmask is None else (token_bitmask,)
+        return _WatchedSample(self, self._guarded(self.runner.launch, plan, *masked))
 
     def _send(self, message: bytes) -> None:
         for pipe in self._pipes:

@@ -8,6 +8,7 @@ from typing import Any
 from fastapi.responses import JSONResponse
 
 from nanofn.state import SamplingParams
+from nanofn.state.params import STRUCTURED_KINDS
 
 # Body fields that map to SamplingParams fields of the same name (vLLM's extras included).
 SAME_NAME = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
@@ -107,6 +108,9 @@ def sampling_params(body: dict, chat: bool,
     logprobs = _logprobs(body, chat)
     if logprobs is not None:
         fields["logprobs"] = logprobs
+    structured = structured_outputs(body)
+    if structured is not None:
+        fields["structured_outputs"] = structured
     try:
         return SamplingParams(**fields)
     except (TypeError, ValueError) as error:
@@ -130,6 +134,50 @@ def _logit_bias(bias: Any) -> dict[int, float]:
                                 f"{value!r}", param="logit_bias")
         clamped[int(key)] = max(-MAX_LOGIT_BIAS, min(MAX_LOGIT_BIAS, float(value)))
     return clamped
+# vLLM's older extras (removed in its 0.12), as fields of ``structured_outputs``
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+          "guided_grammar": "grammar"}
+
+
+def structured_outputs(body: dict) -> dict | None:
+    """The output constraint a request asks for, as ``StructuredOutputsParams`` fields: from
+    OpenAI's ``response_format``, vLLM's ``structured_outputs``, or its older ``guided_*``
+    fields (one of these at most; ``structured_outputs`` may also add only options, such as
+    ``disable_any_whitespace``, to a ``response_format``). SamplingParams checks the fields."""
+    fields = body.get("structured_outputs")
+    if fields is not None and not isinstance(fields, dict):
+        raise APIError(400, "structured_outputs must be an object", param="structured_outputs")
+    fields = dict(fields or {})
+    given = ["structured_outputs"] if set(fields) & set(STRUCTURED_KINDS) else []
+    constraint = _response_format(body.get("response_format"))
+    if constraint is not None:
+        given.append("response_format")
+        fields.update(constraint)
+    for name, field in GUIDED.items():
+        if body.get(name) is not None:
+            given.append(name)
+            fields[field] = body[name]
+    if len(given) > 1:
+        raise APIError(400, f"give one output constraint, not {' and '.join(given)}",
+                       param=given[1])
+    return fields or None
+
+
+def _response_format(response_format: Any) -> dict | None:
+    kind = response_format.get("type") if isinstance(response_format, dict) else None
+    if response_format is None or kind == "text":
+        return None
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        json_schema = response_format.get("json_schema")
+        schema = json_schema.get("schema") if isinstance(json_schema, dict) else None
+        if not isinstance(schema, dict):
+            raise APIError(400, "response_format.json_schema.schema must be a JSON schema object",
+                           param="response_format")
+        return {"json": schema}
+    raise APIError(400, "response_format must be an object whose type is text, json_object or "
+                        f"json_schema, got {response_format!r}", param="response_format")
 
 
 def _logprobs(body: dict, chat: bool) -> int | None:

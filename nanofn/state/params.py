@@ -48,6 +48,7 @@ class SamplingParams:
     # The token sequences of ``bad_words`` (the engine fills it in from the tokenizer, as
     # vLLM's ``update_from_tokenizer``); recorded in traces so that replays ban the same tokens.
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         stop = () if self.stop is None else (self.stop,) if isinstance(self.stop, str) else self.stop
@@ -59,6 +60,9 @@ class SamplingParams:
         object.__setattr__(self, "stop", tuple(stop))
         object.__setattr__(self, "stop_token_ids", tuple(stop_token_ids))
         _normalize_vllm_extras(self)
+        if isinstance(self.structured_outputs, dict):
+            object.__setattr__(self, "structured_outputs",
+                               _structured_from_dict(self.structured_outputs))
         for problem in _problems(self):
             raise ValueError(problem)
 
@@ -81,6 +85,12 @@ class SamplingParams:
         return self.has_penalties or bool(self.bad_words_token_ids)
 
     @property
+    def waits_for_token(self) -> bool:
+        """Whether sampling needs the previous token on the host (its history, or a grammar's
+        mask that depends on it), so the sequence is never scheduled with it pending."""
+        return self.needs_history or self.structured_outputs is not None
+
+    @property
     def shapes_logits(self) -> bool:
         """Whether the sampler must change this request's logits before it draws (a logit bias
         or a set of allowed tokens): such a row is never sampled inside a CUDA graph."""
@@ -97,6 +107,10 @@ class SamplingParams:
             d[name] = None if value is None else [list(v) if isinstance(v, tuple) else v
                                                   for v in value]
         d["bad_words"] = list(self.bad_words)
+        if self.structured_outputs is None:
+            del d["structured_outputs"]  # traces without it read as before
+        else:
+            d["structured_outputs"] = self.structured_outputs.to_dict()
         return d
 
     @classmethod
@@ -165,6 +179,73 @@ def _extra_problems(p: SamplingParams):
     k = p.truncate_prompt_tokens
     if k is not None and (not _is_int(k) or not (k == -1 or k >= 1)):
         yield f"truncate_prompt_tokens must be -1, an integer >= 1 or None, got {k!r}"
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutputsParams:
+    """A constraint on the output, with vLLM's names: exactly one of ``json`` (a JSON schema, as
+    a dict or a string), ``regex``, ``choice`` (the output is one of these strings),
+    ``grammar`` (Lark, or GBNF as llama.cpp writes it) or ``json_object=True`` (any JSON
+    object). ``disable_any_whitespace``: JSON without whitespace between its tokens (otherwise
+    any amount is allowed there, as in vLLM). The engine compiles the constraint with
+    llguidance (``pip install nanofn[structured]``); a schema or pattern that does not compile
+    is an error when the request is added."""
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.choice, list):
+            object.__setattr__(self, "choice", tuple(self.choice))
+        kinds = [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        if len(kinds) != 1:
+            raise ValueError(f"structured_outputs needs exactly one of {', '.join(STRUCTURED_KINDS)}"
+                             f", got {', '.join(kinds) if kinds else 'none'}")
+        for problem in _structured_problems(self):
+            raise ValueError(problem)
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False))
+
+    def to_dict(self) -> dict[str, Any]:
+        """The constraint that is set (and the options that are not their defaults), JSON-ready;
+        ``StructuredOutputsParams(**d)`` inverts it."""
+        value = getattr(self, self.kind)
+        d: dict[str, Any] = {self.kind: list(value) if self.kind == "choice" else value}
+        if self.disable_any_whitespace:
+            d["disable_any_whitespace"] = True
+        return d
+
+
+def _structured_from_dict(d: dict[str, Any]) -> StructuredOutputsParams:
+    known = {f.name for f in fields(StructuredOutputsParams)}
+    unknown = sorted(set(d) - known)
+    if unknown:
+        raise ValueError(f"structured_outputs has unknown field(s): {', '.join(unknown)} (known: "
+                         f"{', '.join(sorted(known))})")
+    return StructuredOutputsParams(**d)
+
+
+def _structured_problems(s: StructuredOutputsParams):
+    if s.json is not None and not isinstance(s.json, (str, dict)):
+        yield f"structured_outputs.json must be a JSON schema (a dict or a string), got {s.json!r}"
+    for name in ("regex", "grammar"):
+        value = getattr(s, name)
+        if value is not None and not (isinstance(value, str) and value):
+            yield f"structured_outputs.{name} must be a non-empty string, got {value!r}"
+    if s.choice is not None and not (isinstance(s.choice, tuple) and s.choice
+                                     and all(isinstance(c, str) and c for c in s.choice)):
+        yield f"structured_outputs.choice must be a non-empty list of non-empty strings, got " \
+              f"{s.choice!r}"
+    for name in ("json_object", "disable_any_whitespace"):
+        if not isinstance(getattr(s, name), (bool, type(None))):
+            yield f"structured_outputs.{name} must be a bool, got {getattr(s, name)!r}"
 
 
 def _is_int(x: object) -> bool:
@@ -216,3 +297,7 @@ def _problems(p: SamplingParams):
         if not isinstance(getattr(p, name), bool):
             yield f"{name} must be a bool, got {getattr(p, name)!r}"
     yield from _extra_problems(p)
+    if p.structured_outputs is not None and not isinstance(p.structured_outputs,
+                                                           StructuredOutputsParams):
+        yield (f"structured_outputs must be StructuredOutputsParams (or a dict of its fields), "
+               f"got {type(p.structured_outputs).__name__}")

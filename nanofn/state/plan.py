@@ -204,3 +204,13 @@ class SampleOutput:
     # Per plan ``prompt_logprobs`` entry: (seq id, position of its first target, the logprobs
     # of the targets). The core ignores them; the shell collects them.
     prompt_logprobs: tuple[tuple[str, int, tuple[TokenLogprobs, ...]], ...] = ()
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class TokenBitmask:
+    """The tokens some sampling rows of a plan may sample (structured output), from the shell's
+    grammars: bit ``t % 32`` of ``bits[k, t // 32]`` allows token ``t`` for sampling row
+    ``rows[k]`` (an index into ``plan.sampling_seq_ids``); other rows are free."""
+
+    rows: np.ndarray  # [R] int64
+    bits: np.ndarray  # [R, words] int32

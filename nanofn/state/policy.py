@@ -82,8 +82,11 @@ def _isin(values: np.ndarray, ids: tuple[int, ...]) -> np.ndarray:
 def banned_token_ids(params: SamplingParams, num_output_tokens_before: int,
                      eos_token_ids: tuple[int, ...]) -> tuple[int, ...]:
     """The token ids the next token may not be: the stopping ones while stopping is not allowed
-    yet, so that ``min_tokens`` holds whatever the model prefers."""
-    if may_stop_next(num_output_tokens_before, params.min_tokens):
+    yet, so that ``min_tokens`` holds whatever the model prefers. None for a constrained
+    output: its grammar decides where it may end (a ban could leave its mask no token); it
+    still does not stop before ``min_tokens``."""
+    if (may_stop_next(num_output_tokens_before, params.min_tokens)
+            or params.structured_outputs is not None):
         return ()
     return stop_token_ids(params, eos_token_ids)
 

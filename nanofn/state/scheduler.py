@@ -6,8 +6,8 @@
    (possibly itself), which gives back every block and returns to the head of the waiting
    queue to be recomputed later.
    A sequence whose last token is still pending (sampled by the plan in flight) is
-   scheduled with that token as ``PENDING_TOKEN``, unless it needs its history (penalties),
-   more than one token is pending, or that token is its last by length: then it waits.
+   scheduled with that token as ``PENDING_TOKEN``, unless it needs that token on the host
+   (penalties count it, a grammar's mask depends on it), more than one token is pending, or that token is its last by length: then it waits.
 2. Then, unless this step preempted, waiting sequences first come first served while the
    budget, ``max_num_seqs`` and the free blocks allow. A waiting sequence starts from the
    longest prefix found in the prefix cache; its prompt is cut to the budget left (chunked
@@ -25,10 +25,11 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from nanofn.state.batch import (NEEDS_HISTORY, HAS_STOP_IDS, IGNORE_EOS, LENGTH_LIMIT,
+from nanofn.state.batch import (HAS_STOP_IDS, IGNORE_EOS, LENGTH_LIMIT,
                                 MIN_TOKENS, NUM_BLOCKS, NUM_CACHED, NUM_COLS, NUM_COMPUTED,
                                 NUM_HASHED, NUM_PENDING, NUM_PREEMPTIONS, NUM_PROMPT, NUM_TOKENS,
-                                ROW, SERIAL, SLOT, RunningBatch, frozen, with_room)
+                                ROW, SERIAL, SLOT, WAITS_FOR_TOKEN, RunningBatch, frozen,
+                                with_room)
 from nanofn.state.block_pool import PoolChanges, find_cached_prefix
 from nanofn.state.config import SchedulerConfig, blocks_for
 from nanofn.state.engine_state import EngineState, InFlight, evolve
@@ -123,12 +124,12 @@ def schedule(state: EngineState) -> tuple[EngineState, BatchPlan]:
 
 def ready(cols: np.ndarray) -> np.ndarray:
     """Which running sequences can be scheduled now: nothing pending, or only their last
-    token, which is not their last by length and whose history nobody needs (penalties, bad
-    words)."""
+    token, which is not their last by length and which sampling does not need on the host
+    (penalties and bad words read the history, a grammar's mask depends on the token)."""
     pending = cols[:, NUM_PENDING]
     one_pending = (pending == 1) & ~at_length_limit(cols[:, NUM_TOKENS] + 1, cols[:, LENGTH_LIMIT])
-    if cols[:, NEEDS_HISTORY].any():
-        one_pending &= cols[:, NEEDS_HISTORY] == 0
+    if cols[:, WAITS_FOR_TOKEN].any():
+        one_pending &= cols[:, WAITS_FOR_TOKEN] == 0
     return (pending == 0) | one_pending
 
 
@@ -262,7 +263,7 @@ def _append_admitted(store: SeqStore, cols: np.ndarray, admissions: list[Admissi
         new.append((next_serial + k, slots.first, row, seq.num_tokens, a.num_cached,
                     len(a.blocks), len(seq.block_hashes), seq.num_prompt_tokens,
                     length_limit(p, seq.num_prompt_tokens, c.max_model_len), p.min_tokens,
-                    p.ignore_eos, bool(p.stop_token_ids), p.needs_history, seq.num_preemptions,
+                    p.ignore_eos, bool(p.stop_token_ids), p.waits_for_token, seq.num_preemptions,
                     a.num_cached))
         slots = slots.rest
     admitted = np.zeros((len(admissions), NUM_COLS), np.int64)
@@ -272,7 +273,7 @@ def _append_admitted(store: SeqStore, cols: np.ndarray, admissions: list[Admissi
 
 # The columns an admission sets, in the order ``_append_admitted`` lists them (the others: 0).
 _ADMITTED_COLS = [SERIAL, SLOT, ROW, NUM_TOKENS, NUM_COMPUTED, NUM_BLOCKS, NUM_HASHED, NUM_PROMPT,
-                  LENGTH_LIMIT, MIN_TOKENS, IGNORE_EOS, HAS_STOP_IDS, NEEDS_HISTORY,
+                  LENGTH_LIMIT, MIN_TOKENS, IGNORE_EOS, HAS_STOP_IDS, WAITS_FOR_TOKEN,
                   NUM_PREEMPTIONS, NUM_CACHED]
 
 
@@ -327,17 +328,20 @@ def _plan(step: int, store: SeqStore, key: object, cols: np.ndarray, counts: np.
 def _banned(batch: RunningBatch, sampling: np.ndarray, index_in_plan: np.ndarray,
             c: SchedulerConfig) -> tuple[tuple[int, tuple[int, ...]], ...]:
     """``(plan index, token ids)`` for the sampling sequences that may not sample some tokens:
-    stopping ones before ``min_tokens``, and the last tokens of bad words they would complete."""
+    stopping ones before ``min_tokens`` (not constrained ones: their grammar decides when they
+    may end, see ``policy.banned_token_ids``), and the last tokens of bad words they would
+    complete."""
     cols, specs = batch.cols, batch.specs
     banned: dict[int, tuple[int, ...]] = {}
     min_tokens = cols[sampling, MIN_TOKENS]
     if min_tokens.any():
         before = cols[sampling, NUM_COMPUTED] - cols[sampling, NUM_PROMPT]
         for i in sampling[~may_stop_next(before, min_tokens)].tolist():
-            banned[i] = stop_token_ids(specs[i].params, c.eos_token_ids)
-    with_history = (sampling[cols[sampling, NEEDS_HISTORY] != 0].tolist()
-                    if cols[:, NEEDS_HISTORY].any() else [])
-    for i in with_history:
+            if specs[i].params.structured_outputs is None:
+                banned[i] = stop_token_ids(specs[i].params, c.eos_token_ids)
+    waiting = (sampling[cols[sampling, WAITS_FOR_TOKEN] != 0].tolist()
+               if cols[:, WAITS_FOR_TOKEN].any() else [])
+    for i in waiting:
         bad_words = specs[i].params.bad_words_token_ids
         if bad_words:
             output = batch.tokens(i)[int(cols[i, NUM_PROMPT]):].tolist()
@@ -348,7 +352,7 @@ def _banned(batch: RunningBatch, sampling: np.ndarray, index_in_plan: np.ndarray
 def _histories(batch: RunningBatch, sampling: np.ndarray,
                index_in_plan: np.ndarray) -> tuple[tuple[int, tuple[int, ...]], ...]:
     """``(plan index, all token ids)`` for the sampling sequences whose penalties need them."""
-    with_history = batch.cols[sampling, NEEDS_HISTORY] != 0
+    with_history = batch.cols[sampling, WAITS_FOR_TOKEN] != 0
     if not with_history.any():
         return ()
     return tuple((int(index_in_plan[i]), tuple(batch.tokens(i).tolist()))

@@ -235,3 +235,54 @@ def test_the_device_timeline_measures_the_busy_time_of_a_run(tiny_qwen3):
     assert sum(steps for steps, _, _ in kinds.values()) == timeline.num_intervals
     assert sum(busy for _, busy, _ in kinds.values()) == pytest.approx(result.device_busy_s)
     assert sum(idle for _, _, idle in kinds.values()) <= result.elapsed_s - result.device_busy_s
+
+
+def test_structured_output_with_cuda_graphs(float32_prompts, monkeypatch):
+    """Constrained rows next to plain ones on CUDA with the decode graphs: every constrained
+    output fits its constraint, no graph samples a plan with a constrained row (its mask
+    applies in the eager sampler), and the tokens are those of an eager run."""
+    pytest.importorskip("llguidance")
+    import json
+    import re
+
+    from nanofn import StructuredOutputsParams
+    from nanofn.runner.cuda_graphs import DecodeGraphs
+
+    model_dir, prompts = float32_prompts
+    schema = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]},
+                                               "score": {"type": "integer", "minimum": 0,
+                                                         "maximum": 99}},
+              "required": ["answer", "score"], "additionalProperties": False}
+    constraints = [StructuredOutputsParams(json=schema, disable_any_whitespace=True),
+                   StructuredOutputsParams(regex="[a-z]{2,6}-[0-9]{2}"),
+                   StructuredOutputsParams(choice=["left", "right"])]
+    params = [SamplingParams(temperature=0.8, max_tokens=80,
+                             structured_outputs=constraints[i % 4]) if i % 4 < 3 else
+              SamplingParams(temperature=0.8, max_tokens=NEW_TOKENS, ignore_eos=True)
+              for i in range(len(prompts))]
+    constrained_ids = {str(i) for i in range(len(prompts)) if i % 4 < 3}
+
+    def generate(**options):
+        with LLM(str(model_dir), dtype="float32", gpu_memory_utilization=0.3,
+                 max_model_len=512, seed=7, **options) as llm:
+            return llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                use_tqdm=False)
+
+    graph_rows = []
+    sample = DecodeGraphs.sample
+    monkeypatch.setattr(DecodeGraphs, "sample", lambda self, plan, *a: graph_rows.extend(
+        plan.sampling_seq_ids) or sample(self, plan, *a))
+    outs = generate()
+    assert graph_rows and not set(graph_rows) & constrained_ids
+    for i, out in enumerate(outs):
+        text, reason = out.outputs[0].text, out.outputs[0].finish_reason
+        if i % 4 == 0:
+            value = json.loads(text)
+            assert value["answer"] in ("yes", "no") and value["score"] in range(100)
+        elif i % 4 == 1:
+            assert re.fullmatch("[a-z]{2,6}-[0-9]{2}", text), text
+        elif i % 4 == 2:
+            assert text in ("left", "right")
+        assert reason == ("length" if i % 4 == 3 else "stop"), (i, text)
+    eager = generate(enforce_eager=True)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in eager]
