@@ -34,7 +34,7 @@ async def one_request(client, model: str, prompt: list[int], max_tokens: int) ->
         now = time.perf_counter()
         if chunk.usage is not None:
             tokens = chunk.usage.completion_tokens
-        if chunk.choices and chunk.choices[0].text:
+        if chunk.choices:  # a chunk per step with new tokens, even when they bring no text
             first = now if first is None else first
             arrivals.append(now)
     end = time.perf_counter()

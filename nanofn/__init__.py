@@ -6,7 +6,7 @@ not import torch; ``LLM`` and the rest load it when first used.
 
 from typing import Any
 
-from nanofn.state.params import SamplingParams
+from nanofn.state.params import SamplingParams, StructuredOutputsParams
 
 _LAZY = {
     "LLM": "nanofn.llm",
@@ -17,7 +17,7 @@ _LAZY = {
     "EngineOptions": "nanofn.engine.options",
 }
 
-__all__ = ["SamplingParams", *_LAZY]
+__all__ = ["SamplingParams", "StructuredOutputsParams", *_LAZY]
 
 
 def __getattr__(name: str) -> Any:

@@ -24,15 +24,33 @@ class LLM:
     """A model loaded from a local Hugging Face folder, ready to generate.
 
     ``options`` take vLLM's names (``max_model_len``, ``gpu_memory_utilization``,
-    ``enable_prefix_caching``, ...; see ``EngineOptions``); an unknown one is an error naming
-    it. ``trace="run.jsonl"`` records the run for ``nanofn replay``.
+    ``enable_prefix_caching``, ``generation_config``, ...; see ``EngineOptions``); an unknown
+    one is an error naming it. ``trace="run.jsonl"`` records the run for ``nanofn replay``.
+
+    Sampling defaults come from the model's ``generation_config.json`` as in vLLM
+    (``generation_config="auto"``): ``generate()`` without params uses
+    ``get_default_sampling_params()``; a ``SamplingParams`` given is used as it is.
     """
 
     def __init__(self, model: str, **options: Any):
         self.engine = Engine(EngineOptions.from_kwargs(model, **options))
 
+    @property
+    def llm_engine(self) -> Engine:
+        """The engine (vLLM's name): ``add_request``, ``step``, ``abort_request``..."""
+        return self.engine
+
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The generation config's sampling defaults (vLLM's ``SamplingParams()`` when it sets
+        none, or with ``generation_config="vllm"``)."""
+        return self.engine.default_sampling_params()
+
+    def reset_prefix_cache(self) -> bool:
+        """Empty the prefix cache; False (and nothing done) while requests are unfinished."""
+        return self.engine.reset_prefix_cache()
 
     def generate(self, prompts: PromptInput | Sequence[PromptInput],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -43,25 +61,39 @@ class LLM:
         ``SamplingParams`` for all prompts or one per prompt.
         """
         prompts = _as_list(prompts)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
         params = _params_per_prompt(sampling_params, len(prompts))
         ids = self._add_all(prompts, params)
         return self._run(ids, use_tqdm)
 
     def chat(self, messages: Sequence[Message] | Sequence[Sequence[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             chat_template: str | None = None, add_generation_prompt: bool = True,
-             use_tqdm: bool = True) -> list[RequestOutput]:
-        """Answer one conversation (a list of ``{"role", "content"}`` messages) or several,
-        through the tokenizer's chat template (or ``chat_template``)."""
-        conversations = _conversations(messages)
+             use_tqdm: bool = True, chat_template: str | None = None,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             chat_template_kwargs: Mapping[str, Any] | None = None) -> list[RequestOutput]:
+        """Answer one conversation (a list of ``{"role", "content"}`` messages; a content may be
+        a list of text parts) or several, through the tokenizer's chat template (or
+        ``chat_template``). ``chat_template_kwargs`` go to the template (Qwen3's
+        ``enable_thinking``, say); ``continue_final_message`` leaves the last message open
+        for the model to go on with."""
+        conversations = [[_text_content(m) for m in c] for c in _conversations(messages)]
         tokenizer = self.get_tokenizer()
         if chat_template is None and not getattr(tokenizer, "chat_template", None):
             raise ValueError("the tokenizer has no chat template; pass chat_template=...")
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message=True needs add_generation_prompt=False "
+                             "(the last message is continued, not answered)")
+        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, Mapping):
+            raise TypeError(f"chat_template_kwargs must be a dict, got "
+                            f"{type(chat_template_kwargs).__name__}")
         prompts = []
         for conversation in conversations:
-            text = tokenizer.apply_chat_template(list(conversation), tokenize=False,
+            text = tokenizer.apply_chat_template(conversation, tokenize=False,
                                                  add_generation_prompt=add_generation_prompt,
-                                                 chat_template=chat_template)
+                                                 continue_final_message=continue_final_message,
+                                                 chat_template=chat_template,
+                                                 **dict(chat_template_kwargs or {}))
             prompts.append({"prompt": text,
                             "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm)
@@ -229,3 +261,18 @@ def _conversations(messages: Any) -> list[list[Message]]:
             if missing:
                 raise ValueError(f"{where} has no {' or '.join(map(repr, missing))}")
     return conversations
+
+
+def _text_content(message: Message) -> dict[str, Any]:
+    """The message with a content given as OpenAI text parts (``[{"type": "text", "text":
+    ...}]``) joined into one string; other part types are an error naming them."""
+    content = message["content"]
+    if isinstance(content, str) or content is None:
+        return dict(message)
+    if not isinstance(content, Sequence) or not all(
+            isinstance(part, Mapping) and part.get("type") == "text"
+            and isinstance(part.get("text"), str) for part in content):
+        raise ValueError(f"a message content must be a string or a list of "
+                         f"{{'type': 'text', 'text': ...}} parts (nanofn reads text only), got "
+                         f"{content!r}")
+    return {**message, "content": "".join(part["text"] for part in content)}

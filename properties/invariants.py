@@ -98,8 +98,8 @@ def check_plan(state: EngineState, plan: BatchPlan) -> None:
         known = tuple(seq.token_ids[s.start_pos:s.context_len])
         pending = s.context_len - s.start_pos - len(known)
         assert pending in (0, 1) and s.token_ids == known + (PENDING_TOKEN,) * pending
-        if pending:  # only the last token, and never for a sequence that needs its history
-            assert s.sample and not seq.params.has_penalties
+        if pending:  # only the last token, and never for one that needs it (history, grammars)
+            assert s.sample and not seq.params.waits_for_token
         if s.sample:
             assert seq.num_uncomputed == 1 and seq.num_pending >= 1
         assert s.slot == slots[s.seq_id]
@@ -107,6 +107,21 @@ def check_plan(state: EngineState, plan: BatchPlan) -> None:
             assert s.sample or pending, "a chunk without chunked prefill"
     assert (state.undelivered[-1].seq_ids if entries else ()) == plan.sampling_seq_ids
     assert {s.seq_id for s in plan.started} <= set(ids)
+    check_prompt_logprobs(plan, entries, running)
+
+
+def check_prompt_logprobs(plan: BatchPlan, entries, running: dict) -> None:
+    """Every scheduled prompt position of a sequence that wants prompt logprobs, except the
+    prompt's last, asks for the logprob of the prompt token after it; nothing else does."""
+    asked = {plan.seq_ids[i]: (k, targets) for i, k, targets in plan.prompt_logprobs}
+    for s in entries:
+        seq = running[s.seq_id]
+        prompt, k = seq.spec.prompt_token_ids, seq.params.prompt_logprobs
+        end = min(s.context_len, len(prompt) - 1)
+        if k is None or s.start_pos >= end:
+            assert s.seq_id not in asked
+        else:
+            assert asked[s.seq_id] == (k, prompt[s.start_pos + 1:end + 1])
 
 
 def check_hashes(state: EngineState) -> None:

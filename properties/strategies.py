@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from hypothesis import strategies as st
 
 from nanofn.state import SamplingParams, SchedulerConfig, blocks_for
+from nanofn.state.params import StructuredOutputsParams
 from properties.fake_runner import EOS
 
 BLOCK_SIZE = 16
@@ -19,6 +20,7 @@ PREFIXES = (
     tuple(range(1, 41)),
     tuple(range(5, 38)),
 )
+GRAMMAR = StructuredOutputsParams(regex="[a-z]+")  # to the core, only a sequence that waits
 
 
 @dataclass(frozen=True)
@@ -61,7 +63,8 @@ def prompts(draw) -> tuple[int, ...]:
 def sampling_params(draw, prompt_len: int) -> SamplingParams:
     room = MAX_MODEL_LEN - prompt_len
     # None: run up to max_model_len. Penalties: the sequence's history goes with every plan, so
-    # it is never scheduled with a pending token.
+    # it is never scheduled with a pending token; nor with a grammar (the shell's matcher masks
+    # the next token, which the core never sees).
     max_tokens = draw(st.one_of(st.integers(1, min(room, 24)), st.none()))
     return SamplingParams(
         temperature=0.0,
@@ -70,6 +73,11 @@ def sampling_params(draw, prompt_len: int) -> SamplingParams:
         ignore_eos=draw(st.booleans()),
         stop_token_ids=draw(st.lists(st.integers(1, 39), max_size=1)),
         repetition_penalty=draw(st.sampled_from([1.0, 1.0, 1.0, 1.2])),
+        # Bad words need the history too; prompt logprobs keep a request off the prefix cache.
+        bad_words_token_ids=draw(st.lists(st.tuples(st.integers(1, 39)) | st.tuples(
+            st.integers(1, 39), st.integers(1, 39)), max_size=2)),
+        prompt_logprobs=draw(st.sampled_from([None, None, None, 1])),
+        structured_outputs=draw(st.sampled_from([None, None, None, GRAMMAR])),
     )
 
 

@@ -42,6 +42,21 @@ def test_a_closed_llm_is_freed_at_once_without_the_cycle_collector(tiny_qwen3):
     assert engine() is None
 
 
+def test_close_lets_go_of_the_weights_and_kv_cache_while_the_llm_is_still_held(tiny_qwen3):
+    """A script that makes a second LLM before dropping the first (or keeps it in a variable)
+    must not hold two models' GPU memory; a closed LLM says so when used."""
+    llm = LLM(str(tiny_qwen3), num_kv_blocks=64, max_model_len=256)
+    llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
+    runner = llm.engine.runner
+    weight = weakref.ref(next(runner.model.parameters()))
+    kv_cache = weakref.ref(runner.kv_cache[0])
+    llm.close()
+    assert weight() is None and kv_cache() is None
+    llm.close()  # twice is quiet
+    with pytest.raises(RuntimeError, match="closed"):
+        llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
+
+
 def test_an_unknown_option_is_an_error_naming_it(tiny_qwen3):
     with pytest.raises(TypeError, match="unknown option.*max_num_sequences"):
         LLM(str(tiny_qwen3), max_num_sequences=4)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 import subprocess
 import sys
@@ -13,8 +14,8 @@ import pytest
 import torch
 
 from nanofn.runner.sampler import (
-    Sampler, SampleRequest, SamplingRows, apply_min_p, apply_penalties, apply_temperature,
-    apply_top_k, apply_top_p, row_seed, row_seeds, token_counts,
+    Sampler, SampleRequest, SamplingRows, add_logit_bias, apply_min_p, apply_penalties, apply_temperature,
+    apply_top_k, apply_top_p, keep_allowed, row_seed, row_seeds, token_counts,
 )
 from nanofn.state.params import SamplingParams
 
@@ -349,20 +350,53 @@ def mixed_requests(vocab_size: int) -> list[SampleRequest]:
                  SampleRequest(SamplingParams(top_k=4, seed=3), 9, banned_token_ids=(1,)),
                  SampleRequest(SamplingParams(temperature=2.0, frequency_penalty=1.0), 4, [], [2],
                                banned_token_ids=(3, 4))]
+    shaping = [dict(logit_bias={3: 5.0, 7: -2.0}),
+               dict(temperature=0.0, allowed_token_ids=[2, 9, 11], logprobs=2),
+               dict(allowed_token_ids=[1, 4], logit_bias={4: 1.5}, seed=5, repetition_penalty=1.2)]
+    requests += [SampleRequest(SamplingParams(**kind), 5 + i, seen(i), seen(i + 1))
+                 for i, kind in enumerate(shaping)]
     return requests
+
+
+def test_allowed_tokens_and_logit_bias_shape_the_logits_per_row():
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0], [3.0, 2.0, 1.0, 0.0], [1.0, 1.0, 1.0, 1.0]])
+    allowed = keep_allowed(logits, [(0, (0, 1)), (2, (3,))])
+    assert allowed[0].tolist() == [0.0, 1.0, -math.inf, -math.inf]
+    assert allowed[1].tolist() == logits[1].tolist()  # rows not listed are untouched
+    assert allowed[2].tolist() == [-math.inf, -math.inf, -math.inf, 1.0]
+    biased = add_logit_bias(logits, [(1, ((3, 10.0), (0, -1.5))), (2, ((2, 0.5),))])
+    assert biased.tolist() == [[0.0, 1.0, 2.0, 3.0], [1.5, 2.0, 1.0, 10.0], [1.0, 1.0, 1.5, 1.0]]
+    assert keep_allowed(logits, []) is logits and add_logit_bias(logits, []) is logits
+    assert logits[0].tolist() == [0.0, 1.0, 2.0, 3.0]  # the input is not changed
+
+
+def test_greedy_rows_follow_the_allowed_tokens_and_the_bias():
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0]] * 3)
+    rows = [request(temperature=0.0, allowed_token_ids=[0, 1]),
+            request(temperature=0.0, logit_bias={0: 100.0}),
+            request(temperature=0.0, logit_bias={3: -100.0}, allowed_token_ids=[1, 3])]
+    assert Sampler(seed=0, device=CPU)(logits, rows).token_ids == [1, 0, 1]
+
+
+def test_random_rows_never_sample_outside_the_allowed_tokens():
+    logits = torch.zeros(64, 30)
+    rows = [request(temperature=1.5, top_p=0.95, allowed_token_ids=[4, 17, 29])] * 64
+    tokens = Sampler(seed=3, device=CPU)(logits, rows).token_ids
+    assert set(tokens) <= {4, 17, 29} and len(set(tokens)) > 1
 
 
 def engine_style(rows: SamplingRows, requests: list[SampleRequest]) -> SamplingRows:
     """``rows`` as an engine may build them: raw temperatures (not 0 for greedy rows) and
     read-only strided views for columns."""
     columns = {f.name: getattr(rows, f.name) for f in dataclasses.fields(rows)
-               if f.name not in ("histories", "banned")}
+               if f.name not in ("histories", "banned", "allowed", "biases")}
     columns["temperature"] = np.array([r.params.temperature for r in requests], np.float32)
     views = {}
     for name, column in columns.items():
         views[name] = np.stack([column, column], axis=1)[:, 0]  # every other element of a table
         views[name].flags.writeable = False
-    return SamplingRows(**views, histories=rows.histories, banned=rows.banned)
+    return SamplingRows(**views, histories=rows.histories, banned=rows.banned,
+                        allowed=rows.allowed, biases=rows.biases)
 
 
 def test_sampling_rows_from_requests_fills_each_column():
@@ -405,6 +439,9 @@ def test_sampling_rows_select_renumbers_histories_and_banned():
     assert [row for row, _, _ in picked.histories] == [1, 2, 4]
     assert picked.histories[0][1:] == rows.histories[0][1:]
     assert picked.banned == ((3, (1,)), (4, (3, 4)))
+    shaped = rows.select(np.array([0, 22, 23]))
+    assert shaped.allowed == ((1, (2, 9, 11)), (2, (1, 4)))
+    assert shaped.biases == ((2, ((4, 1.5),)),)
 
 
 def test_sampling_rows_refuse_penalties_without_token_lists():

@@ -5,6 +5,7 @@ strings, logprobs, usage, errors, disconnects, and a bounded load with cancellat
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import re
 import socket
@@ -173,11 +174,44 @@ def test_logprobs(client):
     lp = out.choices[0].logprobs
     assert len(lp.token_logprobs) == 4 and all(v <= 0 for v in lp.token_logprobs)
     assert all(len(top) == 2 for top in lp.top_logprobs)
+    sampled_only = client.completions.create(model="tiny", prompt="Hello", max_tokens=4,
+                                             logprobs=0, temperature=0).choices[0].logprobs
+    assert sampled_only.token_logprobs == lp.token_logprobs
+    assert all(top == {} for top in sampled_only.top_logprobs)
     chat = client.chat.completions.create(model="tiny", messages=[{"role": "user",
                                                                    "content": "x"}],
                                           max_tokens=3, logprobs=True, top_logprobs=2)
     content = chat.choices[0].logprobs.content
     assert len(content) == 3 and all(len(t.top_logprobs) == 2 for t in content)
+
+
+def test_vllm_request_fields_and_stop_reason(server, client):
+    def detokenize(tokens: list[int]) -> str:
+        return httpx.post(f"{server}/detokenize", json={"tokens": tokens}).json()["prompt"]
+
+    biased = client.completions.create(model="tiny", prompt="Hello", max_tokens=4,
+                                       temperature=0, logit_bias={"57": 1000},
+                                       extra_body={"ignore_eos": True})
+    assert biased.choices[0].text == detokenize([57] * 4)  # clamped to 100: still the argmax
+    allowed = client.completions.create(model="tiny", prompt="Hello", max_tokens=6,
+                                        extra_body={"allowed_token_ids": [57, 58],
+                                                    "ignore_eos": True, "seed": 3})
+    assert set(allowed.choices[0].text) <= set(detokenize([57]) + detokenize([58]))
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    body = httpx.post(f"{server}/v1/completions", headers=headers, json={
+        "model": "tiny", "prompt": "Hello world again", "max_tokens": 3, "temperature": 0,
+        "prompt_logprobs": 1, "truncate_prompt_tokens": 2, "repetition_penalty": 1.3,
+        "stop_token_ids": [57], "logit_bias": {"57": 100}}).json()
+    (choice,) = body["choices"]
+    assert body["usage"]["prompt_tokens"] == 2
+    first, second = choice["prompt_logprobs"]
+    assert first is None and 1 <= len(second) <= 2
+    assert all(v["logprob"] <= 0 and v["rank"] >= 1 for v in second.values())
+    assert choice["finish_reason"] == "stop" and choice["stop_reason"] == 57
+    with pytest.raises(openai.BadRequestError) as error:
+        client.completions.create(model="tiny", prompt="Hi",
+                                  extra_body={"bad_words": ["", "x"]})
+    assert error.value.body["param"] == "bad_words"
 
 
 @pytest.mark.parametrize("kwargs, param", [
@@ -252,4 +286,73 @@ def test_a_bounded_load_with_cancellations(server):
     results = asyncio.run(run())
     assert all(finish == "length" for cancelled, finish in results if not cancelled)
     assert sum(cancelled for cancelled, _ in results) >= 25
+    wait_until_idle(server)
+
+
+def test_a_token_without_text_still_gets_a_chunk():
+    """As in vLLM, each step that brings tokens is streamed even when they decode to no text yet
+    (ids the tokenizer does not know, a held-back partial character): clients time tokens by
+    chunks, and logprobs travel with them."""
+    from nanofn.engine.outputs import CompletionOutput, Logprob, RequestOutput
+    from nanofn.server.app import _Shape
+
+    shape = _Shape("cmpl-1", 0, "m", chat=False, n=1, body={"logprobs": 0}, decode=str)
+    sent: dict = {}
+
+    def output(text: str, tokens: list[int], finish: str | None = None) -> RequestOutput:
+        logprobs = [{t: Logprob(-1.0, 1, str(t))} for t in tokens]
+        completion = CompletionOutput(0, text, tokens, -1.0 * len(tokens), logprobs, finish)
+        return RequestOutput("1", None, [1, 2], [completion], finish is not None)
+
+    first = shape.delta_choices(0, output("a", [5]), sent)
+    silent = shape.delta_choices(0, output("a", [5, 400]), sent)
+    same = shape.delta_choices(0, output("a", [5, 400]), sent)
+    last = shape.delta_choices(0, output("ab", [5, 400, 6], "length"), sent)
+    assert [c["text"] for c in first + silent + last] == ["a", "", "b"]
+    assert [c["logprobs"]["tokens"] for c in first + silent + last] == [["5"], ["400"], ["6"]]
+    assert same == []
+    assert last[0]["finish_reason"] == "length"
+ANSWER_SCHEMA = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]},
+                                                  "score": {"type": "integer", "minimum": 0,
+                                                            "maximum": 9}},
+                 "required": ["answer", "score"], "additionalProperties": False}
+
+
+def test_structured_output_through_response_format_and_vllm_fields(client):
+    pytest.importorskip("llguidance")
+    messages = [{"role": "user", "content": "Answer in JSON"}]
+    chat = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=200, n=2, seed=1,
+        response_format={"type": "json_schema",
+                         "json_schema": {"name": "answer", "schema": ANSWER_SCHEMA}},
+        extra_body={"structured_outputs": {"disable_any_whitespace": True}})
+    for choice in chat.choices:
+        value = json.loads(choice.message.content)
+        assert choice.finish_reason == "stop" and set(value) == {"answer", "score"}
+        assert value["answer"] in ("yes", "no") and value["score"] in range(10)
+    anything = client.chat.completions.create(model="tiny", messages=messages, max_tokens=200,
+                                              seed=2, response_format={"type": "json_object"})
+    assert isinstance(json.loads(anything.choices[0].message.content), dict)
+    regex = client.completions.create(model="tiny", prompt="Code:", max_tokens=30, seed=3,
+                                      extra_body={"structured_outputs": {"regex": "[A-Z]{3}-[0-9]{2}"}})
+    assert re.fullmatch("[A-Z]{3}-[0-9]{2}", regex.choices[0].text)
+    streamed = client.completions.create(model="tiny", prompt="Pick:", max_tokens=30, stream=True,
+                                         extra_body={"guided_choice": ["left", "right"]})
+    assert "".join(c.choices[0].text for c in streamed if c.choices) in ("left", "right")
+
+
+@pytest.mark.parametrize("extra, param, words", [
+    ({"structured_outputs": {"regex": "a(b"}}, "structured_outputs", "invalid regex"),
+    ({"structured_outputs": {"regx": "a"}}, "structured_outputs", "unknown field"),
+    ({"response_format": {"type": "xml"}}, "response_format", "json_schema"),
+    ({"guided_regex": "a", "structured_outputs": {"regex": "b"}}, "guided_regex",
+     "one output constraint"),
+    ({"structured_outputs": {"disable_any_whitespace": True}}, "structured_outputs",
+     "exactly one of json"),
+])
+def test_a_bad_output_constraint_is_400(server, client, extra, param, words):
+    pytest.importorskip("llguidance")
+    with pytest.raises(openai.BadRequestError) as error:
+        client.completions.create(model="tiny", prompt="Hi", max_tokens=5, extra_body=extra)
+    assert error.value.body["param"] == param and words in error.value.body["message"]
     wait_until_idle(server)

@@ -1,4 +1,5 @@
-"""The ``nanofn`` command: ``generate`` text, ``bench`` throughput, ``replay`` a trace.
+"""The ``nanofn`` command: ``generate`` text, ``bench`` throughput, ``replay`` a trace, ``diff``
+two traces.
 
 Problems with what the user asked for (a bad flag value, a missing model folder, an unreadable
 trace) are reported in one line on stderr with exit code 2. torch is imported only by the
@@ -21,9 +22,10 @@ from typing import Any
 
 from nanofn.engine.options import EngineOptions
 from nanofn.cli.bench import (CPU_SIZES, KNOWN_DEVICE_RATES, STANDARD_SIZES, ModelDims,
-                          describe_sizes, device_rates, floor, format_seconds, measure, standard_workload)
-from nanofn.state import (EngineState, SamplingParams, Seq, TraceError, figures, parse_trace,
-                          replay)
+                          describe_sizes, device_rates, floor, format_seconds, measure,
+                          standard_workload)
+from nanofn.state import (EngineState, SamplingParams, Seq, Trace, TraceError, diff_traces,
+                          figures, read_trace, replay, run_series)
 from nanofn.state.plan import PENDING_TOKEN, BatchPlan, ScheduledSeq
 
 DEMO_MODEL = "demo-qwen3"
@@ -67,6 +69,9 @@ ENGINE_FLAGS: dict[str, dict[str, Any]] = {
                            help="kernels for attention, norms, rotary and activation (default: "
                                 "{default}: triton on CUDA and the torch references on a CPU)"),
     "trace": dict(metavar="PATH", help="record the run's trace here, for `nanofn replay`"),
+    "generation_config": dict(metavar="auto|vllm|FOLDER",
+                              help="sampling defaults: auto, the model's generation_config.json; "
+                                   "vllm, none; or a folder's (default: {default})"),
     "cpu_threads": dict(type=int, metavar="N",
                         help="torch threads on a CPU device (default: 1 for models of hidden "
                              "size under 1024, such as the demo; else torch's, one per core)"),
@@ -135,6 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve(commands)
     _add_bench(commands)
     _add_replay(commands)
+    _add_diff(commands)
     return parser
 
 
@@ -402,11 +408,11 @@ def run_bench(args: argparse.Namespace) -> int:
             raise UsageError("--profile measures a GPU's busy time: it needs a CUDA device")
         from nanofn.runner.timeline import DeviceTimeline
         timeline = DeviceTimeline()
+    dtype = engine.runner.dtype
     print(f"workload: {describe_sizes(sizes)}"
           + (" (the CPU default)" if device == "cpu" and sizes == CPU_SIZES else ""), flush=True)
     with llm, _user_errors():
         result = measure(llm, workload, timeline)
-    dtype = engine.runner.dtype
     dims = ModelDims.from_config(engine.hf_config.to_dict())
     rates = device_rates(device, args.bw, args.tflops)
     best = None
@@ -480,45 +486,76 @@ def random_weights_model(preset: str) -> Path:
 
 # --- replay ---------------------------------------------------------------------------------
 
+REPLAY_NOTATION = (
+    "Each step line lists the scheduled sequences as ID@START+COUNT: the sequence computes "
+    "COUNT positions from START on (a prompt chunk, or one token when decoding), with * when "
+    "it samples the next token. A request with n > 1 runs as n sequences with ids "
+    "REQUEST:INDEX, so 0:1@12+1* is the second sample of request 0 decoding position 12.")
+
+
 def _add_replay(commands: Any) -> None:
     p = commands.add_parser(
         "replay", help="replay a recorded trace without a model",
         description="Rebuild every scheduler state and plan of a run recorded with "
                     "LLM(..., trace=PATH) or --trace PATH. Lists one line per step: the "
-                    "scheduled sequences as id@start+len (* when it samples), the preempted "
-                    "and the finished ones.")
+                    "scheduled sequences, the preempted and the finished ones. "
+                    + REPLAY_NOTATION,
+        epilog="example: nanofn replay run.jsonl --check --plot run.png")
     p.add_argument("trace", metavar="TRACE", help="a trace file (JSON lines)")
-    what = p.add_mutually_exclusive_group()
-    what.add_argument("--step", type=int, metavar="N",
-                      help="show the whole state after step N: sequences, block pool, "
-                           "figures and the plan")
-    what.add_argument("--check", action="store_true",
-                      help="verify every replayed plan against the trace's digests "
-                           "(exit 1 on the first difference)")
+    p.add_argument("--step", type=int, metavar="N",
+                   help="show the whole state after step N: sequences, block pool, figures "
+                        "and the plan")
+    p.add_argument("--check", action="store_true",
+                   help="verify every replayed plan against the trace's digests, up to step "
+                        "N with --step (exit 1 on the first difference)")
+    p.add_argument("--plot", metavar="PNG",
+                   help="draw the run step by step into PNG (or .svg, .pdf): sequences running "
+                        "and waiting, KV blocks, tokens scheduled, preemptions and prefix-cache "
+                        "hits (needs the plot extra: pip install 'nanofn[plot]')")
     p.set_defaults(run=run_replay)
 
 
-def run_replay(args: argparse.Namespace) -> int:
+def _add_diff(commands: Any) -> None:
+    p = commands.add_parser(
+        "diff", help="compare two traces: the first step where they differ",
+        description="Replay two traces side by side and report their differing settings and "
+                    "the first step whose plans or delivered tokens differ: which sequences "
+                    "were scheduled differently (positions, blocks, tokens), which were "
+                    "preempted, and both states right after that step. Exit code 0 when the "
+                    "traces are identical, 1 when they differ, 2 when one cannot be read.",
+        epilog="example: nanofn diff run-a.jsonl run-b.jsonl")
+    p.add_argument("trace_a", metavar="A", help="a trace file (JSON lines)")
+    p.add_argument("trace_b", metavar="B", help="another trace file")
+    p.set_defaults(run=run_diff)
+
+
+def read_trace_file(path: str) -> Trace:
+    """The trace at ``path``; a missing, unreadable or malformed file is a ``UsageError``."""
     try:
-        with open(args.trace) as f:
-            trace = parse_trace(f)
-    except (OSError, UnicodeDecodeError, TraceError) as e:
-        raise UsageError(f"cannot read trace {args.trace}: {e}") from e
-    except (KeyError, TypeError, ValueError) as e:  # SchedulerConfig.from_dict of the header
-        raise UsageError(f"cannot read trace {args.trace}: its header has no valid config "
-                         f"({type(e).__name__}: {e})") from e
+        return read_trace(path)
+    except (OSError, TraceError) as e:
+        raise UsageError(f"cannot read trace {path}: {e}") from e
+
+
+def run_replay(args: argparse.Namespace) -> int:
+    trace = read_trace_file(args.trace)
     steps = [t.step for t in trace.steps]
     if args.step is not None and args.step not in steps:
         bounds = f"steps {steps[0]} to {steps[-1]}" if steps else "no steps"
         raise UsageError(f"step {args.step} is not in the trace (it has {bounds})")
     try:
-        if args.check:
+        if args.plot:
+            _plot(trace, args)
+        if args.step is not None:
+            state, plan = next((s, p) for s, p in replay(trace, check=args.check)
+                               if p.step == args.step)
+            _print_state(state, plan, len(steps))
+            if args.check:
+                print(f"trace OK up to step {args.step}")
+        elif args.check and not args.plot:
             count = sum(1 for _ in replay(trace, check=True))
             print(f"trace OK: {count} steps")
-        elif args.step is not None:
-            state, plan = next((s, p) for s, p in replay(trace) if p.step == args.step)
-            _print_state(state, plan, len(steps))
-        else:
+        elif not args.plot:
             c = trace.config
             print(f"trace {args.trace}: {len(steps)} steps, {trace.num_blocks} KV blocks of "
                   f"{c.block_size} tokens, model {trace.meta.get('model', '?')}")
@@ -528,6 +565,39 @@ def run_replay(args: argparse.Namespace) -> int:
         print(f"nanofn replay: {e}", file=sys.stderr)
         return 1
     return 0
+
+
+def _plot(trace: Trace, args: argparse.Namespace) -> None:
+    """Draw the replayed run into ``args.plot`` (checking it on the way with ``--check``)."""
+    try:
+        from nanofn.cli.plot import FORMATS, plot_run
+    except ImportError as e:
+        raise UsageError(f"--plot needs matplotlib ({e}): pip install 'nanofn[plot]'") from e
+    if Path(args.plot).suffix.lower().lstrip(".") not in FORMATS:
+        raise UsageError(f"--plot {args.plot}: the file's suffix chooses the format, one of "
+                         f"{', '.join('.' + f for f in FORMATS)}")
+    if not trace.steps:
+        raise UsageError(f"--plot: trace {args.trace} has no steps to draw")
+    series = run_series(replay(trace, check=args.check))
+    model = Path(trace.meta.get("model", "?")).name
+    try:
+        plot_run(series, args.plot, f"{Path(args.trace).name} (model {model})")
+    except OSError as e:
+        raise UsageError(f"cannot write {args.plot}: {e}") from e
+    print(f"wrote {args.plot}: {len(series.steps)} steps" + (", trace OK" if args.check else ""))
+
+
+def run_diff(args: argparse.Namespace) -> int:
+    from nanofn.cli.diff import describe_diff
+
+    a, b = read_trace_file(args.trace_a), read_trace_file(args.trace_b)
+    try:
+        diff = diff_traces(a, b)
+    except TraceError as e:
+        raise UsageError(f"cannot replay {e} (A: {args.trace_a}, B: {args.trace_b})") from e
+    print(f"A: {args.trace_a}\nB: {args.trace_b}")
+    print("\n".join(describe_diff(diff, len(a.steps))))
+    return 0 if diff.identical else 1
 
 
 def _step_line(state: EngineState, plan: BatchPlan) -> str:

@@ -18,6 +18,9 @@ class BeamSearchParams:
     max_tokens: int
     ignore_eos: bool = False
     length_penalty: float = 1.0  # the score is cumulative logprob / length ** length_penalty
+    # Each step's sampling temperature, as vLLM's; beams are ranked by the model's raw logprobs,
+    # which it does not change.
+    temperature: float = 0.0
 
     def __post_init__(self) -> None:
         if (not isinstance(self.beam_width, int) or isinstance(self.beam_width, bool)
@@ -30,6 +33,9 @@ class BeamSearchParams:
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         if not isinstance(self.length_penalty, (int, float)) or isinstance(self.length_penalty, bool):
             raise ValueError(f"length_penalty must be a number, got {self.length_penalty!r}")
+        if (not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool)
+                or not self.temperature >= 0):
+            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
 
 
 @dataclass(frozen=True)
@@ -57,7 +63,7 @@ def beam_search(complete: Complete, prompts: Sequence[Sequence[int]], params: Be
                 eos_token_ids: tuple[int, ...], max_model_len: int,
                 decode: Callable[[Sequence[int]], str]) -> list[BeamSearchOutput]:
     """``complete`` runs a batch of token-id prompts through the engine (one token each)."""
-    step_params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True,
+    step_params = SamplingParams(temperature=params.temperature, max_tokens=1, ignore_eos=True,
                                  logprobs=2 * params.beam_width)
     stop_params = SamplingParams(ignore_eos=params.ignore_eos)  # what ends a beam
     live = [[BeamSearchSequence((), 0.0, "length")] for _ in prompts]

@@ -27,6 +27,7 @@ class Detokenizer:
         self.params = params
         self.text = ""
         self.stopped = False
+        self.stop_string: str | None = None  # the stop string that stopped it
         self._text_before_last_token = 0
         self._hold = max((len(s) for s in params.stop), default=1) - 1
         self._backend = tokenizer.backend_tokenizer
@@ -69,6 +70,7 @@ class Detokenizer:
         end = index + len(stop) if self.params.include_stop_str_in_output else index
         self.text = self.text[:end]
         self.stopped = True
+        self.stop_string = stop
 
 
 def decode_output(tokenizer: Any, prompt_token_ids: Sequence[int], output_token_ids: Sequence[int],

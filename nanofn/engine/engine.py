@@ -9,6 +9,7 @@ sampled by earlier calls' plans.
 from __future__ import annotations
 
 import itertools
+import time
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -20,9 +21,11 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from nanofn.engine.collector import freeze_while_alive
 from nanofn.engine.detokenizer import Detokenizer, decode_output
+from nanofn.engine.generation_config import generation_defaults
 from nanofn.engine.loop import Delivery, EngineLoop, LoopStep
 from nanofn.engine.options import EngineOptions
-from nanofn.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from nanofn.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from nanofn.engine.structured import Grammars
 from nanofn.runner.model_runner import ModelRunner, RunnerConfig, check_kv_cache_size
 from nanofn.runner.tensor_parallel import TensorParallelExecutor
 from nanofn.state import (EngineState, Figures, FinishReason, InvalidRequest, NewSeq,
@@ -49,6 +52,7 @@ class _SeqOutput:
     logprobs: list[dict[int, Logprob]] | None
     cumulative_logprob: float | None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
     text: str | None = None  # once finished and decoded
     shown_token_ids: list[int] | None = None  # what the text shows, once finished
 
@@ -66,6 +70,10 @@ class _Request:
     prompt_token_ids: list[int]
     stream: bool  # reported whenever it advances, not only when it finishes
     seqs: list[_SeqOutput]
+    metrics: RequestMetrics
+    num_cached_tokens: int | None = None  # known once a sequence finishes
+    # Per prompt position (None for the first, and until computed), when asked for.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -87,6 +95,8 @@ class Engine:
         self.tokenizer = _load_tokenizer(options.tokenizer or model_dir)
         self.max_model_len = _max_model_len(self.hf_config, options.max_model_len)
         self.eos_token_ids = _eos_token_ids(model_dir, self.hf_config, self.tokenizer)
+        # The sampling fields the generation config sets (vLLM's get_diff_sampling_param).
+        self.generation_defaults = generation_defaults(options.generation_config, model_dir)
         # Checked now, before the costly part (weights, KV cache, CUDA graphs).
         self.scheduler_config = options.scheduler_config(self.max_model_len, self.eos_token_ids,
                                                          self.hf_config.vocab_size)
@@ -104,17 +114,21 @@ class Engine:
                 self._trace.close()
             raise
         state = initial_state(self.scheduler_config, self.runner.num_blocks)
+        self.grammars = Grammars(self.tokenizer, self.hf_config.vocab_size, self.eos_token_ids)
         self.loop = EngineLoop(state, self.runner, async_scheduling=options.async_scheduling,
                                trace=self._trace, trace_meta={
                                    "model": str(model_dir), "dtype": str(self.runner.dtype),
-                                   "tensor_parallel_size": runner_config.tp_size})
+                                   "tensor_parallel_size": runner_config.tp_size},
+                               token_masks=self.grammars.bitmask)
         self._ids = itertools.count()
+        self.closed = False
         self._unfinished_step: LoopStep | None = None  # taken from the loop, not yet handled
         self._requests: dict[str, _Request] = {}
         self._seqs: dict[str, tuple[_Request, _SeqOutput]] = {}  # by the core's id
         self._watched: dict[str, _SeqOutput] = {}  # the live ones with stop strings or logprobs
         self._undecoded: dict[str, _Request] = {}  # finished, their text left to decode_texts
         self._to_decode: deque[tuple[_Request, _SeqOutput]] = deque()  # decoded while waiting
+        self._awaiting_first_token: set[str] = set()  # started sequences, for the metrics
         # Everything loaded so far lives as long as the engine: keep it out of the cyclic
         # collector's way, which would otherwise walk the model's objects every full
         # collection, while the scheduler makes many short-lived records per step.
@@ -124,6 +138,23 @@ class Engine:
     def state(self) -> EngineState:
         return self.loop.state
 
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    def default_sampling_params(self) -> SamplingParams:
+        """``SamplingParams()`` with the generation config's defaults (see ``generation_config``
+        in ``EngineOptions``): what a request without params samples with."""
+        return SamplingParams(**self.generation_defaults)
+
+    def reset_prefix_cache(self) -> bool:
+        """Empty the prefix cache, as vLLM's: only while no request is unfinished (False then,
+        and nothing changes). The blocks leave the cache through the next step's events, so a
+        trace of the run replays it."""
+        if self._requests or self.loop.has_work():
+            return False
+        self.loop.forget_cached_blocks()
+        return True
+
     # --- requests -------------------------------------------------------------------------
 
     def add_request(self, prompt: PromptInput, params: SamplingParams | None = None,
@@ -132,24 +163,33 @@ class Engine:
         ``ValueError``) naming the problem, leaving the engine as it was. ``stream``: its
         text is decoded as the tokens come and ``step()`` reports it whenever it advances;
         otherwise only when it finishes (and its text is decoded once, at the end)."""
-        params = SamplingParams() if params is None else params
+        self._check_open()
+        params = self.default_sampling_params() if params is None else params
         if not isinstance(params, SamplingParams):
             raise InvalidRequest(f"sampling params must be SamplingParams, got {type(params).__name__}")
         request_id = self._new_id() if request_id is None else request_id
         if request_id in self._requests:
             raise InvalidRequest(f"request_id {request_id!r} is already in use")
+        arrival_time = time.time()
+        params = self._with_bad_word_ids(params)
         text, token_ids = self.tokenize(prompt)
+        token_ids = self._truncated(token_ids, params.truncate_prompt_tokens)
         news = [NewSeq(seq_id, tuple(token_ids), child)
                 for seq_id, child in _children(request_id, params)]
+        matchers = (self.grammars.matchers_for(request_id, params.structured_outputs, len(news))
+                    if params.structured_outputs is not None else [])
         seq_ids = self._add_all(news)
         try:
+            for seq_id, matcher in zip(seq_ids, matchers):
+                self.grammars.add(seq_id, matcher)
             watched = stream or bool(params.stop) or params.logprobs is not None
             request = _Request(request_id, text, token_ids, stream, [
                 _SeqOutput(seq_id, i, params,
                            Detokenizer(self.tokenizer, token_ids, params) if watched else None,
                            [], [] if params.logprobs is not None else None,
                            0.0 if params.logprobs is not None else None)
-                for i, seq_id in enumerate(seq_ids)])
+                for i, seq_id in enumerate(seq_ids)], RequestMetrics(arrival_time),
+                prompt_logprobs=None if params.prompt_logprobs is None else [None] * len(token_ids))
             for seq in request.seqs:
                 self._seqs[seq.seq_id] = (request, seq)
                 if watched:
@@ -160,8 +200,29 @@ class Engine:
                 self.loop.abort(seq_id)
                 self._seqs.pop(seq_id, None)
                 self._watched.pop(seq_id, None)
+                self.grammars.remove(seq_id)
             raise
         return request_id
+
+    def _with_bad_word_ids(self, params: SamplingParams) -> SamplingParams:
+        """``params`` with the token sequences of its bad words, as vLLM tokenizes them: each
+        word alone and after a space (to ban it at the start of the text and inside it)."""
+        if not params.bad_words or params.bad_words_token_ids:
+            return params
+        sequences: list[tuple[int, ...]] = []
+        for word in params.bad_words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = tuple(self.tokenizer.encode(text, add_special_tokens=False))
+                if ids and ids not in sequences:
+                    sequences.append(ids)
+        return replace(params, bad_words_token_ids=tuple(sequences))
+
+    def _truncated(self, token_ids: list[int], keep: int | None) -> list[int]:
+        """The prompt's last ``keep`` tokens (-1: ``max_model_len``), as vLLM truncates."""
+        if keep is None:
+            return token_ids
+        keep = self.max_model_len if keep == -1 else keep
+        return token_ids[-keep:]
 
     def _new_id(self) -> str:
         """The next automatic request id that no request in the engine has (a user may have
@@ -207,12 +268,15 @@ class Engine:
         ``decode_finished=False`` leaves the text of finished sequences that need no stop
         strings empty, for ``decode_texts`` to fill in later: the next steps decode a few of
         them each while the device computes, instead of this one before its launch."""
+        self._check_open()
         if self._unfinished_step is not None:  # a step interrupted after the core's step
             self._finish(self._unfinished_step.finished)
             self._unfinished_step = None
         if self._requests and not self.loop.has_work():
             self._no_progress()
         result = self._unfinished_step = self.loop.step(self._take_delivery, self._decode_some)
+        if result.plan.started:
+            self._note_scheduled(result.plan.started)
         finished = self._finish(result.finished, decode_finished)
         self._unfinished_step = None
         if only_finished:
@@ -224,15 +288,28 @@ class Engine:
             outputs = [self._output(r, current) for r in _unique(advanced + finished)]
         return StepResult(outputs, result.plan.num_prefill_tokens, result.plan.num_decode_tokens)
 
+    def _note_scheduled(self, started: Sequence[Any]) -> None:
+        """Metrics: the requests whose first plan this is, and which await their first token."""
+        now = time.time()
+        for start in started:
+            owner = self._seqs.get(start.seq_id)
+            if owner is not None and owner[0].metrics.first_scheduled_time is None:
+                owner[0].metrics.first_scheduled_time = now
+                self._awaiting_first_token.add(start.seq_id)
+
     def _take_delivery(self, delivery: Delivery) -> list[str]:
         """Hand the delivered tokens to the watched sequences; return those whose stop string
-        they complete. Tokens of sequences that finished meanwhile (they were sampled one step
-        ahead) are dropped; the others' tokens wait in the core."""
-        if not self._watched:
+        they complete (or whose grammar ends). Tokens of sequences that finished meanwhile (they
+        were sampled one step ahead) are dropped; the others' tokens wait in the core."""
+        if self._awaiting_first_token:
+            self._note_first_tokens(delivery.plan.sampling_seq_ids)
+        if delivery.output.prompt_logprobs:
+            self._take_prompt_logprobs(delivery.output.prompt_logprobs)
+        if not self._watched and not self.grammars.matchers:
             return []
         out = delivery.output
         tokens = out.token_ids.tolist() if hasattr(out.token_ids, "tolist") else out.token_ids
-        stop_hits = []
+        stop_hits = self._advance_grammars(delivery.plan.sampling_seq_ids, tokens)
         for i, seq_id in enumerate(delivery.plan.sampling_seq_ids):
             seq = self._watched.get(seq_id)
             if seq is None:
@@ -244,6 +321,35 @@ class Engine:
             if seq.detokenizer.add(tokens[i], may_stop(len(seq.token_ids), seq.params.min_tokens)):
                 stop_hits.append(seq_id)
         return stop_hits
+
+    def _take_prompt_logprobs(self, chunks: tuple) -> None:
+        """Store a plan's prompt logprobs by position (a preempted sequence recomputes its
+        prompt: the same positions again). With ``n > 1`` every sample computes them; the
+        first sequence's are kept."""
+        for seq_id, position, logprobs in chunks:
+            owner = self._seqs.get(seq_id)
+            if owner is None or owner[1].index != 0 or owner[0].prompt_logprobs is None:
+                continue
+            request = owner[0]
+            detokenize = owner[1].params.detokenize
+            for offset, lp in enumerate(logprobs):
+                request.prompt_logprobs[position + offset] = self._logprob_entry(lp, detokenize)
+
+    def _note_first_tokens(self, seq_ids: tuple[str, ...]) -> None:
+        """Metrics: the first token time of the requests awaiting one that these tokens reach
+        (a set operation over the delivery only while some request awaits its first token)."""
+        now = time.time()
+        for seq_id in self._awaiting_first_token.intersection(seq_ids):
+            self._awaiting_first_token.discard(seq_id)
+            owner = self._seqs.get(seq_id)
+            if owner is not None and owner[0].metrics.first_token_time is None:
+                owner[0].metrics.first_token_time = now
+    def _advance_grammars(self, seq_ids: Sequence[str], tokens: list[int]) -> list[str]:
+        """Advance the constrained sequences' matchers; the ids of those whose grammar ended."""
+        if not self.grammars.matchers:
+            return []
+        return [seq_id for seq_id, token in zip(seq_ids, tokens)
+                if self.grammars.accept(seq_id, token)]
 
     def _advanced(self, delivery: Delivery) -> list[_Request]:
         return [owner[0] for seq_id in delivery.plan.sampling_seq_ids
@@ -261,20 +367,48 @@ class Engine:
             request, output = owner
             if output.finish_reason is None:
                 self._take_output(request, output, seq, decode)
+            self._awaiting_first_token.discard(seq.seq_id)
             if request.finished and request.request_id in self._requests:
+                self._finish_metrics(request)
                 if not decode:
                     self._undecoded[request.request_id] = request
                 del self._requests[request.request_id]
                 done.append(request)
             self._watched.pop(seq.seq_id, None)
+            self.grammars.remove(seq.seq_id)
             del self._seqs[seq.seq_id]
         return done
+
+    def _finish_metrics(self, request: _Request) -> None:
+        metrics = request.metrics
+        metrics.finished_time = time.time()
+        metrics.num_generation_tokens = sum(len(s.token_ids) for s in request.seqs)
+        if metrics.num_generation_tokens:
+            metrics.last_token_time = metrics.finished_time
+            if metrics.first_token_time is None:  # its only token came with the finish
+                metrics.first_token_time = metrics.finished_time
+
+    def _stop_reason(self, output: _SeqOutput, reason: FinishReason,
+                     by_string: bool) -> int | str | None:
+        """What ended a stopped sequence, as vLLM reports it: the stop string, or the stop
+        token id; None for an end-of-sequence token (and for any other finish)."""
+        if reason is not FinishReason.STOP:
+            return None
+        if by_string:
+            return output.detokenizer.stop_string
+        last = output.token_ids[-1] if output.token_ids else None
+        if last in self.eos_token_ids and not output.params.ignore_eos:
+            return None
+        return last if last in output.params.stop_token_ids else None
 
     def _take_output(self, request: _Request, output: _SeqOutput, seq: Seq,
                      decode: bool) -> None:
         reason = seq.finish_reason
         output.token_ids = list(seq.output_token_ids)
+        if request.num_cached_tokens is None:
+            request.num_cached_tokens = seq.num_cached_tokens
         by_string = output.watched and output.detokenizer.stopped
+        output.stop_reason = self._stop_reason(output, reason, by_string)
         dropped = (reason is FinishReason.STOP and not by_string
                    and not output.params.include_stop_str_in_output)
         if output.watched:
@@ -311,6 +445,7 @@ class Engine:
             for seq in self._requests.pop(request_id).seqs:
                 self._seqs.pop(seq.seq_id, None)
                 self._watched.pop(seq.seq_id, None)
+                self.grammars.remove(seq.seq_id)
         raise RuntimeError(f"requests {stale} are unfinished but the engine has nothing to "
                            f"step (the core does not know them); they were dropped")
 
@@ -324,6 +459,9 @@ class Engine:
                 self._decode(request, output)
 
     def _decode(self, request: _Request, output: _SeqOutput) -> None:
+        if not output.params.detokenize:
+            output.text = ""
+            return
         output.text = decode_output(self.tokenizer, request.prompt_token_ids,
                                     output.shown_token_ids, output.params)
 
@@ -339,11 +477,18 @@ class Engine:
                 completion.text = seq.text
 
     def _add_logprobs(self, seq: _SeqOutput, lp: TokenLogprobs) -> None:
-        entry = {token: Logprob(value, rank, self.tokenizer.decode([token]))
-                 for rank, (token, value) in enumerate(lp.top, start=1)}
-        entry[lp.token_id] = Logprob(lp.logprob, lp.rank, self.tokenizer.decode([lp.token_id]))
-        seq.logprobs.append(entry)
+        seq.logprobs.append(self._logprob_entry(lp, seq.params.detokenize))
         seq.cumulative_logprob += lp.logprob
+
+    def _logprob_entry(self, lp: TokenLogprobs, detokenize: bool) -> dict[int, Logprob]:
+        """vLLM's form: the top tokens by rank, and the chosen token with its own rank."""
+        def text(token: int) -> str | None:
+            return self.tokenizer.decode([token]) if detokenize else None
+
+        entry = {token: Logprob(value, rank, text(token))
+                 for rank, (token, value) in enumerate(lp.top, start=1)}
+        entry[lp.token_id] = Logprob(lp.logprob, lp.rank, text(lp.token_id))
+        return entry
 
     def _output(self, request: _Request, current: _CurrentTokens | None = None) -> RequestOutput:
         outputs = []
@@ -356,12 +501,16 @@ class Engine:
                 token_ids = current.output_tokens(s.seq_id)
                 text = decode_output(self.tokenizer, request.prompt_token_ids, token_ids, s.params)
             outputs.append(CompletionOutput(
-                index=s.index, text=text, token_ids=list(token_ids),
+                index=s.index, text=text if s.params.detokenize else "", token_ids=list(token_ids),
                 cumulative_logprob=s.cumulative_logprob,
                 logprobs=list(s.logprobs) if s.logprobs is not None else None,
-                finish_reason=s.finish_reason))
+                finish_reason=s.finish_reason, stop_reason=s.stop_reason))
         return RequestOutput(request.request_id, request.prompt, list(request.prompt_token_ids),
-                             outputs, request.finished)
+                             outputs, request.finished,
+                             prompt_logprobs=None if request.prompt_logprobs is None
+                             else list(request.prompt_logprobs),
+                             metrics=replace(request.metrics),
+                             num_cached_tokens=request.num_cached_tokens)
 
     # --- helpers --------------------------------------------------------------------------
 
@@ -379,12 +528,20 @@ class Engine:
         return None, _token_list(prompt)
 
     def close(self) -> None:
+        """Close the trace, stop the workers and give the device memory back (weights, KV
+        cache, graphs) now rather than when the engine is collected. Later calls raise."""
         self._unfreeze()
         if self._trace is not None:
             self._trace.close()
             self._trace = None
-        if isinstance(self.runner, TensorParallelExecutor):
+        if not self.closed:
+            self.closed = True
             self.runner.close()
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("this engine is closed (LLM.close() or the end of its `with` "
+                               "block): create a new LLM")
 
 
 def _runner_config(options: EngineOptions, model_dir: Path, max_model_len: int,

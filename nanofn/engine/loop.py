@@ -29,6 +29,7 @@ from typing import Any, Protocol, TextIO
 
 from nanofn.state import (BatchPlan, EngineState, Events, InvalidRequest, NewSeq, SampleOutput,
                           Seq, check_new_seq, header_line, step, step_line)
+from nanofn.state.plan import TokenBitmask
 from nanofn.state.requests import has_token_in_flight
 
 
@@ -43,9 +44,10 @@ class Pending(Protocol):
 
 
 class Runner(Protocol):
-    """Executes plans: ``launch`` queues a (non-empty) plan's work and returns at once."""
+    """Executes plans: ``launch`` queues a (non-empty) plan's work and returns at once. A
+    ``token_bitmask`` (structured output) limits what some rows may sample."""
 
-    def launch(self, plan: BatchPlan) -> Pending: ...
+    def launch(self, plan: BatchPlan, token_bitmask: TokenBitmask | None = None) -> Pending: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,12 +74,15 @@ OnDelivery = Callable[[Delivery], Iterable[str]]
 class EngineLoop:
     """Owns the current core state and the plans in flight; turns ``add``, ``abort`` and
     ``step`` calls into the core's events. ``trace``, if given, receives the run's trace (a
-    header now, then a line per step).
+    header now, then a line per step). ``token_masks``, if given, gives each plan's bitmask
+    (the shell's grammars), or None for a plan with no constrained row.
     """
 
     def __init__(self, state: EngineState, runner: Runner, *, async_scheduling: bool = True,
-                 trace: TextIO | None = None, trace_meta: dict[str, Any] | None = None):
+                 trace: TextIO | None = None, trace_meta: dict[str, Any] | None = None,
+                 token_masks: Callable[[BatchPlan], TokenBitmask | None] | None = None):
         self.runner = runner
+        self.token_masks = token_masks
         self.async_scheduling = async_scheduling
         self._state = state
         self._trace = trace
@@ -120,6 +125,11 @@ class EngineLoop:
         """Finish a sequence at the next step, wherever it is (queued ones too); unknown or
         finished ids are ignored."""
         self._aborts.append(seq_id)
+
+    def forget_cached_blocks(self) -> None:
+        """Drop every block from the prefix cache at the next step (as the blocks of a failed
+        launch are: the step's ``dirty_blocks`` events, which the trace records)."""
+        self._dirty.extend(block for block, _ in self._state.pool.cached_blocks())
 
     def has_work(self) -> bool:
         """Whether stepping would do anything: live or queued sequences, or tokens in flight."""
@@ -174,9 +184,11 @@ class EngineLoop:
         trace_line = step_line(events, plan) + "\n" if self._trace is not None else None
         interrupted = False
         if not plan.is_empty:
+            mask = self.token_masks(plan) if self.token_masks is not None else None
             try:
                 with _interrupts_deferred() as deferred:
-                    pending = self.runner.launch(plan)
+                    pending = (self.runner.launch(plan) if mask is None
+                               else self.runner.launch(plan, mask))
                 interrupted = deferred.happened
             except BaseException:
                 self._aborts.extend(plan.seq_ids)

@@ -35,6 +35,9 @@ class EngineOptions:
     kernel_backend: str = "auto"  # "triton" on CUDA, "torch" (the references) on CPU
     async_scheduling: bool = True  # schedule the next step while the device runs this one
     cpu_threads: int | None = None  # torch's threads on a CPU device; default: cpu_threads_for
+    # Sampling defaults: "auto" from the model's generation_config.json, "vllm" none (vLLM's
+    # SamplingParams defaults), or a folder holding a generation_config.json.
+    generation_config: str = "auto"
 
     def __post_init__(self) -> None:
         for problem in _problems(self):
@@ -108,6 +111,9 @@ def _problems(o: EngineOptions):
     for name in ("dtype", "device"):
         if not isinstance(getattr(o, name), str):
             yield f"{name} must be a string, got {getattr(o, name)!r}"
+    if not isinstance(o.generation_config, (str, PathLike)):
+        yield (f"generation_config must be 'auto', 'vllm' or a folder, got "
+               f"{o.generation_config!r}")
     for name in ("tokenizer", "trace"):
         if getattr(o, name) is not None and not isinstance(getattr(o, name), (str, PathLike)):
             yield f"{name} must be a path or None, got {getattr(o, name)!r}"

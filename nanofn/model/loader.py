@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -104,6 +104,17 @@ def load_weights(model: CausalLM, model_dir: str | Path) -> None:
                 missing.discard(name)
     if missing:
         raise ValueError(f"checkpoint {model_dir} lacks tensors: {', '.join(sorted(missing))}")
+    _drop_loaders(params.values())
+
+
+def _drop_loaders(params: Iterable[torch.nn.Parameter]) -> None:
+    """A parameter's ``weight_loader`` is a bound method of its module, which holds the
+    parameter: a reference cycle per layer, which only the cyclic collector frees, and the
+    engine's ``gc.freeze()`` puts it out of that collector's reach. Without the loaders, closing
+    an engine frees the weights at once."""
+    for param in params:
+        with contextlib.suppress(AttributeError):
+            del param.weight_loader
 
 
 def _open_checkpoint(path: Path):

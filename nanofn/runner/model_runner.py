@@ -19,7 +19,8 @@ from nanofn.runner.sampler import DeviceSample, Sampler, SamplingRows, to_device
 from nanofn.runner.timeline import DeviceTimeline
 from nanofn.state.config import blocks_for
 from nanofn.state.params import SamplingParams
-from nanofn.state.plan import BatchPlan, ScheduledSeq, SeqStart, plan_of
+from nanofn.state.plan import (BatchPlan, ScheduledSeq, SeqStart, TokenBitmask, TokenLogprobs,
+                               plan_of)
 
 log = logging.getLogger("nanofn")
 
@@ -60,10 +61,15 @@ class ModelRunner:
             # The exception's traceback holds this half-built runner (its frame's ``self``)
             # for as long as the caller keeps the exception: let go of the weights, the KV
             # cache and the graphs now, so that a failed start does not hold the GPU.
-            self.__dict__.clear()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+            self.close()
             raise
+
+    def close(self) -> None:
+        """Let go of the weights, the KV cache and the graphs (the runner is unusable after),
+        and give the memory back to the device."""
+        self.__dict__.clear()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
     def _build(self, hf_config: Any, config: RunnerConfig) -> None:
         self.config = config
@@ -105,13 +111,14 @@ class ModelRunner:
                                        hf_config.hidden_size, self.slot_temperature)
 
     @torch.inference_mode()
-    def launch(self, plan: BatchPlan) -> DeviceSample:
+    def launch(self, plan: BatchPlan, token_bitmask: TokenBitmask | None = None) -> DeviceSample:
         """Queue a (non-empty) plan's work on the device and sample for the sequences that ask
-        for it, in plan order. The tokens stay on the device for the next plan's
-        ``PENDING_TOKEN``s; ``wait()`` on the result brings them to the host."""
+        for it, in plan order, within ``token_bitmask`` (structured output) if given. The
+        tokens stay on the device for the next plan's ``PENDING_TOKEN``s; ``wait()`` on the
+        result brings them to the host."""
         start = self.timeline.mark() if self.timeline is not None else None
         sampling_slots = plan.slots[plan.sample]
-        if self._samples_in_graph(plan, sampling_slots):
+        if token_bitmask is None and self._samples_in_graph(plan, sampling_slots):
             self._start(plan.started)
             greedy = not self.slot_params.floats[sampling_slots, SlotParams.TEMPERATURE].any()
             key_base = 0 if greedy else self.sampler.key_base()  # as the eager sampler draws
@@ -119,8 +126,12 @@ class ModelRunner:
                                         len(plan.sampling_seq_ids))
         else:
             logits = self.forward(plan)
-            sample = self.sampler.sample(logits, self.slot_params.rows(plan))
+            num_sampling = len(plan.sampling_seq_ids)
+            sample = self.sampler.sample(logits[:num_sampling], self.slot_params.rows(plan),
+                                         token_bitmask)
             self.keep_sampled_tokens(plan, sample.token_ids)
+            if plan.prompt_logprobs:
+                sample.prompt_logprobs = prompt_logprobs(logits[num_sampling:], plan)
         if start is not None:
             self.timeline.add(start, _step_kind(plan))
         return sample
@@ -129,7 +140,7 @@ class ModelRunner:
         """Whether a decode graph can sample this plan: every sampling row plain (see
         ``DecodeGraphs``)."""
         return (self.slot_temperature is not None and not plan.banned and not plan.histories
-                and self.graphs.fits(plan) and bool(self.slot_params.plain[sampling_slots].all()))
+                and not plan.prompt_logprobs and self.graphs.fits(plan) and bool(self.slot_params.plain[sampling_slots].all()))
 
     def _start(self, started: tuple[SeqStart, ...]) -> None:
         """Record the sampling parameters of the sequences that start (and their temperatures
@@ -156,8 +167,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, plan: BatchPlan) -> torch.Tensor:
-        """The logits of the sampling sequences, ``[S, vocab]`` float32 (every rank runs this;
-        rank 0 samples)."""
+        """The logits of the sampling sequences, ``[S, vocab]`` float32, followed by those of
+        the positions ``plan.prompt_logprobs`` asks about (every rank runs this; rank 0
+        samples)."""
         self._start(plan.started)
         if self.graphs is not None and self.graphs.fits(plan):
             hidden, sample_rows, self._sampling_slots = self.graphs.forward(plan)
@@ -165,7 +177,10 @@ class ModelRunner:
             inputs = prepare_inputs(plan, self.config.block_size, self.slot_tables, self.device)
             self._sampling_slots, sample_rows = inputs.sampling_slots, inputs.sample_rows
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.batch, self.kv_cache)
-        if len(plan.sampling_seq_ids) < plan.num_tokens:
+        if plan.prompt_logprobs:
+            extra = to_device(prompt_logprob_rows(plan), self.device)
+            hidden = hidden[torch.cat([sample_rows, extra])]
+        elif len(plan.sampling_seq_ids) < plan.num_tokens:
             hidden = hidden[sample_rows]
         return self.model.compute_logits(hidden)
 
@@ -244,6 +259,40 @@ def check_kv_cache_size(hf_config: Any, config: RunnerConfig) -> None:
                          f"{config.max_blocks_per_seq}); give it more or lower max_model_len")
 
 
+def prompt_logprob_rows(plan: BatchPlan) -> np.ndarray:
+    """The token rows (in the plan's flat token order) whose logits ``plan.prompt_logprobs``
+    asks about: each entry's first ``len(targets)`` scheduled positions."""
+    first_row = np.cumsum(plan.num_scheduled) - plan.num_scheduled
+    return np.concatenate([first_row[i] + np.arange(len(targets))
+                           for i, _, targets in plan.prompt_logprobs]).astype(np.int64)
+
+
+def prompt_logprobs(logits: torch.Tensor, plan: BatchPlan) -> tuple:
+    """``SampleOutput.prompt_logprobs`` from the logits of ``prompt_logprob_rows(plan)``: per
+    target, its logprob and rank and the entry's top k (one pass on the device, then a wait
+    for the copy: only plans with prompt logprobs pay it)."""
+    targets = torch.tensor([t for _, _, ids in plan.prompt_logprobs for t in ids],
+                           device=logits.device)
+    values = logits.log_softmax(dim=-1)
+    chosen = values.gather(-1, targets[:, None])[:, 0]
+    ranks = (values > chosen[:, None]).sum(dim=-1) + 1
+    num_top = max(k for _, k, _ in plan.prompt_logprobs)
+    top = values.topk(num_top, dim=-1) if num_top else None
+    chosen, ranks = chosen.tolist(), ranks.tolist()
+    top_ids, top_values = (top.indices.tolist(), top.values.tolist()) if top else ([], [])
+    entries, row = [], 0
+    for i, k, ids in plan.prompt_logprobs:
+        position = int(plan.start_pos[i]) + 1
+        per_token = []
+        for j, token in enumerate(ids):
+            r = row + j
+            top_pairs = tuple(zip(top_ids[r][:k], top_values[r][:k])) if k else ()
+            per_token.append(TokenLogprobs(token, chosen[r], ranks[r], top_pairs))
+        entries.append((plan.seq_ids[i], position, tuple(per_token)))
+        row += len(ids)
+    return tuple(entries)
+
+
 def choose_kernels(config: RunnerConfig) -> KernelBackend:
     """The model's kernels (attention, norms, rotary, activation), chosen once per engine: Triton
     on CUDA, the torch references elsewhere (or as ``config.kernel_backend`` asks)."""
@@ -289,6 +338,8 @@ class SlotParams:
         self.seeds = np.zeros(max_seqs, np.uint64)
         self.num_prompt = np.zeros(max_seqs, np.int64)
         self.plain = np.zeros(max_seqs, np.bool_)  # a CUDA graph can sample it (see DecodeGraphs)
+        self.shapes_logits = np.zeros(max_seqs, np.bool_)  # has a logit bias or allowed tokens
+        self.shaping: dict[int, SamplingParams] = {}  # by slot, those slots' params
 
     def start(self, starts: tuple[SeqStart, ...]) -> None:
         for s in starts:
@@ -300,8 +351,14 @@ class SlotParams:
             self.seeds[s.slot] = (p.seed or 0) & 0xFFFF_FFFF_FFFF_FFFF
             self.num_prompt[s.slot] = s.num_prompt_tokens
             self.plain[s.slot] = (p.seed is None and p.logprobs is None and not p.has_penalties
+                                  and not p.shapes_logits and p.structured_outputs is None
                                   and (p.greedy or (p.min_p == 0 and p.top_k <= 0
                                                     and p.top_p >= 1)))
+            self.shapes_logits[s.slot] = p.shapes_logits
+            if p.shapes_logits:
+                self.shaping[s.slot] = p
+            else:
+                self.shaping.pop(s.slot, None)
 
     def rows(self, plan: BatchPlan) -> SamplingRows:
         """The sampler's input for the plan's sampling sequences, in plan order."""
@@ -322,4 +379,15 @@ class SlotParams:
             repetition_penalty=floats[:, self.REPETITION],
             histories=tuple(histories),
             banned=tuple((int(row_of[i]), ids) for i, ids in plan.banned),
+            **self._shaping_rows(slots),
         )
+
+    def _shaping_rows(self, slots: np.ndarray) -> dict[str, tuple]:
+        """The ``allowed`` and ``biases`` of the rows whose requests shape their logits."""
+        shaping_rows = np.flatnonzero(self.shapes_logits[slots]).tolist()
+        if not shaping_rows:
+            return {}
+        params = [(row, self.shaping[int(slots[row])]) for row in shaping_rows]
+        return {"allowed": tuple((row, p.allowed_token_ids) for row, p in params
+                                 if p.allowed_token_ids is not None),
+                "biases": tuple((row, p.logit_bias) for row, p in params if p.logit_bias)}

@@ -5,7 +5,8 @@ logits), plus the token lists of the rows with penalties and the token ids that 
 sample. ``SamplingRows.from_requests`` builds it from per-row ``SampleRequest``s, and ``Sampler``
 takes either.
 
-Per row, in order: penalties (repetition, frequency, presence), then temperature, min_p, top_k
+Per row, in order: the allowed tokens and the logit bias the request gives, penalties
+(repetition, frequency, presence), banned tokens, then temperature, min_p, top_k
 and top_p, then a draw. Greedy rows take the argmax of the penalised logits. Logprobs come from
 the raw distribution the model gave, before any of these steps.
 
@@ -43,7 +44,7 @@ import numpy as np
 import torch
 
 from nanofn.state.params import GREEDY_TEMPERATURE, SamplingParams
-from nanofn.state.plan import SampleOutput, TokenLogprobs
+from nanofn.state.plan import SampleOutput, TokenBitmask, TokenLogprobs
 
 _MASK64 = (1 << 64) - 1
 _BASE_KEYS = 1 << 62  # unseeded rows' keys are base + row index: keep the sum within int64
@@ -92,6 +93,8 @@ class SamplingRows:
     repetition_penalty: np.ndarray  # float32 [S]
     histories: tuple[tuple[int, Sequence[int], Sequence[int]], ...] = ()  # (row, prompt, output)
     banned: tuple[tuple[int, tuple[int, ...]], ...] = ()  # (row, token ids it may not sample)
+    allowed: tuple[tuple[int, tuple[int, ...]], ...] = ()  # (row, the only token ids it may sample)
+    biases: tuple[tuple[int, tuple[tuple[int, float], ...]], ...] = ()  # (row, (token, bias)s)
 
     def __post_init__(self) -> None:
         penalised = ((self.presence_penalty != 0) | (self.frequency_penalty != 0)
@@ -121,6 +124,9 @@ class SamplingRows:
                             for row, r in enumerate(requests) if r.params.has_penalties),
             banned=tuple((row, r.banned_token_ids)
                          for row, r in enumerate(requests) if r.banned_token_ids),
+            allowed=tuple((row, p.allowed_token_ids) for row, p in enumerate(params)
+                          if p.allowed_token_ids is not None),
+            biases=tuple((row, p.logit_bias) for row, p in enumerate(params) if p.logit_bias),
         )
 
     def __len__(self) -> int:
@@ -134,10 +140,13 @@ class SamplingRows:
         return (self.min_p == 0) & (self.top_k <= 0) & (self.top_p >= 1)
 
     def special(self) -> np.ndarray:
-        """Rows with penalties or banned tokens: only the torch steps handle them."""
+        """Rows with penalties, banned or allowed tokens or a logit bias: only the torch steps
+        handle them."""
         special = np.zeros(len(self), np.bool_)
         special[[row for row, _, _ in self.histories]] = True
         special[[row for row, ids in self.banned if ids]] = True
+        special[[row for row, _ in self.allowed]] = True
+        special[[row for row, _ in self.biases]] = True
         return special
 
     def select(self, rows: np.ndarray) -> SamplingRows:
@@ -149,11 +158,19 @@ class SamplingRows:
             **{name: getattr(self, name)[rows] for name in _COLUMNS},
             histories=tuple((new_row[row], prompt, output) for row, prompt, output in self.histories
                             if new_row[row] >= 0),
-            banned=tuple((new_row[row], ids) for row, ids in self.banned if new_row[row] >= 0),
+            banned=_renumbered(self.banned, new_row),
+            allowed=_renumbered(self.allowed, new_row),
+            biases=_renumbered(self.biases, new_row),
         )
 
 
-_COLUMNS = tuple(f.name for f in fields(SamplingRows) if f.name not in ("histories", "banned"))
+def _renumbered(pairs: tuple, new_row: list[int]) -> tuple:
+    """``(row, value)`` pairs of the selected rows, with their new row numbers."""
+    return tuple((new_row[row], value) for row, value in pairs if new_row[row] >= 0)
+
+
+_COLUMNS = tuple(f.name for f in fields(SamplingRows)
+                 if f.name not in ("histories", "banned", "allowed", "biases"))
 
 
 # ---------------------------------------------------------------- steps, each over a batch of rows
@@ -202,6 +219,53 @@ def ban_tokens(logits: torch.Tensor,
     columns = [t for _, ids in banned for t in ids]
     logits = logits.clone()
     logits[rows, columns] = float("-inf")
+    return logits
+
+
+def keep_allowed(logits: torch.Tensor,
+                 allowed: Sequence[tuple[int, Sequence[int]]]) -> torch.Tensor:
+    """``logits`` with every token outside each listed row's allowed ids at -inf (the same
+    tensor if no row lists any)."""
+    if not allowed:
+        return logits
+    rows = torch.tensor([row for row, _ in allowed], device=logits.device)
+    counts = torch.tensor([len(ids) for _, ids in allowed])
+    columns = torch.tensor([t for _, ids in allowed for t in ids], device=logits.device)
+    outside = torch.ones(len(allowed), logits.shape[-1], dtype=torch.bool, device=logits.device)
+    outside[torch.repeat_interleave(torch.arange(len(allowed)), counts).to(logits.device),
+            columns] = False
+    logits = logits.clone()
+    logits[rows] = logits[rows].masked_fill(outside, float("-inf"))
+    return logits
+
+
+def add_logit_bias(logits: torch.Tensor,
+                   biases: Sequence[tuple[int, Sequence[tuple[int, float]]]]) -> torch.Tensor:
+    """``logits`` plus each listed row's ``(token id, bias)`` pairs (the same tensor if none)."""
+    if not biases:
+        return logits
+    device = logits.device
+    rows = torch.tensor([row for row, pairs in biases for _ in pairs], device=device)
+    columns = torch.tensor([t for _, pairs in biases for t, _ in pairs], device=device)
+    values = torch.tensor([b for _, pairs in biases for _, b in pairs], dtype=logits.dtype,
+                          device=device)
+    return logits.index_put((rows, columns), values, accumulate=True)
+
+
+def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor,
+                        bitmask: torch.Tensor) -> torch.Tensor:
+    """``logits`` with the tokens each of ``rows`` may not sample at -inf: bit ``t % 32`` of
+    ``bitmask[k, t // 32]`` (int32 ``[len(rows), words]``) allows token ``t`` for row
+    ``rows[k]``; ids past ``32 * words`` are masked (a model's vocabulary may be larger than
+    its tokenizer's)."""
+    bit_values = torch.tensor([1 << i for i in range(32)], dtype=torch.int64)
+    bit_values = bit_values.to(torch.int32).to(bitmask.device)  # 1 << 31 wraps to int32's sign
+    allowed = ((bitmask[:, :, None] & bit_values) != 0).reshape(len(rows), -1)
+    vocab_size = logits.shape[-1]
+    if allowed.shape[-1] < vocab_size:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab_size - allowed.shape[-1]))
+    logits = logits.clone()
+    logits[rows] = logits[rows].masked_fill_(~allowed[:, :vocab_size], float("-inf"))
     return logits
 
 
@@ -317,20 +381,25 @@ class Sampler:
             self.generator.manual_seed(seed)
         self._row_generator = torch.Generator(self.device)  # re-seeded for each seeded row
 
-    def __call__(self, logits: torch.Tensor,
-                 rows: SamplingRows | Sequence[SampleRequest]) -> SampleOutput:
+    def __call__(self, logits: torch.Tensor, rows: SamplingRows | Sequence[SampleRequest],
+                 token_bitmask: TokenBitmask | None = None) -> SampleOutput:
         """Sample from ``logits`` (float32 ``[len(rows), vocab]``), one token per row, as lists
         (``sample`` leaves the tokens on the device and gives an array when waited for)."""
-        out = self.sample(logits, rows).wait()
+        out = self.sample(logits, rows, token_bitmask).wait()
         logprobs = out.logprobs if out.logprobs is not None else [None] * len(out.token_ids)
         return SampleOutput(out.token_ids.tolist(), logprobs)
 
-    def sample(self, logits: torch.Tensor,
-               rows: SamplingRows | Sequence[SampleRequest]) -> DeviceSample:
+    def sample(self, logits: torch.Tensor, rows: SamplingRows | Sequence[SampleRequest],
+               token_bitmask: TokenBitmask | None = None) -> DeviceSample:
         """As ``__call__``, but the tokens stay on the device (the next step may read them
-        there) while their copy to the host proceeds in the background."""
+        there) while their copy to the host proceeds in the background. ``token_bitmask``
+        (structured output) limits some rows to the tokens it allows, before any other step;
+        their logprobs are those of the masked logits, as in vLLM."""
         if not isinstance(rows, SamplingRows):
             rows = SamplingRows.from_requests(rows)
+        if token_bitmask is not None:
+            logits = apply_token_bitmask(logits, self._ints(token_bitmask.rows),
+                                         to_device(token_bitmask.bits, self.device))
         greedy, special = rows.greedy(), rows.special()
         if (greedy & ~special & (rows.logprobs < 0)).all():
             return DeviceSample.start(logits.argmax(dim=-1), len(rows))
@@ -376,10 +445,11 @@ class Sampler:
 
     def _draw(self, logits: torch.Tensor, rows: SamplingRows,
               noise: Callable[[np.ndarray], torch.Tensor]) -> torch.Tensor:
-        """The torch steps: penalties and banned tokens, then the argmax for greedy rows, the
-        filters and the exponential race for the others. ``noise(which)`` gives Exp(1) noise
-        ``[len(which), vocab]`` for those rows."""
-        penalised = ban_tokens(self._penalised(logits, rows), rows.banned)
+        """The torch steps: allowed tokens, logit bias, penalties and banned tokens, then the
+        argmax for greedy rows, the filters and the exponential race for the others.
+        ``noise(which)`` gives Exp(1) noise ``[len(which), vocab]`` for those rows."""
+        shaped = add_logit_bias(keep_allowed(logits, rows.allowed), rows.biases)
+        penalised = ban_tokens(self._penalised(shaped, rows), rows.banned)
         random_rows = np.flatnonzero(~rows.greedy())
         if len(random_rows) == len(rows):
             return self._sample(penalised, rows, noise(random_rows))
@@ -493,6 +563,7 @@ class DeviceSample:
     logprob_rows: dict[int, int]  # row -> number of top logprobs asked for
     host: torch.Tensor  # the flat copy: tokens, then per logprob row: chosen, rank, top ids, top values
     copied: torch.cuda.Event | None
+    prompt_logprobs: tuple = ()  # SampleOutput.prompt_logprobs, on the host already
 
     @classmethod
     def start(cls, token_ids: torch.Tensor, num_rows: int, logprob_rows: dict[int, int] | None = None,
@@ -519,7 +590,7 @@ class DeviceSample:
         n = self.num_rows
         tokens = self.host[:n].numpy().astype(np.int64, copy=False)  # the core takes arrays
         if not self.logprob_rows:
-            return SampleOutput(tokens, None)
+            return SampleOutput(tokens, None, self.prompt_logprobs)
         values = self.host.tolist()
         logprobs: list[TokenLogprobs | None] = [None] * n
         if self.logprob_rows:
@@ -533,4 +604,4 @@ class DeviceSample:
                     token_id=int(tokens[row]), logprob=chosen[j], rank=int(ranks[j]),
                     top=tuple((int(top_ids[first + m]), top_values[first + m])
                               for m in range(wanted)))
-        return SampleOutput(tokens, logprobs)
+        return SampleOutput(tokens, logprobs, self.prompt_logprobs)

@@ -22,6 +22,7 @@ import socket
 import threading
 import time
 import traceback
+import warnings
 from dataclasses import replace
 from datetime import timedelta
 from typing import Any
@@ -31,12 +32,13 @@ import torch.distributed as dist
 
 from nanofn.runner.model_runner import ModelRunner, RunnerConfig
 from nanofn.runner.sampler import DeviceSample
-from nanofn.state.plan import BatchPlan
+from nanofn.state.plan import BatchPlan, TokenBitmask
 
 COLLECTIVE_TIMEOUT = timedelta(minutes=5)
 STOP = b"stop"  # tells a worker to leave (a pickled plan never equals it)
 HEARTBEAT_S = 0.5
 UNRESPONSIVE_AFTER = 8.0  # seconds without a heartbeat before a worker counts as stopped
+RELEASE_AFTER_FAILURE_S = 20.0  # the most close() waits for rank 0's device after a failure
 
 
 class WorkerFailure(RuntimeError):
@@ -88,11 +90,13 @@ class TensorParallelExecutor:
     def timeline(self, timeline) -> None:
         self.runner.timeline = timeline
 
-    def launch(self, plan: BatchPlan) -> _WatchedSample:
+    def launch(self, plan: BatchPlan, token_bitmask: TokenBitmask | None = None) -> _WatchedSample:
+        """Every rank runs the plan; rank 0 alone samples, so the mask stays here."""
         self._raise_if_failed()
         message = pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL)  # once for all workers
         self._guarded(self._send, message)
-        return _WatchedSample(self, self._guarded(self.runner.launch, plan))
+        masked = () if token_bitmask is None else (token_bitmask,)
+        return _WatchedSample(self, self._guarded(self.runner.launch, plan, *masked))
 
     def _send(self, message: bytes) -> None:
         for pipe in self._pipes:
@@ -127,8 +131,36 @@ class TensorParallelExecutor:
                 worker.kill()
                 worker.join(timeout=5)
         self._pipes, self._workers = [], []
+        if self._failure is None:
+            self._release()
+            return
+        # A dead rank leaves this rank's collective kernels waiting for it on the device, and
+        # freeing memory waits for them: release in a thread of its own, so that close()
+        # returns whatever the device does.
+        release = threading.Thread(target=self._release_after_failure, daemon=True)
+        release.start()
+        release.join(RELEASE_AFTER_FAILURE_S)
+        if release.is_alive():
+            warnings.warn(f"rank 0 could not give its device memory back within "
+                          f"{RELEASE_AFTER_FAILURE_S:.0f} s of the failure of another rank; "
+                          f"it is held until this process exits", RuntimeWarning, stacklevel=2)
+
+    def _release(self) -> None:
+        """Rank 0's runner first (see ``_leave_group``), then the group."""
+        if hasattr(self, "runner"):
+            self.runner.close()
         with contextlib.suppress(Exception):
             _leave_group()
+
+    def _release_after_failure(self) -> None:
+        """Abort the group first, from a thread of its own: that ends the collective kernels
+        left waiting for the dead rank; then free the runner, whose graphs the abort may wait
+        for."""
+        abort = threading.Thread(target=_leave_group_quietly, daemon=True)
+        abort.start()
+        if hasattr(self, "runner"):
+            self.runner.close()
+        abort.join()
 
     def _watch(self) -> None:
         while not self._closed.wait(HEARTBEAT_S):
@@ -224,6 +256,7 @@ def _worker_main(hf_config: Any, config: RunnerConfig, init_method: str, pipe, h
             plan = pickle.loads(message)
             runner.forward(plan)
             runner.keep_sampled_tokens(plan)
+        runner.close()  # first: see _leave_group
     except Exception:
         pipe.send(traceback.format_exc())
         raise
@@ -239,10 +272,16 @@ def _beat(heart) -> None:
         time.sleep(HEARTBEAT_S)
 
 
+def _leave_group_quietly() -> None:
+    with contextlib.suppress(Exception):
+        _leave_group()
+
+
 def _leave_group() -> None:
-    """Leave the process group. NCCL's destroy waits for the other ranks (and hung at the
-    end of every TP run on two H200s, with the decode graphs holding NCCL kernels); its abort
-    is local and immediate. gloo's destroy is quick."""
+    """Leave the process group. NCCL's destroy waits for the other ranks; its abort is local,
+    but it too waits for the CUDA graphs that captured the communicator's kernels to be
+    destroyed (on two H200s it hung for good with the decode graphs alive): close the rank's
+    runner, graphs included, before calling this. gloo's destroy is quick."""
     if not dist.is_initialized():
         return
     if dist.get_backend() == "nccl":

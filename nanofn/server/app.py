@@ -88,7 +88,7 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None) -> Fas
         body = await _body(request)
         _check_model(body, model_name)
         prompts = completion_prompts(body)
-        params = sampling_params(body, chat=False)
+        params = sampling_params(body, chat=False, defaults=llm.engine.generation_defaults)
         return await _respond(llm, metrics, body, model_name, prompts, params, chat=False)
 
     @app.post("/v1/chat/completions")
@@ -97,7 +97,7 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None) -> Fas
         body = await _body(request)
         _check_model(body, model_name)
         prompt = chat_prompt(llm.tokenizer, body)
-        params = sampling_params(body, chat=True)
+        params = sampling_params(body, chat=True, defaults=llm.engine.generation_defaults)
         return await _respond(llm, metrics, body, model_name, [prompt], params, chat=True)
 
     return app
@@ -231,7 +231,8 @@ class _Shape:
         self.id, self.created, self.model, self.chat, self.n = response_id, created, model, chat, n
         self.echo = bool(body.get("echo", False)) and not chat
         self.decode = decode
-        self.logprobs = body.get("logprobs") not in (None, False)
+        logprobs = body.get("logprobs")  # completions: 0 asks for the sampled tokens' alone
+        self.logprobs = logprobs is not None and logprobs is not False
         self.num_top = int(body.get("top_logprobs") or 0) if chat else int(body.get("logprobs") or 0)
 
     def prompt_text(self, output: RequestOutput) -> str:
@@ -249,11 +250,13 @@ class _Shape:
                 text = self.prompt_text(final) + c.text if self.echo else c.text
                 choice: dict[str, Any] = {"index": self.choice_index(p, c.index),
                                           "logprobs": self._logprobs(c, 0),
-                                          "finish_reason": _finish_reason(c.finish_reason)}
+                                          "finish_reason": _finish_reason(c.finish_reason),
+                                          "stop_reason": c.stop_reason}
                 if self.chat:
                     choice["message"] = {"role": "assistant", "content": text}
                 else:
                     choice["text"] = text
+                    choice["prompt_logprobs"] = _prompt_logprobs(final)
                 choices.append(choice)
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": choices,
@@ -275,8 +278,8 @@ class _Shape:
             text = c.text[text_sent:]
             if self.echo and c.index not in sent:
                 text = self.prompt_text(output) + text
-            if not text and c.finish_reason is None:
-                continue
+            if not text and len(c.token_ids) == tokens_sent and c.finish_reason is None:
+                continue  # nothing new; a token with no text yet (held back) still gets a chunk
             sent[c.index] = (len(c.text), len(c.token_ids), c.finish_reason is not None)
             choice: dict[str, Any] = {"index": self.choice_index(prompt_index, c.index),
                                       "logprobs": self._logprobs(c, tokens_sent),
@@ -317,6 +320,17 @@ class _Shape:
         sampled token, whatever its rank), best first."""
         ranked = sorted(entry.values(), key=lambda lp: lp.rank)
         return [lp for lp in ranked if lp.rank <= self.num_top][:self.num_top]
+
+
+def _prompt_logprobs(output: RequestOutput) -> list | None:
+    """vLLM's ``prompt_logprobs`` of a completion choice: per prompt position (None for the
+    first), token id -> its logprob, rank and text."""
+    if output.prompt_logprobs is None:
+        return None
+    return [None if entry is None else
+            {str(token): {"logprob": lp.logprob, "rank": lp.rank,
+                          "decoded_token": lp.decoded_token} for token, lp in entry.items()}
+            for entry in output.prompt_logprobs]
 
 
 def _finish_reason(reason: str | None) -> str | None:

@@ -8,11 +8,15 @@ from typing import Any
 from fastapi.responses import JSONResponse
 
 from nanofn.state import SamplingParams
+from nanofn.state.params import STRUCTURED_KINDS
 
 # Body fields that map to SamplingParams fields of the same name (vLLM's extras included).
 SAME_NAME = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
              "frequency_penalty", "repetition_penalty", "min_tokens", "ignore_eos",
-             "stop_token_ids", "include_stop_str_in_output", "skip_special_tokens")
+             "stop_token_ids", "include_stop_str_in_output", "skip_special_tokens",
+             "allowed_token_ids", "bad_words", "truncate_prompt_tokens", "prompt_logprobs",
+             "spaces_between_special_tokens")
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit bias, [-100, 100]: larger ones are clamped
 
 
 class APIError(Exception):
@@ -79,19 +83,34 @@ def chat_prompt(tokenizer: Any, body: dict) -> dict:
     return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
 
 
-def sampling_params(body: dict, chat: bool) -> SamplingParams:
-    fields: dict[str, Any] = {name: body[name] for name in SAME_NAME
-                              if body.get(name) is not None}
+def sampling_params(body: dict, chat: bool,
+                    defaults: dict[str, Any] | None = None) -> SamplingParams:
+    """The request's sampling parameters; ``defaults`` (the model's generation config) fill
+    the fields the body leaves unset, as in vLLM's server: their ``max_tokens`` caps the one
+    asked for (or the 16 of a completion that asks for none)."""
+    defaults = dict(defaults or {})
+    default_max_tokens = defaults.pop("max_tokens", None)
+    fields: dict[str, Any] = {**defaults, **{name: body[name] for name in SAME_NAME
+                                             if body.get(name) is not None}}
     max_tokens = body.get("max_completion_tokens") if chat else None
     if max_tokens is None:
         max_tokens = body.get("max_tokens", None if chat else 16)
+    if default_max_tokens is not None and _is_token(max_tokens):
+        max_tokens = min(max_tokens, default_max_tokens)
+    elif max_tokens is None:
+        max_tokens = default_max_tokens
     fields["max_tokens"] = max_tokens
+    if body.get("logit_bias") is not None:
+        fields["logit_bias"] = _logit_bias(body["logit_bias"])
     stop = body.get("stop")
     if stop is not None:
         fields["stop"] = [stop] if isinstance(stop, str) else stop
     logprobs = _logprobs(body, chat)
     if logprobs is not None:
         fields["logprobs"] = logprobs
+    structured = structured_outputs(body)
+    if structured is not None:
+        fields["structured_outputs"] = structured
     try:
         return SamplingParams(**fields)
     except (TypeError, ValueError) as error:
@@ -100,6 +119,65 @@ def sampling_params(body: dict, chat: bool) -> SamplingParams:
         param = "max_tokens" if field == "max_tokens" and chat and \
             "max_completion_tokens" in body else field
         raise APIError(400, message, param=param if param.isidentifier() else None) from None
+
+
+def _logit_bias(bias: Any) -> dict[int, float]:
+    """OpenAI's ``logit_bias``: token ids (JSON keys, so strings) to biases, clamped to
+    [-100, 100]."""
+    if not isinstance(bias, dict):
+        raise APIError(400, "logit_bias must be an object mapping token ids to numbers",
+                       param="logit_bias")
+    clamped = {}
+    for key, value in bias.items():
+        if not str(key).isdigit() or type(value) not in (int, float):
+            raise APIError(400, f"logit_bias must map token ids to numbers, got {key!r}: "
+                                f"{value!r}", param="logit_bias")
+        clamped[int(key)] = max(-MAX_LOGIT_BIAS, min(MAX_LOGIT_BIAS, float(value)))
+    return clamped
+# vLLM's older extras (removed in its 0.12), as fields of ``structured_outputs``
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+          "guided_grammar": "grammar"}
+
+
+def structured_outputs(body: dict) -> dict | None:
+    """The output constraint a request asks for, as ``StructuredOutputsParams`` fields: from
+    OpenAI's ``response_format``, vLLM's ``structured_outputs``, or its older ``guided_*``
+    fields (one of these at most; ``structured_outputs`` may also add only options, such as
+    ``disable_any_whitespace``, to a ``response_format``). SamplingParams checks the fields."""
+    fields = body.get("structured_outputs")
+    if fields is not None and not isinstance(fields, dict):
+        raise APIError(400, "structured_outputs must be an object", param="structured_outputs")
+    fields = dict(fields or {})
+    given = ["structured_outputs"] if set(fields) & set(STRUCTURED_KINDS) else []
+    constraint = _response_format(body.get("response_format"))
+    if constraint is not None:
+        given.append("response_format")
+        fields.update(constraint)
+    for name, field in GUIDED.items():
+        if body.get(name) is not None:
+            given.append(name)
+            fields[field] = body[name]
+    if len(given) > 1:
+        raise APIError(400, f"give one output constraint, not {' and '.join(given)}",
+                       param=given[1])
+    return fields or None
+
+
+def _response_format(response_format: Any) -> dict | None:
+    kind = response_format.get("type") if isinstance(response_format, dict) else None
+    if response_format is None or kind == "text":
+        return None
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        json_schema = response_format.get("json_schema")
+        schema = json_schema.get("schema") if isinstance(json_schema, dict) else None
+        if not isinstance(schema, dict):
+            raise APIError(400, "response_format.json_schema.schema must be a JSON schema object",
+                           param="response_format")
+        return {"json": schema}
+    raise APIError(400, "response_format must be an object whose type is text, json_object or "
+                        f"json_schema, got {response_format!r}", param="response_format")
 
 
 def _logprobs(body: dict, chat: bool) -> int | None:

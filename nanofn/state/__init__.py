@@ -15,13 +15,17 @@ from nanofn.state.plan import (PENDING_TOKEN, BatchPlan, SampleOutput, Scheduled
                                TokenLogprobs, plan_digest, plan_of)
 from nanofn.state.records import FinishReason, Seq, SeqSpec, SeqStatus
 from nanofn.state.requests import InvalidRequest, NewSeq, check_new_seq
+from nanofn.state.series import RunSeries, run_series
 from nanofn.state.step import Events, step
-from nanofn.state.trace import Trace, TraceError, header_line, parse_trace, replay, step_line
+from nanofn.state.trace import (Trace, TraceError, header_line, parse_trace, read_trace,
+                                replay, step_line)
+from nanofn.state.trace_diff import TraceDiff, diff_traces
 
 __all__ = [
     "PENDING_TOKEN", "BatchPlan", "Counters", "EngineState", "Events", "Figures", "FinishReason",
     "InvalidRequest", "NewSeq", "SampleOutput", "SamplingParams", "ScheduledSeq", "SeqStart",
     "SchedulerConfig", "Seq", "SeqSpec", "SeqStatus", "TokenLogprobs", "Trace", "TraceError",
     "blocks_for", "check_new_seq", "figures", "header_line", "initial_state", "parse_trace",
-    "plan_digest", "plan_of", "replay", "step", "step_line",
+    "plan_digest", "plan_of", "read_trace", "replay", "step", "step_line",
+    "RunSeries", "TraceDiff", "diff_traces", "run_series",
 ]

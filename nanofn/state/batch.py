@@ -25,8 +25,8 @@ from nanofn.state.store import HASHES, TABLES, TOKENS, SeqStore, empty_store, mo
 # The columns of ``RunningBatch.cols``.
 (SERIAL, SLOT, ROW,  # identity
  NUM_TOKENS, NUM_PENDING, NUM_COMPUTED, NUM_BLOCKS, NUM_HASHED,  # progress
- NUM_PROMPT, LENGTH_LIMIT, MIN_TOKENS, IGNORE_EOS, HAS_STOP_IDS, HAS_PENALTIES,  # policy inputs
- NUM_PREEMPTIONS, NUM_CACHED) = range(16)
+ NUM_PROMPT, LENGTH_LIMIT, MIN_TOKENS, IGNORE_EOS, HAS_STOP_IDS, WAITS_FOR_TOKEN,  # policy inputs
+ NUM_PREEMPTIONS, NUM_CACHED) = range(16)  # WAITS_FOR_TOKEN: SamplingParams.waits_for_token
 NUM_COLS = 16
 FILL_COLS = [NUM_TOKENS, NUM_BLOCKS, NUM_HASHED]  # a row's view of the store, per kind
 

@@ -50,7 +50,9 @@ class BatchPlan:
     ``block_entries`` are ``(plan index, column, block)`` rows: the block-table entries new
     since the last plan (whole tables for the sequences of ``started``). ``histories`` give,
     for the sampling sequences whose penalties need them, ``(plan index, all token ids)``;
-    such a sequence is never scheduled with a pending token.
+    such a sequence is never scheduled with a pending token. ``prompt_logprobs`` asks, per
+    ``(plan index, top k, target ids)``, for the logprobs of the prompt tokens that follow
+    the sequence's first ``len(target ids)`` scheduled positions.
     """
 
     step: int
@@ -65,6 +67,7 @@ class BatchPlan:
     started: tuple[SeqStart, ...] = ()
     banned: tuple[tuple[int, tuple[int, ...]], ...] = ()
     histories: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    prompt_logprobs: tuple[tuple[int, int, tuple[int, ...]], ...] = ()
     # Derived once, when the plan is made (several readers need them each step).
     num_tokens: int = field(init=False)
     sampling_seq_ids: tuple[str, ...] = field(init=False)
@@ -179,6 +182,8 @@ def plan_digest(plan: BatchPlan) -> str:
         h.update(np.ascontiguousarray(a).tobytes())
     h.update(repr([(s.slot, s.seq_id, s.num_prompt_tokens) for s in plan.started]).encode())
     h.update(repr((plan.banned, plan.histories)).encode())
+    if plan.prompt_logprobs:  # (absent from older traces' plans: their digests stay)
+        h.update(repr(plan.prompt_logprobs).encode())
     return h.hexdigest()
 
 
@@ -196,3 +201,16 @@ class SampleOutput:
 
     token_ids: Sequence[int]  # a list or an int64 array
     logprobs: Sequence[TokenLogprobs | None] | None = None  # None: no row asked for logprobs
+    # Per plan ``prompt_logprobs`` entry: (seq id, position of its first target, the logprobs
+    # of the targets). The core ignores them; the shell collects them.
+    prompt_logprobs: tuple[tuple[str, int, tuple[TokenLogprobs, ...]], ...] = ()
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class TokenBitmask:
+    """The tokens some sampling rows of a plan may sample (structured output), from the shell's
+    grammars: bit ``t % 32`` of ``bits[k, t // 32]`` allows token ``t`` for sampling row
+    ``rows[k]`` (an index into ``plan.sampling_seq_ids``); other rows are free."""
+
+    rows: np.ndarray  # [R] int64
+    bits: np.ndarray  # [R, words] int32

@@ -82,7 +82,23 @@ def _isin(values: np.ndarray, ids: tuple[int, ...]) -> np.ndarray:
 def banned_token_ids(params: SamplingParams, num_output_tokens_before: int,
                      eos_token_ids: tuple[int, ...]) -> tuple[int, ...]:
     """The token ids the next token may not be: the stopping ones while stopping is not allowed
-    yet, so that ``min_tokens`` holds whatever the model prefers."""
-    if may_stop_next(num_output_tokens_before, params.min_tokens):
+    yet, so that ``min_tokens`` holds whatever the model prefers. None for a constrained
+    output: its grammar decides where it may end (a ban could leave its mask no token); it
+    still does not stop before ``min_tokens``."""
+    if (may_stop_next(num_output_tokens_before, params.min_tokens)
+            or params.structured_outputs is not None):
         return ()
     return stop_token_ids(params, eos_token_ids)
+
+
+def bad_word_bans(bad_words_token_ids: tuple[tuple[int, ...], ...],
+                  output_token_ids: list[int]) -> tuple[int, ...]:
+    """The token ids that would complete a bad word now, as vLLM decides: a word's last token
+    when the output so far ends with the rest of the word (always, for a one-token word)."""
+    banned = []
+    for word in bad_words_token_ids:
+        prefix = list(word[:-1])
+        if not prefix or output_token_ids[len(output_token_ids) - len(prefix):] == prefix:
+            if word[-1] not in banned:
+                banned.append(word[-1])
+    return tuple(banned)

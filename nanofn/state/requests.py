@@ -51,10 +51,14 @@ def check_new_seq(state: EngineState, new: NewSeq, also_live: Collection[str] = 
         vocab = f" [0, {c.vocab_size})" if c.vocab_size is not None else " >= 0"
         raise InvalidRequest(
             f"request {new.seq_id!r}: prompt token id {bad!r} is not an integer in{vocab}")
-    too_big = [t for t in new.params.stop_token_ids if c.vocab_size is not None and t >= c.vocab_size]
-    if too_big:
-        raise InvalidRequest(f"request {new.seq_id!r}: stop_token_ids {too_big} are not in the "
-                             f"vocabulary [0, {c.vocab_size})")
+    p = new.params
+    for name, ids in (("stop_token_ids", p.stop_token_ids),
+                      ("logit_bias", [t for t, _ in p.logit_bias or ()]),
+                      ("allowed_token_ids", p.allowed_token_ids or ())):
+        too_big = [t for t in ids if c.vocab_size is not None and t >= c.vocab_size]
+        if too_big:
+            raise InvalidRequest(f"request {new.seq_id!r}: {name} {too_big} are not in the "
+                                 f"vocabulary [0, {c.vocab_size})")
     max_tokens = new.params.max_tokens or 1
     if len(prompt) + max_tokens > c.max_model_len:
         raise InvalidRequest(

@@ -6,8 +6,8 @@
    (possibly itself), which gives back every block and returns to the head of the waiting
    queue to be recomputed later.
    A sequence whose last token is still pending (sampled by the plan in flight) is
-   scheduled with that token as ``PENDING_TOKEN``, unless it needs its history (penalties),
-   more than one token is pending, or that token is its last by length: then it waits.
+   scheduled with that token as ``PENDING_TOKEN``, unless it needs that token on the host
+   (penalties count it, a grammar's mask depends on it), more than one token is pending, or that token is its last by length: then it waits.
 2. Then, unless this step preempted, waiting sequences first come first served while the
    budget, ``max_num_seqs`` and the free blocks allow. A waiting sequence starts from the
    longest prefix found in the prefix cache; its prompt is cut to the budget left (chunked
@@ -25,17 +25,19 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from nanofn.state.batch import (HAS_PENALTIES, HAS_STOP_IDS, IGNORE_EOS, LENGTH_LIMIT,
+from nanofn.state.batch import (HAS_STOP_IDS, IGNORE_EOS, LENGTH_LIMIT,
                                 MIN_TOKENS, NUM_BLOCKS, NUM_CACHED, NUM_COLS, NUM_COMPUTED,
                                 NUM_HASHED, NUM_PENDING, NUM_PREEMPTIONS, NUM_PROMPT, NUM_TOKENS,
-                                ROW, SERIAL, SLOT, RunningBatch, frozen, with_room)
+                                ROW, SERIAL, SLOT, WAITS_FOR_TOKEN, RunningBatch, frozen,
+                                with_room)
 from nanofn.state.block_pool import PoolChanges, find_cached_prefix
 from nanofn.state.config import SchedulerConfig, blocks_for
 from nanofn.state.engine_state import EngineState, InFlight, evolve
 from nanofn.state.filled import hash_pending_blocks, leaving_record
 from nanofn.state.hashing import parent_hash_of, token_bytes
 from nanofn.state.plan import PENDING_TOKEN, BatchPlan, SeqStart, empty_plan
-from nanofn.state.policy import at_length_limit, length_limit, may_stop_next, stop_token_ids
+from nanofn.state.policy import (at_length_limit, bad_word_bans, length_limit, may_stop_next,
+                                 stop_token_ids)
 from nanofn.state.records import Seq, SeqStatus
 from nanofn.state.store import HASHES, TABLES, TOKENS, SeqStore
 
@@ -122,11 +124,12 @@ def schedule(state: EngineState) -> tuple[EngineState, BatchPlan]:
 
 def ready(cols: np.ndarray) -> np.ndarray:
     """Which running sequences can be scheduled now: nothing pending, or only their last
-    token, which is not their last by length and whose history nobody needs (penalties)."""
+    token, which is not their last by length and which sampling does not need on the host
+    (penalties and bad words read the history, a grammar's mask depends on the token)."""
     pending = cols[:, NUM_PENDING]
     one_pending = (pending == 1) & ~at_length_limit(cols[:, NUM_TOKENS] + 1, cols[:, LENGTH_LIMIT])
-    if cols[:, HAS_PENALTIES].any():
-        one_pending &= cols[:, HAS_PENALTIES] == 0
+    if cols[:, WAITS_FOR_TOKEN].any():
+        one_pending &= cols[:, WAITS_FOR_TOKEN] == 0
     return (pending == 0) | one_pending
 
 
@@ -193,6 +196,9 @@ def admit(pool: PoolChanges, seq: Seq, budget: int, c: SchedulerConfig) -> Admis
     hits: list[int] = []
     if c.enable_prefix_caching:
         data, width = token_bytes(seq.token_ids), 4 * bs
+    # A request for prompt logprobs reads nothing from the cache, as in vLLM: cached positions
+    # would have no logits (it still caches the blocks it computes).
+    if c.enable_prefix_caching and seq.params.prompt_logprobs is None:
         # Leave at least one token to compute, so that there are logits to sample from.
         limit = (seq.num_tokens - 1) // bs
         hits = find_cached_prefix(pool, seq.block_hashes,
@@ -257,7 +263,7 @@ def _append_admitted(store: SeqStore, cols: np.ndarray, admissions: list[Admissi
         new.append((next_serial + k, slots.first, row, seq.num_tokens, a.num_cached,
                     len(a.blocks), len(seq.block_hashes), seq.num_prompt_tokens,
                     length_limit(p, seq.num_prompt_tokens, c.max_model_len), p.min_tokens,
-                    p.ignore_eos, bool(p.stop_token_ids), p.has_penalties, seq.num_preemptions,
+                    p.ignore_eos, bool(p.stop_token_ids), p.waits_for_token, seq.num_preemptions,
                     a.num_cached))
         slots = slots.rest
     admitted = np.zeros((len(admissions), NUM_COLS), np.int64)
@@ -267,7 +273,7 @@ def _append_admitted(store: SeqStore, cols: np.ndarray, admissions: list[Admissi
 
 # The columns an admission sets, in the order ``_append_admitted`` lists them (the others: 0).
 _ADMITTED_COLS = [SERIAL, SLOT, ROW, NUM_TOKENS, NUM_COMPUTED, NUM_BLOCKS, NUM_HASHED, NUM_PROMPT,
-                  LENGTH_LIMIT, MIN_TOKENS, IGNORE_EOS, HAS_STOP_IDS, HAS_PENALTIES,
+                  LENGTH_LIMIT, MIN_TOKENS, IGNORE_EOS, HAS_STOP_IDS, WAITS_FOR_TOKEN,
                   NUM_PREEMPTIONS, NUM_CACHED]
 
 
@@ -297,6 +303,8 @@ def _plan(step: int, store: SeqStore, key: object, cols: np.ndarray, counts: np.
     index_in_plan = np.full(len(cols), -1)
     index_in_plan[scheduled] = np.arange(len(indices))
     num_running = len(cols) - len(admissions)
+    num_decode = int(np.count_nonzero(
+        (counts[scheduled] == 1) & (starts[scheduled] >= cols[scheduled, NUM_PROMPT])))
     plan = BatchPlan(
         step=step,
         seq_ids=ids if everyone else tuple(ids[i] for i in indices.tolist()),
@@ -306,37 +314,66 @@ def _plan(step: int, store: SeqStore, key: object, cols: np.ndarray, counts: np.
         sample=sample,
         token_ids=token_ids,
         block_entries=_block_entries(cols, grow, blocks, admissions, index_in_plan, num_running),
-        num_decode_tokens=int(np.count_nonzero(
-            (counts[scheduled] == 1) & (starts[scheduled] >= cols[scheduled, NUM_PROMPT]))),
+        num_decode_tokens=num_decode,
         started=tuple(SeqStart(int(cols[num_running + k, SLOT]), a.seq.seq_id, a.seq.params,
                                a.seq.num_prompt_tokens) for k, a in enumerate(admissions)),
-        banned=_banned(cols, sampling, index_in_plan, specs, c),
+        banned=_banned(new_batch, sampling, index_in_plan, c),
         histories=_histories(new_batch, sampling, index_in_plan),
+        prompt_logprobs=(_prompt_logprobs(new_batch, starts, counts, index_in_plan)
+                         if num_decode < len(token_ids) else ()),  # only prompt chunks have any
     )
     return new_batch, plan, cols[sampling, SERIAL]
 
 
-def _banned(cols: np.ndarray, sampling: np.ndarray, index_in_plan: np.ndarray, specs: tuple,
+def _banned(batch: RunningBatch, sampling: np.ndarray, index_in_plan: np.ndarray,
             c: SchedulerConfig) -> tuple[tuple[int, tuple[int, ...]], ...]:
-    """``(plan index, token ids)`` for the sampling sequences that may not stop yet."""
+    """``(plan index, token ids)`` for the sampling sequences that may not sample some tokens:
+    stopping ones before ``min_tokens`` (not constrained ones: their grammar decides when they
+    may end, see ``policy.banned_token_ids``), and the last tokens of bad words they would
+    complete."""
+    cols, specs = batch.cols, batch.specs
+    banned: dict[int, tuple[int, ...]] = {}
     min_tokens = cols[sampling, MIN_TOKENS]
-    if not min_tokens.any():
-        return ()
-    before = cols[sampling, NUM_COMPUTED] - cols[sampling, NUM_PROMPT]
-    held_back = sampling[~may_stop_next(before, min_tokens)]
-    banned = ((int(index_in_plan[i]), stop_token_ids(specs[i].params, c.eos_token_ids))
-              for i in held_back.tolist())
-    return tuple(item for item in banned if item[1])
+    if min_tokens.any():
+        before = cols[sampling, NUM_COMPUTED] - cols[sampling, NUM_PROMPT]
+        for i in sampling[~may_stop_next(before, min_tokens)].tolist():
+            if specs[i].params.structured_outputs is None:
+                banned[i] = stop_token_ids(specs[i].params, c.eos_token_ids)
+    waiting = (sampling[cols[sampling, WAITS_FOR_TOKEN] != 0].tolist()
+               if cols[:, WAITS_FOR_TOKEN].any() else [])
+    for i in waiting:
+        bad_words = specs[i].params.bad_words_token_ids
+        if bad_words:
+            output = batch.tokens(i)[int(cols[i, NUM_PROMPT]):].tolist()
+            banned[i] = banned.get(i, ()) + bad_word_bans(bad_words, output)
+    return tuple((int(index_in_plan[i]), ids) for i, ids in sorted(banned.items()) if ids)
 
 
 def _histories(batch: RunningBatch, sampling: np.ndarray,
                index_in_plan: np.ndarray) -> tuple[tuple[int, tuple[int, ...]], ...]:
     """``(plan index, all token ids)`` for the sampling sequences whose penalties need them."""
-    penalised = batch.cols[sampling, HAS_PENALTIES] != 0
-    if not penalised.any():
+    with_history = batch.cols[sampling, WAITS_FOR_TOKEN] != 0
+    if not with_history.any():
         return ()
     return tuple((int(index_in_plan[i]), tuple(batch.tokens(i).tolist()))
-                 for i in sampling[penalised].tolist())
+                 for i in sampling[with_history].tolist() if batch.specs[i].params.has_penalties)
+
+
+def _prompt_logprobs(batch: RunningBatch, starts: np.ndarray, counts: np.ndarray,
+                     index_in_plan: np.ndarray) -> tuple[tuple[int, int, tuple[int, ...]], ...]:
+    """``(plan index, top k, target token ids)`` for the scheduled prompt chunks of sequences
+    that want prompt logprobs: the logits at positions ``p`` of the chunk give the logprob of
+    prompt token ``p + 1`` (so a chunk ending the prompt has one target fewer than tokens)."""
+    num_prompt = batch.cols[:, NUM_PROMPT]
+    in_prompt = np.flatnonzero((counts > 0) & (starts < num_prompt - 1))
+    entries = []
+    for i in in_prompt.tolist():
+        k = batch.specs[i].params.prompt_logprobs
+        if k is not None:
+            start, end = int(starts[i]), min(int(starts[i] + counts[i]), int(num_prompt[i]) - 1)
+            targets = batch.specs[i].prompt_token_ids[start + 1:end + 1]
+            entries.append((int(index_in_plan[i]), k, targets))
+    return tuple(entries)
 
 
 def _gather_tokens(store: SeqStore, rows: np.ndarray, starts: np.ndarray, counts: np.ndarray,

@@ -10,6 +10,10 @@ tokens it delivered) lets a replay prove it, so a token changed in a trace fails
 
 Version 4 added the delivered tokens to the digest and "dirty" (blocks a failed launch may
 have written); version 3 traces are refused with a message saying so.
+
+``read_trace`` (and ``replay`` given a path) is the one place in ``nanofn/state`` that reads a
+file: replaying a recorded run is what a user does in a Python session, and the reading stays
+at the edge (the whole trace is parsed before the first step replays).
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import xxhash
@@ -31,6 +35,12 @@ from nanofn.state.step import Events, step
 
 TRACE_FORMAT = "nanofn-trace"
 TRACE_VERSION = 4
+
+
+class PathLike(Protocol):
+    """A file's path (``pathlib.Path``, ``os.DirEntry``, ...), as ``open`` takes it."""
+
+    def __fspath__(self) -> str: ...
 
 
 class TraceError(ValueError):
@@ -151,9 +161,30 @@ def _strings(values: Any, name: str) -> tuple[str, ...]:
     return tuple(values)
 
 
-def replay(trace: Trace, check: bool = False) -> Iterator[tuple[EngineState, BatchPlan]]:
-    """Every ``(state, plan)`` of the recorded run, in order. With ``check``, raise
-    ``TraceError`` at the first plan whose digest differs from the recorded one."""
+def read_trace(path: str | PathLike) -> Trace:
+    """The trace in the file at ``path``."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return parse_trace(f)
+    except UnicodeDecodeError as e:
+        raise TraceError(f"{path} is not a text file ({e})") from None
+
+
+def replay(trace: Trace | str | PathLike,
+           check: bool = False) -> Iterator[tuple[EngineState, BatchPlan]]:
+    """Every ``(state, plan)`` of the recorded run, in order; ``trace`` is a parsed ``Trace``
+    or the path of a trace file (read at once, so a missing or malformed file raises here).
+    With ``check``, raise ``TraceError`` at the first plan whose digest differs from the
+    recorded one."""
+    if isinstance(trace, str) or hasattr(trace, "__fspath__"):
+        trace = read_trace(trace)
+    elif not isinstance(trace, Trace):
+        raise TypeError(f"replay takes a Trace or the path of a trace file, not "
+                        f"{type(trace).__name__}")
+    return _replay(trace, check)
+
+
+def _replay(trace: Trace, check: bool) -> Iterator[tuple[EngineState, BatchPlan]]:
     state = initial_state(trace.config, trace.num_blocks)
     for traced in trace.steps:
         try:

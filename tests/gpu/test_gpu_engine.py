@@ -136,6 +136,49 @@ def test_decode_graphs_sample_as_the_eager_sampler_does(float32_prompts, monkeyp
     assert not replays  # a row with top_p or logprobs in every step: the eager sampler draws
 
 
+def test_shaped_logits_bad_words_and_prompt_logprobs_leave_the_graph_sampler(float32_prompts,
+                                                                             monkeypatch):
+    """Rows with a logit bias, allowed tokens, bad words or prompt logprobs are not plain: the
+    eager sampler draws them after the graph, giving the tokens an eager run gives; allowed
+    tokens hold, and prompt logprobs match transformers' (float32)."""
+    from nanofn.runner.cuda_graphs import DecodeGraphs
+
+    model_dir, prompts = float32_prompts
+    base = dict(temperature=0.8, max_tokens=NEW_TOKENS, ignore_eos=True)
+    allowed = list(range(3, 60))
+    kinds = [SamplingParams(**base, logit_bias={5: 4.0, 9: -3.0}),
+             SamplingParams(**base, allowed_token_ids=allowed),
+             SamplingParams(**base, bad_words_token_ids=[(7,), (11, 12)]),
+             SamplingParams(**base, prompt_logprobs=3)]
+    mixed = [kinds[i % len(kinds)] for i in range(len(prompts))]
+
+    def outputs(**options):
+        with LLM(str(model_dir), dtype="float32", gpu_memory_utilization=0.3, max_model_len=512,
+                 seed=7, **options) as llm:
+            return llm.generate([{"prompt_token_ids": p} for p in prompts], mixed,
+                                use_tqdm=False)
+
+    replays = []
+    sample = DecodeGraphs.sample
+    monkeypatch.setattr(DecodeGraphs, "sample", lambda self, *a: replays.append(1) or sample(self, *a))
+    graphs, eager = outputs(), outputs(enforce_eager=True)
+    assert [o.outputs[0].token_ids for o in graphs] == [o.outputs[0].token_ids for o in eager]
+    assert not replays
+    for params, out in zip(mixed, graphs):
+        tokens = out.outputs[0].token_ids
+        if params.allowed_token_ids is not None:
+            assert set(tokens) <= set(allowed)
+        if params.bad_words_token_ids:
+            assert 7 not in tokens and (11, 12) not in set(zip(tokens, tokens[1:]))
+        if params.prompt_logprobs is not None:
+            expected = hf_logits(model_dir, out.prompt_token_ids, torch.float32).log_softmax(-1)
+            got = [entry[t].logprob for t, entry in zip(out.prompt_token_ids[1:],
+                                                         out.prompt_logprobs[1:])]
+            want = expected[:-1].gather(-1, torch.tensor(out.prompt_token_ids[1:],
+                                                         device="cuda")[:, None])[:, 0]
+            assert got == pytest.approx(want.tolist(), abs=2e-3)
+
+
 def test_preemption_and_chunked_prefill_on_the_gpu(float32_prompts):
     model_dir, prompts = float32_prompts
     plain = run(model_dir, prompts, enable_prefix_caching=False)
@@ -157,6 +200,16 @@ def test_the_kv_cache_is_sized_from_gpu_memory(tiny_qwen3):
     assert 0 < small < large
     # Twice the share of the GPU, and the weights and activations are tiny: about twice the blocks.
     assert 1.8 < large / small < 2.2
+
+
+def test_close_gives_the_gpu_memory_back_while_the_llm_is_still_held(tiny_qwen3):
+    before = torch.cuda.memory_allocated()
+    llm = LLM(str(tiny_qwen3), gpu_memory_utilization=0.3, max_model_len=512)
+    llm.generate(["Hello"], GREEDY, use_tqdm=False)
+    in_use = torch.cuda.memory_allocated() - before
+    assert in_use > 2**30  # the KV cache: 30% of the GPU less the weights
+    llm.close()
+    assert torch.cuda.memory_allocated() - before < 64 * 2**20
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
@@ -182,3 +235,54 @@ def test_the_device_timeline_measures_the_busy_time_of_a_run(tiny_qwen3):
     assert sum(steps for steps, _, _ in kinds.values()) == timeline.num_intervals
     assert sum(busy for _, busy, _ in kinds.values()) == pytest.approx(result.device_busy_s)
     assert sum(idle for _, _, idle in kinds.values()) <= result.elapsed_s - result.device_busy_s
+
+
+def test_structured_output_with_cuda_graphs(float32_prompts, monkeypatch):
+    """Constrained rows next to plain ones on CUDA with the decode graphs: every constrained
+    output fits its constraint, no graph samples a plan with a constrained row (its mask
+    applies in the eager sampler), and the tokens are those of an eager run."""
+    pytest.importorskip("llguidance")
+    import json
+    import re
+
+    from nanofn import StructuredOutputsParams
+    from nanofn.runner.cuda_graphs import DecodeGraphs
+
+    model_dir, prompts = float32_prompts
+    schema = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]},
+                                               "score": {"type": "integer", "minimum": 0,
+                                                         "maximum": 99}},
+              "required": ["answer", "score"], "additionalProperties": False}
+    constraints = [StructuredOutputsParams(json=schema, disable_any_whitespace=True),
+                   StructuredOutputsParams(regex="[a-z]{2,6}-[0-9]{2}"),
+                   StructuredOutputsParams(choice=["left", "right"])]
+    params = [SamplingParams(temperature=0.8, max_tokens=80,
+                             structured_outputs=constraints[i % 4]) if i % 4 < 3 else
+              SamplingParams(temperature=0.8, max_tokens=NEW_TOKENS, ignore_eos=True)
+              for i in range(len(prompts))]
+    constrained_ids = {str(i) for i in range(len(prompts)) if i % 4 < 3}
+
+    def generate(**options):
+        with LLM(str(model_dir), dtype="float32", gpu_memory_utilization=0.3,
+                 max_model_len=512, seed=7, **options) as llm:
+            return llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                use_tqdm=False)
+
+    graph_rows = []
+    sample = DecodeGraphs.sample
+    monkeypatch.setattr(DecodeGraphs, "sample", lambda self, plan, *a: graph_rows.extend(
+        plan.sampling_seq_ids) or sample(self, plan, *a))
+    outs = generate()
+    assert graph_rows and not set(graph_rows) & constrained_ids
+    for i, out in enumerate(outs):
+        text, reason = out.outputs[0].text, out.outputs[0].finish_reason
+        if i % 4 == 0:
+            value = json.loads(text)
+            assert value["answer"] in ("yes", "no") and value["score"] in range(100)
+        elif i % 4 == 1:
+            assert re.fullmatch("[a-z]{2,6}-[0-9]{2}", text), text
+        elif i % 4 == 2:
+            assert text in ("left", "right")
+        assert reason == ("length" if i % 4 == 3 else "stop"), (i, text)
+    eager = generate(enforce_eager=True)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in eager]
