@@ -13,7 +13,7 @@ import torch
 import transformers
 
 from nanofn import LLM, SamplingParams
-from nanofn.cli.bench import ModelDims, floor, standard_workload
+from nanofn.cli.bench import ModelDims, floor, shared_prefix_workload, standard_workload
 from nanofn.cli import build_parser, engine_kwargs, main, sampling_params
 from nanofn.model.tiny import PRESETS, _qwen3_weight_shapes, make_random_checkpoint
 
@@ -205,6 +205,47 @@ def test_the_floor_reproduces_roofline_py_for_qwen3_0_6b():
     slower = floor(QWEN3_0_6B, [len(p) for p in w.prompts], w.max_tokens, bandwidth_gbps=1514,
                    tflops=406.5)
     assert slower.seconds == pytest.approx(2 * f.seconds)
+
+
+def test_the_shared_prefix_workload_and_its_floor():
+    w = shared_prefix_workload(8, shared_len=64, own_len=10, max_tokens=5)
+    assert [len(p) for p in w.prompts] == [74] * 8 and w.max_tokens == [5] * 8
+    assert all(p[:64] == w.prompts[0][:64] for p in w.prompts)
+    assert len({tuple(p[64:]) for p in w.prompts}) == 8
+    lens = [len(p) for p in w.prompts]
+    alone, shared = (floor(QWEN3_0_6B, lens[:1], [5], shared_prefix_len=p) for p in (0, 64))
+    assert shared == alone  # one request: nothing to share
+    apart, together = (floor(QWEN3_0_6B, lens, w.max_tokens, shared_prefix_len=p)
+                       for p in (0, 64))
+    # the prefix computed once instead of 8 times: 7 prefixes' matmuls and attention fewer
+    d = QWEN3_0_6B
+    prefix_flops = 2 * d.body_params * 64 + 4 * d.num_layers * d.num_heads * d.head_dim * 64 * 65 / 2
+    assert apart.prefill_s - together.prefill_s == pytest.approx(7 * prefix_flops / 813e12)
+    assert together.decode_s < apart.decode_s
+
+
+def test_bench_runs_the_shared_prefix_workload_from_the_prefix_cache(tiny_qwen3, tmp_path,
+                                                                     capsys):
+    report = tmp_path / "bench.json"
+    code, out, _ = run(capsys, "bench", str(tiny_qwen3), "--workload", "shared-prefix",
+                       "--num-seqs", "4", "--max-model-len", "512", "--json", str(report))
+    assert code == 0
+    assert "workload: 4 requests, prompts of 256 shared + 32 own tokens" in out
+    figures = json.loads(report.read_text())
+    assert figures["num_prompt_tokens"] == 4 * (256 + 32)
+    # the warm-up's prompts are not left cached: only the 3 later requests hit, on the prefix
+    assert figures["prefix_cache_hit_rate"] == pytest.approx(3 * 256 / (4 * 288))
+
+
+def test_the_floor_of_a_tensor_parallel_run_counts_every_gpu(tiny_qwen3, tmp_path, capsys):
+    report = tmp_path / "bench.json"
+    code, out, _ = run(capsys, "bench", str(tiny_qwen3), "--num-seqs", "2", "--max-input-len",
+                       "20", "--max-output-len", "4", "--max-model-len", "64",
+                       "--tensor-parallel-size", "2", "--bw", "1000", "--tflops", "100",
+                       "--json", str(report))
+    assert code == 0 and "(at 2000 GB/s, 200 TFLOP/s x 2)" in out
+    figures = json.loads(report.read_text())
+    assert (figures["bw_gbps"], figures["tflops"]) == (2000, 200)
 
 
 # --- random-weight checkpoints --------------------------------------------------------------

@@ -21,9 +21,10 @@ from pathlib import Path
 from typing import Any
 
 from nanofn.engine.options import EngineOptions
-from nanofn.cli.bench import (CPU_SIZES, KNOWN_DEVICE_RATES, STANDARD_SIZES, ModelDims,
-                          describe_sizes, device_rates, floor, format_seconds, measure,
-                          standard_workload)
+from nanofn.cli.bench import (CPU_SHARED_PREFIX_SIZES, CPU_SIZES, KNOWN_DEVICE_RATES,
+                              SHARED_PREFIX_SIZES, STANDARD_SIZES, ModelDims, Workload,
+                              describe_sizes, device_rates, floor, format_seconds, measure,
+                              shared_prefix_workload, standard_workload)
 from nanofn.state import (EngineState, SamplingParams, Seq, Trace, TraceError, diff_traces,
                           figures, read_trace, replay, run_series)
 from nanofn.state.plan import PENDING_TOKEN, BatchPlan, ScheduledSeq
@@ -365,6 +366,10 @@ def _add_bench(commands: Any) -> None:
         p.add_argument("--" + name.replace("_", "-"), type=int, metavar="N",
                        help=f"{meaning} (default: {STANDARD_SIZES[name]}; {CPU_SIZES[name]} on "
                             f"a CPU)")
+    p.add_argument("--workload", choices=["standard", "shared-prefix"], default="standard",
+                   help=f"standard (above), or shared-prefix: {describe_sizes(SHARED_PREFIX_SIZES)}"
+                        f" ({describe_sizes(CPU_SHARED_PREFIX_SIZES)} on a CPU; --num-seqs "
+                        f"applies); default: %(default)s")
     p.add_argument("--bw", type=float, metavar="GBPS",
                    help=f"memory bandwidth for the floor, GB/s (default: the device's where "
                         f"known: {_known_rates(0)}; elsewhere no floor is shown)")
@@ -381,9 +386,19 @@ def _add_bench(commands: Any) -> None:
 
 def _workload_sizes(args: argparse.Namespace, device: str) -> dict[str, int]:
     """The workload's sizes: those given, the others the device's defaults (smaller on a CPU)."""
-    defaults = CPU_SIZES if device == "cpu" else STANDARD_SIZES
-    return {name: default if getattr(args, name) is None else getattr(args, name)
+    cpu = device == "cpu"
+    if args.workload == "shared-prefix":
+        defaults = CPU_SHARED_PREFIX_SIZES if cpu else SHARED_PREFIX_SIZES
+    else:
+        defaults = CPU_SIZES if cpu else STANDARD_SIZES
+    return {name: default if getattr(args, name, None) is None else getattr(args, name)
             for name, default in defaults.items()}
+
+
+def _workload(sizes: dict[str, int], vocab_size: int) -> Workload:
+    if "shared_len" in sizes:
+        return shared_prefix_workload(**sizes, vocab_size=vocab_size)
+    return standard_workload(**sizes, vocab_size=vocab_size)
 
 
 def _known_rates(index: int) -> str:
@@ -401,7 +416,7 @@ def run_bench(args: argparse.Namespace) -> int:
     engine = llm.engine
     device = _device_name(engine.options)
     sizes = _workload_sizes(args, device)
-    workload = standard_workload(**sizes, vocab_size=engine.hf_config.vocab_size)
+    workload = _workload(sizes, engine.hf_config.vocab_size)
     timeline = None
     if args.profile:
         if device == "cpu":
@@ -410,15 +425,18 @@ def run_bench(args: argparse.Namespace) -> int:
         timeline = DeviceTimeline()
     dtype = engine.runner.dtype
     print(f"workload: {describe_sizes(sizes)}"
-          + (" (the CPU default)" if device == "cpu" and sizes == CPU_SIZES else ""), flush=True)
+          + (" (the CPU default)" if sizes in (CPU_SIZES, CPU_SHARED_PREFIX_SIZES) else ""),
+          flush=True)
     with llm, _user_errors():
         result = measure(llm, workload, timeline)
     dims = ModelDims.from_config(engine.hf_config.to_dict())
     rates = device_rates(device, args.bw, args.tflops)
     best = None
-    if rates is not None:
+    if rates is not None:  # with tensor parallelism, every GPU's bandwidth and matmuls together
+        rates = tuple(rate * engine.options.tensor_parallel_size for rate in rates)
         best = floor(dims, [len(p) for p in workload.prompts], workload.max_tokens,
-                     bandwidth_gbps=rates[0], tflops=rates[1], bytes_per_param=dtype.itemsize)
+                     bandwidth_gbps=rates[0], tflops=rates[1], bytes_per_param=dtype.itemsize,
+                     shared_prefix_len=sizes.get("shared_len", 0))
     config = engine.scheduler_config
     num_blocks = engine.state.pool.num_blocks
     setup = {"model": str(model), "device": device, "dtype": str(dtype).removeprefix("torch."),
@@ -435,8 +453,8 @@ def run_bench(args: argparse.Namespace) -> int:
         print(f"no floor: the rates of this device ({device}) are not known; give both --bw "
               f"and --tflops to compare with one")
     else:
-        print(f"floor: {best.describe()} (at {rates[0]:g} GB/s, {rates[1]:g} TFLOP/s); this "
-              f"run: {_percent(best.seconds / result.elapsed_s)} of the floor")
+        print(f"floor: {best.describe()} (at {rates[0]:g} GB/s, {rates[1]:g} TFLOP/s"
+              f"{parallel}); this run: {_percent(best.seconds / result.elapsed_s)} of the floor")
     if result.device_busy_s is not None:
         print(f"device busy {format_seconds(result.device_busy_s)}: GPU idle "
               f"{result.device_idle_fraction:.1%} of the run, wall / device-busy "

@@ -27,6 +27,10 @@ KNOWN_DEVICE_RATES = {"NVIDIA H100 80GB HBM3": (DEFAULT_BANDWIDTH_GBPS, DEFAULT_
 # model in seconds (the standard one would take hours there).
 STANDARD_SIZES = {"num_seqs": 256, "max_input_len": 1024, "max_output_len": 1024}
 CPU_SIZES = {"num_seqs": 64, "max_input_len": 256, "max_output_len": 128}
+# The shared-prefix workload (issue 9): every request is one long shared prefix plus its own
+# tokens, as with a long system prompt; what it measures is the prefix cache.
+SHARED_PREFIX_SIZES = {"num_seqs": 256, "shared_len": 2048, "own_len": 100, "max_tokens": 128}
+CPU_SHARED_PREFIX_SIZES = {"num_seqs": 32, "shared_len": 256, "own_len": 32, "max_tokens": 16}
 MAX_TOKEN_ID = 10000
 WARMUP_PROMPTS = 16  # the workload's first prompts, each with 16 new tokens
 
@@ -62,6 +66,19 @@ def standard_workload(num_seqs: int = 256, max_input_len: int = 1024,
     return Workload(prompts, max_tokens)
 
 
+def shared_prefix_workload(num_seqs: int = 256, shared_len: int = 2048, own_len: int = 100,
+                           max_tokens: int = 128, vocab_size: int | None = None) -> Workload:
+    """``num_seqs`` requests of the same ``shared_len`` random tokens followed by ``own_len``
+    of their own, ``max_tokens`` new tokens each (seeded; ids as in ``standard_workload``)."""
+    rng = random.Random(0)
+    shared = [rng.randint(0, MAX_TOKEN_ID) for _ in range(shared_len)]
+    prompts = [shared + [rng.randint(0, MAX_TOKEN_ID) for _ in range(own_len)]
+               for _ in range(num_seqs)]
+    if vocab_size is not None and vocab_size <= MAX_TOKEN_ID:
+        prompts = [[t % vocab_size for t in prompt] for prompt in prompts]
+    return Workload(prompts, [max_tokens] * num_seqs)
+
+
 def _draw_len(rng: random.Random, max_len: int) -> int:
     return rng.randint(_min_len(max_len), max_len)
 
@@ -75,6 +92,9 @@ def describe_sizes(sizes: Mapping[str, int]) -> str:
     def lengths(max_len: int) -> str:
         return f"U({_min_len(max_len)}, {max_len})"
 
+    if "shared_len" in sizes:
+        return (f"{sizes['num_seqs']} requests, prompts of {sizes['shared_len']} shared + "
+                f"{sizes['own_len']} own tokens, {sizes['max_tokens']} output tokens each")
     return (f"{sizes['num_seqs']} requests, prompts of {lengths(sizes['max_input_len'])} "
             f"tokens, {lengths(sizes['max_output_len'])} output tokens each")
 
@@ -167,12 +187,13 @@ def format_seconds(x: float) -> str:
 
 def floor(dims: ModelDims, prompt_lens: Sequence[int], output_lens: Sequence[int], *,
           bandwidth_gbps: float = DEFAULT_BANDWIDTH_GBPS, tflops: float = DEFAULT_TFLOPS,
-          bytes_per_param: int = 2) -> Floor:
+          bytes_per_param: int = 2, shared_prefix_len: int = 0) -> Floor:
     """The least time any engine needs for this workload on a device with these rates.
 
     ``bytes_per_param`` is the size of a weight and of a cached K or V element (2, bf16, in
     ``shared/tools/roofline.py``). The first output token of a request comes from its prefill; each later one from a decode
-    step that runs every unfinished request at once.
+    step that runs every unfinished request at once. The first ``shared_prefix_len`` tokens of
+    every prompt are the same: computed once, and their K/V read once per decode step.
     """
     layers, heads, head_dim = dims.num_layers, dims.num_heads, dims.head_dim
     body, lm_head = dims.body_params, dims.lm_head_params
@@ -183,9 +204,13 @@ def floor(dims: ModelDims, prompt_lens: Sequence[int], output_lens: Sequence[int
     def attention_flops(query_tokens: int, context: int) -> int:  # QK^T and PV
         return 4 * layers * heads * head_dim * context * query_tokens
 
+    def causal_flops(n: int) -> float:  # matmuls and attention of a prompt's first n tokens
+        return 2 * body * n + 4 * layers * heads * head_dim * n * (n + 1) / 2
+
     # a prompt's token i attends to i + 1 keys; the LM head runs on its last token only
-    prefill_flops = sum(2 * body * n + 2 * lm_head + 4 * layers * heads * head_dim * n * (n + 1) / 2
-                        for n in prompt_lens)
+    shared = shared_prefix_len
+    prefill_flops = causal_flops(shared) + sum(causal_flops(n) - causal_flops(shared)
+                                               + 2 * lm_head for n in prompt_lens)
     decode_s = 0.0
     for s in range(1, max(output_lens)):  # decode step s makes output token s + 1
         contexts = [n + s for n, o in zip(prompt_lens, output_lens) if s < o]
@@ -193,7 +218,8 @@ def floor(dims: ModelDims, prompt_lens: Sequence[int], output_lens: Sequence[int
             break
         flops = (len(contexts) * (2 * body + 2 * lm_head)
                  + sum(attention_flops(1, c) for c in contexts))
-        step_bytes = weight_bytes + kv_bytes_per_token * sum(contexts)
+        step_bytes = weight_bytes + kv_bytes_per_token * (sum(contexts)
+                                                          - (len(contexts) - 1) * shared)
         decode_s += max(flops / peak, step_bytes / bandwidth)
     return Floor(prefill_flops / peak, decode_s, sum(output_lens))
 
@@ -230,6 +256,7 @@ def measure(llm: Any, workload: Workload, timeline: Any = None) -> Measurement:
     vocab_size = llm.engine.hf_config.vocab_size
     warmup = [[t % vocab_size for t in prompt] for prompt in workload.prompts[:WARMUP_PROMPTS]]
     llm.generate(warmup, SamplingParams(max_tokens=16, ignore_eos=True), use_tqdm=False)
+    llm.reset_prefix_cache()  # the measured run finds none of the warm-up's prompts cached
     before = llm.engine.state.counters
     llm.engine.runner.timeline = timeline
     start = time.perf_counter()
