@@ -4,6 +4,15 @@
 # baseline: the torch reference attention, eager, for comparison)
 # Expects the wheels of ../shared/tools/gpu-wheels.sh in .whl/ (pyrsistent is missing there);
 # set NANOFN_COMMIT to the commit being measured (the device copy has no .git).
+# serve also needs the server's wheels (and structured output llguidance's, whose platform tag
+# gpu-wheels.sh does not ask for):
+#   ../shared/tools/gpu-wheels.sh fastapi==0.165.0 uvicorn==0.54.0 starlette==1.10.0 \
+#     pydantic==2.14.3 pydantic_core==2.50.4 annotated-types==0.8.0 annotated-doc==0.0.7 \
+#     typing-inspection==0.4.5 opentelemetry-api==1.45.2 prometheus_client==0.26.0 \
+#     openai==3.54.0 httpx2==2.16.2 httpcore2==2.16.2 truststore jiter==0.19.0 sniffio==1.3.1 \
+#     anyio==4.16.0 h11==0.16.0 click==8.5.1 distro typing_extensions==4.16.0 idna==3.20
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_31_x86_64 -d .whl llguidance==1.9.1
 set -u
 what=${1:-all}
 OUT=${OUT:-/tmp/nanofn-out}
@@ -43,9 +52,12 @@ if [ "$what" = kernels ]; then
     timeout 120 python3 "$f" 2>&1 | tee -a "$OUT/kernels.txt" | tail -15
   done
 fi
-if [ "$what" = tp ]; then  # two GPUs: TP=2 parity, then TP=1 and TP=2 on a larger shape
+if [ "$what" = tp ]; then  # two GPUs: TP=2 parity, worker faults, TP=1 and TP=2 on a larger shape
   timeout 240 python3 -m pytest tests/gpu/test_gpu_engine.py -q -rs -k tensor_parallel 2>&1 \
     | tee "$OUT/gpu_tp_tests.log" | tail -5
+  # a worker killed or stopped mid-generate, on NCCL here (pytest-timeout dumps the stacks)
+  timeout 300 python3 -m pytest tests/test_tensor_parallel_faults.py -q -rs --timeout 100 2>&1 \
+    | tee "$OUT/gpu_tp_faults.log" | tail -30
   bench qwen3-8b-tp1 --random-weights qwen3-8b --profile
   bench qwen3-8b-tp2 --random-weights qwen3-8b --tensor-parallel-size 2
 fi

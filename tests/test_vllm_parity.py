@@ -338,3 +338,20 @@ def test_the_server_fills_unset_fields_from_the_generation_config():
     completion = sampling_params({}, chat=False, defaults=defaults)
     assert completion.max_tokens == 12
     assert sampling_params({}, chat=False).max_tokens == 16
+
+
+def test_the_generate_command_samples_with_the_generation_config_where_flags_are_unset(
+        tiny_checkpoint_factory, capsys):
+    from nanofn.cli import main
+
+    folder = with_generation_config(tiny_checkpoint_factory("qwen3"), temperature=0.0,
+                                    max_new_tokens=5)
+    assert main(["generate", str(folder), "--prompt", "the cat", "--max-model-len", "64"]) == 0
+    defaults = capsys.readouterr().out
+    assert "finish: length, 5 tokens" in defaults  # max_new_tokens, not SamplingParams' 16
+    assert main(["generate", str(folder), "--prompt", "the cat", "--max-model-len", "64",
+                 "--temperature", "0", "--max-tokens", "5"]) == 0
+    assert capsys.readouterr().out == defaults  # greedy, from the file
+    assert main(["generate", str(folder), "--prompt", "the cat", "--max-model-len", "64",
+                 "--max-tokens", "7"]) == 0
+    assert "7 tokens" in capsys.readouterr().out  # a flag wins

@@ -313,10 +313,13 @@ def _uvicorn_server() -> type:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    params = sampling_params(args)
+    sampling_params(args)  # a bad flag is reported before the model loads
     llm = load_llm(args.model or demo_model(), args)
     prompts = args.prompt or DEFAULT_PROMPTS
     with llm, _user_errors():
+        # what the flags leave unset comes from the model's generation config, as in vLLM
+        params = SamplingParams(**{**llm.engine.generation_defaults,
+                                   **given(args, SAMPLING_FLAGS)})
         if args.chat:
             outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params,
                                use_tqdm=False)

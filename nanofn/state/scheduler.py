@@ -7,7 +7,8 @@
    queue to be recomputed later.
    A sequence whose last token is still pending (sampled by the plan in flight) is
    scheduled with that token as ``PENDING_TOKEN``, unless it needs that token on the host
-   (penalties count it, a grammar's mask depends on it), more than one token is pending, or that token is its last by length: then it waits.
+   (penalties count it, bad words match it, a grammar's mask depends on it), more than one
+   token is pending, or that token is its last by length: then it waits.
 2. Then, unless this step preempted, waiting sequences first come first served while the
    budget, ``max_num_seqs`` and the free blocks allow. A waiting sequence starts from the
    longest prefix found in the prefix cache; its prompt is cut to the budget left (chunked
