@@ -165,9 +165,11 @@ def test_the_floor_uses_the_rates_given_else_the_devices_measured_ones():
 def test_the_standard_workload_stays_the_default_on_a_gpu():
     from nanofn.cli import _workload_sizes
 
-    none_given = argparse.Namespace(num_seqs=None, max_input_len=None, max_output_len=None)
+    none_given = argparse.Namespace(num_seqs=None, max_input_len=None, max_output_len=None,
+                                    workload="standard")
     assert _workload_sizes(none_given, H100) == STANDARD_SIZES == {
         "num_seqs": 256, "max_input_len": 1024, "max_output_len": 1024}
     assert _workload_sizes(none_given, "cpu") == CPU_SIZES
-    some_given = argparse.Namespace(num_seqs=8, max_input_len=None, max_output_len=None)
+    some_given = argparse.Namespace(num_seqs=8, max_input_len=None, max_output_len=None,
+                                    workload="standard")
     assert _workload_sizes(some_given, "cpu") == {**CPU_SIZES, "num_seqs": 8}
