@@ -159,10 +159,9 @@ def test_bench_prints_the_figures_and_writes_json(tiny_qwen3, tmp_path, capsys):
             f"{figures['prefix_cache_hit_rate']:.1%}, KV blocks 6 of 16 tokens") in out
 
 
-def test_bench_profile_needs_a_gpu(tiny_qwen3, capsys):
-    code, _, err = run(capsys, "bench", str(tiny_qwen3), "--num-seqs", "1", "--max-input-len", "8",
-                       "--max-output-len", "2", "--num-kv-blocks", "6", "--max-model-len", "64",
-                       "--device", "cpu", "--profile")
+def test_bench_profile_needs_a_gpu_and_says_so_before_loading(tmp_path, capsys):
+    code, _, err = run(capsys, "bench", str(tmp_path / "no-model-here"), "--device", "cpu",
+                       "--profile")
     assert code == 2 and "--profile measures a GPU's busy time" in err
 
 

@@ -413,17 +413,17 @@ def run_bench(args: argparse.Namespace) -> int:
         value = getattr(args, flag)
         if value is not None and value <= 0:
             raise UsageError(f"--{flag.replace('_', '-')} must be positive, got {value}")
+    device = _device_name(args.device or "auto")
+    if args.profile and device == "cpu":  # before the model loads
+        raise UsageError("--profile measures a GPU's busy time: it needs a CUDA device")
     model = (args.model or (random_weights_model(args.random_weights) if args.random_weights
                             else demo_model()))
     llm = load_llm(model, args)
     engine = llm.engine
-    device = _device_name(engine.options)
     sizes = _workload_sizes(args, device)
     workload = _workload(sizes, engine.hf_config.vocab_size)
     timeline = None
     if args.profile:
-        if device == "cpu":
-            raise UsageError("--profile measures a GPU's busy time: it needs a CUDA device")
         from nanofn.runner.timeline import DeviceTimeline
         timeline = DeviceTimeline()
     dtype = engine.runner.dtype
@@ -485,13 +485,14 @@ def run_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _device_name(options: Any) -> str:
-    """The GPU's name (as in "NVIDIA H100 80GB HBM3"), or "cpu"."""
+def _device_name(device: str) -> str:
+    """The name of the GPU that the ``device`` option picks (as in "NVIDIA H100 80GB HBM3"),
+    or "cpu"."""
     import torch
 
-    if options.device == "cpu" or not torch.cuda.is_available():
+    if device == "cpu" or not torch.cuda.is_available():
         return "cpu"
-    return torch.cuda.get_device_name(None if options.device == "auto" else options.device)
+    return torch.cuda.get_device_name(None if device == "auto" else device)
 
 
 def _percent(x: float) -> str:
