@@ -87,15 +87,11 @@ class LLM:
         if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, Mapping):
             raise TypeError(f"chat_template_kwargs must be a dict, got "
                             f"{type(chat_template_kwargs).__name__}")
-        prompts = []
-        for conversation in conversations:
-            text = tokenizer.apply_chat_template(conversation, tokenize=False,
-                                                 add_generation_prompt=add_generation_prompt,
-                                                 continue_final_message=continue_final_message,
-                                                 chat_template=chat_template,
-                                                 **dict(chat_template_kwargs or {}))
-            prompts.append({"prompt": text,
-                            "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
+        prompts = [render_chat(tokenizer, conversation,
+                               add_generation_prompt=add_generation_prompt,
+                               continue_final_message=continue_final_message,
+                               chat_template=chat_template, **dict(chat_template_kwargs or {}))
+                   for conversation in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def beam_search(self, prompts: PromptInput | Sequence[PromptInput],
@@ -223,10 +219,8 @@ def _as_list(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:
     return prompts
 
 
-def _params_per_prompt(params: SamplingParams | Sequence[SamplingParams] | None,
+def _params_per_prompt(params: SamplingParams | Sequence[SamplingParams],
                        count: int) -> list[SamplingParams]:
-    if params is None:
-        return [SamplingParams()] * count
     if isinstance(params, SamplingParams):
         return [params] * count
     if isinstance(params, Mapping) or not isinstance(params, Sequence):
@@ -276,3 +270,11 @@ def _text_content(message: Message) -> dict[str, Any]:
                          f"{{'type': 'text', 'text': ...}} parts (nanofn reads text only), got "
                          f"{content!r}")
     return {**message, "content": "".join(part["text"] for part in content)}
+
+
+def render_chat(tokenizer: Any, conversation: list[dict], **template_options: Any) -> dict:
+    """A conversation as a prompt: the text the tokenizer's chat template makes of it
+    (``template_options`` go to ``apply_chat_template``) and its token ids (the template
+    writes the special tokens itself)."""
+    text = tokenizer.apply_chat_template(conversation, tokenize=False, **template_options)
+    return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}

@@ -295,8 +295,10 @@ def test_a_token_without_text_still_gets_a_chunk():
     chunks, and logprobs travel with them."""
     from nanofn.engine.outputs import CompletionOutput, Logprob, RequestOutput
     from nanofn.server.app import _Shape
+    from nanofn.state import SamplingParams
 
-    shape = _Shape("cmpl-1", 0, "m", chat=False, n=1, body={"logprobs": 0}, decode=str)
+    shape = _Shape("cmpl-1", 0, "m", chat=False, params=SamplingParams(logprobs=0), body={},
+                   decode=str)
     sent: dict = {}
 
     def output(text: str, tokens: list[int], finish: str | None = None) -> RequestOutput:

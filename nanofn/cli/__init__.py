@@ -16,7 +16,7 @@ import sys
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, fields
+from dataclasses import asdict, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -318,8 +318,7 @@ def run_generate(args: argparse.Namespace) -> int:
     prompts = args.prompt or DEFAULT_PROMPTS
     with llm, _user_errors():
         # what the flags leave unset comes from the model's generation config, as in vLLM
-        params = SamplingParams(**{**llm.engine.generation_defaults,
-                                   **given(args, SAMPLING_FLAGS)})
+        params = replace(llm.get_default_sampling_params(), **given(args, SAMPLING_FLAGS))
         if args.chat:
             outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params,
                                use_tqdm=False)

@@ -26,7 +26,6 @@ class Detokenizer:
     def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int], params: SamplingParams):
         self.params = params
         self.text = ""
-        self.stopped = False
         self.stop_string: str | None = None  # the stop string that stopped it
         self._text_before_last_token = 0
         self._hold = max((len(s) for s in params.stop), default=1) - 1
@@ -69,8 +68,11 @@ class Detokenizer:
         index, stop = min(hits)
         end = index + len(stop) if self.params.include_stop_str_in_output else index
         self.text = self.text[:end]
-        self.stopped = True
         self.stop_string = stop
+
+    @property
+    def stopped(self) -> bool:
+        return self.stop_string is not None
 
 
 def decode_output(tokenizer: Any, prompt_token_ids: Sequence[int], output_token_ids: Sequence[int],

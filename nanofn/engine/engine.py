@@ -284,8 +284,7 @@ class Engine:
         else:
             advanced = ([] if result.delivered is None else
                         [r for r in self._advanced(result.delivered) if r.stream])
-            current = _CurrentTokens(self.loop.state)
-            outputs = [self._output(r, current) for r in _unique(advanced + finished)]
+            outputs = [self._output(r) for r in _unique(advanced + finished)]
         return StepResult(outputs, result.plan.num_prefill_tokens, result.plan.num_decode_tokens)
 
     def _note_scheduled(self, started: Sequence[Any]) -> None:
@@ -294,7 +293,7 @@ class Engine:
         for start in started:
             owner = self._seqs.get(start.seq_id)
             if owner is not None and owner[0].metrics.first_scheduled_time is None:
-                owner[0].metrics.first_scheduled_time = now
+                owner[0].metrics = replace(owner[0].metrics, first_scheduled_time=now)
                 self._awaiting_first_token.add(start.seq_id)
 
     def _take_delivery(self, delivery: Delivery) -> list[str]:
@@ -343,7 +342,7 @@ class Engine:
             self._awaiting_first_token.discard(seq_id)
             owner = self._seqs.get(seq_id)
             if owner is not None and owner[0].metrics.first_token_time is None:
-                owner[0].metrics.first_token_time = now
+                owner[0].metrics = replace(owner[0].metrics, first_token_time=now)
     def _advance_grammars(self, seq_ids: Sequence[str], tokens: list[int]) -> list[str]:
         """Advance the constrained sequences' matchers; the ids of those whose grammar ended."""
         if not self.grammars.matchers:
@@ -380,13 +379,12 @@ class Engine:
         return done
 
     def _finish_metrics(self, request: _Request) -> None:
-        metrics = request.metrics
-        metrics.finished_time = time.time()
-        metrics.num_generation_tokens = sum(len(s.token_ids) for s in request.seqs)
-        if metrics.num_generation_tokens:
-            metrics.last_token_time = metrics.finished_time
-            if metrics.first_token_time is None:  # its only token came with the finish
-                metrics.first_token_time = metrics.finished_time
+        now, metrics = time.time(), request.metrics
+        num_tokens = sum(len(s.token_ids) for s in request.seqs)
+        tokens = {} if not num_tokens else {  # its only token may have come with the finish
+            "last_token_time": now, "first_token_time": metrics.first_token_time or now}
+        request.metrics = replace(metrics, finished_time=now, num_generation_tokens=num_tokens,
+                                  **tokens)
 
     def _stop_reason(self, output: _SeqOutput, reason: FinishReason,
                      by_string: bool) -> int | str | None:
@@ -490,18 +488,15 @@ class Engine:
         entry[lp.token_id] = Logprob(lp.logprob, lp.rank, text(lp.token_id))
         return entry
 
-    def _output(self, request: _Request, current: _CurrentTokens | None = None) -> RequestOutput:
+    def _output(self, request: _Request) -> RequestOutput:
+        """The request as it stands: finished, or streamed (then every sequence is watched)."""
         outputs = []
         for s in request.seqs:
-            if s.finish_reason is not None:
-                token_ids, text = s.token_ids, s.text or ""
-            elif s.watched:
-                token_ids, text = s.token_ids, s.detokenizer.visible_text(False)
-            else:
-                token_ids = current.output_tokens(s.seq_id)
-                text = decode_output(self.tokenizer, request.prompt_token_ids, token_ids, s.params)
+            text = (s.text or "") if s.finish_reason is not None else \
+                s.detokenizer.visible_text(False)
             outputs.append(CompletionOutput(
-                index=s.index, text=text if s.params.detokenize else "", token_ids=list(token_ids),
+                index=s.index, text=text if s.params.detokenize else "",
+                token_ids=list(s.token_ids),
                 cumulative_logprob=s.cumulative_logprob,
                 logprobs=list(s.logprobs) if s.logprobs is not None else None,
                 finish_reason=s.finish_reason, stop_reason=s.stop_reason))
@@ -509,7 +504,7 @@ class Engine:
                              outputs, request.finished,
                              prompt_logprobs=None if request.prompt_logprobs is None
                              else list(request.prompt_logprobs),
-                             metrics=replace(request.metrics),
+                             metrics=request.metrics,
                              num_cached_tokens=request.num_cached_tokens)
 
     # --- helpers --------------------------------------------------------------------------
@@ -575,25 +570,6 @@ def _runner_config(options: EngineOptions, model_dir: Path, max_model_len: int,
         tp_size=options.tensor_parallel_size,
         cpu_threads=options.cpu_threads_for(hidden_size) if device.type == "cpu" else None,
     )
-
-
-class _CurrentTokens:
-    """The output tokens the core holds for live sequences, looked up by id (for streamed
-    outputs of sequences that are not watched)."""
-
-    def __init__(self, state: EngineState):
-        self._state = state
-        self._rows: dict[str, int] | None = None
-
-    def output_tokens(self, seq_id: str) -> list[int]:
-        if self._rows is None:
-            self._rows = {seq_id: i for i, seq_id in enumerate(self._state.batch.ids)}
-        row = self._rows.get(seq_id)
-        if row is not None:
-            batch = self._state.batch
-            return batch.tokens(row)[len(batch.specs[row].prompt_token_ids):].tolist()
-        seq = next((s for s in self._state.waiting if s.seq_id == seq_id), None)
-        return list(seq.output_token_ids) if seq is not None else []
 
 
 def _children(request_id: str, params: SamplingParams) -> list[tuple[str, SamplingParams]]:

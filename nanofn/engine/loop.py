@@ -90,14 +90,14 @@ class EngineLoop:
         self._aborts: list[str] = []
         self._dirty: list[int] = []  # blocks a failed launch may have written
         # launched, not waited for: (launch index, plan, its tokens on their way)
-        self._in_flight: deque[tuple[int, BatchPlan, Pending]] = deque()
+        self._in_flight: deque[tuple[BatchPlan, Pending]] = deque()
         self.num_launched = 0
+        self._num_delivered = 0  # plans whose tokens the core has taken (in launch order)
         self._ready: Delivery | None = None  # waited for, not delivered to the core
-        self._ready_index = 0
         self._shown: tuple[Delivery, tuple[str, ...]] | None = None  # and its stop hits
         # A step committed but not yet returned (an interruption came after its launch):
         self._unreported: LoopStep | None = None
-        self._trace_line: str | None = None  # its trace line, until written
+        self._untraced: tuple[Events, BatchPlan] | None = None  # its trace line's, until written
         self._launched_alone = False
         self._renames = itertools.count()
         if trace is not None:
@@ -139,7 +139,7 @@ class EngineLoop:
     def device_busy(self) -> bool:
         """Whether the oldest launched plan, whose tokens the step waits for, is still being
         computed: host work done now costs the device nothing."""
-        return bool(self._in_flight) and not self._in_flight[0][2].done()
+        return bool(self._in_flight) and not self._in_flight[0][1].done()
 
     def step(self, on_delivery: OnDelivery | None = None,
              while_waiting: Callable[[], None] | None = None) -> LoopStep:
@@ -159,9 +159,9 @@ class EngineLoop:
         call finishes that step and returns it, rather than stepping again."""
         if self._unreported is None:
             self._advance(on_delivery)
-        if self._trace_line is not None:
-            self._trace.write(self._trace_line)
-            self._trace_line = None
+        if self._untraced is not None:  # (formatted now: after the launch, not before)
+            self._trace.write(step_line(*self._untraced) + "\n")
+            self._untraced = None
         if while_waiting is not None and self._in_flight:
             while_waiting()
         self._wait_for_tokens(self._launched_alone)
@@ -181,7 +181,6 @@ class EngineLoop:
                         stop_hits=stop_hits, aborts=tuple(self._aborts),
                         new_seqs=tuple(self._new), dirty_blocks=tuple(self._dirty))
         state, plan = step(self._state, events)
-        trace_line = step_line(events, plan) + "\n" if self._trace is not None else None
         interrupted = False
         if not plan.is_empty:
             mask = self.token_masks(plan) if self.token_masks is not None else None
@@ -194,12 +193,13 @@ class EngineLoop:
                 self._aborts.extend(plan.seq_ids)
                 self._dirty.extend(plan.block_entries[:, 2].tolist())
                 raise
-            self._in_flight.append((self.num_launched, plan, pending))
+            self._in_flight.append((plan, pending))
             self.num_launched += 1
         # Committed: from here on, what an interruption leaves is finished by the next call.
         self._state, self._ready, self._shown = state, None, None
+        self._num_delivered += delivered is not None
         self._new, self._aborts, self._dirty = [], [], []
-        self._trace_line = trace_line
+        self._untraced = (events, plan) if self._trace is not None else None
         self._launched_alone = not plan.is_empty and len(self._in_flight) == 1
         self._unreported = LoopStep(plan, delivered, state.finished)
         if interrupted:  # Ctrl-C during the launch: now that the step is whole
@@ -208,20 +208,17 @@ class EngineLoop:
     def settled(self, launches: int) -> bool:
         """Whether every plan among the first ``launches`` launched has been delivered to the
         core (``num_launched`` counts them)."""
-        unsettled = [index for index, _, _ in self._in_flight]
-        if self._ready is not None:
-            unsettled.append(self._ready_index)
-        return not unsettled or min(unsettled) >= launches
+        return self._num_delivered >= launches
 
     def _wait_for_tokens(self, launched_alone: bool) -> None:
         """Bring the oldest launched plan's tokens to the host for the next step (if the wait
         is interrupted, the plan stays in flight, to be waited for again)."""
         if not self._in_flight or (self.async_scheduling and launched_alone):
             return
-        index, plan, pending = self._in_flight[0]
+        plan, pending = self._in_flight[0]
         output = pending.wait()
         self._in_flight.popleft()
-        self._ready, self._ready_index = Delivery(plan, output), index
+        self._ready = Delivery(plan, output)
 
 
 class _Deferred:

@@ -27,9 +27,10 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
-@dataclass
+@dataclass(frozen=True)
 class RequestMetrics:
-    """When a request went through the engine (``time.time()`` seconds), with vLLM's names."""
+    """When a request went through the engine (``time.time()`` seconds), with vLLM's names.
+    Frozen: each output holds the metrics as they were (the engine replaces them)."""
 
     arrival_time: float
     first_scheduled_time: float | None = None  # its first plan was launched

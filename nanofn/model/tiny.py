@@ -75,35 +75,17 @@ ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
     "mistral": ("MistralConfig", {**_COMMON, **_HEAD_DIM, "sliding_window": 4096}),
 }
 
+# What the released Qwen3 models share.
+_QWEN3 = dict(num_key_value_heads=8, head_dim=128, vocab_size=151936,
+              max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6)
+
 # Shapes of real Qwen3-architecture models (Qwen3Config settings), for make_random_checkpoint.
 PRESETS: dict[str, dict[str, Any]] = {
-    "qwen3-0.6b": dict(
-        num_hidden_layers=28,
-        hidden_size=1024,
-        intermediate_size=3072,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        head_dim=128,
-        vocab_size=151936,
-        tie_word_embeddings=True,
-        max_position_embeddings=40960,
-        rope_theta=1000000.0,
-        rms_norm_eps=1e-6,
-    ),
+    "qwen3-0.6b": dict(**_QWEN3, num_hidden_layers=28, hidden_size=1024,
+                       intermediate_size=3072, num_attention_heads=16, tie_word_embeddings=True),
     # A larger shape, for tensor parallelism (untied embeddings, as the real model).
-    "qwen3-8b": dict(
-        num_hidden_layers=36,
-        hidden_size=4096,
-        intermediate_size=12288,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=128,
-        vocab_size=151936,
-        tie_word_embeddings=False,
-        max_position_embeddings=40960,
-        rope_theta=1000000.0,
-        rms_norm_eps=1e-6,
-    ),
+    "qwen3-8b": dict(**_QWEN3, num_hidden_layers=36, hidden_size=4096,
+                     intermediate_size=12288, num_attention_heads=32, tie_word_embeddings=False),
     # The same architecture in miniature: for tests and quick CPU runs of `nanofn bench`.
     "qwen3-tiny": dict(
         num_hidden_layers=2,

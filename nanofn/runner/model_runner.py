@@ -140,7 +140,8 @@ class ModelRunner:
         """Whether a decode graph can sample this plan: every sampling row plain (see
         ``DecodeGraphs``)."""
         return (self.slot_temperature is not None and not plan.banned and not plan.histories
-                and not plan.prompt_logprobs and self.graphs.fits(plan) and bool(self.slot_params.plain[sampling_slots].all()))
+                and not plan.prompt_logprobs and self.graphs.fits(plan)
+                and bool(self.slot_params.plain[sampling_slots].all()))
 
     def _start(self, started: tuple[SeqStart, ...]) -> None:
         """Record the sampling parameters of the sequences that start (and their temperatures
@@ -338,8 +339,7 @@ class SlotParams:
         self.seeds = np.zeros(max_seqs, np.uint64)
         self.num_prompt = np.zeros(max_seqs, np.int64)
         self.plain = np.zeros(max_seqs, np.bool_)  # a CUDA graph can sample it (see DecodeGraphs)
-        self.shapes_logits = np.zeros(max_seqs, np.bool_)  # has a logit bias or allowed tokens
-        self.shaping: dict[int, SamplingParams] = {}  # by slot, those slots' params
+        self.shaping: dict[int, SamplingParams] = {}  # slots with a logit bias or allowed tokens
 
     def start(self, starts: tuple[SeqStart, ...]) -> None:
         for s in starts:
@@ -354,7 +354,6 @@ class SlotParams:
                                   and not p.shapes_logits and p.structured_outputs is None
                                   and (p.greedy or (p.min_p == 0 and p.top_k <= 0
                                                     and p.top_p >= 1)))
-            self.shapes_logits[s.slot] = p.shapes_logits
             if p.shapes_logits:
                 self.shaping[s.slot] = p
             else:
@@ -384,10 +383,10 @@ class SlotParams:
 
     def _shaping_rows(self, slots: np.ndarray) -> dict[str, tuple]:
         """The ``allowed`` and ``biases`` of the rows whose requests shape their logits."""
-        shaping_rows = np.flatnonzero(self.shapes_logits[slots]).tolist()
-        if not shaping_rows:
+        if not self.shaping:
             return {}
-        params = [(row, self.shaping[int(slots[row])]) for row in shaping_rows]
+        params = [(row, p) for row, slot in enumerate(slots.tolist())
+                  if (p := self.shaping.get(slot)) is not None]
         return {"allowed": tuple((row, p.allowed_token_ids) for row, p in params
                                  if p.allowed_token_ids is not None),
                 "biases": tuple((row, p.logit_bias) for row, p in params if p.logit_bias)}

@@ -231,12 +231,10 @@ def keep_allowed(logits: torch.Tensor,
     rows = torch.tensor([row for row, _ in allowed], device=logits.device)
     counts = torch.tensor([len(ids) for _, ids in allowed])
     columns = torch.tensor([t for _, ids in allowed for t in ids], device=logits.device)
-    outside = torch.ones(len(allowed), logits.shape[-1], dtype=torch.bool, device=logits.device)
-    outside[torch.repeat_interleave(torch.arange(len(allowed)), counts).to(logits.device),
-            columns] = False
-    logits = logits.clone()
-    logits[rows] = logits[rows].masked_fill(outside, float("-inf"))
-    return logits
+    inside = torch.zeros(len(allowed), logits.shape[-1], dtype=torch.bool, device=logits.device)
+    inside[torch.repeat_interleave(torch.arange(len(allowed)), counts).to(logits.device),
+           columns] = True
+    return _keep_only(logits, rows, inside)
 
 
 def add_logit_bias(logits: torch.Tensor,
@@ -264,8 +262,14 @@ def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor,
     vocab_size = logits.shape[-1]
     if allowed.shape[-1] < vocab_size:
         allowed = torch.nn.functional.pad(allowed, (0, vocab_size - allowed.shape[-1]))
+    return _keep_only(logits, rows, allowed[:, :vocab_size])
+
+
+def _keep_only(logits: torch.Tensor, rows: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """A copy of ``logits`` with the tokens that ``allowed`` (bool ``[len(rows), vocab]``) does
+    not allow for each of ``rows`` at -inf."""
     logits = logits.clone()
-    logits[rows] = logits[rows].masked_fill_(~allowed[:, :vocab_size], float("-inf"))
+    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
     return logits
 
 

@@ -149,8 +149,7 @@ class TensorParallelExecutor:
         """Rank 0's runner first (see ``_leave_group``), then the group."""
         if hasattr(self, "runner"):
             self.runner.close()
-        with contextlib.suppress(Exception):
-            _leave_group()
+        _leave_group_quietly()
 
     def _release_after_failure(self) -> None:
         """Abort the group first, from a thread of its own: that ends the collective kernels

@@ -19,9 +19,9 @@ from prometheus_client.core import CounterMetricFamily
 
 from nanofn.engine.outputs import RequestOutput
 from nanofn.server.async_engine import AsyncLLM, EngineDead
-from nanofn.server.requests import (APIError, chat_prompt, completion_prompts, sampling_params,
-                                    stream_options)
-from nanofn.state import InvalidRequest
+from nanofn.server.requests import (APIError, chat_prompt, completion_prompts, param_of,
+                                    sampling_params, stream_options)
+from nanofn.state import InvalidRequest, SamplingParams
 
 VERSION = "0.1.0"
 
@@ -134,10 +134,10 @@ async def _respond(llm: AsyncLLM, metrics: Metrics, body: dict, model_name: str,
     except InvalidRequest as error:
         for stream in streams:
             await stream.aclose()
-        raise APIError(400, str(error), param=_param_of(str(error))) from None
+        raise APIError(400, str(error), param=param_of(str(error))) from None
     except EngineDead as error:
         raise APIError(503, str(error), "server_error") from None
-    shape = _Shape(response_id, created, model_name, chat, params.n, body, llm.tokenizer.decode)
+    shape = _Shape(response_id, created, model_name, chat, params, body, llm.tokenizer.decode)
     if body.get("stream", False):
         include_usage = stream_options(body)
         return StreamingResponse(_events(shape, streams, firsts, include_usage),
@@ -217,23 +217,16 @@ def _sse(payload: dict) -> str:
     return f"data: {json.dumps(payload)}\n\n"
 
 
-def _param_of(message: str) -> str | None:
-    """The field an engine error names (``max_tokens must be...``), if it starts with one."""
-    word = message.split(" ", 1)[0]
-    return word if word.isidentifier() else None
-
-
 class _Shape:
     """OpenAI's response shapes for one call."""
 
-    def __init__(self, response_id: str, created: int, model: str, chat: bool, n: int,
-                 body: dict, decode: Callable[[list[int]], str]):
-        self.id, self.created, self.model, self.chat, self.n = response_id, created, model, chat, n
+    def __init__(self, response_id: str, created: int, model: str, chat: bool,
+                 params: SamplingParams, body: dict, decode: Callable[[list[int]], str]):
+        self.id, self.created, self.model, self.chat = response_id, created, model, chat
+        self.n = params.n
         self.echo = bool(body.get("echo", False)) and not chat
         self.decode = decode
-        logprobs = body.get("logprobs")  # completions: 0 asks for the sampled tokens' alone
-        self.logprobs = logprobs is not None and logprobs is not False
-        self.num_top = int(body.get("top_logprobs") or 0) if chat else int(body.get("logprobs") or 0)
+        self.num_top = params.logprobs or 0  # the request's logprobs / top_logprobs
 
     def prompt_text(self, output: RequestOutput) -> str:
         """What ``echo`` puts first: the prompt as given, or its tokens decoded."""
@@ -298,7 +291,7 @@ class _Shape:
                 "total_tokens": prompt + completion}
 
     def _logprobs(self, c, start: int) -> dict | None:
-        if not self.logprobs or c.logprobs is None:
+        if c.logprobs is None:  # not asked for
             return None
         entries = list(zip(c.token_ids[start:], c.logprobs[start:]))
         if self.chat:

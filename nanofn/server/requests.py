@@ -7,6 +7,7 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
+from nanofn.llm import render_chat
 from nanofn.state import SamplingParams
 from nanofn.state.params import STRUCTURED_KINDS
 
@@ -75,12 +76,11 @@ def chat_prompt(tokenizer: Any, body: dict) -> dict:
     if not getattr(tokenizer, "chat_template", None):
         raise APIError(400, "the model's tokenizer has no chat template", param="messages")
     try:
-        text = tokenizer.apply_chat_template(
-            conversation, tokenize=False,
-            add_generation_prompt=body.get("add_generation_prompt", True), **kwargs)
+        return render_chat(tokenizer, conversation,
+                           add_generation_prompt=body.get("add_generation_prompt", True),
+                           **kwargs)
     except Exception as error:  # the template's own errors (a role it does not know...)
         raise APIError(400, f"the chat template failed: {error}", param="messages") from None
-    return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
 
 
 def sampling_params(body: dict, chat: bool,
@@ -114,11 +114,13 @@ def sampling_params(body: dict, chat: bool,
     try:
         return SamplingParams(**fields)
     except (TypeError, ValueError) as error:
-        message = str(error)
-        field = message.split(" ", 1)[0]
-        param = "max_tokens" if field == "max_tokens" and chat and \
-            "max_completion_tokens" in body else field
-        raise APIError(400, message, param=param if param.isidentifier() else None) from None
+        raise APIError(400, str(error), param=param_of(str(error))) from None
+
+
+def param_of(message: str) -> str | None:
+    """The field an error names (``max_tokens must be...``), if it starts with one."""
+    word = message.split(" ", 1)[0]
+    return word if word.isidentifier() else None
 
 
 def _logit_bias(bias: Any) -> dict[int, float]:

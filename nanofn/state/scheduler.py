@@ -37,8 +37,8 @@ from nanofn.state.engine_state import EngineState, InFlight, evolve
 from nanofn.state.filled import hash_pending_blocks, leaving_record
 from nanofn.state.hashing import parent_hash_of, token_bytes
 from nanofn.state.plan import PENDING_TOKEN, BatchPlan, SeqStart, empty_plan
-from nanofn.state.policy import (at_length_limit, bad_word_bans, length_limit, may_stop_next,
-                                 stop_token_ids)
+from nanofn.state.policy import (at_length_limit, bad_word_bans, banned_token_ids, length_limit,
+                                 may_stop_next)
 from nanofn.state.records import Seq, SeqStatus
 from nanofn.state.store import HASHES, TABLES, TOKENS, SeqStore
 
@@ -329,24 +329,24 @@ def _plan(step: int, store: SeqStore, key: object, cols: np.ndarray, counts: np.
 def _banned(batch: RunningBatch, sampling: np.ndarray, index_in_plan: np.ndarray,
             c: SchedulerConfig) -> tuple[tuple[int, tuple[int, ...]], ...]:
     """``(plan index, token ids)`` for the sampling sequences that may not sample some tokens:
-    stopping ones before ``min_tokens`` (not constrained ones: their grammar decides when they
-    may end, see ``policy.banned_token_ids``), and the last tokens of bad words they would
-    complete."""
+    stopping ones before ``min_tokens`` (``policy.banned_token_ids``), and the last tokens of
+    bad words they would complete."""
     cols, specs = batch.cols, batch.specs
     banned: dict[int, tuple[int, ...]] = {}
     min_tokens = cols[sampling, MIN_TOKENS]
     if min_tokens.any():
         before = cols[sampling, NUM_COMPUTED] - cols[sampling, NUM_PROMPT]
-        for i in sampling[~may_stop_next(before, min_tokens)].tolist():
-            if specs[i].params.structured_outputs is None:
-                banned[i] = stop_token_ids(specs[i].params, c.eos_token_ids)
+        held = ~may_stop_next(before, min_tokens)  # (the policy decides for these alone)
+        for i, num_before in zip(sampling[held].tolist(), before[held].tolist()):
+            banned[i] = banned_token_ids(specs[i].params, num_before, c.eos_token_ids)
     waiting = (sampling[cols[sampling, WAITS_FOR_TOKEN] != 0].tolist()
                if cols[:, WAITS_FOR_TOKEN].any() else [])
     for i in waiting:
         bad_words = specs[i].params.bad_words_token_ids
-        if bad_words:
-            output = batch.tokens(i)[int(cols[i, NUM_PROMPT]):].tolist()
-            banned[i] = banned.get(i, ()) + bad_word_bans(bad_words, output)
+        if bad_words:  # a word's end is matched against the output's last tokens alone
+            tokens = batch.tokens(i)
+            start = max(int(cols[i, NUM_PROMPT]), len(tokens) - max(map(len, bad_words)) + 1)
+            banned[i] = banned.get(i, ()) + bad_word_bans(bad_words, tokens[start:].tolist())
     return tuple((int(index_in_plan[i]), ids) for i, ids in sorted(banned.items()) if ids)
 
 

@@ -16,8 +16,9 @@ from typing import Any
 
 from nanofn.state.engine_state import EngineState, initial_state
 from nanofn.state.plan import BatchPlan, ScheduledSeq
-from nanofn.state.step import Events
 from nanofn.state.trace import Trace, TracedStep, TraceError, replay
+
+EVENT_FIELDS = ("sampled", "new_seqs", "aborts", "stop_hits", "dirty_blocks")  # of Events
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,7 +62,7 @@ class StepDifference:
         if self.a is None or self.b is None:
             return []
         changes = []
-        for name in ("sampled", "new_seqs", "aborts", "stop_hits", "dirty_blocks"):
+        for name in EVENT_FIELDS:
             a, b = _event(self.a, name), _event(self.b, name)
             if a != b:
                 changes.append((name, a, b))
@@ -116,13 +117,7 @@ def _named(steps: Iterator[ReplayedStep], name: str) -> Iterator[ReplayedStep]:
 
 
 def _same_step(a: ReplayedStep, b: ReplayedStep) -> bool:
-    return a.plan == b.plan and _same_events(a.traced.events, b.traced.events)
-
-
-def _same_events(a: Events, b: Events) -> bool:
-    sampled_a, sampled_b = (None if e.sampled is None else tuple(e.sampled) for e in (a, b))
-    return (sampled_a == sampled_b and a.new_seqs == b.new_seqs and a.aborts == b.aborts
-            and a.stop_hits == b.stop_hits and a.dirty_blocks == b.dirty_blocks)
+    return a.plan == b.plan and all(_event(a, name) == _event(b, name) for name in EVENT_FIELDS)
 
 
 def _event(step: ReplayedStep, name: str) -> Any:
