@@ -11,6 +11,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from nanofn.engine.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
+from nanofn.engine.chat import render_chat
 from nanofn.engine.collector import fewer_gc_pauses
 from nanofn.engine.engine import Engine, PromptInput
 from nanofn.engine.options import EngineOptions
@@ -270,11 +271,3 @@ def _text_content(message: Message) -> dict[str, Any]:
                          f"{{'type': 'text', 'text': ...}} parts (nanofn reads text only), got "
                          f"{content!r}")
     return {**message, "content": "".join(part["text"] for part in content)}
-
-
-def render_chat(tokenizer: Any, conversation: list[dict], **template_options: Any) -> dict:
-    """A conversation as a prompt: the text the tokenizer's chat template makes of it
-    (``template_options`` go to ``apply_chat_template``) and its token ids (the template
-    writes the special tokens itself)."""
-    text = tokenizer.apply_chat_template(conversation, tokenize=False, **template_options)
-    return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}

@@ -178,8 +178,10 @@ class Engine:
                 for seq_id, child in _children(request_id, params)]
         matchers = (self.grammars.matchers_for(request_id, params.structured_outputs, len(news))
                     if params.structured_outputs is not None else [])
-        seq_ids = self._add_all(news)
+        seq_ids: list[str] = []
         try:
+            for new in news:  # every sequence of the request, or none
+                seq_ids.append(self.loop.add(new))
             for seq_id, matcher in zip(seq_ids, matchers):
                 self.grammars.add(seq_id, matcher)
             watched = stream or bool(params.stop) or params.logprobs is not None
@@ -230,18 +232,6 @@ class Engine:
         while (request_id := str(next(self._ids))) in self._requests:
             pass
         return request_id
-
-    def _add_all(self, news: list[NewSeq]) -> list[str]:
-        """Queue every sequence of a request, or none."""
-        seq_ids: list[str] = []
-        try:
-            for new in news:
-                seq_ids.append(self.loop.add(new))
-        except BaseException:
-            for seq_id in seq_ids:
-                self.loop.abort(seq_id)
-            raise
-        return seq_ids
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request wherever it is; unknown or finished ids are ignored."""

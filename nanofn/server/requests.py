@@ -7,7 +7,7 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
-from nanofn.llm import render_chat
+from nanofn.engine.chat import render_chat
 from nanofn.state import SamplingParams
 from nanofn.state.params import STRUCTURED_KINDS
 
