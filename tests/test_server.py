@@ -358,3 +358,35 @@ def test_a_bad_output_constraint_is_400(server, client, extra, param, words):
         client.completions.create(model="tiny", prompt="Hi", max_tokens=5, extra_body=extra)
     assert error.value.body["param"] == param and words in error.value.body["message"]
     wait_until_idle(server)
+
+
+def test_a_slow_consumer_skips_to_the_newest_output(tiny_qwen3):
+    """AsyncLLM keeps only each request's newest output: a caller slower than the engine gets
+    fewer outputs than steps, never a backlog, and its last output is the whole result (the
+    same tokens and text as a caller that takes every step)."""
+    from nanofn.server.async_engine import AsyncLLM
+    from nanofn.state import SamplingParams
+
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    prompt = {"prompt_token_ids": [5, 17, 42, 9]}
+    llm = AsyncLLM(str(tiny_qwen3), max_model_len=256, num_kv_blocks=64)
+
+    async def consume(pause: float) -> list:
+        seen = []
+        async for output in llm.generate(prompt, params):
+            seen.append(output)
+            await asyncio.sleep(pause)
+        return seen
+
+    try:
+        fast = asyncio.run(consume(0.0))
+        slow = asyncio.run(consume(0.05))
+    finally:
+        llm.close()
+    assert len(fast[-1].outputs[0].token_ids) == 40
+    assert len(slow) < len(fast)  # outputs were merged, not queued
+    assert [len(o.outputs[0].token_ids) for o in slow] == sorted(
+        {len(o.outputs[0].token_ids) for o in slow})  # each one newer than the last
+    assert slow[-1].finished
+    assert slow[-1].outputs[0].token_ids == fast[-1].outputs[0].token_ids
+    assert slow[-1].outputs[0].text == fast[-1].outputs[0].text

@@ -80,7 +80,10 @@ def _attend_keys(
         offsets = rows[:, None] + dims[None, :]
         k = tl.load(k_cache_ptr + offsets, mask=in_range[:, None], other=0.0)
         v = tl.load(v_cache_ptr + offsets, mask=in_range[:, None], other=0.0)
-        scores = tl.dot(q, tl.trans(k)) * qk_scale
+        if k.dtype == tl.float32:  # a float32 model gets float32 products, not TF32's 10 bits
+            scores = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+        else:
+            scores = tl.dot(q, tl.trans(k)) * qk_scale
         if MASKED:
             visible = (keys[None, :] <= query_pos[:, None]) & in_range[None, :]
             scores = tl.where(visible, scores, float("-inf"))
@@ -88,7 +91,10 @@ def _attend_keys(
         correction = tl.exp2(row_max - new_max)
         probs = tl.exp2(scores - new_max[:, None])
         row_sum = row_sum * correction + tl.sum(probs, 1)
-        acc = acc * correction[:, None] + tl.dot(probs.to(v.dtype), v)
+        if v.dtype == tl.float32:
+            acc = acc * correction[:, None] + tl.dot(probs, v, input_precision="ieee")
+        else:
+            acc = acc * correction[:, None] + tl.dot(probs.to(v.dtype), v)
         row_max = new_max
     return acc, row_sum, row_max
 

@@ -172,10 +172,38 @@ async def _watched(llm: AsyncLLM, metrics: Metrics, prompt, params) -> AsyncIter
 
 async def _events(shape: _Shape, streams: list, firsts: list,
                   include_usage: bool) -> AsyncIterator[str]:
-    """Server-sent events: one chunk per request output, ``[DONE]`` last. Outputs of several
-    prompts interleave as they come."""
-    merged: asyncio.Queue = asyncio.Queue()
+    """Server-sent events: one chunk per request output, ``[DONE]`` last."""
     sent: list[dict] = [{} for _ in streams]  # per prompt, see _Shape.delta_choices
+    finals: list = [None] * len(streams)
+    outputs = _interleaved(streams, firsts)
+    try:
+        if shape.chat:
+            yield _sse(shape.chunk(0, [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                        "logprobs": None, "finish_reason": None}
+                                       for i in range(shape.n)]))
+        async for index, output in outputs:
+            finals[index] = output
+            choices = shape.delta_choices(index, output, sent[index])
+            if choices:
+                yield _sse(shape.chunk(index, choices))
+        if include_usage:
+            yield _sse({**shape.chunk(0, []), "usage": shape.usage(finals)})
+        yield "data: [DONE]\n\n"
+    finally:  # the client went away, or all is sent: stop the requests
+        await outputs.aclose()
+        for stream in streams:
+            await stream.aclose()
+
+
+async def _interleaved(streams: list, firsts: list) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(prompt index, output) of several prompts' streams as the outputs come. One stream (the
+    usual call) is read directly: a task and a queue per output cost a loop turn each."""
+    if len(streams) == 1:
+        yield 0, firsts[0]
+        async for output in streams[0]:
+            yield 0, output
+        return
+    merged: asyncio.Queue = asyncio.Queue()
 
     async def pump(index: int, stream: AsyncIterator, first: RequestOutput) -> None:
         try:
@@ -186,31 +214,18 @@ async def _events(shape: _Shape, streams: list, firsts: list,
             await merged.put((index, None))
 
     tasks = [asyncio.create_task(pump(i, s, f)) for i, (s, f) in enumerate(zip(streams, firsts))]
-    finals: list = [None] * len(streams)
     try:
         open_streams = len(streams)
-        if shape.chat:
-            yield _sse(shape.chunk(0, [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                        "logprobs": None, "finish_reason": None}
-                                       for i in range(shape.n)]))
         while open_streams:
             index, output = await merged.get()
             if output is None:
                 open_streams -= 1
-                continue
-            finals[index] = output
-            choices = shape.delta_choices(index, output, sent[index])
-            if choices:
-                yield _sse(shape.chunk(index, choices))
-        if include_usage:
-            yield _sse({**shape.chunk(0, []), "usage": shape.usage(finals)})
-        yield "data: [DONE]\n\n"
-    finally:  # the client went away, or all is sent: stop the pumps, then the requests
+            else:
+                yield index, output
+    finally:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        for stream in streams:
-            await stream.aclose()
 
 
 def _sse(payload: dict) -> str:

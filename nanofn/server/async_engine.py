@@ -3,8 +3,8 @@
 The engine thread owns the ``Engine``: it takes the callers' commands (add a request, abort
 one) from a queue between steps, steps while there is work, and hands each request's outputs
 to the event loop of the caller that asked for it. A caller never waits for a step and the
-engine never waits for a caller: outputs go to an unbounded queue per request. The pure core is
-unchanged: arrivals and cancellations become its ``Events`` through the engine, as in ``LLM``.
+engine never waits for a caller: outputs go to a slot per request that holds the newest one.
+The pure core is unchanged: arrivals and cancellations become its ``Events`` through the engine, as in ``LLM``.
 """
 
 from __future__ import annotations
@@ -26,10 +26,13 @@ from nanofn.state import Figures, SamplingParams
 
 @dataclass
 class _Stream:
-    """Where a request's outputs go: a queue on its caller's event loop."""
+    """Where a request's outputs go, on its caller's event loop: only the latest is kept. An
+    output holds everything so far, so a caller that falls behind the engine skips to the newest
+    one instead of working through a backlog (as vLLM's output collector merges them)."""
 
     loop: asyncio.AbstractEventLoop
-    outputs: asyncio.Queue
+    ready: asyncio.Event
+    latest: RequestOutput | BaseException | None = None
 
 
 class EngineDead(RuntimeError):
@@ -63,7 +66,7 @@ class AsyncLLM:
         if self.failure is not None:
             raise EngineDead(f"the engine stopped: {self.failure!r}")
         loop = asyncio.get_running_loop()
-        stream = _Stream(loop, asyncio.Queue())
+        stream = _Stream(loop, asyncio.Event())
         accepted: asyncio.Future = loop.create_future()
         request_id = f"req-{next(self._ids)}" if request_id is None else request_id
         self._commands.put(("add", request_id, prompt, params, stream, accepted))
@@ -71,7 +74,9 @@ class AsyncLLM:
         finished = False
         try:
             while not finished:
-                output = await stream.outputs.get()
+                await stream.ready.wait()
+                stream.ready.clear()
+                output, stream.latest = stream.latest, None
                 if isinstance(output, BaseException):
                     raise output
                 finished = output.finished
@@ -138,14 +143,19 @@ class AsyncLLM:
             self.engine.abort_request(command[1])
 
     def _step(self) -> None:
+        """One engine step; its outputs reach each event loop in one call (a wake-up of the
+        loop is a system call: one per step, not one per request)."""
         result = self.engine.step()
+        batches: dict[asyncio.AbstractEventLoop, list] = {}
         for output in result.outputs:
             stream = self._streams.get(output.request_id)
             if stream is None:
                 continue
             if output.finished:
                 del self._streams[output.request_id]
-            _send(stream, output)
+            batches.setdefault(stream.loop, []).append((stream, output))
+        for loop, batch in batches.items():
+            _call_in(loop, _deliver, batch)
 
     def _abort_all(self) -> None:
         for request_id in list(self._streams):
@@ -155,10 +165,21 @@ class AsyncLLM:
 
 
 def _send(stream: _Stream, item: RequestOutput | BaseException) -> None:
+    _call_in(stream.loop, _deliver, [(stream, item)])
+
+
+def _call_in(loop: asyncio.AbstractEventLoop, function, *args) -> None:
     try:
-        stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, item)
+        loop.call_soon_threadsafe(function, *args)
     except RuntimeError:  # the caller's loop has closed
         pass
+
+
+def _deliver(batch: list[tuple[_Stream, RequestOutput | BaseException]]) -> None:
+    """On the caller's loop: each stream's newest output replaces one not yet taken."""
+    for stream, item in batch:
+        stream.latest = item
+        stream.ready.set()
 
 
 def _settle(future: asyncio.Future, error: BaseException | None) -> None:
