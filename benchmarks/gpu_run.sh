@@ -55,8 +55,9 @@ fi
 if [ "$what" = tp ]; then  # two GPUs: TP=2 parity, worker faults, TP=1 and TP=2 on a larger shape
   timeout 240 python3 -m pytest tests/gpu/test_gpu_engine.py -q -rs -k tensor_parallel 2>&1 \
     | tee "$OUT/gpu_tp_tests.log" | tail -5
-  # a worker killed or stopped mid-generate, on NCCL here (pytest-timeout dumps the stacks)
-  timeout 300 python3 -m pytest tests/test_tensor_parallel_faults.py -q -rs --timeout 100 2>&1 \
+  # a worker killed or stopped mid-generate, on NCCL here (pytest-timeout dumps the stacks
+  # from a thread of its own: a main thread stuck inside NCCL never sees a signal)
+  timeout 300 python3 -m pytest tests/test_tensor_parallel_faults.py -q -rs --timeout 100 --timeout-method=thread 2>&1 \
     | tee "$OUT/gpu_tp_faults.log" | tail -30
   bench qwen3-8b-tp1 --random-weights qwen3-8b --profile
   bench qwen3-8b-tp2 --random-weights qwen3-8b --tensor-parallel-size 2
