@@ -8,9 +8,8 @@ result.
 A watchdog thread in rank 0 watches the workers: each beats a heart (a shared timestamp, from
 a thread of its own, so that a rank busy in a long step still beats). A worker that exits, or
 whose heart stops for ``UNRESPONSIVE_AFTER`` seconds (a stopped process), is recorded with its
-traceback and killed, and on NCCL rank 0's communicator is aborted, which ends the collectives
-rank 0 may wait in (gloo's fail by themselves); rank 0's next call (or the one that was
-waiting) raises a ``WorkerFailure`` naming the rank. The executor is broken
+traceback and killed, which breaks the collectives rank 0 may wait in; rank 0's next call (or
+the one that was waiting) raises a ``WorkerFailure`` naming the rank. The executor is broken
 from then on: every call raises the same error, and ``close`` only cleans up.
 """
 
@@ -18,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing
-import os
 import pickle
 import socket
 import threading
@@ -55,8 +53,6 @@ class TensorParallelExecutor:
         context = multiprocessing.get_context("spawn")
         self._pipes, self._workers, self._hearts = [], [], []
         self._failure: str | None = None  # set by the watchdog
-        self._abort: threading.Thread | None = None  # see _fail
-        self._failing = threading.Lock()
         self._closed = threading.Event()
         for rank in range(1, size):
             ours, theirs = context.Pipe()
@@ -141,8 +137,7 @@ class TensorParallelExecutor:
         # A dead rank leaves this rank's collective kernels waiting for it on the device, and
         # freeing memory waits for them: release in a thread of its own, so that close()
         # returns whatever the device does.
-        release = threading.Thread(target=self._release_after_failure, daemon=True,
-                                   name="nanofn-tp-release")
+        release = threading.Thread(target=self._release_after_failure, daemon=True)
         release.start()
         release.join(RELEASE_AFTER_FAILURE_S)
         if release.is_alive():
@@ -157,30 +152,14 @@ class TensorParallelExecutor:
         _leave_group_quietly()
 
     def _release_after_failure(self) -> None:
-        """Free the runner, whose graphs the abort begun at the failure waits for (see
-        ``_fail``), then see the group gone."""
+        """Abort the group first, from a thread of its own: that ends the collective kernels
+        left waiting for the dead rank; then free the runner, whose graphs the abort may wait
+        for."""
+        abort = threading.Thread(target=_leave_group_quietly, daemon=True)
+        abort.start()
         if hasattr(self, "runner"):
-            with contextlib.suppress(Exception):  # the device may have failed too
-                self.runner.close()
-        if self._abort is None:
-            self._abort = threading.Thread(target=_leave_group_quietly, daemon=True)
-            self._abort.start()
-        self._abort.join()
-
-    def _fail(self, message: str) -> None:
-        """Record the first failure. On NCCL, abort this rank's communicator at once, from a
-        thread of its own: the collective kernels left waiting for the dead rank exit, so
-        whatever rank 0 waits for on the device (a copy, a staging buffer) ends and its call
-        raises instead of hanging. The abort itself returns once ``close`` has freed the
-        runner's graphs (see ``_leave_group``). gloo's collectives fail by themselves."""
-        with self._failing:
-            if self._failure is not None:  # the watchdog and a call may both see it
-                return
-            self._failure = message
-        if dist.is_initialized() and dist.get_backend() == "nccl":
-            self._abort = threading.Thread(target=_leave_group_quietly, daemon=True,
-                                           name="nanofn-tp-abort")
-            self._abort.start()
+            self.runner.close()
+        abort.join()
 
     def _watch(self) -> None:
         while not self._closed.wait(HEARTBEAT_S):
@@ -200,14 +179,15 @@ class TensorParallelExecutor:
                     if pipe.poll():
                         report = f":\n{pipe.recv()}"
                 if not worker.is_alive():
-                    self._fail(f"tensor-parallel rank {rank} exited (code "
-                               f"{worker.exitcode}){report}")
+                    self._failure = (f"tensor-parallel rank {rank} exited (code "
+                                     f"{worker.exitcode}){report}")
                 elif time.monotonic() - heart.value > UNRESPONSIVE_AFTER:
                     worker.kill()
-                    self._fail(f"tensor-parallel rank {rank} stopped responding (no heartbeat "
-                               f"for {UNRESPONSIVE_AFTER:.0f} s) and was killed{report}")
+                    self._failure = (f"tensor-parallel rank {rank} stopped responding (no "
+                                     f"heartbeat for {UNRESPONSIVE_AFTER:.0f} s) and was "
+                                     f"killed{report}")
                 elif report:
-                    self._fail(f"tensor-parallel rank {rank} failed{report}")
+                    self._failure = f"tensor-parallel rank {rank} failed{report}"
                 if self._failure is not None:
                     return
             if time.monotonic() >= deadline:
@@ -259,11 +239,6 @@ def _join_group(config: RunnerConfig, init_method: str) -> None:
     own, see ``_rank_config``)."""
     if config.device.type == "cuda":
         torch.cuda.set_device(config.device)
-        # Non-blocking communicators: an NCCL call that cannot finish (its peer is dead) then
-        # returns to torch, which polls it, instead of blocking the thread inside NCCL, so the
-        # abort of ``_fail`` ends it. With blocking ones, rank 0 hung for good on two H200s
-        # once a worker was killed, in the call or in the abort. (A user's setting wins.)
-        os.environ.setdefault("TORCH_NCCL_USE_COMM_NONBLOCKING", "1")
     backend = "nccl" if config.device.type == "cuda" else "gloo"
     dist.init_process_group(backend, init_method=init_method, rank=config.tp_rank,
                             world_size=config.tp_size, timeout=COLLECTIVE_TIMEOUT)
@@ -316,8 +291,10 @@ def _leave_group() -> None:
 
 def _dump_stacks_later() -> None:
     """``NANOFN_DUMP_STACKS_AFTER=S``: print every thread's stack every S seconds (to see
-    where a rank waits)."""
+    where a rank waits; from faulthandler's own thread, so also when the main thread is stuck
+    inside a C call; not under pytest, whose faulthandler plugin cancels the timer)."""
     import faulthandler
+    import os
     after = os.environ.get("NANOFN_DUMP_STACKS_AFTER")
     if after:
         faulthandler.dump_traceback_later(float(after), repeat=True, exit=False)
