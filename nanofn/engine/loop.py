@@ -87,6 +87,7 @@ class EngineLoop:
         self._state = state
         self._trace = trace
         self._new: list[NewSeq] = []
+        self._new_ids: set[str] = set()  # of self._new
         self._aborts: list[str] = []
         self._dirty: list[int] = []  # blocks a failed launch may have written
         # launched, not waited for: (launch index, plan, its tokens on their way)
@@ -115,10 +116,11 @@ class EngineLoop:
         state = self._state
         if new.seq_id not in state.live_ids and has_token_in_flight(state, new.seq_id):
             new = NewSeq(f"{new.seq_id}~{next(self._renames)}", new.prompt_token_ids, new.params)
-        if any(queued.seq_id == new.seq_id for queued in self._new):
+        if new.seq_id in self._new_ids:
             raise InvalidRequest(f"request_id {new.seq_id!r} is already in use")
         check_new_seq(state, new)
         self._new.append(new)
+        self._new_ids.add(new.seq_id)
         return new.seq_id
 
     def abort(self, seq_id: str) -> None:
@@ -198,7 +200,7 @@ class EngineLoop:
         # Committed: from here on, what an interruption leaves is finished by the next call.
         self._state, self._ready, self._shown = state, None, None
         self._num_delivered += delivered is not None
-        self._new, self._aborts, self._dirty = [], [], []
+        self._new, self._new_ids, self._aborts, self._dirty = [], set(), [], []
         self._untraced = (events, plan) if self._trace is not None else None
         self._launched_alone = not plan.is_empty and len(self._in_flight) == 1
         self._unreported = LoopStep(plan, delivered, state.finished)

@@ -26,9 +26,11 @@ class NewSeq:
     params: SamplingParams
 
 
-def check_new_seq(state: EngineState, new: NewSeq, also_live: Collection[str] = ()) -> None:
+def check_new_seq(state: EngineState, new: NewSeq,
+                  also_live: Collection[str] = ()) -> np.ndarray:
     """Raise ``InvalidRequest`` if ``new`` cannot be served (``also_live``: ids taken besides
-    the state's live ones); touch nothing."""
+    the state's live ones); touch nothing. Returns the prompt as an int64 array (read once
+    here, hashed from it)."""
     c = state.config
     if not isinstance(new.seq_id, str) or not new.seq_id:
         raise InvalidRequest(f"request_id must be a non-empty string, got {new.seq_id!r}")
@@ -46,11 +48,11 @@ def check_new_seq(state: EngineState, new: NewSeq, also_live: Collection[str] = 
     prompt = new.prompt_token_ids
     if len(prompt) == 0:
         raise InvalidRequest(f"request {new.seq_id!r}: the prompt is empty")
-    bad = _bad_token(prompt, c.vocab_size)
-    if bad is not None:
+    tokens = _token_array(prompt, c.vocab_size)
+    if tokens is None:
         vocab = f" [0, {c.vocab_size})" if c.vocab_size is not None else " >= 0"
-        raise InvalidRequest(
-            f"request {new.seq_id!r}: prompt token id {bad!r} is not an integer in{vocab}")
+        raise InvalidRequest(f"request {new.seq_id!r}: prompt token id "
+                             f"{_bad_token(prompt, c.vocab_size)!r} is not an integer in{vocab}")
     p = new.params
     for name, ids in (("stop_token_ids", p.stop_token_ids),
                       ("logit_bias", [t for t, _ in p.logit_bias or ()]),
@@ -64,17 +66,25 @@ def check_new_seq(state: EngineState, new: NewSeq, also_live: Collection[str] = 
         raise InvalidRequest(
             f"request {new.seq_id!r}: prompt of {len(prompt)} tokens plus max_tokens "
             f"{max_tokens} is longer than max_model_len {c.max_model_len}")
+    return tokens
+
+
+def _token_array(prompt, vocab_size: int | None) -> np.ndarray | None:
+    """The prompt as an int64 array if every token is an integer id in the vocabulary, else
+    None. Read by numpy in one pass (a 2,000-token prompt: ~80 µs; a Python check of each
+    token's type doubled that, and runs twice per request): a float, a string or an id past
+    int64 turns the array's type, which is then refused; ``True``/``False`` read as 1 and 0,
+    as numpy and vLLM take them."""
+    array = np.asarray(prompt)
+    if (array.ndim == 1 and array.dtype.kind in "iub" and array.min() >= 0
+            and (vocab_size is None or array.max() < vocab_size)):
+        return array.astype(np.int64, copy=False)
+    return None
 
 
 def _bad_token(prompt, vocab_size: int | None):
-    """The first prompt token that is not an integer id in the vocabulary, or None (checked as
-    an array when every token is a plain int, element by element to name the culprit)."""
-    if set(map(type, prompt)) == {int}:
-        array = np.asarray(prompt)
-        if array.dtype.kind in "iu" and array.min() >= 0 and (
-                vocab_size is None or array.max() < vocab_size):
-            return None
-    return next((t for t in prompt if not isinstance(t, int) or isinstance(t, bool) or t < 0
+    """The first prompt token that is not an integer id in the vocabulary (for the error)."""
+    return next((t for t in prompt if not isinstance(t, (int, np.integer)) or t < 0
                  or (vocab_size is not None and t >= vocab_size)), None)
 
 
@@ -91,14 +101,14 @@ def add_seqs(state: EngineState, new_seqs: tuple[NewSeq, ...]) -> EngineState:
         return state
     waiting, added = state.waiting, {}
     for new in new_seqs:
-        check_new_seq(state, new, added)
-        waiting = waiting.append(_new_seq(state, new))
+        tokens = check_new_seq(state, new, added)
+        waiting = waiting.append(_new_seq(state, new, tokens))
         added[new.seq_id] = True
     return evolve(state, waiting=waiting, live_ids=state.live_ids.update_known(added))
 
 
-def _new_seq(state: EngineState, new: NewSeq) -> Seq:
+def _new_seq(state: EngineState, new: NewSeq, tokens: np.ndarray) -> Seq:
     spec = SeqSpec(new.seq_id, tuple(new.prompt_token_ids), new.params, state.step)
     c = state.config
-    hashes = block_hashes(spec.prompt_token_ids, c.block_size) if c.enable_prefix_caching else ()
+    hashes = block_hashes(tokens, c.block_size) if c.enable_prefix_caching else ()
     return Seq(spec=spec, token_ids=spec.prompt_token_ids, block_hashes=hashes)
