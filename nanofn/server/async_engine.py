@@ -92,8 +92,21 @@ class AsyncLLM:
                                         daemon=True)
         self._reader.start()
 
+    def _wait_until_ready(self) -> EngineFacts:
+        """The engine's facts once it is built; raises what building it raised."""
+        try:
+            message = pickle.loads(self._conn.recv_bytes())
+        except EOFError:
+            self._process.join()
+            raise RuntimeError(f"the engine process exited while starting (exit code "
+                               f"{self._process.exitcode})") from None
+        if message[0] == "failed":
+            raise message[1] from RemoteTraceback(message[2])
+        return message[1]
+
     @property
     def engine_pid(self) -> int:
+        """The engine process's id (for logs and tests)."""
         return self._process.pid
 
     def figures(self) -> Figures:
@@ -173,18 +186,6 @@ class AsyncLLM:
 
     # --- the reader thread ----------------------------------------------------------------
 
-    def _wait_until_ready(self) -> EngineFacts:
-        """The engine's facts once it is built; raises what building it raised."""
-        try:
-            message = pickle.loads(self._conn.recv_bytes())
-        except EOFError:
-            self._process.join()
-            raise RuntimeError(f"the engine process exited while starting (exit code "
-                               f"{self._process.exitcode})") from None
-        if message[0] == "failed":
-            raise message[1] from RemoteTraceback(message[2])
-        return message[1]
-
     def _read(self) -> None:
         error = self._take_messages()
         with self._lock:
@@ -193,9 +194,9 @@ class AsyncLLM:
                 self.failure = error
             streams = list(self._streams.values())
             self._streams.clear()
-        dead = EngineDead(f"the engine stopped: {error!r}" if error else "the engine is closed")
+        why = f"the engine stopped: {error!r}" if error else "the engine is closed"
         for stream in streams:
-            _call_in(stream.loop, _deliver, [(stream, dead)])
+            _call_in(stream.loop, _deliver, [(stream, EngineDead(why))])
 
     def _take_messages(self) -> BaseException | None:
         """Take the engine's steps until it ends; what ended it (None: closed)."""

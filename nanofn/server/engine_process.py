@@ -27,9 +27,7 @@ import threading
 import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any
-
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from nanofn.engine.collector import fewer_gc_pauses
 from nanofn.engine.options import EngineOptions
