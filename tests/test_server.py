@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import re
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -27,11 +30,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(tiny_qwen3):
+def start_server(model) -> tuple[subprocess.Popen, str]:
+    """``nanofn serve MODEL`` on a free port, once its /health answers: (process, url)."""
     port = free_port()
     process = subprocess.Popen(
-        [sys.executable, "-m", "nanofn", "serve", str(tiny_qwen3), "--port", str(port),
+        [sys.executable, "-m", "nanofn", "serve", str(model), "--port", str(port),
          "--api-key", API_KEY, "--served-model-name", "tiny", "--max-model-len", "256",
          "--num-kv-blocks", "64", "--max-num-seqs", "16"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -42,12 +45,16 @@ def server(tiny_qwen3):
             raise RuntimeError(f"the server exited:\n{process.stdout.read()}")
         try:
             if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                break
+                return process, url
         except httpx.HTTPError:
             time.sleep(0.3)
-    else:
-        process.kill()
-        raise RuntimeError("the server did not start within 120 s")
+    process.kill()
+    raise RuntimeError("the server did not start within 120 s")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_qwen3):
+    process, url = start_server(tiny_qwen3)
     yield url
     process.terminate()  # SIGTERM: a clean exit
     assert process.wait(timeout=60) == 0, process.stdout.read()
@@ -390,3 +397,165 @@ def test_a_slow_consumer_skips_to_the_newest_output(tiny_qwen3):
     assert slow[-1].finished
     assert slow[-1].outputs[0].token_ids == fast[-1].outputs[0].token_ids
     assert slow[-1].outputs[0].text == fast[-1].outputs[0].text
+
+
+# --- the engine's own process -------------------------------------------------------------------
+
+HEADERS = {"Authorization": f"Bearer {API_KEY}"}
+LONG_STREAM = {"model": "tiny", "prompt": "Go on", "max_tokens": 240, "stream": True,
+               "ignore_eos": True}
+needs_proc = pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="reads /proc")
+
+
+def engine_pid_of(server_pid: int) -> int:
+    """The server's engine process: its child that multiprocessing spawned to run a target
+    (not multiprocessing's resource tracker)."""
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry.name}/cmdline", "rb") as f:
+                command = f.read()
+        except OSError:
+            continue
+        if parent == server_pid and b"spawn_main" in command:
+            return int(entry.name)
+    raise AssertionError(f"process {server_pid} has no engine process")
+
+
+def is_gone(pid: int) -> bool:
+    """No such process, or only its exit status is left (a zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def wait_until_gone(pid: int, seconds: float = 30) -> None:
+    deadline = time.monotonic() + seconds
+    while not is_gone(pid):
+        assert time.monotonic() < deadline, f"process {pid} is still running"
+        time.sleep(0.1)
+
+
+def first_event(lines) -> str:
+    return next(line for line in lines if line.startswith("data:"))
+
+
+def test_a_bad_request_gets_its_400_while_another_streams_on(server):
+    """The engine process refuses the too-long prompt (the server's process cannot know the
+    limit by itself): the refusal reaches its caller only, and the stream goes on to the end."""
+    with httpx.stream("POST", f"{server}/v1/completions", headers=HEADERS, timeout=30,
+                      json={**LONG_STREAM, "stream_options": {"include_usage": True}}) as r:
+        lines = r.iter_lines()
+        first_event(lines)
+        bad = httpx.post(f"{server}/v1/completions", headers=HEADERS,
+                         json={"model": "tiny", "prompt": "word " * 300})
+        assert bad.status_code == 400 and "max_model_len" in bad.json()["error"]["message"]
+        events = [line[6:] for line in lines if line.startswith("data:")]
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["usage"]["completion_tokens"] == 240
+    wait_until_idle(server)
+
+
+def test_async_llm_runs_the_engine_in_a_process_that_close_stops(tiny_qwen3):
+    from nanofn.server.async_engine import AsyncLLM, EngineDead
+    from nanofn.state import SamplingParams
+
+    llm = AsyncLLM(str(tiny_qwen3), max_model_len=256, num_kv_blocks=64)
+    pid = llm.engine_pid
+    try:
+        assert pid != os.getpid() and not is_gone(pid)
+        assert llm.max_model_len == 256 and llm.tokenizer.decode(llm.tokenizer.encode("Hi")) == "Hi"
+    finally:
+        llm.close()
+    assert is_gone(pid) and llm.failure is None
+
+    async def after_close():
+        async for _ in llm.generate("Hi", SamplingParams(max_tokens=2)):
+            pass
+    with pytest.raises(EngineDead, match="closed"):
+        asyncio.run(after_close())
+
+
+def test_async_llm_fails_requests_quickly_once_its_engine_process_is_killed(tiny_qwen3):
+    from nanofn.server.async_engine import AsyncLLM, EngineDead
+    from nanofn.state import SamplingParams
+
+    llm = AsyncLLM(str(tiny_qwen3), max_model_len=256, num_kv_blocks=64)
+    params = SamplingParams(max_tokens=200, ignore_eos=True)
+
+    async def killed_in_flight() -> float:
+        outputs = llm.generate("Go on", params)
+        await anext(outputs)
+        os.kill(llm.engine_pid, signal.SIGKILL)
+        killed = time.monotonic()
+        with pytest.raises(EngineDead, match="exit code -9"):
+            async for _ in outputs:
+                pass
+        return time.monotonic() - killed
+
+    try:
+        assert asyncio.run(asyncio.wait_for(killed_in_flight(), 10)) < 5
+        assert llm.failure is not None
+        with pytest.raises(EngineDead, match="exit code -9"):
+            asyncio.run(anext(llm.generate("Later", params)))
+    finally:
+        llm.close()
+
+
+@needs_proc
+def test_a_dead_engine_process_makes_requests_fail_with_503(tiny_qwen3):
+    """In flight, a stream breaks off and a whole response is a 503; later requests and /health
+    are 503 at once; SIGTERM still stops the server cleanly."""
+    process, url = start_server(tiny_qwen3)
+    engine = engine_pid_of(process.pid)
+    assert engine != process.pid
+    whole: list = []
+    with httpx.stream("POST", f"{url}/v1/completions", json=LONG_STREAM, headers=HEADERS,
+                      timeout=30) as r:
+        lines = r.iter_lines()
+        first_event(lines)
+        os.kill(engine, signal.SIGSTOP)  # the stream is in flight, frozen
+        waiting = threading.Thread(target=lambda: whole.append(httpx.post(
+            f"{url}/v1/completions", headers=HEADERS, timeout=30,
+            json={**LONG_STREAM, "stream": False})))
+        waiting.start()
+        time.sleep(0.5)
+        os.kill(engine, signal.SIGKILL)
+        killed = time.monotonic()
+        with pytest.raises(httpx.RemoteProtocolError):
+            assert "data: [DONE]" not in list(lines)
+    waiting.join(timeout=30)
+    assert whole[0].status_code == 503
+    assert time.monotonic() - killed < 5
+    later = httpx.post(f"{url}/v1/completions", headers=HEADERS,
+                       json={"model": "tiny", "prompt": "Hi", "max_tokens": 2})
+    assert later.status_code == 503 and "engine" in later.json()["error"]["message"]
+    assert httpx.get(f"{url}/health").status_code == 503
+    process.terminate()
+    assert process.wait(timeout=30) == 0
+
+
+@needs_proc
+def test_sigterm_stops_the_engine_process_with_the_server(tiny_qwen3):
+    process, url = start_server(tiny_qwen3)
+    engine = engine_pid_of(process.pid)
+    with httpx.stream("POST", f"{url}/v1/completions", json=LONG_STREAM, headers=HEADERS,
+                      timeout=30) as r:
+        first_event(r.iter_lines())
+        process.terminate()
+    assert process.wait(timeout=60) == 0, process.stdout.read()
+    assert is_gone(engine)
+
+
+@needs_proc
+def test_the_engine_process_stops_when_the_server_dies(tiny_qwen3):
+    process, _ = start_server(tiny_qwen3)
+    engine = engine_pid_of(process.pid)
+    process.kill()
+    process.wait()
+    wait_until_gone(engine)

@@ -4,6 +4,8 @@ before any costly work; the CLI prints them as one line with exit code 2."""
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
 
 import pytest
 
@@ -43,6 +45,22 @@ def test_a_config_that_is_not_json_names_the_file(model_copy, capsys):
     assert main(["generate", str(folder), "--prompt", "hi"]) == 2
     err = capsys.readouterr().err
     assert "config.json" in err and "Traceback" not in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("problem", ["max_model_len", "config.json"])
+def test_serve_says_an_error_of_the_engine_process_in_one_line(model_copy, problem):
+    """The engine is built in a process of its own: its set-up error still reaches the user
+    as the command's one line, before the server listens, not as a traceback or a hang."""
+    folder = model_copy("serve")
+    flags = ["--max-model-len", "100000000"]
+    if problem == "config.json":
+        (folder / "config.json").write_text("{not json")
+        flags = []
+    done = subprocess.run([sys.executable, "-m", "nanofn", "serve", str(folder), "--port", "9",
+                           *flags], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.startswith("nanofn serve: error: ") and done.stderr.count("\n") == 1
+    assert problem in done.stderr, done.stderr
 
 
 def test_a_truncated_weights_file_names_the_file(model_copy):

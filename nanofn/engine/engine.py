@@ -92,7 +92,7 @@ class Engine:
         self.options = options
         model_dir = _model_dir(options.model)
         self.hf_config = AutoConfig.from_pretrained(model_dir)
-        self.tokenizer = _load_tokenizer(options.tokenizer or model_dir)
+        self.tokenizer = load_tokenizer(options)
         self.max_model_len = _max_model_len(self.hf_config, options.max_model_len)
         self.eos_token_ids = _eos_token_ids(model_dir, self.hf_config, self.tokenizer)
         # The sampling fields the generation config sets (vLLM's get_diff_sampling_param).
@@ -596,6 +596,12 @@ def _model_dir(model: str) -> Path:
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def load_tokenizer(options: EngineOptions) -> Any:
+    """The tokenizer an engine with these options uses (the server's process loads it this way,
+    without the model). Raises ``FileNotFoundError`` naming a missing folder or file."""
+    return _load_tokenizer(options.tokenizer or _model_dir(options.model))
 
 
 def _load_tokenizer(path: str | Path) -> Any:

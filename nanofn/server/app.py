@@ -55,7 +55,7 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None) -> Fas
         authorize(request)
         return {"object": "list", "data": [{
             "id": model_name, "object": "model", "created": int(time.time()),
-            "owned_by": "nanofn", "max_model_len": llm.engine.max_model_len}]}
+            "owned_by": "nanofn", "max_model_len": llm.max_model_len}]}
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -72,7 +72,7 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None) -> Fas
                                           add_special_tokens=body.get("add_special_tokens", True))
         else:
             raise APIError(400, "give 'prompt' (a string) or 'messages'", param="prompt")
-        return {"tokens": tokens, "count": len(tokens), "max_model_len": llm.engine.max_model_len}
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": llm.max_model_len}
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> dict:
@@ -88,7 +88,7 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None) -> Fas
         body = await _body(request)
         _check_model(body, model_name)
         prompts = completion_prompts(body)
-        params = sampling_params(body, chat=False, defaults=llm.engine.generation_defaults)
+        params = sampling_params(body, chat=False, defaults=llm.generation_defaults)
         return await _respond(llm, metrics, body, model_name, prompts, params, chat=False)
 
     @app.post("/v1/chat/completions")
@@ -97,7 +97,7 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None) -> Fas
         body = await _body(request)
         _check_model(body, model_name)
         prompt = chat_prompt(llm.tokenizer, body)
-        params = sampling_params(body, chat=True, defaults=llm.engine.generation_defaults)
+        params = sampling_params(body, chat=True, defaults=llm.generation_defaults)
         return await _respond(llm, metrics, body, model_name, [prompt], params, chat=True)
 
     return app
@@ -143,11 +143,14 @@ async def _respond(llm: AsyncLLM, metrics: Metrics, body: dict, model_name: str,
         return StreamingResponse(_events(shape, streams, firsts, include_usage),
                                  media_type="text/event-stream")
     finals = []
-    for stream, first in zip(streams, firsts):
-        final = first
-        async for final in stream:
-            pass
-        finals.append(final)
+    try:
+        for stream, first in zip(streams, firsts):
+            final = first
+            async for final in stream:
+                pass
+            finals.append(final)
+    except EngineDead as error:
+        raise APIError(503, str(error), "server_error") from None
     return JSONResponse(shape.whole(finals))
 
 
@@ -402,7 +405,7 @@ class _CoreCounters:
         self.llm = llm
 
     def collect(self):
-        counters = self.llm.engine.state.counters
+        counters = self.llm.counters()
         for name, documentation, value in (
                 ("vllm:num_preemptions", "Preemptions since the start",
                  counters.num_preemptions),

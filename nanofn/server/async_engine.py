@@ -1,27 +1,34 @@
-"""``AsyncLLM``: the engine on a thread of its own, for asyncio callers (the server).
+"""``AsyncLLM``: the engine in a process of its own, for asyncio callers (the server).
 
-The engine thread owns the ``Engine``: it takes the callers' commands (add a request, abort
-one) from a queue between steps, steps while there is work, and hands each request's outputs
-to the event loop of the caller that asked for it. A caller never waits for a step and the
-engine never waits for a caller: outputs go to a slot per request that holds the newest one.
-The pure core is unchanged: arrivals and cancellations become its ``Events`` through the engine, as in ``LLM``.
+The engine process (``engine_process``) takes the callers' commands (add a request, abort one)
+between steps, steps while there is work, and sends one message per step. Here a reader thread
+waits on the pipe (the wait releases the interpreter lock, so the HTTP side runs meanwhile) and
+hands each request's outputs to the event loop of the caller that asked for it. A caller never
+waits for a step and the engine never waits for a caller: outputs go to a slot per request that
+holds the newest one.
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import itertools
-import queue
+import multiprocessing
+import pickle
 import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from nanofn.engine.engine import Engine, PromptInput
 from nanofn.engine.options import EngineOptions
 from nanofn.engine.outputs import RequestOutput
-from nanofn.engine.collector import fewer_gc_pauses
-from nanofn.state import Figures, SamplingParams
+from nanofn.server.engine_process import EngineFacts, dumps, rebuild, run_engine_process
+from nanofn.state import Counters, Figures, InvalidRequest, SamplingParams
+
+if TYPE_CHECKING:
+    from nanofn.engine.engine import PromptInput
+
+STOP_TIMEOUT_S = 30.0  # for the engine process to abort its requests and free the device
 
 
 @dataclass
@@ -33,44 +40,92 @@ class _Stream:
     loop: asyncio.AbstractEventLoop
     ready: asyncio.Event
     latest: RequestOutput | BaseException | None = None
+    last: RequestOutput | None = None  # the reader thread's newest, the base of the next delta
 
 
 class EngineDead(RuntimeError):
-    """The engine thread stopped on an error; every request after it fails with this."""
+    """The engine process stopped on an error (or was closed); every request after it fails
+    with this."""
+
+
+class RemoteTraceback(Exception):
+    """The traceback of an error raised in the engine process (shown as its cause)."""
+
+    def __str__(self) -> str:
+        return f"\n\n{self.args[0]}"
 
 
 class AsyncLLM:
     def __init__(self, model: str, **options: Any):
-        self.engine = Engine(EngineOptions.from_kwargs(model, **options))
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams: dict[str, _Stream] = {}  # owned by the engine thread
+        engine_options = EngineOptions.from_kwargs(model, **options)
+        context = multiprocessing.get_context("spawn")
+        self._conn, theirs = context.Pipe()
+        # Not a daemon: it starts tensor-parallel workers of its own. close() stops it, and it
+        # stops by itself when this process's end of the pipe closes.
+        self._process = context.Process(target=run_engine_process, name="nanofn-engine",
+                                        args=(theirs, engine_options))
+        self._process.start()
+        theirs.close()
+        try:
+            # The same tokenizer, for the server (tokenize, chat templates, echo), loaded while
+            # the engine process starts (imported here: torch and transformers take seconds).
+            from nanofn.engine.engine import load_tokenizer
+
+            self.tokenizer = load_tokenizer(engine_options)
+            facts = self._wait_until_ready()
+        except BaseException:
+            self._process.terminate()
+            self._process.join()
+            self._conn.close()
+            raise
+        self.max_model_len = facts.max_model_len
+        self.generation_defaults = facts.generation_defaults
+        self._figures, self._counters = facts.figures, facts.counters
+        self._lock = threading.Lock()  # sends on the pipe; the streams against the end
+        self._streams: dict[str, _Stream] = {}
         self._ids = itertools.count()
-        self._stopping = False
+        self._closing = False
+        self._ended = False  # the engine process is gone
         self.failure: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="nanofn-engine", daemon=True)
-        self._thread.start()
+        atexit.register(self.close)  # before multiprocessing's exit hook waits for the process
+        self._reader = threading.Thread(target=self._read, name="nanofn-engine-reader",
+                                        daemon=True)
+        self._reader.start()
+
+    def _wait_until_ready(self) -> EngineFacts:
+        """The engine's facts once it is built; raises what building it raised."""
+        try:
+            message = pickle.loads(self._conn.recv_bytes())
+        except EOFError:
+            self._process.join()
+            raise RuntimeError(f"the engine process exited while starting (exit code "
+                               f"{self._process.exitcode})") from None
+        if message[0] == "failed":
+            raise message[1] from RemoteTraceback(message[2])
+        return message[1]
 
     @property
-    def tokenizer(self) -> Any:
-        return self.engine.tokenizer
+    def engine_pid(self) -> int:
+        """The engine process's id (for logs and tests)."""
+        return self._process.pid
 
     def figures(self) -> Figures:
-        """From the engine's latest state: an immutable record, so any thread may read it."""
-        return self.engine.figures()
+        """From the engine's state after its latest step (an immutable record)."""
+        return self._figures
+
+    def counters(self) -> Counters:
+        """The core's running totals after the engine's latest step."""
+        return self._counters
 
     async def generate(self, prompt: PromptInput, params: SamplingParams,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
         """The request's outputs as it advances (each holds everything so far), the last one
-        finished. Raises the engine's ``InvalidRequest`` if it cannot be served. Leaving the
-        iteration early (a client gone) aborts the request."""
-        if self.failure is not None:
-            raise EngineDead(f"the engine stopped: {self.failure!r}")
-        loop = asyncio.get_running_loop()
-        stream = _Stream(loop, asyncio.Event())
-        accepted: asyncio.Future = loop.create_future()
+        finished. Raises the engine's ``InvalidRequest`` if it cannot be served, ``EngineDead``
+        once the engine has stopped. Leaving the iteration early (a client gone) aborts the
+        request."""
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Event())
         request_id = f"req-{next(self._ids)}" if request_id is None else request_id
-        self._commands.put(("add", request_id, prompt, params, stream, accepted))
-        await accepted  # raises what add_request raised
+        self._add(request_id, stream, dumps(("add", request_id, prompt, params)))
         finished = False
         try:
             while not finished:
@@ -82,90 +137,106 @@ class AsyncLLM:
                 finished = output.finished
                 yield output
         finally:
-            if not finished:
+            if not finished and self._streams.get(request_id) is stream:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
         """Stop a request at the next step (unknown or finished ids are ignored)."""
-        self._commands.put(("abort", request_id))
+        with self._lock:
+            self._send_quietly(dumps(("abort", request_id)))
 
     def close(self) -> None:
-        """Stop the engine thread (requests in flight are aborted) and free the engine."""
-        self._stopping = True
-        self._commands.put(("wake",))
-        self._thread.join(timeout=30)
-        self.engine.close()
-
-    # --- the engine thread ------------------------------------------------------------------
-
-    def _run(self) -> None:
-        try:
-            with fewer_gc_pauses():  # as LLM.generate steps (the process's collector setting)
-                self._serve()
-        except BaseException as error:  # a bug, or a dead tensor-parallel worker
-            self.failure = error
-            for stream in list(self._streams.values()):
-                _send(stream, EngineDead(f"the engine stopped: {error!r}"))
-            self._streams.clear()
-
-    def _serve(self) -> None:
-        while not self._stopping:
-            self._take_commands(wait=not self.engine.has_unfinished_requests())
-            if self.engine.has_unfinished_requests():
-                self._step()
-        self._abort_all()
-
-    def _take_commands(self, wait: bool) -> None:
-        """Apply the queued commands; with ``wait``, block until there is one."""
-        try:
-            command = self._commands.get(timeout=None) if wait else self._commands.get_nowait()
-        except queue.Empty:
-            return
-        while True:
-            self._apply(command)
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
+        """Stop the engine process (requests in flight are aborted) and wait until it has
+        freed the engine."""
+        atexit.unregister(self.close)
+        with self._lock:
+            if self._closing:
                 return
+            self._closing = True
+            self._send_quietly(dumps(("stop",)))
+        self._process.join(timeout=STOP_TIMEOUT_S)
+        if self._process.is_alive():
+            self._process.kill()
+            self._process.join()
+        self._reader.join(timeout=STOP_TIMEOUT_S)
+        self._conn.close()
 
-    def _apply(self, command: tuple) -> None:
-        kind = command[0]
-        if kind == "add":
-            _, request_id, prompt, params, stream, accepted = command
-            try:
-                self.engine.add_request(prompt, params, request_id=request_id)
-            except Exception as error:
-                stream.loop.call_soon_threadsafe(_settle, accepted, error)
-                return
+    # --- the caller's side ----------------------------------------------------------------
+
+    def _add(self, request_id: str, stream: _Stream, command: bytes) -> None:
+        with self._lock:
+            if self._ended or self._closing:
+                raise EngineDead(f"the engine stopped: {self.failure!r}" if self.failure
+                                 else "the engine is closed")
+            if request_id in self._streams:
+                raise InvalidRequest(f"request_id {request_id!r} is already in use")
             self._streams[request_id] = stream
-            stream.loop.call_soon_threadsafe(_settle, accepted, None)
-        elif kind == "abort":
-            self.engine.abort_request(command[1])
+            try:
+                self._conn.send_bytes(command)
+            except OSError as error:
+                del self._streams[request_id]
+                raise EngineDead(f"the engine process is gone: {error!r}") from None
 
-    def _step(self) -> None:
-        """One engine step; its outputs reach each event loop in one call (a wake-up of the
+    def _send_quietly(self, command: bytes) -> None:
+        """Send a command that has nothing left to do once the engine is gone."""
+        try:
+            self._conn.send_bytes(command)
+        except OSError:
+            pass
+
+    # --- the reader thread ----------------------------------------------------------------
+
+    def _read(self) -> None:
+        error = self._take_messages()
+        with self._lock:
+            self._ended = True
+            if not self._closing:
+                self.failure = error
+            streams = list(self._streams.values())
+            self._streams.clear()
+        why = f"the engine stopped: {error!r}" if error else "the engine is closed"
+        for stream in streams:
+            _call_in(stream.loop, _deliver, [(stream, EngineDead(why))])
+
+    def _take_messages(self) -> BaseException | None:
+        """Take the engine's steps until it ends; what ended it (None: closed)."""
+        try:
+            while True:
+                message = pickle.loads(self._conn.recv_bytes())
+                if message[0] == "failed":
+                    error = message[1]
+                    error.__cause__ = RemoteTraceback(message[2])
+                    return error
+                self._take_step(*message[1:])
+        except (EOFError, OSError):
+            if self._closing:
+                return None
+            self._process.join(timeout=1)
+            return RuntimeError(f"the engine process exited (exit code "
+                                f"{self._process.exitcode})")
+        except BaseException as error:  # a bug here: fail the requests rather than hang them
+            return error
+
+    def _take_step(self, deltas: list, refused: list, figures: Figures,
+                   counters: Counters) -> None:
+        """One step's outputs to their callers' loops, in one call per loop (a wake-up of a
         loop is a system call: one per step, not one per request)."""
-        result = self.engine.step()
+        self._figures, self._counters = figures, counters
         batches: dict[asyncio.AbstractEventLoop, list] = {}
-        for output in result.outputs:
-            stream = self._streams.get(output.request_id)
+        for delta in deltas:
+            stream = self._streams.get(delta[0])
             if stream is None:
                 continue
+            output = stream.last = rebuild(delta, stream.last)
             if output.finished:
-                del self._streams[output.request_id]
+                self._streams.pop(delta[0], None)
             batches.setdefault(stream.loop, []).append((stream, output))
+        for request_id, error in refused:
+            stream = self._streams.pop(request_id, None)
+            if stream is not None:
+                batches.setdefault(stream.loop, []).append((stream, error))
         for loop, batch in batches.items():
             _call_in(loop, _deliver, batch)
-
-    def _abort_all(self) -> None:
-        for request_id in list(self._streams):
-            self.engine.abort_request(request_id)
-        while self.engine.has_unfinished_requests():
-            self._step()
-
-
-def _send(stream: _Stream, item: RequestOutput | BaseException) -> None:
-    _call_in(stream.loop, _deliver, [(stream, item)])
 
 
 def _call_in(loop: asyncio.AbstractEventLoop, function, *args) -> None:
@@ -180,12 +251,3 @@ def _deliver(batch: list[tuple[_Stream, RequestOutput | BaseException]]) -> None
     for stream, item in batch:
         stream.latest = item
         stream.ready.set()
-
-
-def _settle(future: asyncio.Future, error: BaseException | None) -> None:
-    if future.done():
-        return
-    if error is None:
-        future.set_result(None)
-    else:
-        future.set_exception(error)
