@@ -6,6 +6,7 @@ left. The engine's process joins no process group, so a rank stuck for good in a
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import threading
@@ -16,6 +17,7 @@ import torch.distributed as dist
 
 import nanofn.runner.tensor_parallel as tensor_parallel
 from nanofn import LLM, SamplingParams
+from nanofn.runner.model_runner import ModelRunner
 from nanofn.runner.tensor_parallel import UNRESPONSIVE_AFTER, WorkerFailure
 
 LONG = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)
@@ -95,3 +97,35 @@ def test_a_rank_stuck_in_a_collective_does_not_hang_the_engine(tiny_qwen3, monke
     assert message.startswith(f"tensor-parallel rank {victim} exited")
     assert elapsed < 3
     assert not any(w.is_alive() for w in workers), "the stuck rank was left"
+
+
+def raising_worker_main(hf_config, config, *args) -> None:
+    """A worker whose runner raises in its 20th forward pass, if it is the rank that
+    ``RAISE_ON_RANK`` names."""
+    if config.tp_rank == int(os.environ["RAISE_ON_RANK"]):
+        forward, calls = ModelRunner.forward, itertools.count(1)
+
+        def failing_forward(self, plan):
+            if next(calls) == 20:
+                raise RuntimeError("injected failure")
+            return forward(self, plan)
+
+        ModelRunner.forward = failing_forward
+    tensor_parallel._worker_main(hf_config, config, *args)
+
+
+@pytest.mark.parametrize("rank", [0, 1], ids=["rank0", "rank1"])
+def test_a_worker_that_raises_is_named_with_its_traceback(tiny_qwen3, monkeypatch, capfd, rank):
+    """Its peer fails too, in the collective it waited in: the first to raise is named."""
+    monkeypatch.setattr(tensor_parallel, "_worker_main", raising_worker_main)
+    monkeypatch.setenv("RAISE_ON_RANK", str(rank))
+    llm = LLM(str(tiny_qwen3), tensor_parallel_size=2, max_model_len=1024, num_kv_blocks=512)
+    workers = list(llm.engine.runner._workers)
+    with pytest.raises(WorkerFailure) as failure:
+        llm.generate(PROMPTS, LONG, use_tqdm=False)
+    message = str(failure.value)
+    assert message.startswith(f"tensor-parallel rank {rank} ")
+    assert "RuntimeError: injected failure" in message
+    llm.close()
+    assert not any(w.is_alive() for w in workers), "a worker process was left"
+    assert "Traceback" not in capfd.readouterr().err  # the traceback is in the error alone

@@ -63,7 +63,7 @@ class TensorParallelExecutor:
         context = multiprocessing.get_context("spawn")
         self._pipes, self._reports, self._workers, self._hearts = [], [], [], []
         self._failure: str | None = None  # set once, by the first check that finds one
-        self._failures: dict[int, tuple[float, str]] = {}  # rank -> (when, traceback) it sent
+        self._tracebacks: dict[int, tuple[float, str]] = {}  # rank -> (when, traceback) it sent
         self._checking = threading.Lock()  # one check at a time, none after close
         self._closed = threading.Event()
         self._results: dict[int, SampleOutput] = {}  # received, by launch index, not yet taken
@@ -199,9 +199,9 @@ class TensorParallelExecutor:
         for rank, (worker, heart) in enumerate(zip(self._workers, self._hearts)):
             alive = worker.is_alive()  # before reading: a dead worker's report is all there
             with contextlib.suppress(OSError, EOFError):
-                if rank not in self._failures and self._reports[rank].poll():
-                    self._failures[rank] = self._reports[rank].recv()
-            when, report = self._failures.get(rank, (0.0, ""))
+                if rank not in self._tracebacks and self._reports[rank].poll():
+                    self._tracebacks[rank] = self._reports[rank].recv()
+            when, report = self._tracebacks.get(rank, (0.0, ""))
             name = f"tensor-parallel rank {rank}"
             if not alive:
                 message = f"{name} exited (code {worker.exitcode})"
