@@ -1,7 +1,9 @@
-"""What sending a plan to the tensor-parallel workers costs rank 0 per step: pickling a decode
-plan of N sequences once, then one pipe send per worker (and the worker's unpickling).
+"""What tensor parallelism's pipes cost the engine's process per step: pickling a decode plan
+of N sequences once, one pipe send per rank (every rank is a worker process), and receiving
+rank 0's sampled tokens back; also the round trip of those tokens alone (a one-byte request,
+the tokens back), the latency a step adds over running rank 0 in the engine's process.
 
-Usage: python benchmarks/plan_broadcast.py [--num-seqs 256] [--workers 1 7]
+Usage: python benchmarks/plan_broadcast.py [--num-seqs 256] [--tp 2 8]
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ import time
 
 import numpy as np
 
-from nanofn.state import Events, NewSeq, SamplingParams, SchedulerConfig, initial_state, step
+from nanofn.state import (Events, NewSeq, SampleOutput, SamplingParams, SchedulerConfig,
+                          initial_state, step)
 
 REPEATS = 2000
 
@@ -34,15 +37,18 @@ def decode_plan(num_seqs: int):
     return plan
 
 
-def _reader(connection) -> None:
+def _rank(connection, rank: int, num_seqs: int) -> None:
+    """Reads plans; rank 0 answers each with a decode step's sampled tokens."""
+    tokens = SampleOutput(np.arange(num_seqs, dtype=np.int64), None)
     while connection.recv_bytes() != b"stop":
-        pass
+        if rank == 0:
+            connection.send(tokens)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--num-seqs", type=int, default=256)
-    ap.add_argument("--workers", type=int, nargs="+", default=[1, 7])
+    ap.add_argument("--tp", type=int, nargs="+", default=[2, 8])
     a = ap.parse_args()
     plan = decode_plan(a.num_seqs)
     start = time.perf_counter()
@@ -54,24 +60,38 @@ def main() -> None:
         pickle.loads(data)
     unpickling = (time.perf_counter() - start) / REPEATS
     print(f"decode plan of {a.num_seqs} sequences: {len(data):,} bytes; pickle "
-          f"{pickling * 1e6:.0f} us, unpickle (on each worker) {unpickling * 1e6:.0f} us")
+          f"{pickling * 1e6:.0f} us, unpickle (on each rank) {unpickling * 1e6:.0f} us")
     context = multiprocessing.get_context("spawn")
-    for count in a.workers:
-        pipes = [context.Pipe() for _ in range(count)]
-        workers = [context.Process(target=_reader, args=(theirs,)) for _, theirs in pipes]
-        for worker in workers:
-            worker.start()
-        start = time.perf_counter()
+    for size in a.tp:
+        pipes = [context.Pipe() for _ in range(size)]
+        ranks = [context.Process(target=_rank, args=(theirs, r, a.num_seqs))
+                 for r, (_, theirs) in enumerate(pipes)]
+        for rank in ranks:
+            rank.start()
+        rank_0 = pipes[0][0]
+        sending = receiving = 0.0
         for _ in range(REPEATS):
+            start = time.perf_counter()
             for ours, _ in pipes:
                 ours.send_bytes(data)
-        sending = (time.perf_counter() - start) / REPEATS
+            sending += time.perf_counter() - start
+            rank_0.poll(None)  # what the engine's handle does, with a timeout
+            start = time.perf_counter()
+            rank_0.recv()
+            receiving += time.perf_counter() - start
+        start = time.perf_counter()
+        for _ in range(REPEATS):
+            rank_0.send_bytes(b"t")
+            rank_0.recv()
+        round_trip = (time.perf_counter() - start) / REPEATS
         for ours, _ in pipes:
             ours.send_bytes(b"stop")
-        for worker in workers:
-            worker.join()
-        print(f"TP={count + 1}: rank 0 spends {(pickling + sending) * 1e6:.0f} us per step "
-              f"(sends {sending * 1e6:.0f} us)")
+        for rank in ranks:
+            rank.join()
+        sending, receiving = sending / REPEATS, receiving / REPEATS
+        print(f"TP={size}: the engine spends {(pickling + sending + receiving) * 1e6:.0f} us per "
+              f"step (sends {sending * 1e6:.0f} us to {size} ranks, receives rank 0's tokens in "
+              f"{receiving * 1e6:.0f} us); the tokens' round trip takes {round_trip * 1e6:.0f} us")
 
 
 if __name__ == "__main__":

@@ -165,6 +165,12 @@ def test_bench_profile_needs_a_gpu_and_says_so_before_loading(tmp_path, capsys):
     assert code == 2 and "--profile measures a GPU's busy time" in err
 
 
+def test_bench_profile_refuses_tensor_parallelism_before_loading(tmp_path, capsys):
+    code, _, err = run(capsys, "bench", str(tmp_path / "no-model-here"), "--profile",
+                       "--tensor-parallel-size", "2")
+    assert code == 2 and "--profile needs --tensor-parallel-size 1" in err
+
+
 def test_bench_builds_a_random_weight_model_into_the_cache(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("NANOFN_CACHE", str(tmp_path))
     code, out, err = run(capsys, "bench", "--random-weights", "qwen3-tiny", "--num-seqs", "2",

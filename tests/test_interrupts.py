@@ -150,26 +150,27 @@ def test_requests_the_core_does_not_know_are_an_error_not_a_spin(tiny_qwen3):
 @pytest.mark.parametrize("tensor_parallel_size", [1, 2], ids=["tp1", "tp2-gloo"])
 def test_ctrl_c_during_a_launch_waits_for_the_launch_to_end(tiny_qwen3, reference, monkeypatch,
                                                             tensor_parallel_size):
-    """A real SIGINT in the middle of a launch (with two ranks: after the plan reached the
-    worker, before rank 0 ran it) is held back until the launch is whole, then interrupts."""
+    """A real SIGINT in the middle of a launch (with two ranks: after the plan reached rank 0,
+    as it is sent to rank 1) is held back until the launch is whole, then interrupts."""
     import os
     import signal
 
     with LLM(str(tiny_qwen3), num_kv_blocks=24, max_model_len=128,
              tensor_parallel_size=tensor_parallel_size) as llm:
         runner = llm.engine.loop.runner
-        inner = runner.runner if tensor_parallel_size > 1 else runner
+        owner, name = (runner, "launch") if tensor_parallel_size == 1 else (runner._pipes[1],
+                                                                             "send_bytes")
         for k in (1, 4):
             calls = itertools.count(1)
-            launch = inner.launch
+            original = getattr(owner, name)
 
-            def launch_with_ctrl_c(plan, launch=launch, calls=calls, k=k):
+            def with_ctrl_c(*args, original=original, calls=calls, k=k):
                 if next(calls) == k:
                     os.kill(os.getpid(), signal.SIGINT)
-                return launch(plan)
+                return original(*args)
 
             with monkeypatch.context() as patch:
-                patch.setattr(inner, "launch", launch_with_ctrl_c)
+                patch.setattr(owner, name, with_ctrl_c)
                 with pytest.raises(KeyboardInterrupt):
                     llm.generate(PROMPTS, PARAMS, use_tqdm=False)
             assert_clean(llm)

@@ -413,7 +413,11 @@ def run_bench(args: argparse.Namespace) -> int:
         if value is not None and value <= 0:
             raise UsageError(f"--{flag.replace('_', '-')} must be positive, got {value}")
     device = _device_name(args.device or "auto")
-    if args.profile and device == "cpu":  # before the model loads
+    if args.profile and (args.tensor_parallel_size or 1) > 1:  # before the model loads
+        raise UsageError("--profile needs --tensor-parallel-size 1: with several ranks the GPUs "
+                         "are driven by worker processes, whose CUDA events the engine cannot "
+                         "read")
+    if args.profile and device == "cpu":
         raise UsageError("--profile measures a GPU's busy time: it needs a CUDA device")
     model = (args.model or (random_weights_model(args.random_weights) if args.random_weights
                             else demo_model()))

@@ -1,44 +1,53 @@
-"""Tensor parallelism: rank 0 runs in the engine's process, ranks 1.. in worker processes.
+"""Tensor parallelism: every rank, rank 0 included, runs in a worker process of its own.
 
 Every rank holds its shard of the weights and of the KV cache (its share of the KV heads) and
 runs every plan; the layers' collectives go through ``torch.distributed`` (NCCL on GPUs, gloo on
-CPUs). Plans reach the workers through pipes; only rank 0 samples, and its tokens are the
-result.
+CPUs). The engine's process pickles each plan once and sends it to every rank through pipes;
+rank 0 alone samples (within the plan's token bitmask, which goes to it alone) and sends its
+tokens back, in launch order.
 
-A watchdog thread in rank 0 watches the workers: each beats a heart (a shared timestamp, from
-a thread of its own, so that a rank busy in a long step still beats). A worker that exits, or
-whose heart stops for ``UNRESPONSIVE_AFTER`` seconds (a stopped process), is recorded with its
-traceback and killed, which breaks the collectives rank 0 may wait in; rank 0's next call (or
-the one that was waiting) raises a ``WorkerFailure`` naming the rank. The executor is broken
-from then on: every call raises the same error, and ``close`` only cleans up.
+Why rank 0 is not in the engine's process: a rank whose peer dies can stay stuck for good
+inside a C call (its NCCL kernels wait for the dead peer, and so do the device waits queued
+behind them and NCCL's own abort), where no Python code runs, signal handlers included. The
+engine's process joins no process group and never waits on a device, only on pipes with
+timeouts: it always notices a failure, raises it, and kills the ranks.
+
+A watchdog thread watches the workers: each beats a heart (a shared timestamp, from a thread of
+its own, so that a rank busy in a long step still beats). A worker that exits, raises (it sends
+its traceback), or whose heart stops for ``UNRESPONSIVE_AFTER`` seconds (a stopped process)
+is recorded, and every worker is killed: the others may be stuck waiting for it, and the group
+is broken anyway. The engine's next call (or the one waiting) raises a ``WorkerFailure`` naming
+the rank; every later call raises the same error, and ``close`` only cleans up.
 """
 
 from __future__ import annotations
 
 import contextlib
 import multiprocessing
+import os
 import pickle
+import queue
+import signal
 import socket
 import threading
 import time
 import traceback
-import warnings
 from dataclasses import replace
 from datetime import timedelta
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
 
 from nanofn.runner.model_runner import ModelRunner, RunnerConfig
-from nanofn.runner.sampler import DeviceSample
-from nanofn.state.plan import BatchPlan, TokenBitmask
+from nanofn.state.plan import BatchPlan, SampleOutput, TokenBitmask
 
 COLLECTIVE_TIMEOUT = timedelta(minutes=5)
 STOP = b"stop"  # tells a worker to leave (a pickled plan never equals it)
 HEARTBEAT_S = 0.5
 UNRESPONSIVE_AFTER = 8.0  # seconds without a heartbeat before a worker counts as stopped
-RELEASE_AFTER_FAILURE_S = 20.0  # the most close() waits for rank 0's device after a failure
+POLL_S = 0.1  # how often a wait for rank 0's tokens looks for a failure
+LEAVE_S = 10.0  # the most close() waits for a worker to leave before killing it
 
 
 class WorkerFailure(RuntimeError):
@@ -46,65 +55,92 @@ class WorkerFailure(RuntimeError):
 
 
 class TensorParallelExecutor:
+    """A ``Runner`` over ``config.tp_size`` worker processes, one per rank."""
+
     def __init__(self, hf_config: Any, config: RunnerConfig):
-        size = config.tp_size
         _dump_stacks_later()
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         context = multiprocessing.get_context("spawn")
-        self._pipes, self._workers, self._hearts = [], [], []
-        self._failure: str | None = None  # set by the watchdog
+        self._pipes, self._reports, self._workers, self._hearts = [], [], [], []
+        self._failure: str | None = None  # set once, by the first check that finds one
+        self._tracebacks: dict[int, tuple[float, str]] = {}  # rank -> (when, traceback) it sent
+        self._checking = threading.Lock()  # one check at a time, none after close
         self._closed = threading.Event()
-        for rank in range(1, size):
+        self._results: dict[int, SampleOutput] = {}  # received, by launch index, not yet taken
+        self._num_launched = self._num_received = 0
+        for rank in range(config.tp_size):
             ours, theirs = context.Pipe()
+            reports, report_end = context.Pipe(duplex=False)
             heart = context.Value("d", time.monotonic(), lock=False)
             worker = context.Process(target=_worker_main, daemon=True, name=f"nanofn-tp{rank}",
                                      args=(hf_config, _rank_config(config, rank), init_method,
-                                           theirs, heart))
+                                           theirs, report_end, heart))
             worker.start()
+            theirs.close()  # the worker holds its ends: its death reads as an end of file here
+            report_end.close()
             self._pipes.append(ours)
+            self._reports.append(reports)
             self._workers.append(worker)
             self._hearts.append(heart)
         try:
             self._wait_for_workers()
             threading.Thread(target=self._watch, name="nanofn-tp-watchdog", daemon=True).start()
-            own = _rank_config(config, 0)
-            _join_group(own, init_method)
-            self.runner = self._guarded(ModelRunner, hf_config, own)
+            ready = [self._receive(pipe) for pipe in self._pipes]  # once each runner is built
+            self.num_blocks, self.dtype = ready[0]  # (the ranks agreed on the blocks)
         except BaseException:
             self.close()
             raise
 
     @property
-    def num_blocks(self) -> int:
-        return self.runner.num_blocks
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.runner.dtype
-
-    @property
-    def timeline(self):
-        return self.runner.timeline
+    def timeline(self) -> None:
+        return None
 
     @timeline.setter
     def timeline(self, timeline) -> None:
-        self.runner.timeline = timeline
+        if timeline is not None:
+            raise ValueError("a device timeline (profiling) needs tensor_parallel_size 1: with "
+                             "several ranks the devices are driven by worker processes, whose "
+                             "CUDA events the engine's process cannot read")
 
-    def launch(self, plan: BatchPlan, token_bitmask: TokenBitmask | None = None) -> _WatchedSample:
-        """Every rank runs the plan; rank 0 alone samples, so the mask stays here."""
+    def launch(self, plan: BatchPlan, token_bitmask: TokenBitmask | None = None) -> RankZeroTokens:
+        """Send the plan to every rank, pickled once; the mask, if any, goes ahead of rank 0's
+        copy (rank 0 alone samples)."""
         self._raise_if_failed()
-        message = pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL)  # once for all workers
-        self._guarded(self._send, message)
-        masked = () if token_bitmask is None else (token_bitmask,)
-        return _WatchedSample(self, self._guarded(self.runner.launch, plan, *masked))
+        message = pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL)
+        self._guarded(self._send, message, token_bitmask)
+        self._num_launched += 1
+        return RankZeroTokens(self, self._num_launched - 1)
 
-    def _send(self, message: bytes) -> None:
+    def _send(self, message: bytes, token_bitmask: TokenBitmask | None) -> None:
+        if token_bitmask is not None:
+            self._pipes[0].send_bytes(pickle.dumps(token_bitmask, protocol=pickle.HIGHEST_PROTOCOL))
         for pipe in self._pipes:
             pipe.send_bytes(message)
 
+    def _collect(self, index: int, timeout: float) -> bool:
+        """Whether the tokens of launch ``index`` are here, reading what rank 0 sent (in launch
+        order) for up to ``timeout`` seconds; raises a failed worker's ``WorkerFailure``."""
+        self._raise_if_failed()
+        rank_0 = self._pipes[0]
+        while index not in self._results and self._guarded(rank_0.poll, timeout):
+            self._results[self._num_received] = self._guarded(rank_0.recv)
+            self._num_received += 1
+        return index in self._results
+
+    def _take(self, index: int) -> SampleOutput:
+        while not self._collect(index, POLL_S):
+            pass
+        return self._results.pop(index)
+
+    def _receive(self, pipe) -> Any:
+        """The next message from a worker, watching for failures meanwhile."""
+        while not self._guarded(pipe.poll, POLL_S):
+            self._raise_if_failed()
+        return self._guarded(pipe.recv)
+
     def _guarded(self, call, *args):
         """``call(*args)``, with a failure of any kind while a worker has failed reported as
-        that worker's failure (a collective broken by its death, a pipe it closed...)."""
+        that worker's failure (a pipe it closed by dying...)."""
         try:
             return call(*args)
         except Exception as error:
@@ -118,48 +154,24 @@ class TensorParallelExecutor:
             raise WorkerFailure(self._failure)
 
     def close(self) -> None:
-        """Stop the workers (killing any that does not leave) and leave the group; quiet,
-        also after a worker failed."""
-        self._closed.set()
+        """Stop the workers, killing any that does not leave within ``LEAVE_S`` seconds (no
+        process group lives here, so nothing in this process can hang on them); quiet, also
+        after a failure."""
+        with self._checking:
+            self._closed.set()
         for pipe, worker in zip(self._pipes, self._workers):
             if worker.is_alive():
                 with contextlib.suppress(OSError):
                     pipe.send_bytes(STOP)
+        deadline = time.monotonic() + LEAVE_S
         for worker in self._workers:
-            worker.join(timeout=10 if self._failure is None else 1)
+            worker.join(timeout=max(0.0, deadline - time.monotonic()))
             if worker.is_alive():
                 worker.kill()
                 worker.join(timeout=5)
-        self._pipes, self._workers = [], []
-        if self._failure is None:
-            self._release()
-            return
-        # A dead rank leaves this rank's collective kernels waiting for it on the device, and
-        # freeing memory waits for them: release in a thread of its own, so that close()
-        # returns whatever the device does.
-        release = threading.Thread(target=self._release_after_failure, daemon=True)
-        release.start()
-        release.join(RELEASE_AFTER_FAILURE_S)
-        if release.is_alive():
-            warnings.warn(f"rank 0 could not give its device memory back within "
-                          f"{RELEASE_AFTER_FAILURE_S:.0f} s of the failure of another rank; "
-                          f"it is held until this process exits", RuntimeWarning, stacklevel=2)
-
-    def _release(self) -> None:
-        """Rank 0's runner first (see ``_leave_group``), then the group."""
-        if hasattr(self, "runner"):
-            self.runner.close()
-        _leave_group_quietly()
-
-    def _release_after_failure(self) -> None:
-        """Abort the group first, from a thread of its own: that ends the collective kernels
-        left waiting for the dead rank; then free the runner, whose graphs the abort may wait
-        for."""
-        abort = threading.Thread(target=_leave_group_quietly, daemon=True)
-        abort.start()
-        if hasattr(self, "runner"):
-            self.runner.close()
-        abort.join()
+        for pipe in self._pipes + self._reports:
+            pipe.close()
+        self._pipes, self._reports, self._workers = [], [], []
 
     def _watch(self) -> None:
         while not self._closed.wait(HEARTBEAT_S):
@@ -168,38 +180,52 @@ class TensorParallelExecutor:
                 return
 
     def _check_workers(self, wait_s: float = 0.0) -> None:
-        """Record the first worker that has exited or stopped beating (waiting up to
-        ``wait_s`` for it to show), and kill the stopped one."""
+        """Record a failure if a worker has failed (waiting up to ``wait_s`` for one to show)."""
         deadline = time.monotonic() + wait_s
-        while self._failure is None:
-            for rank, (pipe, worker, heart) in enumerate(
-                    zip(self._pipes, self._workers, self._hearts), start=1):
-                report = ""
-                with contextlib.suppress(OSError, EOFError):
-                    if pipe.poll():
-                        report = f":\n{pipe.recv()}"
-                if not worker.is_alive():
-                    self._failure = (f"tensor-parallel rank {rank} exited (code "
-                                     f"{worker.exitcode}){report}")
-                elif time.monotonic() - heart.value > UNRESPONSIVE_AFTER:
-                    worker.kill()
-                    self._failure = (f"tensor-parallel rank {rank} stopped responding (no "
-                                     f"heartbeat for {UNRESPONSIVE_AFTER:.0f} s) and was "
-                                     f"killed{report}")
-                elif report:
-                    self._failure = f"tensor-parallel rank {rank} failed{report}"
-                if self._failure is not None:
-                    return
-            if time.monotonic() >= deadline:
+        while True:
+            with self._checking:
+                if self._failure is None and not self._closed.is_set():
+                    self._failure = self._find_failure()
+            if self._failure is not None or time.monotonic() >= deadline:
                 return
             time.sleep(HEARTBEAT_S / 5)
+
+    def _find_failure(self) -> str | None:
+        """The failed rank that most likely broke the others, as a ``WorkerFailure`` message,
+        and every worker killed; None if all are well. A rank that died without a word (killed,
+        crashed) or stopped beating comes first: the others' collectives fail because of it;
+        among ranks that raised, the first to raise."""
+        silent, raised = [], []
+        for rank, (worker, heart) in enumerate(zip(self._workers, self._hearts)):
+            alive = worker.is_alive()  # before reading: a dead worker's report is all there
+            with contextlib.suppress(OSError, EOFError):
+                if rank not in self._tracebacks and self._reports[rank].poll():
+                    self._tracebacks[rank] = self._reports[rank].recv()
+            when, report = self._tracebacks.get(rank, (0.0, ""))
+            name = f"tensor-parallel rank {rank}"
+            if not alive:
+                message = f"{name} exited (code {worker.exitcode})"
+                if report:
+                    raised.append((when, f"{message}:\n{report}"))
+                else:
+                    silent.append(message)
+            elif time.monotonic() - heart.value > UNRESPONSIVE_AFTER:
+                silent.append(f"{name} stopped responding (no heartbeat for "
+                              f"{UNRESPONSIVE_AFTER:.0f} s) and was killed")
+            elif report:
+                raised.append((when, f"{name} failed:\n{report}"))
+        if not silent and not raised:
+            return None
+        for worker in self._workers:
+            worker.kill()
+        return silent[0] if silent else min(raised)[1]
 
     def _wait_for_workers(self) -> None:
         """Each worker says hello before joining the process group; one that dies first
         (typically: a script without a main guard re-running itself) is reported at once
         instead of after the rendezvous timeout."""
-        for rank, (pipe, worker) in enumerate(zip(self._pipes, self._workers), start=1):
-            while not pipe.poll(0.1):
+        for rank, (pipe, worker) in enumerate(zip(self._pipes, self._workers)):
+            while not pipe.poll(POLL_S):
                 if not worker.is_alive():
                     raise RuntimeError(
                         f"tensor-parallel rank {rank} exited while starting (code "
@@ -209,21 +235,18 @@ class TensorParallelExecutor:
             pipe.recv()
 
 
-class _WatchedSample:
-    """Rank 0's sampled tokens; waiting for them reports a failed worker as such."""
+class RankZeroTokens:
+    """A launched plan's sampled tokens, which rank 0 sends back; waiting for them raises a
+    failed worker's ``WorkerFailure`` within seconds rather than waiting for ever."""
 
-    def __init__(self, executor: TensorParallelExecutor, sample: DeviceSample):
-        self._executor, self._sample = executor, sample
+    def __init__(self, executor: TensorParallelExecutor, index: int):
+        self._executor, self._index = executor, index
 
     def done(self) -> bool:
-        return self._sample.done()
+        return self._executor._collect(self._index, timeout=0)
 
-    def wait(self):
-        """Spin on the copy's event (as CUDA's own wait does) so that a failed worker, which
-        would leave NCCL's kernels waiting for ever, is noticed."""
-        while not self._sample.done():
-            self._executor._raise_if_failed()
-        return self._executor._guarded(self._sample.wait)
+    def wait(self) -> SampleOutput:
+        return self._executor._take(self._index)
 
 
 def _rank_config(config: RunnerConfig, rank: int) -> RunnerConfig:
@@ -244,23 +267,69 @@ def _join_group(config: RunnerConfig, init_method: str) -> None:
                             world_size=config.tp_size, timeout=COLLECTIVE_TIMEOUT)
 
 
-def _worker_main(hf_config: Any, config: RunnerConfig, init_method: str, pipe, heart) -> None:
+def _worker_main(hf_config: Any, config: RunnerConfig, init_method: str, pipe, reports,
+                 heart) -> None:
+    # Ctrl-C in a terminal reaches the whole process group: it is the engine's to handle.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _dump_stacks_later()
     threading.Thread(target=_beat, args=(heart,), daemon=True).start()
     try:
         pipe.send("started")
         _join_group(config, init_method)
         runner = ModelRunner(hf_config, config)
-        while (message := pipe.recv_bytes()) != STOP:
-            plan = pickle.loads(message)
-            runner.forward(plan)
-            runner.keep_sampled_tokens(plan)
+        pipe.send((runner.num_blocks, runner.dtype))
+        if config.tp_rank == 0:
+            _serve_rank_0(runner, pipe, reports)
+        else:
+            _serve(runner, pipe)
         runner.close()  # first: see _leave_group
-    except Exception:
-        pipe.send(traceback.format_exc())
-        raise
-    finally:
         _leave_group()
+    except Exception:
+        _report_and_exit(reports)
+
+
+def _serve(runner: ModelRunner, pipe) -> None:
+    """Run each plan as it comes, taking rank 0's sampled tokens for the next plan."""
+    while (message := pipe.recv_bytes()) != STOP:
+        plan = pickle.loads(message)
+        runner.forward(plan)
+        runner.keep_sampled_tokens(plan)
+
+
+def _serve_rank_0(runner: ModelRunner, pipe, reports) -> None:
+    """Launch each plan as it comes, within the token bitmask sent ahead of it if any. A thread
+    sends each plan's tokens back once they reach the host, so that this one goes on
+    launching the next plan while the device computes (the overlap of async scheduling)."""
+    samples = queue.SimpleQueue()
+    sender = threading.Thread(target=_send_tokens, args=(samples, pipe, reports), daemon=True)
+    sender.start()
+    token_bitmask = None
+    while (message := pipe.recv_bytes()) != STOP:
+        received = pickle.loads(message)
+        if isinstance(received, TokenBitmask):
+            token_bitmask = received
+            continue
+        samples.put(runner.launch(received, token_bitmask))
+        token_bitmask = None
+    samples.put(None)
+    sender.join()
+
+
+def _send_tokens(samples: queue.SimpleQueue, pipe, reports) -> None:
+    try:
+        while (sample := samples.get()) is not None:
+            pipe.send(sample.wait())
+    except Exception:
+        _report_and_exit(reports)
+
+
+def _report_and_exit(reports) -> NoReturn:
+    """Send the engine the current exception's traceback, and leave at once: leaving the
+    process group or freeing device memory may hang behind a dead peer, and the engine has
+    what it needs to say what happened."""
+    with contextlib.suppress(OSError):
+        reports.send((time.monotonic(), traceback.format_exc()))
+    os._exit(1)
 
 
 def _beat(heart) -> None:
@@ -269,11 +338,6 @@ def _beat(heart) -> None:
     while True:
         heart.value = time.monotonic()
         time.sleep(HEARTBEAT_S)
-
-
-def _leave_group_quietly() -> None:
-    with contextlib.suppress(Exception):
-        _leave_group()
 
 
 def _leave_group() -> None:
@@ -294,7 +358,6 @@ def _dump_stacks_later() -> None:
     where a rank waits; from faulthandler's own thread, so also when the main thread is stuck
     inside a C call; not under pytest, whose faulthandler plugin cancels the timer)."""
     import faulthandler
-    import os
     after = os.environ.get("NANOFN_DUMP_STACKS_AFTER")
     if after:
         faulthandler.dump_traceback_later(float(after), repeat=True, exit=False)
