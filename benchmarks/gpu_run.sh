@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: the GPU test suite, then the benchmarks, logs under $OUT and a
-# short table last. Usage: bash benchmarks/gpu_run.sh [tests|bench|all|kernels|baseline] (default: all;
+# short table last; the logs come back as $OUT/logs-MODE.tgz. Usage: bash benchmarks/gpu_run.sh
+# [tests|bench|all|kernels|serve|tp|baseline] (default: all;
 # baseline: the torch reference attention, eager, for comparison)
 # Expects the wheels of ../shared/tools/gpu-wheels.sh in .whl/ (pyrsistent is missing there);
 # set NANOFN_COMMIT to the commit being measured (the device copy has no .git).
@@ -91,3 +92,7 @@ for f in sorted(out.glob("single-*.json")):
     d = json.loads(f.read_text())
     print(f"| {f.stem} | prefill {d['prefill_ms']:.0f} ms | {d['decode_tok_s']:,.0f} | {d['fraction_of_floor']:.1%} |")
 PY
+# At most 8 files come back from a device call: this run's logs travel in one archive each
+# (logs-MODE.tgz; earlier runs' archives in the same call are left as they are).
+(cd "$OUT" && tar czf "/tmp/logs-$what.tgz" --exclude='logs-*.tgz' . \
+  && find . -type f ! -name 'logs-*.tgz' -delete && mv "/tmp/logs-$what.tgz" .)
