@@ -26,14 +26,10 @@ async def one_request(url: str, headers: dict, body: dict) -> dict:
     body by closing the connection and each server-sent event is one line; only the usage
     chunk is parsed as JSON. The openai client costs ~0.4 ms of client CPU per chunk, which
     made the client, not the server, the bottleneck at 64 streams."""
-    host, port = url.split("//", 1)[1].split(":")
     payload = json.dumps(body).encode()
-    head = "".join(f"{k}: {v}\r\n" for k, v in {**headers, "Host": host,
-                                                   "Content-Type": "application/json",
-                                                   "Content-Length": len(payload)}.items())
     start = time.perf_counter()
-    reader, writer = await asyncio.open_connection(host, int(port), limit=1 << 22)
-    writer.write(f"POST /v1/completions HTTP/1.0\r\n{head}\r\n".encode() + payload)
+    reader, writer = await _send(url, "POST /v1/completions", {
+        **headers, "Content-Type": "application/json", "Content-Length": len(payload)}, payload)
     status = await reader.readline()
     if b" 200 " not in status:
         raise RuntimeError(f"{status.decode().strip()}: {(await reader.read()).decode()[:300]}")
@@ -92,11 +88,18 @@ async def run(a) -> dict:
             "itl_p99_ms": float(np.percentile(itl, 99) * 1e3)}
 
 
-async def first_model(url: str, headers: dict) -> str:
-    host, port = url.split("//", 1)[1].split(":")
-    reader, writer = await asyncio.open_connection(host, int(port))
+async def _send(url: str, request_line: str, headers: dict, payload: bytes = b""):
+    """Open a connection to ``url`` (``http://HOST:PORT``) and send an HTTP/1.0 request; the
+    connection's reader and writer."""
+    host, port = url.split("//", 1)[1].rstrip("/").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port), limit=1 << 22)
     head = "".join(f"{k}: {v}\r\n" for k, v in {**headers, "Host": host}.items())
-    writer.write(f"GET /v1/models HTTP/1.0\r\n{head}\r\n".encode())
+    writer.write(f"{request_line} HTTP/1.0\r\n{head}\r\n".encode() + payload)
+    return reader, writer
+
+
+async def first_model(url: str, headers: dict) -> str:
+    reader, writer = await _send(url, "GET /v1/models", headers)
     response = await reader.read()
     writer.close()
     return json.loads(response.split(b"\r\n\r\n", 1)[1])["data"][0]["id"]

@@ -154,6 +154,7 @@ def test_releasing_a_block_twice_is_an_error():
     (request("a", [1, "7"]), "prompt token id '7' is not an integer"),
     (request("a", [1, 2**70]), f"prompt token id {2**70} is not an integer"),
     (request("a", [[1, 2]]), r"prompt token id \[1, 2\] is not an integer"),
+    (request("a", [1, [2, 3]]), r"prompt token id \[2, 3\] is not an integer"),
     (request("", [1]), "request_id must be a non-empty string"),
     (request("a", [1], SamplingParams(n=2)), "n=2"),
     (request("a", [1], SamplingParams(stop_token_ids=[5, 1000])), r"stop_token_ids \[1000\] are not"),

@@ -86,8 +86,7 @@ class EngineLoop:
         self.async_scheduling = async_scheduling
         self._state = state
         self._trace = trace
-        self._new: list[NewSeq] = []
-        self._new_ids: set[str] = set()  # of self._new
+        self._new: dict[str, NewSeq] = {}  # by id, in arrival order
         self._aborts: list[str] = []
         self._dirty: list[int] = []  # blocks a failed launch may have written
         # launched, not waited for: (launch index, plan, its tokens on their way)
@@ -116,11 +115,10 @@ class EngineLoop:
         state = self._state
         if new.seq_id not in state.live_ids and has_token_in_flight(state, new.seq_id):
             new = NewSeq(f"{new.seq_id}~{next(self._renames)}", new.prompt_token_ids, new.params)
-        if new.seq_id in self._new_ids:
+        if new.seq_id in self._new:
             raise InvalidRequest(f"request_id {new.seq_id!r} is already in use")
         check_new_seq(state, new)
-        self._new.append(new)
-        self._new_ids.add(new.seq_id)
+        self._new[new.seq_id] = new
         return new.seq_id
 
     def abort(self, seq_id: str) -> None:
@@ -181,7 +179,7 @@ class EngineLoop:
             stop_hits = self._shown[1]
         events = Events(sampled=None if delivered is None else delivered.output.token_ids,
                         stop_hits=stop_hits, aborts=tuple(self._aborts),
-                        new_seqs=tuple(self._new), dirty_blocks=tuple(self._dirty))
+                        new_seqs=tuple(self._new.values()), dirty_blocks=tuple(self._dirty))
         state, plan = step(self._state, events)
         interrupted = False
         if not plan.is_empty:
@@ -200,7 +198,7 @@ class EngineLoop:
         # Committed: from here on, what an interruption leaves is finished by the next call.
         self._state, self._ready, self._shown = state, None, None
         self._num_delivered += delivered is not None
-        self._new, self._new_ids, self._aborts, self._dirty = [], set(), [], []
+        self._new, self._aborts, self._dirty = {}, [], []
         self._untraced = (events, plan) if self._trace is not None else None
         self._launched_alone = not plan.is_empty and len(self._in_flight) == 1
         self._unreported = LoopStep(plan, delivered, state.finished)

@@ -75,7 +75,10 @@ def _token_array(prompt, vocab_size: int | None) -> np.ndarray | None:
     token's type doubled that, and runs twice per request): a float, a string or an id past
     int64 turns the array's type, which is then refused; ``True``/``False`` read as 1 and 0,
     as numpy and vLLM take them."""
-    array = np.asarray(prompt)
+    try:
+        array = np.asarray(prompt)
+    except ValueError:  # ragged: a list among the ids
+        return None
     if (array.ndim == 1 and array.dtype.kind in "iub" and array.min() >= 0
             and (vocab_size is None or array.max() < vocab_size)):
         return array.astype(np.int64, copy=False)
