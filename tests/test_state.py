@@ -16,7 +16,7 @@ from nanofn.state import (Events, FinishReason, InvalidRequest, NewSeq, Sampling
                           header_line, initial_state, parse_trace, replay, step, step_line)
 from nanofn.state.block_pool import CachedBlock, PoolChanges, find_cached_prefix, new_block_pool
 from nanofn.state.engine_state import EngineState, evolve
-from nanofn.state.hashing import ROOT_HASH, block_hash, token_bytes
+from nanofn.state.hashing import ROOT_HASH, block_hash, block_hashes, token_bytes
 from nanofn.state.plan import PENDING_TOKEN
 from nanofn.state.policy import banned_token_ids, may_stop, stops_on
 
@@ -112,6 +112,18 @@ def test_allocation_takes_plain_blocks_before_evicting_cached_ones_least_recent_
     assert third == b and len(pool.by_hash) == 1
     pool, (fourth,) = allocate(pool, 1)
     assert fourth == a and len(pool.by_hash) == 0
+
+
+def test_block_hashes_chain_each_block_to_its_prefix():
+    """Equal blocks behind different prefixes hash differently; a prompt's hashes are each
+    block's ``block_hash`` under the one before."""
+    tokens = [5, 6, 7, 8, 1, 2, 1, 2]
+    hashes = block_hashes(tokens, 2)
+    assert hashes[2] != hashes[3]  # the same block [1, 2], after different prefixes
+    parent = ROOT_HASH
+    for i, h in enumerate(hashes):
+        assert h == block_hash(parent, tokens[2 * i:2 * i + 2])
+        parent = h
 
 
 def test_a_hash_hit_is_confirmed_against_the_stored_tokens():
