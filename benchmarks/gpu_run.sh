@@ -62,6 +62,9 @@ if [ "$what" = tp ]; then  # two GPUs: TP=2 parity, worker faults, TP=1 and TP=2
     | tee "$OUT/gpu_tp_faults.log" | tail -30
   bench qwen3-8b-tp1 --random-weights qwen3-8b --profile
   bench qwen3-8b-tp2 --random-weights qwen3-8b --tensor-parallel-size 2
+  # every worker is a spawned process: none may outlive the runs above
+  echo "worker processes left: $(pgrep -fc multiprocessing.spawn)" | tee "$OUT/tp_leftover.txt"
+  nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader | tee -a "$OUT/tp_leftover.txt"
 fi
 if [ "$what" = serve ]; then  # needs fastapi, uvicorn, prometheus_client, openai wheels in .whl/
   model=$(python3 -c "from nanofn.cli import random_weights_model as r; print(r('qwen3-0.6b'))")
