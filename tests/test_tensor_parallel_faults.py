@@ -25,15 +25,17 @@ PROMPTS = [[3 + i, 7, 11, 13] for i in range(4)]
 
 
 def fault_mid_generate(tiny_qwen3, rank: int, signum: int) -> tuple[str, float, list]:
-    """Send ``signum`` to ``rank`` a moment into a long generate; the error, the seconds from
+    """Send ``signum`` to ``rank`` 20 steps into a long generate; the error, the seconds from
     the signal to the error, and the worker processes. ``close`` must take no time: the
-    failure ended every worker."""
+    failure ended every worker. (Counted in steps, not seconds: on a GPU the tiny model's
+    whole generate takes under a second.)"""
     llm = LLM(str(tiny_qwen3), tensor_parallel_size=2, max_model_len=1024, num_kv_blocks=512)
-    workers = list(llm.engine.runner._workers)
+    runner, workers = llm.engine.runner, list(llm.engine.runner._workers)
     sent = []
 
     def send():
-        time.sleep(1.0)
+        while runner._num_launched < 20:
+            time.sleep(0.001)
         sent.append(time.monotonic())
         os.kill(workers[rank].pid, signum)
 

@@ -28,7 +28,6 @@ import os
 import pickle
 import queue
 import signal
-import socket
 import threading
 import time
 import traceback
@@ -59,7 +58,11 @@ class TensorParallelExecutor:
 
     def __init__(self, hf_config: Any, config: RunnerConfig):
         _dump_stacks_later()
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        # The rendezvous store lives here, on a port the system picks as it listens: a free
+        # port found first and taken later by rank 0 could be taken by another process meanwhile
+        # (NCCL opens many), as one was on two H200s. A store is a key-value server, no group.
+        self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                    timeout=COLLECTIVE_TIMEOUT)
         context = multiprocessing.get_context("spawn")
         self._pipes, self._reports, self._workers, self._hearts = [], [], [], []
         self._failure: str | None = None  # set once, by the first check that finds one
@@ -73,8 +76,8 @@ class TensorParallelExecutor:
             reports, report_end = context.Pipe(duplex=False)
             heart = context.Value("d", time.monotonic(), lock=False)
             worker = context.Process(target=_worker_main, daemon=True, name=f"nanofn-tp{rank}",
-                                     args=(hf_config, _rank_config(config, rank), init_method,
-                                           theirs, report_end, heart))
+                                     args=(hf_config, _rank_config(config, rank),
+                                           self._store.port, theirs, report_end, heart))
             worker.start()
             theirs.close()  # the worker holds its ends: its death reads as an end of file here
             report_end.close()
@@ -172,6 +175,7 @@ class TensorParallelExecutor:
         for pipe in self._pipes + self._reports:
             pipe.close()
         self._pipes, self._reports, self._workers = [], [], []
+        self._store = None  # its server stops with it
 
     def _watch(self) -> None:
         while not self._closed.wait(HEARTBEAT_S):
@@ -257,17 +261,18 @@ def _rank_config(config: RunnerConfig, rank: int) -> RunnerConfig:
     return replace(config, tp_rank=rank, device=device)
 
 
-def _join_group(config: RunnerConfig, init_method: str) -> None:
+def _join_group(config: RunnerConfig, store_port: int) -> None:
     """Join the process group as ``config.tp_rank``, on ``config.device`` (already the rank's
-    own, see ``_rank_config``)."""
+    own, see ``_rank_config``), through the engine's store at ``store_port``."""
     if config.device.type == "cuda":
         torch.cuda.set_device(config.device)
     backend = "nccl" if config.device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=init_method, rank=config.tp_rank,
+    store = dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=COLLECTIVE_TIMEOUT)
+    dist.init_process_group(backend, store=store, rank=config.tp_rank,
                             world_size=config.tp_size, timeout=COLLECTIVE_TIMEOUT)
 
 
-def _worker_main(hf_config: Any, config: RunnerConfig, init_method: str, pipe, reports,
+def _worker_main(hf_config: Any, config: RunnerConfig, store_port: int, pipe, reports,
                  heart) -> None:
     # Ctrl-C in a terminal reaches the whole process group: it is the engine's to handle.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -275,7 +280,7 @@ def _worker_main(hf_config: Any, config: RunnerConfig, init_method: str, pipe, r
     threading.Thread(target=_beat, args=(heart,), daemon=True).start()
     try:
         pipe.send("started")
-        _join_group(config, init_method)
+        _join_group(config, store_port)
         runner = ModelRunner(hf_config, config)
         pipe.send((runner.num_blocks, runner.dtype))
         if config.tp_rank == 0:
@@ -361,9 +366,3 @@ def _dump_stacks_later() -> None:
     after = os.environ.get("NANOFN_DUMP_STACKS_AFTER")
     if after:
         faulthandler.dump_traceback_later(float(after), repeat=True, exit=False)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
