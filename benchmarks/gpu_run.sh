@@ -40,7 +40,7 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
   bench triton-graphs --profile
   bench triton-graphs-again --profile
   bench shared-prefix --workload shared-prefix --profile
-  single triton-graphs
+  single triton-graphs --trace "$OUT/prefill"
   for b in 1 256; do
     timeout 120 python3 benchmarks/profile_decode.py --random-weights qwen3-0.6b --batch $b \
       --host-only > "$OUT/profile-$b.txt" 2>&1

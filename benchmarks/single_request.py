@@ -1,10 +1,11 @@
 """Decode speed of one request alone: a 512-token prompt, 512 new tokens (ignore_eos).
 
 Usage: python benchmarks/single_request.py (MODEL | --random-weights qwen3-0.6b) [--json PATH]
-       [LLM options as --key=value, e.g. --enforce-eager=true --kernel-backend=torch]
+       [--trace DIR] [LLM options as --key=value, e.g. --enforce-eager=true --kernel-backend=torch]
 
 Times one generate of 1 token (the prefill) and one of 513 tokens on another prompt of the
-same length; decode tok/s = 512 / the difference. The floor is shared/tools/roofline.py's single-
+same length; decode tok/s = 512 / the difference. --trace profiles one more prefill with
+torch.profiler: DIR gets its operator tables (host and device time) and a Chrome trace. The floor is shared/tools/roofline.py's single-
 request figure: every decode step reads all weights and the request's own K/V.
 """
 
@@ -30,6 +31,7 @@ def main() -> None:
     ap.add_argument("model", nargs="?")
     ap.add_argument("--random-weights")
     ap.add_argument("--json")
+    ap.add_argument("--trace", help="a folder for a torch.profiler record of one more prefill")
     args, extra = ap.parse_known_args()
     options = {"max_model_len": 4096, **_options(extra)}
     model = args.model or random_weights_model(args.random_weights)
@@ -51,6 +53,8 @@ def main() -> None:
           f"{floor_tok_s:,.0f} tok/s)")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
+    if args.trace:
+        _trace_prefill(llm, prompts[0][::-1], Path(args.trace))
 
 
 def _time(llm: LLM, prompt: list[int], max_tokens: int) -> float:
@@ -58,6 +62,28 @@ def _time(llm: LLM, prompt: list[int], max_tokens: int) -> float:
     start = time.perf_counter()
     llm.generate([prompt], params, use_tqdm=False)
     return time.perf_counter() - start
+
+
+def _trace_prefill(llm: LLM, prompt: list[int], folder: Path) -> None:
+    """Where the prefill's time goes: host operators by their own time, device kernels by
+    theirs, and the timeline to open in Perfetto."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(ProfilerActivity.CUDA)
+    folder.mkdir(parents=True, exist_ok=True)
+    with profile(activities=activities) as record:
+        _time(llm, prompt, 1)
+    table = record.key_averages()
+    sections = [("host, by own time", "self_cpu_time_total")]
+    if torch.cuda.is_available():
+        sections.append(("device, by own time", "self_device_time_total"))
+    text = "\n\n".join(f"{title}\n{table.table(sort_by=key, row_limit=30)}"
+                        for title, key in sections)
+    (folder / "prefill-ops.txt").write_text(text)
+    record.export_chrome_trace(str(folder / "prefill-trace.json"))
 
 
 def _options(extra: list[str]) -> dict:
