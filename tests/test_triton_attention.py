@@ -112,6 +112,28 @@ def test_decode_attention_of_a_padding_row_with_no_context_is_finite(interpreter
     torch.testing.assert_close(out[1], reference.decode_attention(*args)[1], **TOLERANCES[torch.float32])
 
 
+def test_decode_partitions_follow_each_sequences_own_length(interpreter):
+    """A short context in a wide block table (a CUDA graph's tables are max_model_len wide) is
+    spread over all the partitions, in whole tiles of 64 keys: 130 keys in 4 partitions take
+    64 + 64 + 2 + 0, 300 keys 128 + 128 + 44 + 0; a partition sized from the table (512 keys
+    / 4) would leave 130 keys to 2 partitions."""
+    head_dim = 16
+    cache = PagedCache([130, 300], 16, 2, head_dim, torch.float32, seed=5, extra_blocks=32)
+    q = random_queries(2, 2, head_dim, torch.float32, seed=6)
+    args = (q, cache.k_cache, cache.v_cache, cache.seq_lens, cache.block_tables, head_dim**-0.5)
+    assert cache.block_tables.shape[1] * 16 >= 512
+
+    _, _, partial_sum = interpreter(triton_attention.decode_partitions, *args, num_splits=4)
+
+    # a row's sum over its partition is at least 2^(-(max - min score)) per key: > 0 iff keys
+    holds_keys = (partial_sum > 0).tolist()
+    assert holds_keys[0] == [[True, True, True, False]] * 2
+    assert holds_keys[1] == [[True, True, True, False]] * 2
+    torch.testing.assert_close(
+        interpreter(triton_attention.decode_attention, *args, num_splits=4),
+        reference.decode_attention(*args), **TOLERANCES[torch.float32])
+
+
 def test_decode_splits_the_context_only_when_the_batch_leaves_the_gpu_idle():
     num_sms = 132
     assert triton_attention.decode_num_splits(256, 8, 2048, num_sms) == 1

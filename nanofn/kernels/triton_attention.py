@@ -6,7 +6,9 @@ Layouts and semantics are those of the torch references in ``nanofn.kernels.atte
 - ``decode_attention``: one program per (sequence, kv head), whose tile rows are the query heads
   of that kv head's GQA group, so each K/V tile is read once per group. For small batches a third
   grid dimension splits the context into partitions ("flash decoding"); a second kernel merges
-  their partial results.
+  their partial results. The host picks the number of partitions; each program sizes its
+  partition from its sequence's own length, which only the device knows (so a short context
+  in a wide block table, as in a CUDA graph, is still spread over every partition).
 - ``prefill_attention``: flash attention, one program per (query tile, kv head). A tile's rows
   are ``BLOCK_M // group`` queries times the group's heads, again reading K/V once per group.
 
@@ -30,7 +32,7 @@ LOG2_E = 1.4426950408889634
 DECODE_BLOCK_N = 64  # keys per decode tile
 PREFILL_BLOCK_M = 128  # rows per prefill query tile: (queries of one sequence) x (heads of one group)
 PREFILL_BLOCK_N = 64  # keys per prefill tile
-MIN_PARTITION_KEYS = 256  # a split-K partition shorter than this costs more to merge than it saves
+MIN_PARTITION_KEYS = 256  # block-table keys per split-K partition, at least (caps the count)
 PROGRAMS_PER_SM = 2  # decode splits the context until the grid has this many programs per SM
 
 
@@ -104,13 +106,14 @@ def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr,
     seq_lens_ptr, block_tables_ptr,
     stride_qb, stride_qh, stride_ob, stride_oh, stride_block, stride_slot, stride_head, stride_table,
-    partition_len, qk_scale,
+    qk_scale,
     GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
     """Program (sequence, kv head, partition): the group's query heads over one context partition.
 
-    With ``SPLIT_K`` it writes the unnormalised output, row max and row sum of its partition
+    The context splits into ``tl.num_programs(2)`` partitions of equal whole tiles (the last
+    ones may be short or empty). With ``SPLIT_K`` it writes the unnormalised output, row max and row sum of its partition
     for ``_decode_merge_kernel``; otherwise (one partition) the final output.
     """
     seq = tl.program_id(0)
@@ -124,6 +127,7 @@ def _decode_kernel(
     q_offsets = seq * stride_qb + heads[:, None] * stride_qh + dims[None, :]
     q = tl.load(q_ptr + q_offsets, mask=row_mask[:, None], other=0.0)
 
+    partition_len = tl.cdiv(tl.cdiv(seq_len, tl.num_programs(2)), BLOCK_N) * BLOCK_N
     key_begin = split * partition_len
     key_end = tl.maximum(tl.minimum(key_begin + partition_len, seq_len), key_begin)
     whole_tiles_end = key_begin + (key_end - key_begin) // BLOCK_N * BLOCK_N
@@ -264,56 +268,72 @@ def decode_attention(
 ) -> torch.Tensor:
     """Attention of one query per sequence (``q`` is ``[B, H, D]``) at its last position.
 
-    ``num_splits`` asks for that many context partitions (split-K; fewer if the block table is
-    too narrow for them); by default ``decode_num_splits`` picks it. A padding row with
+    ``num_splits`` asks for that many context partitions (split-K; no more than the block table
+    has tiles of keys); by default ``decode_num_splits`` picks it. A padding row with
     ``seq_len == 0`` yields zeros.
     """
     batch_size, num_heads, head_dim = q.shape
     _check_layout(k_cache, v_cache, q)
-    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
-    group = num_heads // num_kv_heads
     out = torch.empty(batch_size, num_heads, head_dim, dtype=q.dtype, device=q.device)
     if batch_size == 0:
         return out
+    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     max_context = block_tables.shape[1] * block_size
     if num_splits is None:
         sms = num_sms(q.device, elsewhere=132)  # an H100's, so the interpreter splits alike
         num_splits = decode_num_splits(batch_size, num_kv_heads, max_context, sms)
-    partition_len = _round_up(-(-max_context // num_splits), DECODE_BLOCK_N)
-    num_splits = -(-max_context // partition_len)
-    split_k = num_splits > 1
-    if split_k:
-        partial_shape = (batch_size, num_heads, num_splits)
-        partial_max = torch.empty(partial_shape, dtype=torch.float32, device=q.device)
-        partial_sum = torch.empty(partial_shape, dtype=torch.float32, device=q.device)
-        partial_out = torch.empty(*partial_shape, head_dim, dtype=torch.float32, device=q.device)
-    else:
-        partial_max = partial_sum = partial_out = out  # placeholders: one partition writes out directly
+    num_splits = max(1, min(num_splits, -(-max_context // DECODE_BLOCK_N)))
+    if num_splits == 1:  # the one partition writes the output itself
+        _launch_decode(q, k_cache, v_cache, seq_lens, block_tables, scale, 1, out, (out, out, out))
+        return out
+    partial_out, partial_max, partial_sum = decode_partitions(
+        q, k_cache, v_cache, seq_lens, block_tables, scale, num_splits)
+    _decode_merge_kernel[(batch_size, num_heads)](
+        partial_out, partial_max, partial_sum, out, out.stride(0), out.stride(1), num_splits,
+        HEAD_DIM=head_dim, SPLITS=triton.next_power_of_2(num_splits),
+    )
+    return out
 
-    _decode_kernel[(batch_size, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, out, partial_out, partial_max, partial_sum, seq_lens, block_tables,
+
+def decode_partitions(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
+                      num_splits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Split-K's first half: each partition's unnormalised output ``[B, H, splits, D]``, row
+    max and row sum ``[B, H, splits]`` (base 2, float32), which the merge kernel combines."""
+    batch_size, num_heads, head_dim = q.shape
+    shape = (batch_size, num_heads, num_splits)
+    partial_max = torch.empty(shape, dtype=torch.float32, device=q.device)
+    partial_sum = torch.empty(shape, dtype=torch.float32, device=q.device)
+    partial_out = torch.empty(*shape, head_dim, dtype=torch.float32, device=q.device)
+    partials = (partial_out, partial_max, partial_sum)
+    _launch_decode(q, k_cache, v_cache, seq_lens, block_tables, scale, num_splits, partial_out,
+                   partials)
+    return partials
+
+
+def _launch_decode(q, k_cache, v_cache, seq_lens, block_tables, scale, num_splits, out,
+                   partials) -> None:
+    num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    _decode_kernel[(q.shape[0], num_kv_heads, num_splits)](
+        q, k_cache, v_cache, out, *partials, seq_lens, block_tables,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        partition_len, scale * LOG2_E,
-        GROUP=group, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
-        BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_N=DECODE_BLOCK_N, SPLIT_K=split_k,
-        num_warps=4,
+        scale * LOG2_E,
+        GROUP=group, BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=q.shape[2],
+        BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_N=DECODE_BLOCK_N,
+        SPLIT_K=num_splits > 1, num_warps=4,
     )
-    if split_k:
-        _decode_merge_kernel[(batch_size, num_heads)](
-            partial_out, partial_max, partial_sum, out, out.stride(0), out.stride(1), num_splits,
-            HEAD_DIM=head_dim, SPLITS=triton.next_power_of_2(num_splits),
-        )
-    return out
 
 
 def decode_num_splits(batch_size: int, num_kv_heads: int, max_context: int, num_sms: int) -> int:
     """Context partitions per sequence, from host-known sizes only.
 
     A (sequence, kv head) program per SM leaves most of the GPU idle at small batch sizes, so
-    the context is split until there are about ``PROGRAMS_PER_SM`` programs per SM, keeping every
-    partition at least ``MIN_PARTITION_KEYS`` long. ``max_context`` (block-table width times block
-    size) is an upper bound: the true lengths are on the device.
+    the context is split until there are about ``PROGRAMS_PER_SM`` programs per SM, with at
+    most one partition per ``MIN_PARTITION_KEYS`` keys of ``max_context`` (block-table width
+    times block size): an upper bound, the true lengths are on the device, where each program
+    sizes its partition.
     """
     wanted = -(-PROGRAMS_PER_SM * num_sms // (batch_size * num_kv_heads))
     return max(1, min(wanted, max_context // MIN_PARTITION_KEYS))
@@ -378,11 +398,6 @@ def _prefill_tiles(
     if device.type == "cuda":
         host = host.pin_memory()
     return host.to(device, non_blocking=True)
-
-
-@functools.cache
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
 
 
 def _check_layout(k_cache: torch.Tensor, v_cache: torch.Tensor, *inputs: torch.Tensor) -> None:
