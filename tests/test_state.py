@@ -64,7 +64,7 @@ def test_importing_the_core_loads_no_torch():
 def test_the_core_imports_nothing_impure():
     """An allowlist: records, pure data structures, numpy arrays, hashing and JSON; no torch,
     clocks, randomness, files, processes or logging."""
-    allowed = {"__future__", "collections", "dataclasses", "enum", "functools", "itertools",
+    allowed = {"__future__", "array", "collections", "dataclasses", "enum", "functools", "itertools",
                "json", "struct", "typing", "numpy", "pyrsistent", "xxhash", "nanofn"}
     core = pathlib.Path(__file__).parent.parent / "nanofn" / "state"
     for path in core.glob("*.py"):
@@ -131,9 +131,29 @@ def test_a_hash_hit_is_confirmed_against_the_stored_tokens():
     pool, (block,) = allocate(pool, 1)
     h = block_hash(ROOT_HASH, [1, 2])
     pool = cache_block(pool, block, CachedBlock(h, ROOT_HASH, token_bytes([1, 2])))
-    assert find_cached_prefix(pool, [h], lambda i: token_bytes([1, 2]), limit=1) == [block]
+    assert find_cached_prefix(PoolChanges(pool), [h], token_bytes([1, 2]), limit=1) == [block]
     # A forged collision: same hash, other tokens. It must not count as a hit.
-    assert find_cached_prefix(pool, [h], lambda i: token_bytes([3, 4]), limit=1) == []
+    assert find_cached_prefix(PoolChanges(pool), [h], token_bytes([3, 4]), limit=1) == []
+
+
+def test_a_prefix_hit_ends_at_the_first_block_whose_tokens_or_parent_differ():
+    tokens = [1, 2, 3, 4, 5, 6]
+    hashes = block_hashes(tokens, 2)
+
+    def pool_caching(parents):  # block i holds block i of the tokens, after parents[i]
+        pool, blocks = allocate(new_block_pool(3), 3)
+        for i, (block, h) in enumerate(zip(blocks, hashes)):
+            entry = CachedBlock(h, parents[i], token_bytes(tokens[2 * i:2 * i + 2]))
+            pool = cache_block(pool, block, entry)
+        return PoolChanges(pool), list(blocks)
+
+    pool, blocks = pool_caching([ROOT_HASH, hashes[0], hashes[1]])
+    assert find_cached_prefix(pool, hashes, token_bytes(tokens), limit=3) == blocks
+    assert find_cached_prefix(pool, hashes, token_bytes(tokens), limit=2) == blocks[:2]
+    # forged collisions: block 1's hash over other tokens, block 2's after another parent
+    assert find_cached_prefix(pool, hashes, token_bytes([1, 2, 9, 9, 5, 6]), limit=3) == blocks[:1]
+    pool, blocks = pool_caching([ROOT_HASH, hashes[0], hashes[1] ^ 1])
+    assert find_cached_prefix(pool, hashes, token_bytes(tokens), limit=3) == blocks[:2]
 
 
 def test_content_evicted_and_cached_again_in_one_step_is_counted_once():

@@ -24,7 +24,7 @@ from typing import NamedTuple
 import numpy as np
 from pyrsistent import PVector, pvector
 
-from nanofn.state.hashing import parent_hash_of
+from nanofn.state.hashing import ROOT_HASH
 from nanofn.state.pdict import PDict
 
 NO_STAMP = -1
@@ -157,11 +157,32 @@ class PoolChanges:
     def ref_count(self, block: int) -> int:
         return self._refs[block]
 
+    def num_unowned(self, blocks: Iterable[int]) -> int:
+        """How many of these blocks no sequence owns (cached and free)."""
+        refs = self._refs
+        return sum(1 for block in blocks if refs[block] == 0)
+
     def block_of(self, block_hash: int) -> int | None:
         block = self._new_hashes.get(block_hash)
         if block is None and block_hash not in self._gone_hashes:
             block = self._pool.by_hash.get(block_hash)
         return block
+
+    def cached_run(self, hashes: Iterable[int]) -> list[int]:
+        """The blocks holding ``hashes``, in order, up to the first hash no block holds
+        (``block_of`` for each, inlined: a 2,000-token prefix asks for 128)."""
+        new, gone, get = self._new_hashes, self._gone_hashes, self._pool.by_hash.get
+        blocks = []
+        for block_hash in hashes:
+            block = new.get(block_hash)
+            if block is None:
+                if block_hash in gone:
+                    break
+                block = get(block_hash)
+                if block is None:
+                    break
+            blocks.append(block)
+        return blocks
 
     def entry(self, block: int) -> CachedBlock | None:
         return self._cached[block]
@@ -304,24 +325,26 @@ class PoolChanges:
         )
 
 
-def find_cached_prefix(pool: BlockPool | PoolChanges, block_hashes: Sequence[int],
-                       tokens_of_block, limit: int) -> list[int]:
+def find_cached_prefix(pool: PoolChanges, block_hashes: Sequence[int], data: bytes,
+                       limit: int) -> list[int]:
     """The cached blocks holding the longest prefix of a sequence, at most ``limit`` blocks.
 
-    ``block_hashes[i]`` is the chained hash of the sequence's full block ``i`` and
-    ``tokens_of_block(i)`` its tokens (as ``token_bytes``). A hash hit counts only if the
-    stored tokens and parent hash match too.
+    ``block_hashes[i]`` is the chained hash of the sequence's full block ``i`` and ``data``
+    its tokens (``token_bytes``). A hash hit counts only if the stored tokens and parent hash
+    match too: the hits are checked all at once (one comparison of bytes, one of lists), block
+    by block only past a mismatch, which takes a 64-bit hash collision.
     """
-    lookup = pool.block_of if isinstance(pool, PoolChanges) else pool.by_hash.get
-    entry_of = pool.entry if isinstance(pool, PoolChanges) else pool.cached.__getitem__
-    found: list[int] = []
-    for i in range(min(limit, len(block_hashes))):
-        block = lookup(block_hashes[i])
-        if block is None:
-            break
-        entry = entry_of(block)
-        if entry.parent_hash != parent_hash_of(block_hashes, i) or \
-                entry.token_bytes != tokens_of_block(i):
-            break
-        found.append(block)
+    found = pool.cached_run(block_hashes[:limit])
+    if not found:
+        return found
+    entries = [pool.entry(block) for block in found]
+    width = len(entries[0].token_bytes)
+    parents = [ROOT_HASH, *block_hashes[:len(found) - 1]]
+    if (b"".join(e.token_bytes for e in entries) == data[:len(found) * width]
+            and [e.parent_hash for e in entries] == parents):
+        return found
+    for i, entry in enumerate(entries):
+        if entry.parent_hash != parents[i] or \
+                entry.token_bytes != data[i * width:(i + 1) * width]:
+            return found[:i]
     return found

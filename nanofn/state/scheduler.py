@@ -22,6 +22,7 @@ as it goes. Both give the same schedule: the walk is the definition, the arrays 
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -202,15 +203,14 @@ def admit(pool: PoolChanges, seq: Seq, budget: int, c: SchedulerConfig) -> Admis
     if c.enable_prefix_caching and seq.params.prompt_logprobs is None:
         # Leave at least one token to compute, so that there are logits to sample from.
         limit = (seq.num_tokens - 1) // bs
-        hits = find_cached_prefix(pool, seq.block_hashes,
-                                  lambda i: data[i * width:(i + 1) * width], limit)
+        hits = find_cached_prefix(pool, seq.block_hashes, data, limit)
     cached = len(hits) * bs
     count = seq.num_tokens - cached
     if count > budget:
         if not c.enable_chunked_prefill:
             return None
         count = budget
-    free_hits = sum(1 for b in hits if pool.ref_count(b) == 0)
+    free_hits = pool.num_unowned(hits)
     needed = blocks_for(cached + count, bs) - len(hits)
     if needed > pool.num_free - free_hits:
         return None
@@ -382,8 +382,7 @@ def _gather_tokens(store: SeqStore, rows: np.ndarray, starts: np.ndarray, counts
     """The ids of the scheduled positions laid end to end; ``PENDING_TOKEN`` past the known."""
     if int(counts.sum()) != len(counts):
         rows, known = np.repeat(rows, counts), np.repeat(known, counts)
-        offsets = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
-        starts = np.repeat(starts, counts) + offsets
+        starts = np.repeat(starts, counts) + _counting_up(counts)
     tokens = store.arrays[TOKENS][rows, np.minimum(starts, known - 1)]
     tokens[starts >= known] = PENDING_TOKEN
     return tokens
@@ -406,8 +405,7 @@ def _cache_computed_blocks(store: SeqStore, cols: np.ndarray, starts: np.ndarray
         return
     counts = (new - old)[rows]
     store_rows = np.repeat(cols[rows, ROW], counts)
-    index = np.repeat(old[rows], counts) + np.arange(int(counts.sum())) - np.repeat(
-        np.cumsum(counts) - counts, counts)
+    index = np.repeat(old[rows], counts) + _counting_up(counts)
     parents = np.where(index > 0, store.arrays[HASHES][store_rows, np.maximum(index - 1, 0)], 0)
     tokens = store.arrays[TOKENS][store_rows[:, None], index[:, None] * bs + np.arange(bs)]
     pool.cache_many(store.arrays[TABLES][store_rows, index].tolist(),
@@ -427,11 +425,16 @@ def _block_entries(cols: np.ndarray, grow: np.ndarray, blocks: list[int],
         return np.stack([index_in_plan[grown], cols[grown, NUM_BLOCKS] - 1,
                          np.array(blocks, np.int64)], axis=1)
     first = np.repeat(cols[grown, NUM_BLOCKS] - counts, counts)
-    offsets = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
-    running = np.stack([np.repeat(index_in_plan[grown], counts), first + offsets,
+    running = np.stack([np.repeat(index_in_plan[grown], counts), first + _counting_up(counts),
                         np.array(blocks, np.int64)], axis=1)
-    plan_indices = index_in_plan[num_running:].tolist()
-    admitted = [(i, column, block) for i, a in zip(plan_indices, admissions)
-                for column, block in enumerate(a.blocks)]
-    return np.concatenate([running, np.array(admitted, np.int64).reshape(-1, 3)])
+    lengths = np.array([len(a.blocks) for a in admissions], np.int64)
+    admitted = np.stack([np.repeat(index_in_plan[num_running:], lengths),
+                         _counting_up(lengths),
+                         np.fromiter(itertools.chain.from_iterable(a.blocks for a in admissions),
+                                     np.int64, int(lengths.sum()))], axis=1)
+    return np.concatenate([running, admitted])
 
+
+def _counting_up(counts: np.ndarray) -> np.ndarray:
+    """``0, 1, .., counts[0] - 1, 0, 1, .., counts[1] - 1, ..``: each run's offsets."""
+    return np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
