@@ -16,7 +16,7 @@ import numpy as np
 
 from nanofn.state.batch import NUM_COMPUTED, NUM_HASHED, NUM_TOKENS, ROW, RunningBatch, with_room
 from nanofn.state.block_pool import PoolChanges
-from nanofn.state.hashing import ROOT_HASH, chained_hashes, token_bytes
+from nanofn.state.hashing import ROOT_HASH, chained_hashes, hashes_of_blocks, token_bytes
 from nanofn.state.records import Seq
 from nanofn.state.store import HASHES, TABLES, TOKENS, SeqStore
 
@@ -24,19 +24,42 @@ from nanofn.state.store import HASHES, TABLES, TOKENS, SeqStore
 def hash_pending_blocks(store: SeqStore, cols: np.ndarray, pool: PoolChanges, block_size: int,
                         key: object) -> tuple[SeqStore, np.ndarray]:
     """Hash every row's pending full blocks into the store (``cols`` is writable; ``key``
-    the write key of the batch it comes from), and cache the computed ones."""
+    the write key of the batch it comes from), and cache the computed ones. Rows with one
+    pending block (decoding fills one block at a time) are read and written with array
+    operations, one hash call each; the others block by block."""
     pending = cols[:, NUM_TOKENS] // block_size - cols[:, NUM_HASHED]
     rows = np.flatnonzero(pending > 0)
     if not len(rows):
         return store, cols
     store, cols = with_room(store, cols, HASHES, rows, pending[rows], key=key)
-    for i in rows.tolist():
+    single = rows[pending[rows] == 1]
+    if len(single):
+        _hash_one_block_each(store, cols[single], pool, block_size)
+    for i in rows[pending[rows] > 1].tolist():
         row, first = int(cols[i, ROW]), int(cols[i, NUM_HASHED])
         hashes = _hash_and_cache(store, row, first, int(pending[i]),
                                  int(cols[i, NUM_COMPUTED]), pool, block_size)
         store.extend(HASHES, row, first, np.array(hashes, np.uint64))
-        cols[i, NUM_HASHED] = first + len(hashes)
+    cols[rows, NUM_HASHED] += pending[rows]
     return store, cols
+
+
+def _hash_one_block_each(store: SeqStore, cols: np.ndarray, pool: PoolChanges,
+                         block_size: int) -> None:
+    """``hash_pending_blocks`` for rows (``cols``, a copy) with exactly one pending block."""
+    rows, first = cols[:, ROW], cols[:, NUM_HASHED]
+    tokens = store.arrays[TOKENS][rows[:, None], first[:, None] * block_size
+                                  + np.arange(block_size)]
+    parents = np.where(first > 0, store.arrays[HASHES][rows, np.maximum(first - 1, 0)],
+                       np.uint64(ROOT_HASH)).tolist()
+    datas = [row.tobytes() for row in np.ascontiguousarray(tokens, dtype="<u4")]
+    hashes = hashes_of_blocks(parents, datas)
+    store.append(HASHES, rows, first, np.array(hashes, np.uint64))
+    computed = np.flatnonzero(cols[:, NUM_COMPUTED] // block_size > first).tolist()
+    if computed:
+        blocks = store.arrays[TABLES][rows, first]
+        pool.cache_many([int(blocks[k]) for k in computed], [hashes[k] for k in computed],
+                        [parents[k] for k in computed], [datas[k] for k in computed])
 
 
 def leaving_record(batch: RunningBatch, i: int, pool: PoolChanges, block_size: int,

@@ -47,3 +47,8 @@ def chained_hashes(parent: int, data: bytes, block_size: int, count: int) -> lis
         parent = xxhash.xxh64_intdigest(data[start:start + width], parent)
         hashes.append(parent)
     return hashes
+
+
+def hashes_of_blocks(parents: Sequence[int], datas: Sequence[bytes]) -> list[int]:
+    """The hash of each block (its ``token_bytes``) after its own parent."""
+    return [xxhash.xxh64_intdigest(data, parent) for data, parent in zip(datas, parents)]
