@@ -92,3 +92,45 @@ def test_the_decode_graphs_inputs_are_the_eager_inputs():
     assert batch.seq_lens.tolist() == expected.batch.seq_lens.tolist() + [0, 0]
     assert batch.block_tables[:2, :2].tolist() == expected.batch.block_tables.tolist()
     assert torch.equal(graph.table[:8], eager.table[:8])  # the spare row took the padding
+
+
+def test_the_prefill_graphs_inputs_are_the_eager_inputs():
+    """The same for a prefill graph: a chunk after a cached prefix, a whole prompt and a
+    decode row with a pending token, padded to 64 token rows and 8 sequences; the tile map
+    is the eager one followed by padding tiles."""
+    import numpy as np
+
+    from nanofn.kernels.triton_attention import prefill_tile_map
+    from nanofn.runner.prefill_graphs import (PREFILL_GRAPH_SEQS, SAMPLE_ROW, SAMPLING_SLOT,
+                                              InputLayout, fill_prefill_inputs,
+                                              graph_prefill_inputs)
+
+    eager, graph = SlotTables(8, 4, CPU), SlotTables(8, 4, CPU)
+    for tables in (eager, graph):
+        tables.keep_sampled(torch.tensor([5]), torch.tensor([77]))
+    seqs = [seq("a", 3, 16, range(20), [5, 6, 2]), seq("b", 5, 9, [PENDING_TOKEN], [4]),
+            seq("c", 1, 0, range(7), [8], sample=False)]
+    plan = plan_of(1, seqs, started(seqs[0], seqs[2]))
+    expected = prepare_inputs(plan, BS, eager, CPU)
+    layout = InputLayout(max_tokens=64, max_entries=PREFILL_GRAPH_SEQS * 4, block_q=8)
+    flat = np.zeros(layout.size, np.int32)
+    fill_prefill_inputs(flat, layout, plan, spare_slot=8)
+    views = layout.views(torch.from_numpy(flat))
+    ids, positions, batch = graph_prefill_inputs(views, graph, BS, 32, layout.tiles_for(32))
+    t, n = plan.num_tokens, len(seqs)
+    assert ids[:t].tolist() == expected.input_ids.tolist()
+    assert 77 in ids[:t].tolist()
+    assert positions[:t].tolist() == expected.positions.tolist()
+    assert batch.slot_mapping.tolist() == expected.batch.slot_mapping.tolist() + [-1] * (32 - t)
+    assert batch.query_start.tolist() == expected.batch.query_start.tolist() + [t] * (8 - n)
+    assert batch.seq_lens.tolist() == expected.batch.seq_lens.tolist() + [0] * (8 - n)
+    width = expected.batch.block_tables.shape[1]
+    assert batch.block_tables[:n, :width].tolist() == expected.batch.block_tables.tolist()
+    assert torch.equal(graph.table[:8], eager.table[:8])  # the spare row took the padding
+    work = prefill_tile_map(expected.batch.query_lens_host, expected.batch.seq_lens_host, 8)
+    tiles = batch.prefill_tiles.tolist()
+    assert tiles[:len(work)] == work.tolist() and len(tiles) == 32 // 8 + PREFILL_GRAPH_SEQS
+    assert all(tile == [-1, 0] for tile in tiles[len(work):])
+    s = len(plan.sampling_seq_ids)
+    assert views[1][SAMPLE_ROW, :s].tolist() == expected.sample_rows.tolist()
+    assert views[1][SAMPLING_SLOT, :s].tolist() == expected.sampling_slots.tolist()

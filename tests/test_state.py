@@ -9,14 +9,19 @@ import subprocess
 import sys
 from dataclasses import dataclass, fields, replace
 
+import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from nanofn.state import (Events, FinishReason, InvalidRequest, NewSeq, SamplingParams,
                           SchedulerConfig, TraceError, check_new_seq, figures,
                           header_line, initial_state, parse_trace, replay, step, step_line)
-from nanofn.state.block_pool import CachedBlock, PoolChanges, find_cached_prefix, new_block_pool
+from nanofn.state.block_pool import (CachedBlock, KnownPrefix, PoolChanges, find_cached_prefix,
+                                    new_block_pool)
 from nanofn.state.engine_state import EngineState, evolve
-from nanofn.state.hashing import ROOT_HASH, block_hash, block_hashes, token_bytes
+from nanofn.state.hashing import (ROOT_HASH, block_hash, block_hashes, block_hashes_sharing,
+                                  token_bytes)
 from nanofn.state.plan import PENDING_TOKEN
 from nanofn.state.policy import banned_token_ids, may_stop, stops_on
 
@@ -126,6 +131,15 @@ def test_block_hashes_chain_each_block_to_its_prefix():
         parent = h
 
 
+@given(st.lists(st.integers(0, 3), max_size=40), st.lists(st.integers(0, 3), max_size=40),
+       st.integers(0, 40))
+def test_hashes_taken_from_a_known_sequence_are_the_sequences_own(a, b, shared):
+    """A common start, then other tokens (from a small alphabet: they may match too)."""
+    known, ids = np.array(b, np.int64), np.array(b[:shared] + a, np.int64)
+    assert block_hashes_sharing(ids, 4, known, block_hashes(b, 4)) == block_hashes(ids, 4)
+    assert block_hashes_sharing(ids, 4, None, ()) == block_hashes(ids, 4)
+
+
 def test_a_hash_hit_is_confirmed_against_the_stored_tokens():
     pool = new_block_pool(2)
     pool, (block,) = allocate(pool, 1)
@@ -154,6 +168,26 @@ def test_a_prefix_hit_ends_at_the_first_block_whose_tokens_or_parent_differ():
     assert find_cached_prefix(pool, hashes, token_bytes([1, 2, 9, 9, 5, 6]), limit=3) == blocks[:1]
     pool, blocks = pool_caching([ROOT_HASH, hashes[0], hashes[1] ^ 1])
     assert find_cached_prefix(pool, hashes, token_bytes(tokens), limit=3) == blocks[:2]
+
+
+def test_a_prefix_found_earlier_in_the_step_is_reused_only_where_tokens_match():
+    tokens = [1, 2, 3, 4, 5, 6]
+    hashes = block_hashes(tokens, 2)
+    pool, blocks = allocate(new_block_pool(3), 3)
+    for i, (block, h) in enumerate(zip(blocks, hashes)):
+        parent = hashes[i - 1] if i else ROOT_HASH
+        pool = cache_block(pool, block, CachedBlock(h, parent, token_bytes(tokens[2 * i:2 * i + 2])))
+    changes = PoolChanges(pool)
+    known = KnownPrefix(hashes[:2], token_bytes(tokens[:4]), list(blocks[:2]))
+    # the known two blocks, then the walk goes on to the third
+    assert find_cached_prefix(changes, hashes, token_bytes(tokens), 3, known) == list(blocks)
+    # a forged collision: the known sequence's hashes over other tokens take nothing known,
+    # and the walk stops where the stored tokens differ
+    forged = token_bytes([1, 2, 9, 9, 5, 6])
+    assert find_cached_prefix(changes, hashes, forged, 3, known) == [blocks[0]]
+    # another prefix: the known one does not apply
+    other = block_hashes([7, 8, 3, 4], 2)
+    assert find_cached_prefix(changes, other, token_bytes([7, 8, 3, 4]), 2, known) == []
 
 
 def test_content_evicted_and_cached_again_in_one_step_is_counted_once():

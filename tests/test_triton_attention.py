@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoConfig
@@ -162,6 +163,28 @@ def test_prefill_attention_matches_reference(interpreter, dtype, group, block_si
     out = interpreter(triton_attention.prefill_attention, *args)
 
     torch.testing.assert_close(out, reference.prefill_attention(*args), **TOLERANCES[dtype])
+
+
+def test_prefill_attention_with_a_padded_tile_map_as_a_cuda_graph_gives_it(interpreter):
+    """A CUDA graph's work map: the step's tiles, then tiles of sequence -1 that do nothing;
+    the queries are followed by padding rows that no tile reads."""
+    num_kv_heads, head_dim, group = 2, 16, 2
+    query_lens, seq_lens = zip(*PREFILL_SEQUENCES)
+    cache = PagedCache(seq_lens, 16, num_kv_heads, head_dim, torch.float32, seed=7)
+    num_tokens = sum(query_lens)
+    q = random_queries(num_tokens + 20, num_kv_heads * group, head_dim, torch.float32, seed=8)
+    query_start = torch.tensor([0, *itertools.accumulate(query_lens)], dtype=torch.int32)
+    block_q = triton_attention.prefill_block_q(num_kv_heads * group, num_kv_heads)
+    work = triton_attention.prefill_tile_map(query_lens, seq_lens, block_q)
+    tiles = torch.from_numpy(np.concatenate([work, np.tile([[-1, 0]], (9, 1))]).astype(np.int32))
+    args = (cache.k_cache, cache.v_cache, query_start, cache.seq_lens, cache.block_tables,
+            query_lens, seq_lens, head_dim**-0.5)
+
+    out = interpreter(triton_attention.prefill_attention, q, *args[:5], (), (), args[7],
+                      tiles=tiles)
+
+    torch.testing.assert_close(out[:num_tokens], reference.prefill_attention(q[:num_tokens], *args),
+                               **TOLERANCES[torch.float32])
 
 
 # The torch references throughout, but for the attention kernels of the "triton" backend.

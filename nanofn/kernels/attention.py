@@ -50,13 +50,16 @@ def prefill_attention(
     query_lens_host: tuple[int, ...],
     seq_lens_host: tuple[int, ...],
     scale: float,
+    tiles: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention for a flattened batch of query chunks; returns ``[T, H, D]``.
 
     Sequence ``i``'s queries are the last ``query_lens_host[i]`` positions of its context of
     ``seq_lens_host[i]`` tokens, all of which (its new tokens included) are already in the cache.
     ``query_start`` and ``seq_lens`` are the device copies the kernels read; this reference walks
-    the host tuples instead, so it never waits on the device.
+    the host tuples instead, so it never waits on the device. ``tiles``: the Triton kernel's
+    work map, which a CUDA graph fixes in advance (``triton_attention.prefill_tile_map``);
+    the reference has no use for it.
     """
     out = torch.empty_like(q)
     start = 0

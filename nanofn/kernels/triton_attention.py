@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -192,10 +193,13 @@ def _prefill_kernel(
 ):
     """Program (kv head, tile): ``BLOCK_Q`` queries of one sequence times the group's heads.
 
-    ``tiles_ptr`` maps the program to ``(sequence, query tile within the sequence)``.
+    ``tiles_ptr`` maps the program to ``(sequence, query tile within the sequence)``; a
+    sequence of -1 is padding (a CUDA graph's map is longer than most steps need): no work.
     """
     kv_head = tl.program_id(0)
     seq = tl.load(tiles_ptr + 2 * tl.program_id(1))
+    if seq < 0:
+        return
     q_tile = tl.load(tiles_ptr + 2 * tl.program_id(1) + 1)
     query_begin = tl.load(query_start_ptr + seq)
     query_len = tl.load(query_start_ptr + seq + 1) - query_begin
@@ -349,20 +353,25 @@ def prefill_attention(
     query_lens_host: tuple[int, ...],
     seq_lens_host: tuple[int, ...],
     scale: float,
+    tiles: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention for a flattened batch of query chunks; returns ``[T, H, D]``.
 
     Sequence ``i``'s queries are the last ``query_lens_host[i]`` positions of its context of
-    ``seq_lens_host[i]`` tokens, all of which are already in the cache.
+    ``seq_lens_host[i]`` tokens, all of which are already in the cache. ``tiles``: the work
+    map (``prefill_tile_map``, padded with ``(-1, 0)`` rows) when a CUDA graph fixes it in
+    advance; otherwise it is built from the host tuples. Rows of no tile (padding tokens) are
+    left as they were.
     """
     num_tokens, num_heads, head_dim = q.shape
     _check_layout(k_cache, v_cache, q)
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group = num_heads // num_kv_heads
     block_m = max(PREFILL_BLOCK_M, triton.next_power_of_2(group))
-    block_q = block_m // group
+    block_q = prefill_block_q(num_heads, num_kv_heads)
     out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
-    tiles = _prefill_tiles(query_lens_host, seq_lens_host, block_q, q.device)
+    if tiles is None:
+        tiles = _prefill_tiles(query_lens_host, seq_lens_host, block_q, q.device)
     if len(tiles) == 0:
         return out
     _prefill_kernel[(num_kv_heads, len(tiles))](
@@ -381,12 +390,18 @@ def prefill_attention(
 def _prefill_tiles(
     query_lens: tuple[int, ...], seq_lens: tuple[int, ...], block_q: int, device: torch.device
 ) -> torch.Tensor:
-    """``[num_tiles, 2]`` int32 rows ``(sequence, query tile)``, the tiles that see the most keys first.
+    """``prefill_tile_map`` on the device. Built from the host tuples, so the grid needs no
+    device sync. Cached: every layer of a step asks for the same map, so it crosses to the
+    device once per step."""
+    host = torch.from_numpy(prefill_tile_map(query_lens, seq_lens, block_q))
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
 
-    Built from the host tuples, so the grid needs no device sync. Heavy tiles go first so that
-    light ones fill the tail of the launch. Cached: every layer of a step asks for the same map,
-    so it crosses to the device once per step.
-    """
+
+def prefill_tile_map(query_lens, seq_lens, block_q: int) -> np.ndarray:
+    """``[num_tiles, 2]`` int32 rows ``(sequence, query tile)``, the tiles that see the most
+    keys first, so that light ones fill the tail of the launch."""
     tiles = [(seq, tile) for seq, n in enumerate(query_lens) for tile in range(-(-n // block_q))]
 
     def keys_seen(tile: tuple[int, int]) -> int:
@@ -394,10 +409,13 @@ def _prefill_tiles(
         return seq_lens[seq] - query_lens[seq] + min((index + 1) * block_q, query_lens[seq])
 
     tiles.sort(key=keys_seen, reverse=True)
-    host = torch.tensor(tiles, dtype=torch.int32).view(-1, 2)
-    if device.type == "cuda":
-        host = host.pin_memory()
-    return host.to(device, non_blocking=True)
+    return np.array(tiles, dtype=np.int32).reshape(-1, 2)
+
+
+def prefill_block_q(num_heads: int, num_kv_heads: int) -> int:
+    """Queries per prefill tile (a tile's rows are these queries times the group's heads)."""
+    group = num_heads // num_kv_heads
+    return max(PREFILL_BLOCK_M, triton.next_power_of_2(group)) // group
 
 
 def _check_layout(k_cache: torch.Tensor, v_cache: torch.Tensor, *inputs: torch.Tensor) -> None:

@@ -29,6 +29,9 @@ class AttentionBatch:
     query_lens_host: tuple[int, ...]  # the same lengths on the host: no device sync to read them
     seq_lens_host: tuple[int, ...]
     decode_only: bool  # every sequence has exactly one new token
+    # Triton's prefill work map when a CUDA graph fixes it in advance (its host tuples then
+    # describe the capture, not the step): see ``triton_attention.prefill_tile_map``.
+    prefill_tiles: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

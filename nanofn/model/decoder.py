@@ -141,6 +141,7 @@ class Attention(nn.Module):
                 batch.query_lens_host,
                 batch.seq_lens_host,
                 self.scale,
+                tiles=batch.prefill_tiles,
             )
         return self.o_proj(out.flatten(1))
 

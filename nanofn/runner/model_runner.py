@@ -14,6 +14,7 @@ import torch.distributed as dist
 from nanofn.kernels import TORCH_KERNELS, KernelBackend
 from nanofn.model import build_model, load_weights, model_shape, resolve_dtype
 from nanofn.runner.cuda_graphs import DecodeGraphs
+from nanofn.runner.prefill_graphs import PrefillGraphs
 from nanofn.runner.inputs import SlotTables, prepare_inputs
 from nanofn.runner.sampler import DeviceSample, Sampler, SamplingRows, to_device
 from nanofn.runner.timeline import DeviceTimeline
@@ -97,7 +98,7 @@ class ModelRunner:
         self.slot_params = SlotParams(config.max_num_seqs)
         self._sampling_slots = torch.zeros(0, dtype=torch.int64, device=self.device)
         self.timeline: DeviceTimeline | None = None  # set, on CUDA, to measure the busy time
-        self.graphs = None
+        self.graphs = self.prefill_graphs = None
         # The torch reference attention gathers whole block tables: captured at the graphs'
         # full width it would need more memory than the KV cache leaves. Graphs are for Triton.
         # Plain sampling in the graphs too, where one rank samples with Triton.
@@ -109,6 +110,11 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self.model, self.kv_cache, self.slot_tables,
                                        min(config.max_num_seqs, 512), config.block_size,
                                        hf_config.hidden_size, self.slot_temperature)
+            qkv_proj = self.model.model.layers[0].self_attn.qkv_proj  # this rank's heads
+            self.prefill_graphs = PrefillGraphs(
+                self.model, self.kv_cache, self.slot_tables, config.max_num_batched_tokens,
+                config.block_size, hf_config.hidden_size, qkv_proj.num_heads,
+                qkv_proj.num_kv_heads)
 
     @torch.inference_mode()
     def launch(self, plan: BatchPlan, token_bitmask: TokenBitmask | None = None) -> DeviceSample:
@@ -174,6 +180,8 @@ class ModelRunner:
         self._start(plan.started)
         if self.graphs is not None and self.graphs.fits(plan):
             hidden, sample_rows, self._sampling_slots = self.graphs.forward(plan)
+        elif self.prefill_graphs is not None and self.prefill_graphs.fits(plan):
+            hidden, sample_rows, self._sampling_slots = self.prefill_graphs.forward(plan)
         else:
             inputs = prepare_inputs(plan, self.config.block_size, self.slot_tables, self.device)
             self._sampling_slots, sample_rows = inputs.sampling_slots, inputs.sample_rows

@@ -39,6 +39,23 @@ def block_hashes(token_ids: Sequence[int], block_size: int) -> tuple[int, ...]:
                                 len(token_ids) // block_size))
 
 
+def block_hashes_sharing(token_ids: np.ndarray, block_size: int, known_ids: np.ndarray | None,
+                         known_hashes: Sequence[int]) -> tuple[int, ...]:
+    """``block_hashes(token_ids)``, taking the hashes of the blocks it shares whole with
+    ``known_ids`` (whose hashes are ``known_hashes``) from those: requests behind one long
+    system prompt hash it once. Both are int64 arrays; equal tokens give equal hashes."""
+    shared = 0
+    if known_ids is not None:
+        n = min(len(token_ids), len(known_ids)) // block_size * block_size
+        differ = np.flatnonzero(token_ids[:n] != known_ids[:n])
+        shared = int(differ[0] if len(differ) else n) // block_size
+    count = len(token_ids) // block_size
+    parent = known_hashes[shared - 1] if shared else ROOT_HASH
+    data = token_bytes(token_ids[shared * block_size:count * block_size])
+    return tuple(known_hashes[:shared]) + tuple(
+        chained_hashes(parent, data, block_size, count - shared))
+
+
 def chained_hashes(parent: int, data: bytes, block_size: int, count: int) -> list[int]:
     """The hashes of the first ``count`` blocks of ``data`` (``token_bytes`` of whole blocks),
     the first chained to ``parent``, each next one to the one before."""

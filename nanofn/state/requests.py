@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from nanofn.state.engine_state import EngineState, evolve
-from nanofn.state.hashing import block_hashes
+from nanofn.state.hashing import block_hashes_sharing
 from nanofn.state.params import SamplingParams
 from nanofn.state.records import Seq, SeqSpec
 
@@ -101,16 +101,23 @@ def add_seqs(state: EngineState, new_seqs: tuple[NewSeq, ...]) -> EngineState:
     raises and leaves the state as it was)."""
     if not new_seqs:
         return state
-    waiting, added = state.waiting, {}
+    waiting, added, known = state.waiting, {}, None
     for new in new_seqs:
         tokens = check_new_seq(state, new, added)
-        waiting = waiting.append(_new_seq(state, new, tokens))
+        seq = _new_seq(state, new, tokens, known)
+        waiting = waiting.append(seq)
         added[new.seq_id] = True
+        known = (tokens, seq.block_hashes)
     return evolve(state, waiting=waiting, live_ids=state.live_ids.update_known(added))
 
 
-def _new_seq(state: EngineState, new: NewSeq, tokens: np.ndarray) -> Seq:
+def _new_seq(state: EngineState, new: NewSeq, tokens: np.ndarray,
+             known: tuple[np.ndarray, tuple[int, ...]] | None) -> Seq:
+    """The waiting record; its block hashes reuse those of the prefix it shares with
+    ``known`` (the sequence added before it: its tokens and hashes)."""
     spec = SeqSpec(new.seq_id, tuple(new.prompt_token_ids), new.params, state.step)
     c = state.config
-    hashes = block_hashes(tokens, c.block_size) if c.enable_prefix_caching else ()
+    hashes = ()
+    if c.enable_prefix_caching:
+        hashes = block_hashes_sharing(tokens, c.block_size, *(known or (None, ())))
     return Seq(spec=spec, token_ids=spec.prompt_token_ids, block_hashes=hashes)

@@ -32,7 +32,7 @@ from nanofn.state.batch import (HAS_STOP_IDS, IGNORE_EOS, LENGTH_LIMIT,
                                 NUM_HASHED, NUM_PENDING, NUM_PREEMPTIONS, NUM_PROMPT, NUM_TOKENS,
                                 ROW, SERIAL, SLOT, WAITS_FOR_TOKEN, RunningBatch, frozen,
                                 with_room)
-from nanofn.state.block_pool import PoolChanges, find_cached_prefix
+from nanofn.state.block_pool import KnownPrefix, PoolChanges, find_cached_prefix
 from nanofn.state.config import SchedulerConfig, blocks_for
 from nanofn.state.engine_state import EngineState, InFlight, evolve
 from nanofn.state.filled import hash_pending_blocks, leaving_record
@@ -57,6 +57,7 @@ class Admission:
     blocks: list[int]
     num_cached: int
     count: int
+    known: KnownPrefix | None  # its prefix hits, for the next admissions to reuse
 
 
 def schedule(state: EngineState) -> tuple[EngineState, BatchPlan]:
@@ -80,16 +81,18 @@ def schedule(state: EngineState) -> tuple[EngineState, BatchPlan]:
     admissions: list[Admission] = []
     budget = c.max_num_batched_tokens - int(counts.sum())
     store, key, hashed = batch.store, batch.write_key, False
+    known: KnownPrefix | None = None
     while (not victims and waiting and budget > 0 and kept + len(admissions) < c.max_num_seqs
            and waiting.left.num_pending == 0):
         if c.enable_prefix_caching and not hashed:
             # The running sequences' filled blocks join the prefix cache before it is searched.
             store, cols = hash_pending_blocks(store, cols, pool, c.block_size, key)
             hashed = True
-        admission = admit(pool, waiting.left, budget, c)
+        admission = admit(pool, waiting.left, budget, c, known)
         if admission is None:
             break
         admissions.append(admission)
+        known = admission.known or known
         waiting = waiting.popleft()
         budget -= admission.count
 
@@ -192,8 +195,10 @@ def preempt(pool: PoolChanges, batch: RunningBatch, i: int, c: SchedulerConfig) 
                    num_preemptions=seq.num_preemptions + 1)
 
 
-def admit(pool: PoolChanges, seq: Seq, budget: int, c: SchedulerConfig) -> Admission | None:
-    """Start a waiting sequence, or None if it must wait (not enough budget or blocks)."""
+def admit(pool: PoolChanges, seq: Seq, budget: int, c: SchedulerConfig,
+          known: KnownPrefix | None = None) -> Admission | None:
+    """Start a waiting sequence, or None if it must wait (not enough budget or blocks).
+    ``known``: an earlier admission of this step's prefix hits (see ``find_cached_prefix``)."""
     bs = c.block_size
     hits: list[int] = []
     if c.enable_prefix_caching:
@@ -203,7 +208,7 @@ def admit(pool: PoolChanges, seq: Seq, budget: int, c: SchedulerConfig) -> Admis
     if c.enable_prefix_caching and seq.params.prompt_logprobs is None:
         # Leave at least one token to compute, so that there are logits to sample from.
         limit = (seq.num_tokens - 1) // bs
-        hits = find_cached_prefix(pool, seq.block_hashes, data, limit)
+        hits = find_cached_prefix(pool, seq.block_hashes, data, limit, known)
     cached = len(hits) * bs
     count = seq.num_tokens - cached
     if count > budget:
@@ -222,7 +227,8 @@ def admit(pool: PoolChanges, seq: Seq, budget: int, c: SchedulerConfig) -> Admis
         pool.cache_many([blocks[b] for b in full], [hashes[b] for b in full],
                         [parent_hash_of(hashes, b) for b in full],
                         [data[b * width:(b + 1) * width] for b in full])
-    return Admission(seq, blocks, cached, count)
+    return Admission(seq, blocks, cached, count,
+                     KnownPrefix(seq.block_hashes, data, hits) if hits else None)
 
 
 def _write_new_blocks(store: SeqStore, cols: np.ndarray, grow: np.ndarray, blocks: list[int],

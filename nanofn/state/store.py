@@ -21,6 +21,8 @@ write instead of rebuilding a record per sequence.
 
 from __future__ import annotations
 
+import array
+
 import numpy as np
 
 TOKENS, TABLES, HASHES = 0, 1, 2  # the kinds of rows
@@ -73,6 +75,8 @@ class SeqStore:
 
     def extend(self, kind: int, row: int, length: int, values) -> None:
         """Write ``values`` from position ``length`` of ``row`` on (``can_append`` holds)."""
+        if isinstance(values, (tuple, list)):  # read by array.array: 4x numpy, for a tuple
+            values = np.frombuffer(array.array("q", values), np.int64)
         end = length + len(values)
         self.arrays[kind][row, length:end] = values
         self.filled[row, kind] = end

@@ -179,6 +179,39 @@ def test_shaped_logits_bad_words_and_prompt_logprobs_leave_the_graph_sampler(flo
             assert got == pytest.approx(want.tolist(), abs=2e-3)
 
 
+def test_prefill_graphs_give_the_eager_tokens_and_logprobs(float32_prompts, monkeypatch):
+    """Steps of at most 8 sequences and 2,048 tokens that are not pure decode steps (a few
+    prompts; prompt chunks beside decoding sequences) replay a prefill graph, padded to its
+    token count; tokens, sampled logprobs and prompt logprobs are the eager run's."""
+    from nanofn.runner.prefill_graphs import PrefillGraphs
+
+    model_dir, prompts = float32_prompts
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=2,
+                            prompt_logprobs=2)
+    replays = []
+    forward = PrefillGraphs.forward
+    monkeypatch.setattr(PrefillGraphs, "forward",
+                        lambda self, plan: replays.append(plan.num_tokens) or forward(self, plan))
+
+    def outputs(**options):
+        with LLM(str(model_dir), dtype="float32", gpu_memory_utilization=0.3, max_model_len=512,
+                 max_num_seqs=4, max_num_batched_tokens=96, **options) as llm:
+            return llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                use_tqdm=False)
+
+    def logprobs(entries):
+        return [[v.logprob for _, v in sorted(e.items())] for e in entries if e is not None]
+
+    graphs, eager = outputs(), outputs(enforce_eager=True)
+    assert len(replays) > len(prompts) and any(n % 16 for n in replays)  # (padded ones too)
+    assert [o.outputs[0].token_ids for o in graphs] == [o.outputs[0].token_ids for o in eager]
+    for got, want in zip(graphs, eager):
+        for g, w in zip(logprobs(got.outputs[0].logprobs), logprobs(want.outputs[0].logprobs)):
+            assert g == pytest.approx(w, abs=1e-4)
+        for g, w in zip(logprobs(got.prompt_logprobs), logprobs(want.prompt_logprobs)):
+            assert g == pytest.approx(w, abs=1e-4)
+
+
 def test_preemption_and_chunked_prefill_on_the_gpu(float32_prompts):
     model_dir, prompts = float32_prompts
     plain = run(model_dir, prompts, enable_prefix_caching=False)
