@@ -203,7 +203,7 @@ def test_prefill_graphs_give_the_eager_tokens_and_logprobs(float32_prompts, monk
         return [[v.logprob for _, v in sorted(e.items())] for e in entries if e is not None]
 
     graphs, eager = outputs(), outputs(enforce_eager=True)
-    assert len(replays) > len(prompts) and any(n % 16 for n in replays)  # (padded ones too)
+    assert len(replays) >= 8 and any(n % 16 for n in replays)  # (padded ones too)
     assert [o.outputs[0].token_ids for o in graphs] == [o.outputs[0].token_ids for o in eager]
     for got, want in zip(graphs, eager):
         for g, w in zip(logprobs(got.outputs[0].logprobs), logprobs(want.outputs[0].logprobs)):
