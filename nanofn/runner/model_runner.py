@@ -14,7 +14,6 @@ import torch.distributed as dist
 from nanofn.kernels import TORCH_KERNELS, KernelBackend
 from nanofn.model import build_model, load_weights, model_shape, resolve_dtype
 from nanofn.runner.cuda_graphs import DecodeGraphs
-from nanofn.runner.prefill_graphs import PrefillGraphs
 from nanofn.runner.inputs import SlotTables, prepare_inputs
 from nanofn.runner.sampler import DeviceSample, Sampler, SamplingRows, to_device
 from nanofn.runner.timeline import DeviceTimeline
@@ -110,6 +109,8 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self.model, self.kv_cache, self.slot_tables,
                                        min(config.max_num_seqs, 512), config.block_size,
                                        hf_config.hidden_size, self.slot_temperature)
+            from nanofn.runner.prefill_graphs import PrefillGraphs  # (imports Triton)
+
             qkv_proj = self.model.model.layers[0].self_attn.qkv_proj  # this rank's heads
             self.prefill_graphs = PrefillGraphs(
                 self.model, self.kv_cache, self.slot_tables, config.max_num_batched_tokens,
