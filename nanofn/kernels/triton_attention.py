@@ -102,7 +102,7 @@ def _attend_keys(
     return acc, row_sum, row_max
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_table"])  # any table width: one compile
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr,
     seq_lens_ptr, block_tables_ptr,
@@ -183,7 +183,7 @@ def _decode_merge_kernel(
     tl.store(out_ptr + seq * stride_ob + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_table"])  # any table width: one compile
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, query_start_ptr, seq_lens_ptr, block_tables_ptr, tiles_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_block, stride_slot, stride_head, stride_table,

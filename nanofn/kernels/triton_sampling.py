@@ -142,7 +142,7 @@ def _sample_plain_kernel(
     tl.store(split_token_ptr + row * tl.num_programs(1) + split, token)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])  # one compile for every batch size
 def _pick_split_kernel(split_value_ptr, split_token_ptr, token_ptr, num_splits,
                        SPLITS: tl.constexpr):
     """Program per row: the token of its best split."""
@@ -207,7 +207,7 @@ def sample_plain(logits: torch.Tensor, temperature: torch.Tensor, row_seeds: tor
         BLOCK=BLOCK_COUNTERS, num_warps=NUM_WARPS,
     )
     _pick_split_kernel[(num_rows,)](
-        split_values, split_tokens, tokens, num_splits, SPLITS=triton.next_power_of_2(num_splits),
+        split_values, split_tokens, tokens, num_splits, SPLITS=triton.next_power_of_2(num_blocks),
     )
     return tokens
 
