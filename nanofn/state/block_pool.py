@@ -154,23 +154,14 @@ class PoolChanges:
     def _num_plain(self) -> int:
         return self._plain_top + len(self._pushed)
 
-    def ref_count(self, block: int) -> int:
-        return self._refs[block]
-
     def num_unowned(self, blocks: Iterable[int]) -> int:
         """How many of these blocks no sequence owns (cached and free)."""
         refs = self._refs
         return sum(1 for block in blocks if refs[block] == 0)
 
-    def block_of(self, block_hash: int) -> int | None:
-        block = self._new_hashes.get(block_hash)
-        if block is None and block_hash not in self._gone_hashes:
-            block = self._pool.by_hash.get(block_hash)
-        return block
-
     def cached_run(self, hashes: Iterable[int]) -> list[int]:
-        """The blocks holding ``hashes``, in order, up to the first hash no block holds
-        (``block_of`` for each, inlined: a 2,000-token prefix asks for 128)."""
+        """The blocks holding ``hashes``, in order, up to the first hash no block holds: a
+        hash cached in this step, else in the pool unless this step evicted it."""
         new, gone, get = self._new_hashes, self._gone_hashes, self._pool.by_hash.get
         blocks = []
         for block_hash in hashes:
