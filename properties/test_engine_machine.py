@@ -6,24 +6,30 @@ from __future__ import annotations
 import copy
 from unittest import mock
 
+import numpy as np
 import pytest
-from hypothesis import HealthCheck, event, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from nanofn.state import (Events, InvalidRequest, NewSeq, SamplingParams, check_new_seq,
                           parse_trace, replay, step)
+from nanofn.engine import loop
 from nanofn.state import scheduler
+from nanofn.state.decode import decode_step
+from nanofn.state.step import full_step
 from nanofn.state.plan import PENDING_TOKEN
-from properties.driver import Driver
+from properties.driver import Driver, run_workload
 from properties.fake_runner import check_running_contexts
 from properties.invariants import check_all
 from properties.profile import examples, steps
-from properties.strategies import MAX_MODEL_LEN, requests, setups
+from properties.strategies import (MAX_MODEL_LEN, prompts, requests, sampling_params,
+                                   setups)
 
 # Every preemption, as (free blocks when it was decided, victim before, victim after).
 preemptions: list = []
 _real_preempt = scheduler.preempt
+_real_step = step
 
 
 def _spying_preempt(pool, batch, i, config):
@@ -31,6 +37,23 @@ def _spying_preempt(pool, batch, i, config):
     victim = _real_preempt(pool, batch, i, config)
     preemptions.append((free, batch.seq(i), victim))
     return victim
+
+
+def _step_checking_the_shortcut(state, events):
+    """``step``, asserting on every step where the plain decode shortcut applies that it gives
+    the state and plan the general path (``full_step``) gives from the same state and events."""
+    twin = copy.deepcopy(state)  # (a state's first step may write its store in place)
+    new_state, plan = _real_step(state, events)
+    if events.sampled is not None:
+        sampled = np.asarray(events.sampled, np.int64)
+        shortcut = decode_step(twin, sampled, events.delivers_only)
+        if shortcut is not None:
+            event("plain decode step (shortcut)")
+            shortcut_steps.append(1)
+            by_definition = full_step(state, events)
+            assert shortcut == by_definition == (new_state, plan), \
+                "the plain decode shortcut departs from full_step"
+    return new_state, plan
 
 
 class EngineMachine(RuleBasedStateMachine):
@@ -157,6 +180,38 @@ checked_steps: list = []  # one entry per step whose invariants were checked
 
 def test_engine_state_machine():
     checked_steps.clear()
-    with mock.patch.object(scheduler, "preempt", _spying_preempt):
+    with (mock.patch.object(scheduler, "preempt", _spying_preempt),
+          mock.patch.object(loop, "step", _step_checking_the_shortcut)):
         EngineMachine.TestCase().runTest()
     print(f"state machine: {len(checked_steps)} steps checked")
+
+
+@st.composite
+def mostly_plain_requests(draw) -> tuple[int, tuple[int, ...], SamplingParams]:
+    """(arrival step, prompt, params): requests the plain decode step can take, now and then
+    one that needs its tokens on the host (which the shortcut must leave to the general path)."""
+    prompt = draw(prompts())
+    room = MAX_MODEL_LEN - len(prompt)
+    params = SamplingParams(temperature=0.0, ignore_eos=draw(st.booleans()),
+                            max_tokens=draw(st.one_of(st.integers(1, room), st.none())))
+    if draw(st.integers(0, 9)) == 0:
+        params = draw(sampling_params(len(prompt)))
+    return draw(st.integers(0, 6)), prompt, params
+
+
+shortcut_steps: list = []  # one entry per step the shortcut took and the property checked
+
+
+@settings(max_examples=examples(150), deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(setup=setups(), pipelined=st.booleans(),
+       workload=st.lists(mostly_plain_requests(), min_size=1, max_size=6))
+def _decode_shortcut_agrees(setup, pipelined, workload):
+    with mock.patch.object(loop, "step", _step_checking_the_shortcut):
+        run_workload(setup, workload, pipelined)
+
+
+def test_the_plain_decode_shortcut_gives_what_full_step_gives():
+    shortcut_steps.clear()
+    _decode_shortcut_agrees()
+    assert len(shortcut_steps) > 100, "the property hardly ever met a plain decode step"

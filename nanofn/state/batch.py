@@ -24,9 +24,11 @@ from nanofn.state.store import HASHES, TABLES, TOKENS, SeqStore, empty_store, mo
 
 # The columns of ``RunningBatch.cols``.
 (SERIAL, SLOT, ROW,  # identity
- NUM_TOKENS, NUM_PENDING, NUM_COMPUTED, NUM_BLOCKS, NUM_HASHED,  # progress
- NUM_PROMPT, LENGTH_LIMIT, MIN_TOKENS, IGNORE_EOS, HAS_STOP_IDS, WAITS_FOR_TOKEN,  # policy inputs
+ NUM_TOKENS, NUM_COMPUTED, NUM_PENDING, NUM_BLOCKS, NUM_HASHED,  # progress
+ NUM_PROMPT, LENGTH_LIMIT, IGNORE_EOS, MIN_TOKENS, HAS_STOP_IDS, WAITS_FOR_TOKEN,  # policy inputs
  NUM_PREEMPTIONS, NUM_CACHED) = range(16)  # WAITS_FOR_TOKEN: SamplingParams.waits_for_token
+# (The plain decode step, decode.py, reads the last three policy inputs as one slice, and adds
+# one to the tokens and the computed ones as one slice.)
 NUM_COLS = 16
 FILL_COLS = [NUM_TOKENS, NUM_BLOCKS, NUM_HASHED]  # a row's view of the store, per kind
 
@@ -87,8 +89,17 @@ class RunningBatch:
 
 
 def frozen(cols: np.ndarray) -> np.ndarray:
-    cols.flags.writeable = False
+    """``cols`` read-only, in column-major order (one copy if it is not)."""
+    cols = np.asfortranarray(cols)
+    cols.setflags(write=False)
     return cols
+
+
+def thawed(cols: np.ndarray) -> np.ndarray:
+    """A writable copy of a batch's columns, column-major: a column, or a run of adjacent
+    columns, is then one contiguous block, which makes an operation on it several times
+    cheaper than on the strided column of a row-major matrix."""
+    return cols.copy(order="F")
 
 
 def empty_batch() -> RunningBatch:

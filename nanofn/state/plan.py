@@ -35,7 +35,7 @@ class SeqStart:
 
 
 def _frozen(a: np.ndarray) -> np.ndarray:
-    a.flags.writeable = False
+    a.setflags(write=False)
     return a
 
 
@@ -76,7 +76,7 @@ class BatchPlan:
         for name in ("slots", "start_pos", "num_scheduled", "sample", "token_ids",
                      "block_entries"):
             _frozen(getattr(self, name))
-        all_sample = bool(self.sample.all())
+        all_sample = np.count_nonzero(self.sample) == len(self.sample)
         object.__setattr__(self, "num_tokens", len(self.token_ids))
         object.__setattr__(self, "sampling_seq_ids", self.seq_ids if all_sample else
                            tuple(compress(self.seq_ids, self.sample.tolist())))

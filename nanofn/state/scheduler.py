@@ -27,11 +27,10 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from nanofn.state.batch import (HAS_STOP_IDS, IGNORE_EOS, LENGTH_LIMIT,
-                                MIN_TOKENS, NUM_BLOCKS, NUM_CACHED, NUM_COLS, NUM_COMPUTED,
-                                NUM_HASHED, NUM_PENDING, NUM_PREEMPTIONS, NUM_PROMPT, NUM_TOKENS,
-                                ROW, SERIAL, SLOT, WAITS_FOR_TOKEN, RunningBatch, frozen,
-                                with_room)
+from nanofn.state.batch import (HAS_STOP_IDS, IGNORE_EOS, LENGTH_LIMIT, MIN_TOKENS, NUM_BLOCKS,
+                                NUM_CACHED, NUM_COLS, NUM_COMPUTED, NUM_HASHED, NUM_PENDING,
+                                NUM_PREEMPTIONS, NUM_PROMPT, NUM_TOKENS, ROW, SERIAL, SLOT,
+                                WAITS_FOR_TOKEN, RunningBatch, frozen, thawed, with_room)
 from nanofn.state.block_pool import KnownPrefix, PoolChanges, find_cached_prefix
 from nanofn.state.config import SchedulerConfig, blocks_for
 from nanofn.state.engine_state import EngineState, InFlight, evolve
@@ -43,9 +42,8 @@ from nanofn.state.policy import (at_length_limit, bad_word_bans, banned_token_id
 from nanofn.state.records import Seq, SeqStatus
 from nanofn.state.store import HASHES, TABLES, TOKENS, SeqStore
 
-
-_NO_ENTRIES = np.zeros((0, 3), np.int64)
-_NO_ENTRIES.flags.writeable = False
+NO_ENTRIES = np.zeros((0, 3), np.int64)
+NO_ENTRIES.flags.writeable = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,7 +61,7 @@ class Admission:
 def schedule(state: EngineState) -> tuple[EngineState, BatchPlan]:
     c = state.config
     batch, pool = state.batch, PoolChanges(state.pool)
-    cols = batch.cols.copy()
+    cols = thawed(batch.cols)
     counts = wanted_counts(cols, c)
     grow = np.maximum(blocks_for(cols[:, NUM_COMPUTED] + counts, c.block_size)
                       - cols[:, NUM_BLOCKS], 0)
@@ -304,7 +302,7 @@ def _plan(step: int, store: SeqStore, key: object, cols: np.ndarray, counts: np.
     sampling = indices[sample]
     cols[sampling, NUM_PENDING] += 1
     if c.enable_prefix_caching:
-        _cache_computed_blocks(store, cols[:len(cols) - len(admissions)], starts, pool,
+        cache_computed_blocks(store, cols[:len(cols) - len(admissions)], starts, pool,
                                c.block_size)
     new_batch = RunningBatch(frozen(cols), specs, ids, store, key)
     index_in_plan = np.full(len(cols), -1)
@@ -394,7 +392,7 @@ def _gather_tokens(store: SeqStore, rows: np.ndarray, starts: np.ndarray, counts
     return tokens
 
 
-def _cache_computed_blocks(store: SeqStore, cols: np.ndarray, starts: np.ndarray,
+def cache_computed_blocks(store: SeqStore, cols: np.ndarray, starts: np.ndarray,
                            pool: PoolChanges, bs: int) -> None:
     """Record in the prefix cache the blocks of running sequences that became full of
     computed, known tokens in this step (their hashes were taken when they filled with known
@@ -424,21 +422,27 @@ def _block_entries(cols: np.ndarray, grow: np.ndarray, blocks: list[int],
                    num_running: int) -> np.ndarray:
     """``(plan index, column, block)`` for every block-table entry new in this step."""
     if not blocks and not admissions:
-        return _NO_ENTRIES
+        return NO_ENTRIES
     grown = np.flatnonzero(grow)
     counts = grow[grown]
     if not admissions and len(blocks) == len(grown):  # a decode step: one block each
-        return np.stack([index_in_plan[grown], cols[grown, NUM_BLOCKS] - 1,
-                         np.array(blocks, np.int64)], axis=1)
+        return entry_rows(index_in_plan[grown], cols[grown, NUM_BLOCKS] - 1, blocks)
     first = np.repeat(cols[grown, NUM_BLOCKS] - counts, counts)
-    running = np.stack([np.repeat(index_in_plan[grown], counts), first + _counting_up(counts),
-                        np.array(blocks, np.int64)], axis=1)
+    running = entry_rows(np.repeat(index_in_plan[grown], counts), first + _counting_up(counts),
+                         blocks)
     lengths = np.array([len(a.blocks) for a in admissions], np.int64)
-    admitted = np.stack([np.repeat(index_in_plan[num_running:], lengths),
-                         _counting_up(lengths),
-                         np.fromiter(itertools.chain.from_iterable(a.blocks for a in admissions),
-                                     np.int64, int(lengths.sum()))], axis=1)
+    admitted = entry_rows(np.repeat(index_in_plan[num_running:], lengths), _counting_up(lengths),
+                          np.fromiter(itertools.chain.from_iterable(a.blocks for a in admissions),
+                                      np.int64, int(lengths.sum())))
     return np.concatenate([running, admitted])
+
+
+def entry_rows(plan_indices: np.ndarray, columns: np.ndarray, blocks) -> np.ndarray:
+    """Block entries ``(plan index, column, block)`` from their three columns (``np.stack``
+    costs several times more)."""
+    out = np.empty((len(columns), 3), np.int64)
+    out[:, 0], out[:, 1], out[:, 2] = plan_indices, columns, blocks
+    return out
 
 
 def _counting_up(counts: np.ndarray) -> np.ndarray:

@@ -8,11 +8,12 @@ from dataclasses import dataclass, replace
 import numpy as np
 from pyrsistent import pdeque
 
-from nanofn.state.batch import (HAS_STOP_IDS, IGNORE_EOS, LENGTH_LIMIT, MIN_TOKENS,
-                                NUM_PENDING, NUM_PROMPT, NUM_TOKENS,
-                                ROW, SERIAL, SLOT, RunningBatch, select, with_room)
+from nanofn.state.batch import (HAS_STOP_IDS, IGNORE_EOS, LENGTH_LIMIT, MIN_TOKENS, NUM_PENDING,
+                                NUM_PROMPT, NUM_TOKENS, ROW, SERIAL, SLOT, RunningBatch, select,
+                                thawed, with_room)
 from nanofn.state.block_pool import PoolChanges
 from nanofn.state.config import SchedulerConfig
+from nanofn.state.decode import decode_step
 from nanofn.state.engine_state import EngineState, evolve
 from nanofn.state.filled import leaving_record
 from nanofn.state.hashing import block_hashes
@@ -48,21 +49,44 @@ class Events:
     aborts: tuple[str, ...] = ()
     dirty_blocks: tuple[int, ...] = ()
 
+    @property
+    def delivers_only(self) -> bool:
+        """Whether the events are a delivery of sampled tokens and nothing else."""
+        return self.sampled is not None and not (self.stop_hits or self.new_seqs
+                                                 or self.aborts or self.dirty_blocks)
+
 
 def step(state: EngineState, events: Events) -> tuple[EngineState, BatchPlan]:
-    if events.sampled is not None:
-        _check_delivery(state, events.sampled)
+    """The next state and plan: ``full_step``'s, through the plain decode step's shortcut
+    (``decode.py``) when that applies."""
+    if events.sampled is None:
+        return full_step(state, events)
+    sampled = _delivered_tokens(state, events.sampled)
+    return (decode_step(state, sampled, events.delivers_only)
+            or _full_step(state, events, sampled))
+
+
+def full_step(state: EngineState, events: Events) -> tuple[EngineState, BatchPlan]:
+    """The step by definition: deliver the sampled tokens, add the new sequences, forget the
+    dirty blocks, apply the aborts, schedule."""
+    sampled = None if events.sampled is None else _delivered_tokens(state, events.sampled)
+    return _full_step(state, events, sampled)
+
+
+def _full_step(state: EngineState, events: Events,
+               sampled: np.ndarray | None) -> tuple[EngineState, BatchPlan]:
     state = evolve(state, step=state.step + 1, finished=(), preempted=())
-    if events.sampled is not None:
-        state = apply_sampled(state, np.asarray(events.sampled, np.int64),
-                              frozenset(events.stop_hits))
+    if sampled is not None:
+        state = apply_sampled(state, sampled, frozenset(events.stop_hits))
     state = add_seqs(state, events.new_seqs)
     state = forget_blocks(state, events.dirty_blocks)
     state = finish_by_id(state, events.aborts, FinishReason.ABORT)
     return schedule(state)
 
 
-def _check_delivery(state: EngineState, sampled) -> None:
+def _delivered_tokens(state: EngineState, sampled) -> np.ndarray:
+    """The delivered tokens as int64, once checked: a plan is waiting for exactly this many,
+    and each is a token id."""
     if not state.undelivered:
         raise ValueError(f"step {state.step + 1}: {len(sampled)} sampled tokens delivered, but "
                          f"no plan is waiting for its tokens")
@@ -71,12 +95,16 @@ def _check_delivery(state: EngineState, sampled) -> None:
                          f"they belong to sampled {len(state.undelivered[0])} sequences")
     tokens = np.asarray(sampled)
     vocab_size = state.config.vocab_size
-    if len(tokens) and (tokens.dtype.kind not in "iu" or tokens.min() < 0 or (
-            vocab_size is not None and tokens.max() >= vocab_size)):
+    # (As unsigned, a negative id is past any bound: one comparison checks both ends.)
+    bound = np.uint64(vocab_size if vocab_size is not None else 1 << 63)
+    if len(tokens) and (tokens.dtype.kind not in "iu" or np.count_nonzero(
+            (tokens.view(np.uint64) if tokens.dtype == np.int64 else tokens.astype(np.uint64))
+            >= bound)):
         bad = next(t for t in sampled if not _is_token(t, vocab_size))
         vocab = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
         raise ValueError(f"step {state.step + 1}: sampled token {bad!r} is not a token id in "
                          f"{vocab}")
+    return tokens.astype(np.int64, copy=False)
 
 
 def _is_token(t: object, vocab_size: int | None) -> bool:
@@ -113,7 +141,7 @@ def apply_sampled(state: EngineState, sampled: np.ndarray,
         if not len(rows):
             return evolve(state, undelivered=undelivered)
     c = state.config
-    cols = batch.cols.copy()
+    cols = thawed(batch.cols)
     store, cols = with_room(batch.store, cols, TOKENS, rows, key=batch.write_key)
     lengths = cols[rows, NUM_TOKENS].copy()
     store.append(TOKENS, cols[rows, ROW], lengths, sampled)
