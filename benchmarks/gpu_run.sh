@@ -3,7 +3,8 @@
 # short table last; the logs come back as $OUT/logs-MODE.tgz. Usage: bash benchmarks/gpu_run.sh
 # [tests|bench|all|kernels|serve|tp|baseline] (default: all;
 # baseline: the torch reference attention, eager, for comparison)
-# Expects the wheels of ../shared/tools/gpu-wheels.sh in .whl/ (pyrsistent is missing there);
+# Expects the wheels of ../shared/tools/gpu-wheels.sh in .whl/ (pyrsistent is missing there),
+# and flash-attn-4 in /tmp/fa4site if it is to be tested and measured (benchmarks/fa4_install.sh);
 # set NANOFN_COMMIT to the commit being measured (the device copy has no .git).
 # serve also needs the server's wheels (and structured output llguidance's, whose platform tag
 # gpu-wheels.sh does not ask for):
@@ -20,6 +21,9 @@ OUT=${OUT:-/tmp/nanofn-out}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 NANOFN_CACHE=/tmp/nanofn-cache
+if [ -d /tmp/fa4site ]; then  # flash-attn-4, installed by benchmarks/fa4_install.sh
+  export PYTHONPATH=/tmp/fa4site/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH:/tmp/fa4site
+fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 echo "${NANOFN_COMMIT:-unknown commit}" | tee "$OUT/commit.txt"  # the device copy has no .git
 
@@ -48,8 +52,8 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
   done
 fi
 if [ "$what" = kernels ]; then
-  for f in tests/gpu/test_triton_attention_gpu.py tests/gpu/test_triton_ops_gpu.py \
-           tests/gpu/test_triton_sampling_gpu.py; do
+  for f in tests/gpu/test_triton_attention_gpu.py tests/gpu/test_flash_attention_gpu.py \
+           tests/gpu/test_triton_ops_gpu.py tests/gpu/test_triton_sampling_gpu.py; do
     timeout 120 python3 "$f" 2>&1 | tee -a "$OUT/kernels.txt" | tail -15
   done
 fi

@@ -413,7 +413,7 @@ def test_a_malformed_prompt_is_an_invalid_request_and_nothing_stays_queued(llm, 
     (dict(num_kv_blocks=2, max_model_len=256), r"2 blocks of 16 tokens cannot hold one"),
     (dict(seed="x"), "seed must be an integer or None"),
     (dict(enforce_eager=1), "enforce_eager must be True or False"),
-    (dict(kernel_backend="cuda"), "kernel_backend must be one of auto, torch, triton"),
+    (dict(kernel_backend="cuda"), "kernel_backend must be one of auto, torch, triton, flash"),
     (dict(device="tpu"), "device must be 'auto', 'cpu' or 'cuda"),
 ])
 def test_bad_engine_options_name_the_problem(tiny_qwen3, options, message):

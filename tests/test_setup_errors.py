@@ -91,8 +91,9 @@ def test_a_device_or_backend_this_machine_lacks(tiny_qwen3, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ValueError, match="torch sees 0 CUDA GPU"):
         LLM(str(tiny_qwen3), device="cuda")
-    with pytest.raises(ValueError, match="kernel_backend 'triton' needs a CUDA device"):
-        LLM(str(tiny_qwen3), kernel_backend="triton")
+    for backend in ("triton", "flash"):
+        with pytest.raises(ValueError, match=f"kernel_backend '{backend}' needs a CUDA device"):
+            LLM(str(tiny_qwen3), kernel_backend=backend)
 
 
 def test_a_kv_cache_too_small_for_one_sequence_is_said_before_loading(tiny_qwen3, monkeypatch):

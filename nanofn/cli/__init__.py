@@ -66,9 +66,10 @@ ENGINE_FLAGS: dict[str, dict[str, Any]] = {
     "async_scheduling": dict(flag="--no-async-scheduling", action="store_const", const=False,
                              help="schedule each step only after the previous one's tokens "
                                   "are known (simpler traces, slower)"),
-    "kernel_backend": dict(choices=["auto", "torch", "triton"],
+    "kernel_backend": dict(choices=["auto", "torch", "triton", "flash"],
                            help="kernels for attention, norms, rotary and activation (default: "
-                                "{default}: triton on CUDA and the torch references on a CPU)"),
+                                "{default}: on CUDA flash, flash-attn-4's prefill with triton, "
+                                "where it runs, else triton; the torch references on a CPU)"),
     "trace": dict(metavar="PATH", help="record the run's trace here, for `nanofn replay`"),
     "generation_config": dict(metavar="auto|vllm|FOLDER",
                               help="sampling defaults: auto, the model's generation_config.json; "

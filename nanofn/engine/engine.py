@@ -540,9 +540,9 @@ def _runner_config(options: EngineOptions, model_dir: Path, max_model_len: int,
             raise ValueError(f"device {options.device!r} with tensor_parallel_size "
                              f"{options.tensor_parallel_size} needs GPUs up to cuda:{last - 1}, "
                              f"but torch sees {count} CUDA GPU(s)")
-    elif options.kernel_backend == "triton":
-        raise ValueError(f"kernel_backend 'triton' needs a CUDA device; this engine runs on "
-                         f"{device.type} (use 'torch' or 'auto')")
+    elif options.kernel_backend in ("triton", "flash"):
+        raise ValueError(f"kernel_backend {options.kernel_backend!r} needs a CUDA device; this "
+                         f"engine runs on {device.type} (use 'torch' or 'auto')")
     return RunnerConfig(
         model_dir=model_dir,
         dtype=options.dtype,

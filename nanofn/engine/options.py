@@ -9,7 +9,7 @@ from typing import Any
 
 from nanofn.state import SchedulerConfig
 
-KERNEL_BACKENDS = ("auto", "torch", "triton")
+KERNEL_BACKENDS = ("auto", "torch", "triton", "flash")
 SMALL_HIDDEN_SIZE = 1024  # narrower models run on one CPU thread by default
 
 
@@ -32,7 +32,7 @@ class EngineOptions:
     kv_cache_memory_bytes: int | None = None  # default: from gpu_memory_utilization (GPU), 4 GiB (CPU)
     num_kv_blocks: int | None = None  # an exact KV cache size, for tests and debugging
     device: str = "auto"  # "cuda" when there is a GPU, else "cpu"
-    kernel_backend: str = "auto"  # "triton" on CUDA, "torch" (the references) on CPU
+    kernel_backend: str = "auto"  # on CUDA "flash" where it runs, else "triton"; on CPU "torch"
     async_scheduling: bool = True  # schedule the next step while the device runs this one
     cpu_threads: int | None = None  # torch's threads on a CPU device; default: cpu_threads_for
     # Sampling defaults: "auto" from the model's generation_config.json, "vllm" none (vLLM's

@@ -1,8 +1,10 @@
 """Compute kernels. Each module holds the plain-torch reference that defines a kernel's contract.
 
 A model calls its kernels through one ``KernelBackend``, chosen once per engine: ``TORCH_KERNELS``
-(the references, defined here) or ``nanofn.kernels.triton_ops.TRITON_KERNELS`` (imported only
-where asked for, so that importing this package loads no Triton).
+(the references, defined here), ``nanofn.kernels.triton_ops.TRITON_KERNELS`` or
+``nanofn.kernels.flash_attention.FLASH_KERNELS`` (Triton's with flash-attn-4's prefill). The last
+two are imported only where asked for, so that importing this package loads no Triton and no
+flash_attn.
 """
 
 from collections.abc import Callable

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from nanofn.kernels import TORCH_KERNELS, KernelBackend
-from nanofn.model import build_model, load_weights, model_shape, resolve_dtype
+from nanofn.model import ModelShape, build_model, load_weights, model_shape, resolve_dtype
 from nanofn.runner.cuda_graphs import DecodeGraphs
 from nanofn.runner.inputs import SlotTables, prepare_inputs
 from nanofn.runner.sampler import DeviceSample, Sampler, SamplingRows, to_device
@@ -78,13 +78,14 @@ class ModelRunner:
             torch.cuda.set_device(self.device)
         if self.device.type == "cpu" and config.cpu_threads is not None:
             torch.set_num_threads(config.cpu_threads)
-        self.kernels = choose_kernels(config)
         self.dtype = resolve_dtype(hf_config, config.dtype)
+        self.shape = model_shape(hf_config, config.tp_size)
+        self.kernels = choose_kernels(config, self.dtype, self.shape,
+                                      hf_config.num_attention_heads // config.tp_size)
         self.model = build_model(hf_config, dtype=self.dtype, device=config.device,
                                  tp_rank=config.tp_rank, tp_size=config.tp_size,
                                  max_model_len=config.max_model_len, kernels=self.kernels)
         load_weights(self.model, config.model_dir)
-        self.shape = model_shape(hf_config, config.tp_size)
         self.sampler = Sampler(config.seed, config.device)
         self.num_blocks = self._decide_num_blocks()
         if config.tp_size > 1:  # every rank must hold the same blocks: take the smallest
@@ -303,12 +304,34 @@ def prompt_logprobs(logits: torch.Tensor, plan: BatchPlan) -> tuple:
     return tuple(entries)
 
 
-def choose_kernels(config: RunnerConfig) -> KernelBackend:
-    """The model's kernels (attention, norms, rotary, activation), chosen once per engine: Triton
-    on CUDA, the torch references elsewhere (or as ``config.kernel_backend`` asks)."""
+def choose_kernels(config: RunnerConfig, dtype: torch.dtype, shape: ModelShape,
+                   num_heads: int) -> KernelBackend:
+    """The model's kernels (attention, norms, rotary, activation), chosen once per engine.
+
+    ``auto``: on CUDA, flash-attn-4's prefill with the Triton kernels (``flash``) where it
+    imports and passes its self-check at this model's shape (``num_heads``: this rank's), else
+    Triton; elsewhere the torch references. Asking for ``flash`` where it cannot run raises,
+    saying why.
+    """
     name = config.kernel_backend
     if name == "auto":
-        name = "triton" if config.device.type == "cuda" else "torch"
+        name = "flash" if config.device.type == "cuda" else "torch"
+    if name == "flash":
+        from nanofn.kernels.device import flash_attention_problem
+
+        problem = flash_attention_problem(config.device, dtype)
+        if problem is None:
+            from nanofn.kernels import flash_attention
+
+            problem = flash_attention.self_check(config.device, dtype, num_heads,
+                                                 shape.num_kv_heads, shape.head_dim,
+                                                 config.block_size)
+            if problem is None:
+                return flash_attention.FLASH_KERNELS
+        if config.kernel_backend == "flash":
+            raise RuntimeError(f"kernel_backend 'flash' (flash-attn-4) cannot run here: {problem}")
+        log.info("prefill attention on Triton: flash-attn-4 cannot run here: %s", problem)
+        name = "triton"
     if name == "triton":
         from nanofn.kernels.triton_ops import TRITON_KERNELS
         return TRITON_KERNELS
