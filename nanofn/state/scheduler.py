@@ -312,7 +312,7 @@ def _plan(step: int, store: SeqStore, key: object, cols: np.ndarray, counts: np.
         (counts[scheduled] == 1) & (starts[scheduled] >= cols[scheduled, NUM_PROMPT])))
     plan = BatchPlan(
         step=step,
-        seq_ids=ids if everyone else tuple(ids[i] for i in indices.tolist()),
+        seq_ids=ids if everyone else tuple(itertools.compress(ids, (counts > 0).tolist())),
         slots=cols[scheduled, SLOT].copy(),
         start_pos=starts[scheduled],
         num_scheduled=counts[scheduled].copy(),
