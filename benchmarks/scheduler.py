@@ -10,6 +10,9 @@ are timed (deliver the sampled tokens, finish checks, scheduling, plan building)
 512 + i % 16 tokens spread the block crossings evenly (1 in 16 each step), and every request
 asks for 10 to 41 tokens, so about 4 % finish each step and as many new ones (64-token prompts)
 arrive and are admitted.
+The new requests are built before the clock starts (``NewSeq`` with its validated
+``SamplingParams`` for the core, ``Sequence`` for the yardstick): that is the front end's work,
+done on the caller's thread; taking them in (``step``'s checks, hashing, queueing) is timed.
 ``--pipelined`` delivers tokens one plan late, as the engine's async scheduling does. The
 garbage collector is set as ``LLM.generate`` sets it. Prints microseconds per sequence per step
 (median and best of the timed steps) for the core and for ``mutable_scheduler.py``, nano-vllm's
@@ -68,9 +71,9 @@ def time_core(a, timed_steps: int) -> list[float]:
         state, plan = _core_step(state, lag, [])
     times = []
     for k in range(timed_steps + 20):
-        arrivals = workload.arrivals(len(state.finished))
+        news = new_seqs(workload.arrivals(len(state.finished)))
         start = time.perf_counter()
-        state, plan = _core_step(state, lag, new_seqs(arrivals), k % 1000 + 2)
+        state, plan = _core_step(state, lag, news, k % 1000 + 2)
         times.append(time.perf_counter() - start)
     return times[20:]
 
@@ -90,10 +93,10 @@ def time_mutable(a, timed_steps: int) -> list[float]:
     finished: list = []
     times = []
     for k in range(timed_steps + 20):
-        arrivals = workload.arrivals(len(finished))
+        arrivals = [Sequence(rid, prompt, m) for rid, prompt, m in workload.arrivals(len(finished))]
         start = time.perf_counter()
-        for rid, prompt, m in arrivals:
-            scheduler.add(Sequence(rid, prompt, m))
+        for seq in arrivals:
+            scheduler.add(seq)
         finished = scheduler.postprocess(scheduled, [k % 1000 + 2] * len(scheduled))
         scheduled = scheduler.schedule()
         times.append(time.perf_counter() - start)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 from pyrsistent import pdeque, plist
@@ -33,6 +33,17 @@ class InFlight:
 
     serials_bytes: bytes
     seq_ids: tuple[str, ...]
+    _id_set: frozenset[str] | None = field(default=None, init=False, repr=False, compare=False)
+
+    def samples(self, seq_id: str) -> bool:
+        """Whether the plan samples a sequence of this id. (A set of the ids is built on the
+        first question and kept: every new request asks every plan in flight, and a tuple of
+        256 ids costs ~10 us to scan.)"""
+        ids = self._id_set
+        if ids is None:
+            ids = frozenset(self.seq_ids)
+            object.__setattr__(self, "_id_set", ids)
+        return seq_id in ids
 
     @property
     def serials(self) -> np.ndarray:

@@ -10,14 +10,13 @@ hashed blocks; full blocks past it are pending.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import numpy as np
 
-from nanofn.state.batch import NUM_COMPUTED, NUM_HASHED, NUM_TOKENS, ROW, RunningBatch, with_room
+from nanofn.state.batch import (NUM_CACHED, NUM_COMPUTED, NUM_HASHED, NUM_PENDING,
+                                NUM_PREEMPTIONS, NUM_TOKENS, ROW, RunningBatch, with_room)
 from nanofn.state.block_pool import PoolChanges
 from nanofn.state.hashing import ROOT_HASH, chained_hashes, hashes_of_blocks, token_bytes
-from nanofn.state.records import Seq
+from nanofn.state.records import FinishReason, Seq, SeqStatus
 from nanofn.state.store import HASHES, TABLES, TOKENS, SeqStore
 
 
@@ -63,18 +62,24 @@ def _hash_one_block_each(store: SeqStore, cols: np.ndarray, pool: PoolChanges,
 
 
 def leaving_record(batch: RunningBatch, i: int, pool: PoolChanges, block_size: int,
-                   prefix_caching: bool) -> Seq:
-    """Row ``i`` as a record with all its block hashes, its pending blocks hashed (and the
-    computed ones cached) before it gives its blocks back."""
-    seq = batch.seq(i)
+                   prefix_caching: bool, status: SeqStatus,
+                   finish_reason: FinishReason | None = None) -> Seq:
+    """Row ``i`` as the record it leaves the batch as, with all its block hashes (its pending
+    blocks hashed, and the computed ones cached, before it gives its blocks back) and no
+    blocks: finished, or waiting (preempted: it recomputes from the start)."""
     cols = batch.cols[i]
-    first = int(cols[NUM_HASHED])
+    row, first = int(cols[ROW]), int(cols[NUM_HASHED])
+    hashes = batch.store.arrays[HASHES][row, :first].tolist()
     count = int(cols[NUM_TOKENS]) // block_size - first
-    if not prefix_caching or count <= 0:
-        return seq
-    hashes = _hash_and_cache(batch.store, int(cols[ROW]), first, count, int(cols[NUM_COMPUTED]),
-                             pool, block_size)
-    return replace(seq, block_hashes=seq.block_hashes + tuple(hashes))
+    if prefix_caching and count > 0:
+        hashes += _hash_and_cache(batch.store, row, first, count, int(cols[NUM_COMPUTED]), pool,
+                                  block_size)
+    preempted = status is SeqStatus.WAITING
+    return Seq(spec=batch.specs[i], token_ids=tuple(batch.tokens(i).tolist()),
+               block_hashes=tuple(hashes), num_computed=0 if preempted else int(cols[NUM_COMPUTED]),
+               num_pending=int(cols[NUM_PENDING]), status=status, finish_reason=finish_reason,
+               num_preemptions=int(cols[NUM_PREEMPTIONS]) + preempted,
+               num_cached_tokens=int(cols[NUM_CACHED]))
 
 
 def _hash_and_cache(store: SeqStore, row: int, first: int, count: int, num_computed: int,

@@ -55,13 +55,14 @@ def check_new_seq(state: EngineState, new: NewSeq,
         raise InvalidRequest(f"request {new.seq_id!r}: prompt token id "
                              f"{_bad_token(prompt, c.vocab_size)!r} is not an integer in{vocab}")
     p = new.params
-    for name, ids in (("stop_token_ids", p.stop_token_ids),
-                      ("logit_bias", [t for t, _ in p.logit_bias or ()]),
-                      ("allowed_token_ids", p.allowed_token_ids or ())):
-        too_big = [t for t in ids if c.vocab_size is not None and t >= c.vocab_size]
-        if too_big:
-            raise InvalidRequest(f"request {new.seq_id!r}: {name} {too_big} are not in the "
-                                 f"vocabulary [0, {c.vocab_size})")
+    if c.vocab_size is not None and (p.stop_token_ids or p.logit_bias or p.allowed_token_ids):
+        for name, ids in (("stop_token_ids", p.stop_token_ids),
+                          ("logit_bias", [t for t, _ in p.logit_bias or ()]),
+                          ("allowed_token_ids", p.allowed_token_ids or ())):
+            too_big = [t for t in ids if t >= c.vocab_size]
+            if too_big:
+                raise InvalidRequest(f"request {new.seq_id!r}: {name} {too_big} are not in the "
+                                     f"vocabulary [0, {c.vocab_size})")
     max_tokens = new.params.max_tokens or 1
     if len(prompt) + max_tokens > c.max_model_len:
         raise InvalidRequest(
@@ -79,9 +80,9 @@ def _token_array(prompt, vocab_size: int | None) -> np.ndarray | None:
         tokens = np.frombuffer(array.array("q", prompt), np.int64)
     except (TypeError, OverflowError):
         return None
-    if tokens.min() >= 0 and (vocab_size is None or tokens.max() < vocab_size):
-        return tokens
-    return None
+    # (As unsigned, a negative id is past any bound: one comparison checks both ends.)
+    bound = np.uint64(vocab_size if vocab_size is not None else 1 << 63)
+    return None if np.count_nonzero(tokens.view(np.uint64) >= bound) else tokens
 
 
 def _bad_token(prompt, vocab_size: int | None):
@@ -93,7 +94,7 @@ def _bad_token(prompt, vocab_size: int | None):
 def has_token_in_flight(state: EngineState, seq_id: str) -> bool:
     """Whether a sequence of this id has a sampled token in flight (it may have finished a
     step ahead of that token)."""
-    return any(seq_id in f.seq_ids for f in state.undelivered)
+    return any(f.samples(seq_id) for f in state.undelivered)
 
 
 def add_seqs(state: EngineState, new_seqs: tuple[NewSeq, ...]) -> EngineState:

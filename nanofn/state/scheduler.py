@@ -187,10 +187,10 @@ def preempt(pool: PoolChanges, batch: RunningBatch, i: int, c: SchedulerConfig) 
     """Give back all of row ``i``'s blocks (the last ones become the first to be evicted);
     it becomes a waiting record that keeps its tokens, pending ones included, and will
     recompute them."""
-    seq = leaving_record(batch, i, pool, c.block_size, c.enable_prefix_caching)
+    seq = leaving_record(batch, i, pool, c.block_size, c.enable_prefix_caching,
+                         SeqStatus.WAITING)
     pool.release(reversed(batch.table(i).tolist()))
-    return replace(seq, status=SeqStatus.WAITING, num_computed=0, block_table=(),
-                   num_preemptions=seq.num_preemptions + 1)
+    return seq
 
 
 def admit(pool: PoolChanges, seq: Seq, budget: int, c: SchedulerConfig,

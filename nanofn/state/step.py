@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
 
@@ -272,16 +273,18 @@ def finish_rows(state: EngineState, pool: PoolChanges,
     finished, slots = list(state.finished), state.free_slots
     keep = np.ones(len(batch), bool)
     c = state.config
-    for i in sorted(reasons):
-        seq = leaving_record(batch, i, pool, c.block_size, c.enable_prefix_caching)
-        pool.release(reversed(batch.table(i).tolist()))
-        finished.append(replace(seq, status=SeqStatus.FINISHED, finish_reason=reasons[i],
-                                block_table=()))
-        slots = slots.cons(int(batch.cols[i, SLOT]))
-        keep[i] = False
+    rows = sorted(reasons)
+    finished += [leaving_record(batch, i, pool, c.block_size, c.enable_prefix_caching,
+                                SeqStatus.FINISHED, reasons[i]) for i in rows]
+    # (Their blocks go back after every record is hashed, as one release in row order: each
+    # record's hashing reads only its own row, so that is the order one by one would give.)
+    pool.release(itertools.chain.from_iterable(reversed(batch.table(i).tolist()) for i in rows))
+    for slot in batch.cols[rows, SLOT].tolist():
+        slots = slots.cons(slot)
+    keep[rows] = False
     state = evolve(state, pool=pool.build(), batch=select(batch, keep), free_slots=slots,
                     finished=tuple(finished))
-    return _counted(state, [batch.ids[i] for i in sorted(reasons)])
+    return _counted(state, [batch.ids[i] for i in rows])
 
 
 def _counted(state: EngineState, newly_finished: list[str]) -> EngineState:
