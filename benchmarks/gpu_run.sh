@@ -53,7 +53,8 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
 fi
 if [ "$what" = kernels ]; then
   for f in tests/gpu/test_triton_attention_gpu.py tests/gpu/test_flash_attention_gpu.py \
-           tests/gpu/test_triton_ops_gpu.py tests/gpu/test_triton_sampling_gpu.py; do
+           tests/gpu/test_triton_ops_gpu.py tests/gpu/test_triton_gemv_gpu.py \
+           tests/gpu/test_triton_sampling_gpu.py; do
     timeout 120 python3 "$f" 2>&1 | tee -a "$OUT/kernels.txt" | tail -15
   done
 fi

@@ -18,6 +18,8 @@ from nanofn import LLM, SamplingParams
 from nanofn.cli import random_weights_model
 from nanofn.engine.collector import fewer_gc_pauses
 
+from gemv_off import projections_on_cublas  # (benchmarks/, the script's folder)
+
 
 def main() -> None:
     ap = argparse.ArgumentParser()
@@ -27,7 +29,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--host-only", action="store_true",
                     help="skip the device profile; list the host's functions by own time")
+    ap.add_argument("--no-gemv", action="store_true",
+                    help="every projection on cuBLAS (the Triton GEMVs off), for a before/after")
     args = ap.parse_args()
+    if args.no_gemv:
+        projections_on_cublas()
     llm = LLM(str(args.model or random_weights_model(args.random_weights)), max_model_len=4096)
     engine = llm.engine
     rng = random.Random(0)

@@ -14,13 +14,14 @@ import torch
 
 from nanofn.kernels.activation import silu_and_mul
 from nanofn.kernels.attention import decode_attention, prefill_attention, store_kv
+from nanofn.kernels.linear import linear, rms_norm_linear, silu_and_mul_linear
 from nanofn.kernels.norm import rms_norm
 from nanofn.kernels.rotary import SUPPORTED_ROPE_TYPES, apply_rotary, build_cos_sin_cache
 
 
 @dataclass(frozen=True)
 class KernelBackend:
-    """Every kernel a model calls besides its matrix multiplies and embedding lookups.
+    """Every kernel a model calls besides its embedding lookups and its LM head.
 
     Each field has the signature and contract of the torch reference of the same name.
     """
@@ -31,6 +32,10 @@ class KernelBackend:
     rms_norm: Callable[..., torch.Tensor | tuple[torch.Tensor, torch.Tensor]]
     apply_rotary: Callable[..., tuple[torch.Tensor, torch.Tensor]]  # optionally with Qwen3's q/k norm
     silu_and_mul: Callable[..., torch.Tensor]
+    # The projections, two with the kernel before them fused in (see linear.py)
+    linear: Callable[..., torch.Tensor]
+    silu_and_mul_linear: Callable[..., torch.Tensor]
+    rms_norm_linear: Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
 TORCH_KERNELS = KernelBackend(
@@ -40,6 +45,9 @@ TORCH_KERNELS = KernelBackend(
     rms_norm=rms_norm,
     apply_rotary=apply_rotary,
     silu_and_mul=silu_and_mul,
+    linear=linear,
+    silu_and_mul_linear=silu_and_mul_linear,
+    rms_norm_linear=rms_norm_linear,
 )
 
 __all__ = [
@@ -49,8 +57,11 @@ __all__ = [
     "apply_rotary",
     "build_cos_sin_cache",
     "decode_attention",
+    "linear",
     "prefill_attention",
     "rms_norm",
+    "rms_norm_linear",
     "silu_and_mul",
+    "silu_and_mul_linear",
     "store_kv",
 ]

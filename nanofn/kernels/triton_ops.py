@@ -8,6 +8,9 @@ in a decode step of a small model such launches take most of the time. Here each
 - ``apply_rotary``: one program per token, rotating all of its query and key heads; with norm
   weights it first RMS-normalises each head (Qwen3's ``q_norm``/``k_norm``), in the same pass.
 - ``silu_and_mul``: one program per (row, block of ``SILU_BLOCK`` columns).
+- the projections (``linear``, and ``silu_and_mul_linear``, ``rms_norm_linear`` with the kernel
+  before them fused in): a GEMV of ``triton_gemv.py`` for at most ``GEMV_MAX_ROWS`` tokens
+  (decode of a few sequences, where cuBLAS is latency-bound), cuBLAS beyond.
 
 Arithmetic is float32 but intermediate results are rounded to the input dtype where the
 references round them, so the kernels reproduce the references up to the order of a sum and the
@@ -17,14 +20,24 @@ in a CUDA graph.
 
 from __future__ import annotations
 
+import functools
+from dataclasses import replace
+
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 import nanofn.kernels.triton_attention as triton_attention
+import nanofn.kernels.triton_gemv as triton_gemv
 from nanofn.kernels import KernelBackend
 
 SILU_BLOCK = 1024  # columns per silu_and_mul program
+# Token counts up to which the projections run as Triton GEMVs (triton_gemv.py), cuBLAS above.
+# Measured on the H100 at Qwen3-0.6B's shapes (tests/gpu/test_triton_gemv_gpu.py): a layer's four
+# projections with the fused norms and activation take 22.3 us at one row and 26.0 us at two,
+# against 31.6 and 31.2 us on cuBLAS after the separate kernels; at four rows 33.4 against 31.5.
+GEMV_MAX_ROWS = 2
 
 
 # ---------------------------------------------------------------------------------------------
@@ -200,10 +213,60 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return out.view(*x.shape[:-1], size)
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           gemv_max_rows: int = GEMV_MAX_ROWS) -> torch.Tensor:
+    """``x @ weight.T (+ bias)``: a Triton GEMV for at most ``gemv_max_rows`` rows, else cuBLAS."""
+    rows = x.reshape(-1, x.shape[-1])
+    if not 0 < len(rows) <= gemv_max_rows:
+        return F.linear(x, weight, bias)
+    return triton_gemv.gemv(rows, weight, bias).view(*x.shape[:-1], -1)
+
+
+def silu_and_mul_linear(x: torch.Tensor, weight: torch.Tensor,
+                        gemv_max_rows: int = GEMV_MAX_ROWS) -> torch.Tensor:
+    """``silu_and_mul(x) @ weight.T``: one Triton GEMV for at most ``gemv_max_rows`` rows, else
+    the activation kernel and cuBLAS."""
+    rows = x.reshape(-1, x.shape[-1])
+    if not 0 < len(rows) <= gemv_max_rows:
+        return F.linear(silu_and_mul(x), weight)
+    return triton_gemv.silu_and_mul_gemv(rows, weight).view(*x.shape[:-1], -1)
+
+
+def rms_norm_linear(
+    x: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    gemv_max_rows: int = GEMV_MAX_ROWS,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rms_norm(x + residual) @ weight.T (+ bias), x + residual)`` (see ``linear.py``): one
+    Triton GEMV for at most ``gemv_max_rows`` rows, else the norm kernel and cuBLAS."""
+    size = x.shape[-1]
+    rows = x.reshape(-1, size)
+    if not 0 < len(rows) <= gemv_max_rows:
+        if residual is None:
+            return F.linear(rms_norm(x, norm_weight, eps), weight, bias), x
+        normed, summed = rms_norm(x, norm_weight, eps, residual)
+        return F.linear(normed, weight, bias), summed
+    residual_rows = None if residual is None else residual.reshape(-1, size)
+    out, summed = triton_gemv.rms_norm_gemv(rows, norm_weight, eps, residual_rows, weight, bias)
+    return out.view(*x.shape[:-1], -1), summed.view(x.shape)
+
+
 def _row_warps(block: int) -> int:
     """Warps for a program that holds a row of ``block`` elements: 8 elements a thread, from one
     warp up to 16 (a 4096-wide row); wider rows put more elements on each thread."""
     return min(16, max(1, block // 256))
+
+
+def without_gemv(kernels: KernelBackend) -> KernelBackend:
+    """``kernels`` with every projection on cuBLAS and the fused ones split again, whatever the
+    token count: the baseline that the GEMVs are tested and measured against."""
+    return replace(kernels, linear=functools.partial(linear, gemv_max_rows=0),
+                   silu_and_mul_linear=functools.partial(silu_and_mul_linear, gemv_max_rows=0),
+                   rms_norm_linear=functools.partial(rms_norm_linear, gemv_max_rows=0))
 
 
 TRITON_KERNELS = KernelBackend(
@@ -213,4 +276,7 @@ TRITON_KERNELS = KernelBackend(
     rms_norm=rms_norm,
     apply_rotary=apply_rotary,
     silu_and_mul=silu_and_mul,
+    linear=linear,
+    silu_and_mul_linear=silu_and_mul_linear,
+    rms_norm_linear=rms_norm_linear,
 )

@@ -2,8 +2,10 @@
 
 The architectures differ only in the switches of ``DecoderOptions``. Module and parameter names
 follow Hugging Face's, except the fused ``qkv_proj`` and ``gate_up_proj`` (see ``loader.py``).
-Everything a step needs comes in through ``forward``'s arguments and every kernel other than
-the matrix multiplies through the ``KernelBackend`` given at construction: no global context.
+Everything a step needs comes in through ``forward``'s arguments and every kernel but the
+embedding lookup and the LM head through the ``KernelBackend`` given at construction: no global
+context. A decoder layer runs each norm together with the projection after it (the backend may
+fuse the two), and the MLP's activation together with its down projection.
 """
 
 from __future__ import annotations
@@ -95,6 +97,7 @@ class Attention(nn.Module):
             bias=options.qkv_bias,
             tp_rank=tp_rank,
             tp_size=tp_size,
+            kernels=kernels,
         )
         self.o_proj = RowParallelLinear(
             hf_config.num_attention_heads * dim,
@@ -102,6 +105,7 @@ class Attention(nn.Module):
             bias=options.o_proj_bias,
             tp_rank=tp_rank,
             tp_size=tp_size,
+            kernels=kernels,
         )
         # Qwen3's per-head norms: weight holders here, applied inside the rotary kernel.
         self.q_norm = RMSNorm(dim, hf_config.rms_norm_eps, kernels) if options.qk_norm else None
@@ -114,13 +118,15 @@ class Attention(nn.Module):
     def forward(
         self,
         positions: torch.Tensor,
-        hidden: torch.Tensor,
+        qkv: torch.Tensor,
         batch: AttentionBatch,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
     ) -> torch.Tensor:
+        """Attention of the tokens whose ``qkv_proj`` output is ``qkv`` (``DecoderLayer`` runs the
+        projection, with the norm before it), through ``o_proj``."""
         qkv_proj = self.qkv_proj
-        q, k, v = qkv_proj(hidden).split([qkv_proj.q_size, qkv_proj.kv_size, qkv_proj.kv_size], dim=-1)
+        q, k, v = qkv.split([qkv_proj.q_size, qkv_proj.kv_size, qkv_proj.kv_size], dim=-1)
         q = q.view(-1, qkv_proj.num_heads, self.head_dim)
         k = k.view(-1, qkv_proj.num_kv_heads, self.head_dim)
         v = v.view(-1, qkv_proj.num_kv_heads, self.head_dim)
@@ -153,15 +159,17 @@ class MLP(nn.Module):
         super().__init__()
         hidden, intermediate = hf_config.hidden_size, hf_config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(
-            hidden, [intermediate, intermediate], bias=options.mlp_bias, tp_rank=tp_rank, tp_size=tp_size
+            hidden, [intermediate, intermediate], bias=options.mlp_bias, tp_rank=tp_rank, tp_size=tp_size,
+            kernels=kernels,
         )
         self.down_proj = RowParallelLinear(
-            intermediate, hidden, bias=options.mlp_bias, tp_rank=tp_rank, tp_size=tp_size
+            intermediate, hidden, bias=options.mlp_bias, tp_rank=tp_rank, tp_size=tp_size, kernels=kernels
         )
-        self.kernels = kernels
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.kernels.silu_and_mul(self.gate_up_proj(x)))
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """The MLP's output from its ``gate_up_proj`` output (``DecoderLayer`` runs the projection,
+        with the norm before it): ``down_proj(silu(gate) * up)``."""
+        return self.down_proj(gate_up, gated=True)
 
 
 class DecoderLayer(nn.Module):
@@ -189,13 +197,13 @@ class DecoderLayer(nn.Module):
         layer_kv_cache: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns ``(mlp output, residual stream before it)``: the next norm adds them."""
-        if residual is None:
-            hidden, residual = self.input_layernorm(hidden), hidden
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, batch, layer_kv_cache[0], layer_kv_cache[1])
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        attention, mlp = self.self_attn, self.mlp
+        norm = self.input_layernorm
+        qkv, residual = attention.qkv_proj.forward_normed(hidden, residual, norm.weight, norm.eps)
+        hidden = attention(positions, qkv, batch, layer_kv_cache[0], layer_kv_cache[1])
+        norm = self.post_attention_layernorm
+        gate_up, residual = mlp.gate_up_proj.forward_normed(hidden, residual, norm.weight, norm.eps)
+        return mlp(gate_up), residual
 
 
 class DecoderModel(nn.Module):

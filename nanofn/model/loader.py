@@ -58,7 +58,7 @@ def build_model(
 
     ``max_model_len``, the longest context the caller will run, sizes the rotary table (default:
     the config's ``max_position_embeddings``) and is checked against a sliding window.
-    ``kernels`` are the non-matmul kernels every layer calls (attention, norms, rotary, activation).
+    ``kernels`` are the kernels every layer calls (projections, attention, norms, rotary, activation).
     """
     options = decoder_options(hf_config)
     check_activation(hf_config)

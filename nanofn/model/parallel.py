@@ -7,7 +7,10 @@ the same code for any ``tp_size``. Cross-rank reductions use the default ``torch
 process group, whose ranks are the tensor-parallel ranks.
 
 ``partial_forward`` (row-parallel layers, the embedding) and ``shard_logits`` (the LM head) expose
-a rank's contribution before communication; ``forward`` is that plus the collective.
+a rank's contribution before communication; ``forward`` is that plus the collective. The linear
+layers multiply through the ``KernelBackend`` they are given (a rank's local product), which may
+fuse the kernel before the projection into it: ``forward_normed`` (column-parallel) and
+``gated`` (row-parallel).
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
+from nanofn.kernels import TORCH_KERNELS, KernelBackend
 
 
 def load_replicated(param: nn.Parameter, loaded: torch.Tensor, shard_id: None = None) -> None:
@@ -49,9 +54,11 @@ class _Linear(nn.Module):
 
     weight_loader: Callable[..., None]
 
-    def __init__(self, in_local: int, out_local: int, bias_size: int | None, tp_rank: int, tp_size: int):
+    def __init__(self, in_local: int, out_local: int, bias_size: int | None, tp_rank: int, tp_size: int,
+                 kernels: KernelBackend):
         super().__init__()
         self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.kernels = kernels
         self.weight = _new_parameter(out_local, in_local)
         self.weight.weight_loader = self.weight_loader
         if bias_size is None:
@@ -64,12 +71,19 @@ class _Linear(nn.Module):
 class ColumnParallelLinear(_Linear):
     """Splits the output features across ranks; each rank returns its slice of ``y``."""
 
-    def __init__(self, input_size: int, output_size: int, *, bias: bool, tp_rank: int, tp_size: int):
+    def __init__(self, input_size: int, output_size: int, *, bias: bool, tp_rank: int, tp_size: int,
+                 kernels: KernelBackend = TORCH_KERNELS):
         out_local = _divide(output_size, tp_size, "output size")
-        super().__init__(input_size, out_local, out_local if bias else None, tp_rank, tp_size)
+        super().__init__(input_size, out_local, out_local if bias else None, tp_rank, tp_size, kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.kernels.linear(x, self.weight, self.bias)
+
+    def forward_normed(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(self(rms_norm(x + residual)), x + residual)`` (``residual`` None: ``x`` alone): a
+        decoder layer's norm and the projection after it, as the kernels' ``rms_norm_linear``."""
+        return self.kernels.rms_norm_linear(x, norm_weight, eps, residual, self.weight, self.bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         local = param.shape[0]
@@ -84,9 +98,11 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     index of the output a checkpoint tensor fills.
     """
 
-    def __init__(self, input_size: int, output_sizes: list[int], *, bias: bool, tp_rank: int, tp_size: int):
+    def __init__(self, input_size: int, output_sizes: list[int], *, bias: bool, tp_rank: int, tp_size: int,
+                 kernels: KernelBackend = TORCH_KERNELS):
         self.local_sizes = [_divide(size, tp_size, "output size") for size in output_sizes]
-        super().__init__(input_size, sum(output_sizes), bias=bias, tp_rank=tp_rank, tp_size=tp_size)
+        super().__init__(input_size, sum(output_sizes), bias=bias, tp_rank=tp_rank, tp_size=tp_size,
+                         kernels=kernels)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None) -> None:
         local = self.local_sizes[shard_id]
@@ -112,6 +128,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         bias: bool,
         tp_rank: int,
         tp_size: int,
+        kernels: KernelBackend = TORCH_KERNELS,
     ):
         self.head_dim = head_dim
         self.num_heads = _divide(num_heads, tp_size, "number of attention heads")
@@ -129,7 +146,8 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.q_size = self.num_heads * head_dim
         self.kv_size = self.num_kv_heads * head_dim
         out_total = (self.q_size + 2 * self.kv_size) * tp_size
-        super().__init__(hidden_size, out_total, bias=bias, tp_rank=tp_rank, tp_size=tp_size)
+        super().__init__(hidden_size, out_total, bias=bias, tp_rank=tp_rank, tp_size=tp_size,
+                         kernels=kernels)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None) -> None:
         if shard_id == "q":
@@ -146,18 +164,25 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 
 class RowParallelLinear(_Linear):
-    """Splits the input features across ranks; the partial products are summed over ranks."""
+    """Splits the input features across ranks; the partial products are summed over ranks.
 
-    def __init__(self, input_size: int, output_size: int, *, bias: bool, tp_rank: int, tp_size: int):
+    With ``gated``, ``x`` is ``[gate | up]`` (this rank's slices of a merged gate-up projection)
+    and the input is ``silu(gate) * up``, computed by the kernels' ``silu_and_mul_linear``.
+    """
+
+    def __init__(self, input_size: int, output_size: int, *, bias: bool, tp_rank: int, tp_size: int,
+                 kernels: KernelBackend = TORCH_KERNELS):
         in_local = _divide(input_size, tp_size, "input size")
-        super().__init__(in_local, output_size, output_size if bias else None, tp_rank, tp_size)
+        super().__init__(in_local, output_size, output_size if bias else None, tp_rank, tp_size, kernels)
 
-    def partial_forward(self, x: torch.Tensor) -> torch.Tensor:
+    def partial_forward(self, x: torch.Tensor, gated: bool = False) -> torch.Tensor:
         """This rank's summand of ``x @ weight.T``, without bias (added once, after the sum)."""
-        return F.linear(x, self.weight)
+        if gated:
+            return self.kernels.silu_and_mul_linear(x, self.weight)
+        return self.kernels.linear(x, self.weight)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.partial_forward(x)
+    def forward(self, x: torch.Tensor, gated: bool = False) -> torch.Tensor:
+        y = self.partial_forward(x, gated)
         if self.tp_size > 1:
             dist.all_reduce(y)
         return y if self.bias is None else y + self.bias

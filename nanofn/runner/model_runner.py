@@ -306,7 +306,7 @@ def prompt_logprobs(logits: torch.Tensor, plan: BatchPlan) -> tuple:
 
 def choose_kernels(config: RunnerConfig, dtype: torch.dtype, shape: ModelShape,
                    num_heads: int) -> KernelBackend:
-    """The model's kernels (attention, norms, rotary, activation), chosen once per engine.
+    """The model's kernels (projections, attention, norms, rotary, activation), chosen once per engine.
 
     ``auto``: on CUDA, flash-attn-4's prefill with the Triton kernels (``flash``) where it
     imports and passes its self-check at this model's shape (``num_heads``: this rank's), else

@@ -1,0 +1,40 @@
+"""The projections of a decoder layer, plain-torch references: a matrix multiply, alone or with
+the small kernel that comes before it in the layer (the MLP's activation, the residual add and
+RMS norm) folded in. A backend may fuse each pair into one kernel; these define the result."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from nanofn.kernels.activation import silu_and_mul
+from nanofn.kernels.norm import rms_norm
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` for ``weight [N, K]`` and ``x [..., K]``."""
+    return F.linear(x, weight, bias)
+
+
+def silu_and_mul_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``silu_and_mul(x) @ weight.T`` for ``x = [gate | up]`` of shape ``[..., 2 * K]``: the MLP's
+    down projection after its activation."""
+    return F.linear(silu_and_mul(x), weight)
+
+
+def rms_norm_linear(
+    x: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A norm and the projection after it: ``(rms_norm(x + residual) @ weight.T (+ bias), x +
+    residual)``, as ``rms_norm`` rounds them; with ``residual`` None, ``(rms_norm(x) @ weight.T
+    (+ bias), x)``. The second result is the residual stream the layer carries on."""
+    if residual is None:
+        normed, summed = rms_norm(x, norm_weight, eps), x
+    else:
+        normed, summed = rms_norm(x, norm_weight, eps, residual)
+    return F.linear(normed, weight, bias), summed

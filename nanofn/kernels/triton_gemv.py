@@ -1,0 +1,173 @@
+"""Matrix-vector products for a few rows (decode of one to a few sequences), as Triton kernels.
+
+At a few tokens a projection reads its whole weight to compute a few outputs per row: it is
+bound by memory, and at Qwen3-0.6B's sizes (4-12 MB of weight, a few microseconds) largely by
+the fixed cost of a kernel. Measured on the H100 from CUDA graphs at one row: cuBLAS 5.6-7.9 us
+for the four projections, these kernels 3.7-6.2 us (1.1-2.0 TB/s), about 2.5 us of fixed cost
+(the launch, the first bytes' latency, the final sums) plus the weight at the memory's rate.
+
+One program computes ``BLOCK_N`` outputs of every row: it loads a ``[BLOCK_N, BLOCK_K]`` tile of
+the weight (16-byte loads along a weight row), multiplies it by the ``[BLOCK_M, BLOCK_K]`` slice
+of the input in float32 and sums over K. Small tiles (``gemv_config``) make many programs, whose
+loads are all in flight at once.
+
+The input of a tile may be computed in the kernel from what precedes the projection in a
+decoder layer (``PROLOGUE``), which saves that kernel's launch and its round trip through
+memory; every program recomputes the slice it needs (from L2, but for the first):
+
+- ``SILU``: the input is ``[gate | up]`` and the kernel multiplies by ``silu(gate) * up``;
+- ``NORM``: the input is ``rms_norm(x + residual)``, a tile holding whole rows; program 0 also
+  writes ``x + residual``, the layer's residual stream.
+
+Intermediate values are rounded to the input dtype where the torch references round them
+(``nanofn.kernels.linear``), so the results differ from them by the order of the sums only.
+Grids depend only on shapes: the kernels can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+PLAIN, SILU, NORM = 0, 1, 2  # PROLOGUE: how a program gets its input tile
+
+
+class GemvConfig(NamedTuple):
+    """Launch parameters: outputs per program, input columns per step, warps per program."""
+
+    block_n: int
+    block_k: int
+    num_warps: int
+
+
+@triton.jit
+def _input_tile(
+    x_rows, residual_rows, norm_weight_ptr, residual_out_rows, cols, mask, k, eps, write,
+    PROLOGUE: tl.constexpr, ADD_RESIDUAL: tl.constexpr,
+):
+    """The input ``[BLOCK_M, 1, BLOCK_K]`` at columns ``cols``, in float32 but rounded to the
+    input dtype as the references round it. With ``NORM`` the tile holds whole rows; with
+    ``write`` it also stores them as ``x + residual``."""
+    dtype = x_rows.dtype.element_ty
+    if PROLOGUE == 1:  # SILU
+        gate = tl.load(x_rows + cols, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(x_rows + k + cols, mask=mask, other=0.0).to(tl.float32)
+        activated = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
+        return (activated * up).to(dtype).to(tl.float32)
+    x = tl.load(x_rows + cols, mask=mask, other=0.0)
+    if PROLOGUE == 2:  # NORM
+        if ADD_RESIDUAL:
+            residual = tl.load(residual_rows + cols, mask=mask, other=0.0)
+            x = (x.to(tl.float32) + residual.to(tl.float32)).to(dtype)
+            tl.store(residual_out_rows + cols, x, mask=mask & write)
+        x = x.to(tl.float32)
+        inv_rms = tl.rsqrt(tl.sum(x * x, 2)[:, :, None] / k + eps)
+        normed = (x * inv_rms).to(dtype).to(tl.float32)
+        norm_weight = tl.load(norm_weight_ptr + cols, mask=cols < k, other=0.0).to(tl.float32)
+        return (norm_weight * normed).to(dtype).to(tl.float32)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, residual_ptr, norm_weight_ptr, weight_ptr, bias_ptr, out_ptr, residual_out_ptr,
+    rows, n, k, stride_x, stride_residual, stride_weight, stride_out, stride_residual_out, eps,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PROLOGUE: tl.constexpr, ADD_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
+):
+    """Program ``p``: outputs ``p * BLOCK_N ..`` of all ``rows`` (at most ``BLOCK_M``) rows.
+
+    Tiles are 3-d, ``[rows, outputs, columns]``: the input ``[BLOCK_M, 1, BLOCK_K]`` and the
+    weight ``[1, BLOCK_N, BLOCK_K]`` are loaded in the same layout (16 bytes a thread along the
+    columns), and one sum over the columns serves every row. With ``NORM``, ``BLOCK_K >= k``:
+    the norm of a row needs all of it, and so it is read once.
+    """
+    program = tl.program_id(0)
+    m = tl.arange(0, BLOCK_M)[:, None, None]
+    outputs = program * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = outputs[None, :, None] < n
+    columns = tl.arange(0, BLOCK_K)[None, None, :]
+    weight_rows = weight_ptr + outputs[None, :, None].to(tl.int64) * stride_weight
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for start in range(0, k, BLOCK_K):  # a single step with NORM
+        cols = start + columns
+        a = _input_tile(x_ptr + m * stride_x, residual_ptr + m * stride_residual, norm_weight_ptr,
+                        residual_out_ptr + m * stride_residual_out, cols, (m < rows) & (cols < k),
+                        k, eps, program == 0, PROLOGUE, ADD_RESIDUAL)
+        w = tl.load(weight_rows + cols, mask=n_mask & (cols < k), other=0.0).to(tl.float32)
+        acc += tl.sum(a * w, 2)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + outputs, mask=outputs < n, other=0.0).to(tl.float32)[None, :]
+    out_rows = tl.arange(0, BLOCK_M)[:, None]
+    tl.store(out_ptr + out_rows * stride_out + outputs[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=(out_rows < rows) & (outputs[None, :] < n))
+
+
+def gemv_config(n: int, k: int, rows: int, prologue: int = PLAIN) -> GemvConfig:
+    """Launch parameters after a sweep on the H100 (``tests/gpu/test_triton_gemv_gpu.py --sweep``)
+    at one row: all of K in one step (up to 4,096 columns; ``NORM`` needs whole rows), 2 outputs
+    a program, 16-32 weight elements a thread. More rows, or a prologue, re-read the input in
+    every program: then more outputs a program, as long as the grid keeps 512 programs. The
+    warps all lie along K (each covers 256 columns), where the input's tile and the weight's
+    share a layout; otherwise the input is moved between layouts through shared memory.
+
+    Within 0.1 us of the best swept config at each projection, but ``NORM``, where (8, K, 8)
+    was 0.3 us faster than this (4, K, 4) at one row (not yet measured in the engine).
+    """
+    block_k = triton.next_power_of_2(k)
+    if prologue != NORM:
+        block_k = min(block_k, 4096)
+    wanted = (2 if prologue == PLAIN else 4) * triton.next_power_of_2(rows)
+    most = 1 << (max(1, n // 512).bit_length() - 1)  # a power of two, n // 512 at most
+    block_n = min(wanted, most)
+    return GemvConfig(block_n, block_k, 8 if block_k >= 4096 else 4)
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, prologue: int,
+            residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
+            eps: float = 0.0, config: GemvConfig | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``[M, N]`` outputs for ``x [M, K or 2K]`` (contiguous rows), and with ``NORM`` and a
+    ``residual`` the new residual stream ``[M, K]``."""
+    rows = len(x)
+    n, k = weight.shape
+    assert x.stride(-1) == weight.stride(-1) == 1, "rows must be contiguous"
+    assert x.shape[-1] == (2 * k if prologue == SILU else k), (tuple(x.shape), tuple(weight.shape))
+    config = config or gemv_config(n, k, rows, prologue)
+    assert prologue != NORM or config.block_k >= k, "a norm's tile holds whole rows"
+    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    residual_out = torch.empty(rows, k, dtype=x.dtype, device=x.device) if residual is not None else None
+    _gemv_kernel[(triton.cdiv(n, config.block_n),)](
+        x, residual if residual is not None else x, norm_weight if norm_weight is not None else x,
+        weight, bias if bias is not None else weight, out,
+        residual_out if residual_out is not None else out,  # placeholders, never read or written
+        rows, n, k, x.stride(0), residual.stride(0) if residual is not None else 0,
+        weight.stride(0), out.stride(0), residual_out.stride(0) if residual_out is not None else 0,
+        eps, BLOCK_M=triton.next_power_of_2(rows), BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k, PROLOGUE=prologue, ADD_RESIDUAL=residual is not None,
+        HAS_BIAS=bias is not None, num_warps=config.num_warps,
+    )
+    return out, residual_out
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+         config: GemvConfig | None = None) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` for ``x [M, K]`` with few rows and ``weight [N, K]``."""
+    return _launch(x, weight, bias, PLAIN, config=config)[0]
+
+
+def silu_and_mul_gemv(x: torch.Tensor, weight: torch.Tensor,
+                      config: GemvConfig | None = None) -> torch.Tensor:
+    """``silu_and_mul(x) @ weight.T`` for ``x = [gate | up]`` of shape ``[M, 2K]``."""
+    return _launch(x, weight, None, SILU, config=config)[0]
+
+
+def rms_norm_gemv(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                  residual: torch.Tensor | None, weight: torch.Tensor,
+                  bias: torch.Tensor | None = None,
+                  config: GemvConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``linear.rms_norm_linear`` for ``x [M, K]`` with few rows."""
+    out, summed = _launch(x, weight, bias, NORM, residual, norm_weight, eps, config)
+    return out, x if summed is None else summed

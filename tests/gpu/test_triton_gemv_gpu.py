@@ -1,0 +1,292 @@
+"""The Triton GEMVs against torch on a CUDA GPU, in bf16 at Qwen3-0.6B's projection shapes, and the
+engine's tokens with the GEMVs on and off (float32, greedy).
+
+Errors are ``|out - ref| / |ref|`` over the whole output, the reference in float32 on the upcast
+bf16 inputs; cuBLAS's bf16 result is held to the same bound. ``benchmark()`` prints device
+times of cuBLAS and the GEMVs from CUDA graphs, asserting nothing; ``python3 THIS --sweep`` also
+times a grid of launch configs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from concurrent.futures import ProcessPoolExecutor
+
+import pytest
+import torch
+import torch.nn.functional as F
+import triton.testing
+
+import nanofn.kernels.triton_gemv as triton_gemv
+import nanofn.kernels.triton_ops as triton_ops
+from nanofn.kernels import linear, rms_norm_linear, silu_and_mul_linear
+from nanofn.kernels.triton_gemv import GemvConfig
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+HIDDEN, INTERMEDIATE, EPS, VOCAB = 1024, 3072, 1e-6, 151936
+DTYPE = torch.bfloat16
+# name: (N, K) of each projection's weight
+SHAPES = {"qkv": (4096, HIDDEN), "o_proj": (HIDDEN, 2048), "gate_up": (2 * INTERMEDIATE, HIDDEN),
+          "down": (HIDDEN, INTERMEDIATE)}
+ROWS = [1, 2, 4, 8]
+TOLERANCE = 1e-2  # relative, bf16 operands
+L2_BYTES = 50 << 20  # the H100's L2: the benchmark cycles through more weight than this
+
+
+def randn(*shape, seed, scale=1.0):
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    return (torch.randn(*shape, generator=generator, device="cuda") * scale).to(DTYPE)
+
+
+def norm_weight(size, seed):
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    return (torch.rand(size, generator=generator, device="cuda") + 0.5).to(DTYPE)
+
+
+def relative_error(out, expected):
+    assert out.dtype == DTYPE and out.shape == expected.shape
+    return ((out.float() - expected).norm() / expected.norm()).item()
+
+
+def upcast(*tensors):
+    return [t.float() if t is not None else None for t in tensors]
+
+
+@pytest.mark.usefixtures("nan_filled_allocations")
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("name", SHAPES)
+def test_gemv_matches_torch(name, rows):
+    n, k = SHAPES[name]
+    x, weight, bias = randn(rows, k, seed=rows), randn(n, k, seed=n, scale=0.03), randn(n, seed=1)
+
+    out = triton_gemv.gemv(x, weight, bias)
+
+    expected = linear(*upcast(x, weight, bias))
+    assert relative_error(out, expected) < TOLERANCE
+    assert relative_error(F.linear(x, weight, bias), expected) < TOLERANCE  # the bound holds cuBLAS
+
+
+@pytest.mark.usefixtures("nan_filled_allocations")
+@pytest.mark.parametrize("rows", ROWS)
+def test_silu_and_mul_gemv_matches_torch(rows):
+    n, k = SHAPES["down"]
+    gate_up, weight = randn(rows, 2 * k, seed=rows, scale=3.0), randn(n, k, seed=2, scale=0.03)
+
+    out = triton_gemv.silu_and_mul_gemv(gate_up, weight)
+
+    # the reference rounds the activation to bf16 as the kernel does, then multiplies in float32
+    activated = triton_ops.silu_and_mul(gate_up)
+    assert relative_error(out, linear(*upcast(activated, weight))) < TOLERANCE
+    assert relative_error(silu_and_mul_linear(gate_up, weight), linear(*upcast(activated, weight))) < TOLERANCE
+
+
+@pytest.mark.usefixtures("nan_filled_allocations")
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("name", ["qkv", "gate_up"])
+@pytest.mark.parametrize("add_residual", [False, True], ids=["norm", "add-and-norm"])
+def test_rms_norm_gemv_matches_torch(name, rows, add_residual):
+    n, k = SHAPES[name]
+    x, weight = randn(rows, k, seed=rows, scale=3.0), randn(n, k, seed=3, scale=0.03)
+    residual = randn(rows, k, seed=4) if add_residual else None
+    scale = norm_weight(k, seed=5)
+
+    out, summed = triton_gemv.rms_norm_gemv(x, scale, EPS, residual, weight)
+
+    unfused, expected_summed = triton_ops.rms_norm_linear(x, scale, EPS, residual, weight,
+                                                          gemv_max_rows=0)  # norm kernel, cuBLAS
+    assert torch.equal(summed, expected_summed)
+    expected, _ = rms_norm_linear(*upcast(x, scale), EPS, *upcast(residual, weight))
+    assert relative_error(out, expected) < TOLERANCE
+    assert relative_error(unfused, expected) < TOLERANCE
+
+
+def test_gemvs_replay_from_a_cuda_graph():
+    n, k = SHAPES["qkv"]
+    x, residual, weight = randn(2, k, seed=6), randn(2, k, seed=7), randn(n, k, seed=8, scale=0.03)
+    scale, gate_up = norm_weight(k, seed=9), randn(2, 2 * n, seed=10)
+    down = randn(k, n, seed=11, scale=0.03)
+
+    def run():
+        return (triton_gemv.gemv(x, weight), triton_gemv.silu_and_mul_gemv(gate_up, down),
+                *triton_gemv.rms_norm_gemv(x, scale, EPS, residual, weight))
+
+    run()  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = run()
+    for tensor, seed in ((x, 12), (residual, 13), (gate_up, 14)):
+        tensor.copy_(randn(*tensor.shape, seed=seed))
+    graph.replay()
+
+    for out, expected in zip(outs, run()):  # eager, on the new inputs
+        torch.testing.assert_close(out, expected, atol=0, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def float32_prompts(tiny_qwen3):
+    g = torch.Generator().manual_seed(3)
+    return tiny_qwen3, [torch.randint(3, 380, (n,), generator=g).tolist() for n in (2, 33, 70)]
+
+
+def test_engine_tokens_are_the_same_with_the_gemvs_on_and_off(float32_prompts, monkeypatch):
+    """Greedy float32 decoding of one sequence (graph of 1), of two (graph of 2) and of three
+    (graph of 4, cuBLAS either way) gives the same tokens with the projections on the GEMVs (the
+    default, up to GEMV_MAX_ROWS tokens) as with them all on cuBLAS."""
+    from nanofn import LLM, SamplingParams
+    from nanofn.runner import model_runner
+
+    model_dir, prompts = float32_prompts
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    launches = []
+    launch = triton_gemv._launch
+    monkeypatch.setattr(triton_gemv, "_launch", lambda *a, **kw: launches.append(1) or launch(*a, **kw))
+
+    def tokens():
+        with LLM(str(model_dir), dtype="float32", gpu_memory_utilization=0.3, max_model_len=512,
+                 max_num_seqs=8) as llm:
+            batches = [[p] for p in prompts] + [prompts[:2], prompts]
+            outs = [llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+                    for batch in batches]
+            return [[o.outputs[0].token_ids for o in out] for out in outs]
+
+    with_gemvs = tokens()
+    assert launches
+    choose_kernels = model_runner.choose_kernels
+    monkeypatch.setattr(model_runner, "choose_kernels",
+                        lambda *a: triton_ops.without_gemv(choose_kernels(*a)))
+    launches.clear()
+    assert tokens() == with_gemvs
+    assert not launches
+
+
+# ---------------------------------------------------------------------------------------------
+# Benchmark
+
+
+def _weights(n, k, seed):
+    """Copies of a random ``[n, k]`` weight filling twice the L2, so that every call in a timed
+    graph reads its weight from device memory, as a model's layers do."""
+    copies = max(1, -(-2 * L2_BYTES // (n * k * 2)))
+    weight = randn(n, k, seed=seed, scale=0.03)
+    return [weight.clone() for _ in range(copies)]
+
+
+def _graph_us(call, weights, rep_ms: int = 10) -> float:
+    """Median device microseconds of ``call(weight)`` per call, replayed from a CUDA graph that
+    cycles through ``weights``."""
+    cycle = itertools.cycle(weights)
+    return triton.testing.do_bench_cudagraph(lambda: call(next(cycle)), rep=rep_ms,
+                                             return_mode="median") * 1e3
+
+
+def benchmark() -> None:
+    """cuBLAS against the GEMVs at the four projections, then the fused GEMVs against the
+    unfused pair (Triton's small kernel, then cuBLAS or the GEMV), and the LM head."""
+    print("| projection | N x K | rows | cuBLAS us | GEMV us | GEMV GB/s | speed-up |")
+    print("|---|---|---|---|---|---|---|")
+    for name, (n, k) in SHAPES.items():
+        weights = _weights(n, k, seed=0)
+        for rows in ROWS:
+            x = randn(rows, k, seed=rows)
+            cublas = _graph_us(lambda w: F.linear(x, w), weights)
+            gemv = _graph_us(lambda w: triton_gemv.gemv(x, w), weights)
+            print(f"| {name} | {n} x {k} | {rows} | {cublas:.2f} | {gemv:.2f} | "
+                  f"{n * k * 2 / gemv / 1e3:,.0f} | {cublas / gemv:.2f}x |")
+    print("\n| fused | rows | small kernel + cuBLAS us | small kernel + GEMV us | fused GEMV us |")
+    print("|---|---|---|---|---|")
+    n, k = SHAPES["down"]
+    weights = _weights(n, k, seed=1)
+    for rows in ROWS:
+        gate_up = randn(rows, 2 * k, seed=rows)
+        times = [_graph_us(lambda w: F.linear(triton_ops.silu_and_mul(gate_up), w), weights),
+                 _graph_us(lambda w: triton_gemv.gemv(triton_ops.silu_and_mul(gate_up), w), weights),
+                 _graph_us(lambda w: triton_gemv.silu_and_mul_gemv(gate_up, w), weights)]
+        print(f"| silu_and_mul + down | {rows} | " + " | ".join(f"{t:.2f}" for t in times) + " |")
+    for name in ("qkv", "gate_up"):
+        n, k = SHAPES[name]
+        weights, scale = _weights(n, k, seed=2), norm_weight(k, seed=3)
+        for rows in ROWS:
+            x, residual = randn(rows, k, seed=rows), randn(rows, k, seed=rows + 1)
+
+            def unfused(w, project):
+                normed, _ = triton_ops.rms_norm(x, scale, EPS, residual)
+                return project(normed, w)
+
+            times = [_graph_us(lambda w: unfused(w, F.linear), weights),
+                     _graph_us(lambda w: unfused(w, triton_gemv.gemv), weights),
+                     _graph_us(lambda w: triton_gemv.rms_norm_gemv(x, scale, EPS, residual, w), weights)]
+            print(f"| residual + rms_norm + {name} | {rows} | " + " | ".join(f"{t:.2f}" for t in times) + " |")
+    weights = [randn(VOCAB, HIDDEN, seed=4, scale=0.03)]  # 311 MB: no copies needed
+    x = randn(1, HIDDEN, seed=5)
+    cublas = _graph_us(lambda w: F.linear(x, w), weights)
+    gemv = _graph_us(lambda w: triton_gemv.gemv(x, w), weights)
+    print(f"\nLM head {VOCAB} x {HIDDEN}, 1 row: cuBLAS {cublas:.1f} us, GEMV {gemv:.1f} us "
+          f"({VOCAB * HIDDEN * 2 / gemv / 1e3:,.0f} GB/s), {cublas / gemv:.2f}x")
+
+
+SWEEP_ROWS = [1]
+# (label, prologue, weight shape) of each swept kernel
+SWEEP_KERNELS = [*((name, triton_gemv.PLAIN, shape) for name, shape in SHAPES.items()),
+                 ("silu_and_mul + down", triton_gemv.SILU, SHAPES["down"]),
+                 *((f"residual + rms_norm + {name}", triton_gemv.NORM, SHAPES[name])
+                   for name in ("qkv", "gate_up"))]
+
+
+def _sweep_configs(k: int, prologue: int) -> list[GemvConfig]:
+    """1-16 outputs a program, 4 or 8 warps, all of K in one step (up to 4,096 columns) or, but
+    with a norm, 1,024 columns a step."""
+    whole = min(triton.next_power_of_2(k), 4096 if prologue != triton_gemv.NORM else k)
+    block_ks = sorted({whole, min(whole, 1024)} if prologue != triton_gemv.NORM else {whole})
+    return [GemvConfig(n, b, w) for b in block_ks for n in (1, 2, 4, 8, 16) for w in (4, 8)]
+
+
+def _call(prologue: int, rows: int, n: int, k: int):
+    """``call(weight, config)`` running the kernel of ``prologue`` on random inputs of ``rows``."""
+    if prologue == triton_gemv.SILU:
+        gate_up = randn(rows, 2 * k, seed=rows)
+        return lambda w, c: triton_gemv.silu_and_mul_gemv(gate_up, w, config=c)
+    x = randn(rows, k, seed=rows)
+    if prologue == triton_gemv.NORM:
+        residual, scale = randn(rows, k, seed=rows + 1), norm_weight(k, seed=3)
+        return lambda w, c: triton_gemv.rms_norm_gemv(x, scale, EPS, residual, w, config=c)
+    return lambda w, c: triton_gemv.gemv(x, w, config=c)
+
+
+def _compile(cases) -> None:
+    """Run each ``(prologue, rows, n, k, config)`` once, filling Triton's on-disk cache (in a
+    worker process)."""
+    for prologue, rows, n, k, config in cases:
+        _call(prologue, rows, n, k)(randn(n, k, seed=1), config)
+    torch.cuda.synchronize()
+
+
+def sweep(workers: int = 12) -> None:
+    """Time every config of ``_sweep_configs`` for each kernel of ``SWEEP_KERNELS`` and row count
+    of ``SWEEP_ROWS``; print the best three of each next to ``gemv_config``'s choice. The
+    kernels compile first in ``workers`` processes at once."""
+    cases = list({(prologue, rows, config): (prologue, rows, n, k, config)  # one per kernel
+                  for _, prologue, (n, k) in SWEEP_KERNELS for rows in SWEEP_ROWS
+                  for config in _sweep_configs(k, prologue)}.values())
+    context = torch.multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(workers, mp_context=context) as pool:
+        list(pool.map(_compile, [cases[i::workers] for i in range(workers)]))
+    print("\n| kernel | rows | default config: us | best configs: us |")
+    print("|---|---|---|---|")
+    for name, prologue, (n, k) in SWEEP_KERNELS:
+        weights = _weights(n, k, seed=0)
+        for rows in SWEEP_ROWS:
+            call = _call(prologue, rows, n, k)
+            timed = sorted((_graph_us(lambda w: call(w, c), weights, 5), c)
+                           for c in _sweep_configs(k, prologue))
+            default = triton_gemv.gemv_config(n, k, rows, prologue)
+            default_us = _graph_us(lambda w: call(w, None), weights)
+            best = ", ".join(f"{tuple(c)}: {t:.2f}" for t, c in timed[:3])
+            print(f"| {name} | {rows} | {tuple(default)}: {default_us:.2f} | {best} |")
+
+
+if __name__ == "__main__":
+    benchmark()
+    if "--sweep" in sys.argv:
+        sweep()

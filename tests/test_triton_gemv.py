@@ -1,0 +1,136 @@
+"""The Triton GEMVs (alone, with SiLU-and-mul, with residual add and RMS norm before them) and the
+projections of ``TRITON_KERNELS`` against the torch references, on CPU through Triton's
+interpreter (float32 and float16). The GPU tests in ``tests/gpu`` cover bf16."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from triton_interpreter import interpreter_process
+
+import nanofn.kernels.triton_gemv as triton_gemv
+import nanofn.kernels.triton_ops as triton_ops
+from nanofn.kernels import linear, rms_norm_linear, silu_and_mul_linear
+from nanofn.kernels.triton_gemv import GemvConfig
+
+DTYPES = [torch.float32, torch.float16]
+# Sums of a few hundred products in another order; float16 outputs of magnitude ~10 are rounded
+# to 2^-7, and a norm's float16 rounding may land one step apart.
+TOLERANCES = {torch.float32: dict(atol=1e-4, rtol=1e-5), torch.float16: dict(atol=2e-2, rtol=2e-3)}
+# Shapes (N, K) whose edges fall inside a tile, and launch configs with several K steps (but
+# with a norm, whose tile holds whole rows).
+SHAPES = [(40, 96), (33, 300)]
+CONFIGS = [GemvConfig(8, 64, 4), GemvConfig(16, 128, 2), None]  # None: gemv_config's choice
+NORM_CONFIGS = [GemvConfig(8, 512, 4), GemvConfig(1, 512, 2), None]
+
+
+@pytest.fixture(scope="module")
+def interpreter():
+    """``run(function, *args, **kwargs)``: ``function`` in a child whose kernels run in the interpreter."""
+    with interpreter_process() as run:
+        yield run
+
+
+def randn(*shape: int, seed: int, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 5])  # tiles of 1 and 8 rows
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("config", CONFIGS, ids=str)
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+def test_gemv_matches_reference(interpreter, dtype, rows, shape, config, bias):
+    n, k = shape
+    x = randn(rows, k + 8, seed=rows, dtype=dtype)[:, :k]  # strided rows
+    weight = randn(n, k, seed=k, dtype=dtype, scale=0.5)
+    b = randn(n, seed=n, dtype=dtype) if bias else None
+
+    out = interpreter(triton_gemv.gemv, x, weight, b, config)
+
+    assert out.dtype == dtype and out.shape == (rows, n)
+    torch.testing.assert_close(out, linear(x, weight, b), **TOLERANCES[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("config", CONFIGS, ids=str)
+def test_silu_and_mul_gemv_matches_reference(interpreter, dtype, rows, shape, config):
+    n, k = shape
+    x = randn(rows, 2 * k, seed=rows + k, dtype=dtype, scale=3.0)
+    weight = randn(n, k, seed=n, dtype=dtype, scale=0.5)
+
+    out = interpreter(triton_gemv.silu_and_mul_gemv, x, weight, config)
+
+    assert out.dtype == dtype
+    torch.testing.assert_close(out, silu_and_mul_linear(x, weight), **TOLERANCES[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("config", NORM_CONFIGS, ids=str)
+@pytest.mark.parametrize("add_residual", [False, True], ids=["norm", "add-and-norm"])
+def test_rms_norm_gemv_matches_reference(interpreter, dtype, rows, shape, config, add_residual):
+    n, k = shape
+    x = randn(rows, k, seed=rows, dtype=dtype, scale=3.0)
+    residual = randn(rows, k, seed=rows + 1, dtype=dtype) if add_residual else None
+    norm_weight = (torch.rand(k, generator=torch.Generator().manual_seed(k)) + 0.5).to(dtype)
+    weight = randn(n, k, seed=n, dtype=dtype, scale=0.5)
+    bias = randn(n, seed=n + 1, dtype=dtype)
+
+    out, summed = interpreter(triton_gemv.rms_norm_gemv, x, norm_weight, 1e-6, residual, weight,
+                              bias, config)
+
+    expected, expected_summed = rms_norm_linear(x, norm_weight, 1e-6, residual, weight, bias)
+    assert torch.equal(summed, expected_summed)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out, expected, **TOLERANCES[dtype])
+
+
+def test_rms_norm_gemv_refuses_a_tile_narrower_than_a_row():
+    x, weight = torch.zeros(1, 300), torch.zeros(8, 300)
+    with pytest.raises(AssertionError, match="a norm's tile holds whole rows"):
+        triton_gemv.rms_norm_gemv(x, torch.ones(300), 1e-6, None, weight, config=GemvConfig(8, 256, 4))
+
+
+@pytest.mark.parametrize("rows", [1, triton_ops.GEMV_MAX_ROWS, triton_ops.GEMV_MAX_ROWS + 1])
+def test_triton_projections_match_references_on_either_side_of_the_gemv_bound(interpreter, rows):
+    """Up to ``GEMV_MAX_ROWS`` tokens the projections run as GEMVs, beyond as cuBLAS (here the
+    CPU's matmul) after the unfused kernels: the same results either way."""
+    dtype, (n, k) = torch.float32, SHAPES[1]
+    x, residual = randn(rows, k, seed=1, dtype=dtype), randn(rows, k, seed=2, dtype=dtype)
+    gate_up = randn(rows, 2 * k, seed=3, dtype=dtype)
+    norm_weight, weight = randn(k, seed=4, dtype=dtype), randn(n, k, seed=5, dtype=dtype)
+    bias = randn(n, seed=6, dtype=dtype)
+
+    got = interpreter(triton_projections, x, residual, gate_up, norm_weight, weight, bias)
+
+    expected = reference_projections(x, residual, gate_up, norm_weight, weight, bias)
+    torch.testing.assert_close(got, expected, **TOLERANCES[dtype])
+
+
+def test_triton_projections_keep_leading_dimensions(interpreter):
+    dtype, (n, k) = torch.float32, SHAPES[0]
+    x, residual = randn(1, 2, k, seed=7, dtype=dtype), randn(1, 2, k, seed=8, dtype=dtype)
+    gate_up, norm_weight = randn(1, 2, 2 * k, seed=9, dtype=dtype), randn(k, seed=10, dtype=dtype)
+    weight, bias = randn(n, k, seed=11, dtype=dtype), randn(n, seed=12, dtype=dtype)
+
+    got = interpreter(triton_projections, x, residual, gate_up, norm_weight, weight, bias)
+
+    expected = reference_projections(x, residual, gate_up, norm_weight, weight, bias)
+    torch.testing.assert_close(got, expected, **TOLERANCES[dtype])
+
+
+def triton_projections(x, residual, gate_up, norm_weight, weight, bias):
+    return (triton_ops.linear(x, weight, bias),
+            triton_ops.silu_and_mul_linear(gate_up, weight),
+            triton_ops.rms_norm_linear(x, norm_weight, 1e-6, residual, weight, bias),
+            triton_ops.rms_norm_linear(x, norm_weight, 1e-6, None, weight))
+
+
+def reference_projections(x, residual, gate_up, norm_weight, weight, bias):
+    return (linear(x, weight, bias), silu_and_mul_linear(gate_up, weight),
+            rms_norm_linear(x, norm_weight, 1e-6, residual, weight, bias),
+            rms_norm_linear(x, norm_weight, 1e-6, None, weight))
