@@ -4,6 +4,8 @@ RMS norm) folded in. A backend may fuse each pair into one kernel; these define 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -33,8 +35,21 @@ def rms_norm_linear(
     """A norm and the projection after it: ``(rms_norm(x + residual) @ weight.T (+ bias), x +
     residual)``, as ``rms_norm`` rounds them; with ``residual`` None, ``(rms_norm(x) @ weight.T
     (+ bias), x)``. The second result is the residual stream the layer carries on."""
+    return norm_then_linear(rms_norm, x, norm_weight, eps, residual, weight, bias)
+
+
+def norm_then_linear(
+    norm: Callable[..., torch.Tensor | tuple[torch.Tensor, torch.Tensor]],
+    x: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rms_norm_linear`` unfused, with ``norm`` (any backend's ``rms_norm``) as the norm."""
     if residual is None:
-        normed, summed = rms_norm(x, norm_weight, eps), x
+        normed, summed = norm(x, norm_weight, eps), x
     else:
-        normed, summed = rms_norm(x, norm_weight, eps, residual)
+        normed, summed = norm(x, norm_weight, eps, residual)
     return F.linear(normed, weight, bias), summed

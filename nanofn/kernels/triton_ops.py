@@ -31,6 +31,7 @@ import triton.language as tl
 import nanofn.kernels.triton_attention as triton_attention
 import nanofn.kernels.triton_gemv as triton_gemv
 from nanofn.kernels import KernelBackend
+from nanofn.kernels.linear import norm_then_linear
 
 SILU_BLOCK = 1024  # columns per silu_and_mul program
 # Token counts up to which the projections run as Triton GEMVs (triton_gemv.py), cuBLAS above.
@@ -246,10 +247,7 @@ def rms_norm_linear(
     size = x.shape[-1]
     rows = x.reshape(-1, size)
     if not 0 < len(rows) <= gemv_max_rows:
-        if residual is None:
-            return F.linear(rms_norm(x, norm_weight, eps), weight, bias), x
-        normed, summed = rms_norm(x, norm_weight, eps, residual)
-        return F.linear(normed, weight, bias), summed
+        return norm_then_linear(rms_norm, x, norm_weight, eps, residual, weight, bias)
     residual_rows = None if residual is None else residual.reshape(-1, size)
     out, summed = triton_gemv.rms_norm_gemv(rows, norm_weight, eps, residual_rows, weight, bias)
     return out.view(*x.shape[:-1], -1), summed.view(x.shape)

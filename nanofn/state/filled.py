@@ -69,7 +69,7 @@ def leaving_record(batch: RunningBatch, i: int, pool: PoolChanges, block_size: i
     blocks: finished, or waiting (preempted: it recomputes from the start)."""
     cols = batch.cols[i]
     row, first = int(cols[ROW]), int(cols[NUM_HASHED])
-    hashes = batch.store.arrays[HASHES][row, :first].tolist()
+    hashes = batch.hashes(i).tolist()
     count = int(cols[NUM_TOKENS]) // block_size - first
     if prefix_caching and count > 0:
         hashes += _hash_and_cache(batch.store, row, first, count, int(cols[NUM_COMPUTED]), pool,

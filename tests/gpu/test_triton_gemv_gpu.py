@@ -22,6 +22,7 @@ import nanofn.kernels.triton_gemv as triton_gemv
 import nanofn.kernels.triton_ops as triton_ops
 from nanofn.kernels import linear, rms_norm_linear, silu_and_mul_linear
 from nanofn.kernels.triton_gemv import GemvConfig
+from test_triton_ops_gpu import norm_weight, randn  # (this folder; bf16 inputs as here)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -33,16 +34,6 @@ SHAPES = {"qkv": (4096, HIDDEN), "o_proj": (HIDDEN, 2048), "gate_up": (2 * INTER
 ROWS = [1, 2, 4, 8]
 TOLERANCE = 1e-2  # relative, bf16 operands
 L2_BYTES = 50 << 20  # the H100's L2: the benchmark cycles through more weight than this
-
-
-def randn(*shape, seed, scale=1.0):
-    generator = torch.Generator(device="cuda").manual_seed(seed)
-    return (torch.randn(*shape, generator=generator, device="cuda") * scale).to(DTYPE)
-
-
-def norm_weight(size, seed):
-    generator = torch.Generator(device="cuda").manual_seed(seed)
-    return (torch.rand(size, generator=generator, device="cuda") + 0.5).to(DTYPE)
 
 
 def relative_error(out, expected):
