@@ -23,6 +23,9 @@ copy back, with no sampler work on the host.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
 import numpy as np
 import torch
 
@@ -44,6 +47,40 @@ def graph_batch_sizes(max_batch: int) -> list[int]:
     return sorted(set(sizes + [max_batch]))
 
 
+def capture(run: Callable[[], None], pool=None) -> torch.cuda.CUDAGraph:
+    """``run`` captured in a graph whose memory comes from ``pool`` (an earlier graph's
+    ``pool()``; None: a new pool). Graphs of one pool share its memory, so capture the largest
+    first and pass its pool on: the others fit in it."""
+    graph = torch.cuda.CUDAGraph()
+    run()  # warm up (Triton compiles, allocator settles) outside the capture
+    with torch.cuda.graph(graph, pool):
+        run()
+    return graph
+
+
+class StagedInputs:
+    """A graph's static int32 input buffer on the device (``buffer``) and the pinned host
+    buffers it is filled from, taken in turn: the host fills one while the copy from an earlier
+    one may still be in flight, and waits only for the copy from the one it takes."""
+
+    def __init__(self, shape: tuple[int, ...], device: torch.device, buffers: int):
+        self.buffer = torch.zeros(shape, dtype=torch.int32, device=device)
+        self.host = [torch.zeros(shape, dtype=torch.int32).pin_memory() for _ in range(buffers)]
+        self.copied = [torch.cuda.Event() for _ in range(buffers)]
+        self.turn = 0
+
+    @contextmanager
+    def filling(self, columns: int | None = None) -> Iterator[np.ndarray]:
+        """The next host buffer (numpy) to fill; when the block ends, its first ``columns``
+        along the last axis (all of it by default) are copied to ``buffer``, asynchronously."""
+        turn, self.turn = self.turn, (self.turn + 1) % len(self.host)
+        self.copied[turn].synchronize()  # the copy from this buffer, len(host) steps ago
+        host = self.host[turn]
+        yield host.numpy()
+        self.buffer[..., :columns].copy_(host[..., :columns], non_blocking=True)
+        self.copied[turn].record()
+
+
 class DecodeGraphs:
     def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor, tables: SlotTables,
                  max_batch: int, block_size: int, hidden_size: int,
@@ -55,33 +92,24 @@ class DecodeGraphs:
         self.tables = tables
         self.block_size = block_size
         self.spare_slot = tables.table.shape[0] - 1  # padding entries land here
-        self.inputs = torch.zeros(NUM_FIELDS, max_batch, dtype=torch.int32, device=device)
-        self.staging = [torch.zeros(NUM_FIELDS, max_batch, dtype=torch.int32).pin_memory()
-                        for _ in range(STAGING_BUFFERS)]
-        self.copied = [torch.cuda.Event() for _ in range(STAGING_BUFFERS)]
-        self.turn = 0
+        self.staged = StagedInputs((NUM_FIELDS, max_batch), device, STAGING_BUFFERS)
         self.query_start = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
         self.hidden = torch.zeros(max_batch, hidden_size, dtype=kv_cache.dtype, device=device)
         self.tokens = torch.zeros(max_batch, dtype=torch.int64, device=device)
         self.slot_temperature = slot_temperature
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.sampling_graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.inputs[POSITIONS] = -1  # all padding, for the warm-up and the capture
-        self.inputs[ENTRY_SLOTS] = self.spare_slot
-        self.inputs[SAMPLING_SLOTS] = self.spare_slot
+        self.staged.buffer[POSITIONS] = -1  # all padding, for the warm-up and the capture
+        self.staged.buffer[ENTRY_SLOTS] = self.spare_slot
+        self.staged.buffer[SAMPLING_SLOTS] = self.spare_slot
         pool = None
         for size in reversed(self.sizes):  # the largest first: the others reuse its memory
             kinds = [(self.graphs, False)]
             if slot_temperature is not None:
                 kinds.insert(0, (self.sampling_graphs, True))
             for graphs, sample in kinds:
-                graph = torch.cuda.CUDAGraph()
-                run = self._forward_for(model, kv_cache, size, sample)
-                run()  # warm up (Triton compiles, allocator settles) outside the capture
-                with torch.cuda.graph(graph, pool):
-                    run()
-                pool = graph.pool()
-                graphs[size] = graph
+                graph = capture(self._forward_for(model, kv_cache, size, sample), pool)
+                graphs[size], pool = graph, graph.pool()
         torch.cuda.synchronize(device)
 
     @property
@@ -89,7 +117,7 @@ class DecodeGraphs:
         return self.sizes[-1]
 
     def _forward_for(self, model, kv_cache: torch.Tensor, size: int, sample: bool):
-        fields, query_start = self.inputs[:, :size], self.query_start[:size + 1]
+        fields, query_start = self.staged.buffer[:, :size], self.query_start[:size + 1]
 
         def run() -> None:
             ids, positions, batch = decode_inputs(fields, self.tables, self.block_size,
@@ -114,8 +142,8 @@ class DecodeGraphs:
         holds ``B`` sequences), the rows to sample and their slots."""
         b, s = len(plan.seq_ids), len(plan.sampling_seq_ids)
         self._replay(self.graphs, plan, 0)
-        return (self.hidden[:b], self.inputs[SAMPLE_ROWS, :s].long(),
-                self.inputs[SAMPLING_SLOTS, :s].long())
+        return (self.hidden[:b], self.staged.buffer[SAMPLE_ROWS, :s].long(),
+                self.staged.buffer[SAMPLING_SLOTS, :s].long())
 
     def sample(self, plan: BatchPlan, key_base: int) -> torch.Tensor:
         """The decode step's sampled tokens ``[S]`` (int64, on the device), drawn in the graph
@@ -126,14 +154,10 @@ class DecodeGraphs:
     def _replay(self, graphs: dict[int, torch.cuda.CUDAGraph], plan: BatchPlan,
                 key_base: int) -> None:
         size = next(size for size in self.sizes if size >= len(plan.seq_ids))
-        turn, self.turn = self.turn, (self.turn + 1) % STAGING_BUFFERS
-        self.copied[turn].synchronize()  # the copy from this buffer, STAGING_BUFFERS steps ago
-        host = self.staging[turn]
-        fields = host.numpy()
-        fill_fields(fields, plan, size, self.spare_slot)
-        fields[KEY_BASE_LOW:, 0] = (key_base & ((1 << KEY_BASE_BITS) - 1), key_base >> KEY_BASE_BITS)
-        self.inputs[:, :size].copy_(host[:, :size], non_blocking=True)
-        self.copied[turn].record()
+        with self.staged.filling(size) as fields:
+            fill_fields(fields, plan, size, self.spare_slot)
+            fields[KEY_BASE_LOW:, 0] = (key_base & ((1 << KEY_BASE_BITS) - 1),
+                                        key_base >> KEY_BASE_BITS)
         graphs[size].replay()
 
 

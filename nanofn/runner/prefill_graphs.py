@@ -29,6 +29,7 @@ import torch
 
 from nanofn.kernels.triton_attention import prefill_block_q, prefill_tile_map
 from nanofn.model.batch import AttentionBatch
+from nanofn.runner.cuda_graphs import StagedInputs, capture
 from nanofn.runner.inputs import SlotTables, cache_slots
 from nanofn.state.plan import BatchPlan, empty_plan
 
@@ -145,27 +146,19 @@ class PrefillGraphs:
         self.spare_slot = tables.table.shape[0] - 1
         self.layout = InputLayout(self.sizes[-1], PREFILL_GRAPH_SEQS * tables.table.shape[1],
                                   prefill_block_q(num_heads, num_kv_heads))
-        self.inputs = torch.zeros(self.layout.size, dtype=torch.int32, device=device)
-        self.staging = [torch.zeros(self.layout.size, dtype=torch.int32).pin_memory()
-                        for _ in range(STAGING_BUFFERS)]
-        self.copied = [torch.cuda.Event() for _ in range(STAGING_BUFFERS)]
-        self.turn = 0
+        self.staged = StagedInputs((self.layout.size,), device, STAGING_BUFFERS)
         self.hidden = torch.zeros(self.sizes[-1], hidden_size, dtype=kv_cache.dtype,
                                   device=device)
-        fill_prefill_inputs(self.staging[0].numpy(), self.layout, empty_plan(0),
+        padding = self.staged.host[0]
+        fill_prefill_inputs(padding.numpy(), self.layout, empty_plan(0),
                             self.spare_slot)  # all padding, for the warm-up and the capture
-        self.inputs.copy_(self.staging[0])
-        views = self.layout.views(self.inputs)
+        self.staged.buffer.copy_(padding)
+        views = self.layout.views(self.staged.buffer)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         pool = None
         for size in reversed(self.sizes):  # the largest first: the others reuse its memory
-            graph = torch.cuda.CUDAGraph()
-            run = self._forward_for(model, kv_cache, views, size)
-            run()  # warm up (Triton compiles, allocator settles) outside the capture
-            with torch.cuda.graph(graph, pool):
-                run()
-            pool = graph.pool()
-            self.graphs[size] = graph
+            graph = capture(self._forward_for(model, kv_cache, views, size), pool)
+            self.graphs[size], pool = graph, graph.pool()
         self.views = views
         torch.cuda.synchronize(device)
 
@@ -189,11 +182,8 @@ class PrefillGraphs:
         """The step's hidden states ``[T, hidden]`` (replaying the smallest graph that holds
         ``T`` tokens), the rows to sample and their slots."""
         size = next(size for size in self.sizes if size >= plan.num_tokens)
-        turn, self.turn = self.turn, (self.turn + 1) % STAGING_BUFFERS
-        self.copied[turn].synchronize()  # the copy from this buffer, STAGING_BUFFERS steps ago
-        fill_prefill_inputs(self.staging[turn].numpy(), self.layout, plan, self.spare_slot)
-        self.inputs.copy_(self.staging[turn], non_blocking=True)
-        self.copied[turn].record()
+        with self.staged.filling() as flat:
+            fill_prefill_inputs(flat, self.layout, plan, self.spare_slot)
         self.graphs[size].replay()
         seqs, s = self.views[1], len(plan.sampling_seq_ids)
         return (self.hidden[:plan.num_tokens], seqs[SAMPLE_ROW, :s].long(),

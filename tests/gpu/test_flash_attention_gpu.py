@@ -2,7 +2,7 @@
 "flash"`` against Triton, in bf16. Skipped where flash-attn-4 cannot run (it says why).
 
 Qwen3-0.6B's attention shape: head_dim 128, 16 query heads over 8 kv heads. Run as a script, it
-prints Triton and flash-attn-4 side by side at prefill shapes, asserting nothing.
+prints Triton and flash-attn-4 side by side at prefill and decode shapes, asserting nothing.
 """
 
 from __future__ import annotations
@@ -108,11 +108,42 @@ def test_generate_on_flash_matches_triton(tiny_checkpoint, head_dim, flash_calls
             assert top2[0] - top2[1] < 0.25, (i, top2)
 
 
+def device_ms(call, args) -> tuple[float, str]:
+    """Median device time of ``call(*args)`` in ms, replayed from a CUDA graph (or timed eagerly
+    with CUDA events where it cannot be captured, which the second item says)."""
+    import triton.testing
+
+    call(*args)  # compile outside the capture
+    try:
+        return triton.testing.do_bench_cudagraph(lambda: call(*args), return_mode="median"), ""
+    except Exception as error:
+        print(f"no CUDA graph ({type(error).__name__}: {error})")
+        return triton.testing.do_bench(lambda: call(*args), return_mode="median"), " (eager)"
+
+
+def decode_benchmark() -> None:
+    """Triton's decode kernel and flash-attn-4 (one query per sequence) side by side: device
+    time per call and the rate at which it reads the cache."""
+    print("| decode | Triton (nanofn) | flash-attn-4 | flash-attn-4, block 128 |")
+    print("|---|---|---|---|")
+    for count, length in [(256, 600), (64, 2000), (1, 1024), (1, 4000)]:
+        cache_bytes = 2 * count * length * NUM_KV_HEADS * HEAD_DIM * 2  # k and v, bf16
+        cells = []
+        for block_size, call in [(16, triton_attention.decode_attention),
+                                 (16, flash_attention.flash_prefill_attention),
+                                 (128, flash_attention.flash_prefill_attention)]:
+            args = inputs([(1, length)] * count, block_size=block_size)
+            if call is triton_attention.decode_attention:
+                q, k_cache, v_cache, _, seq_lens, tables, *_, scale = args
+                args = (q, k_cache, v_cache, seq_lens, tables, scale)
+            ms, how = device_ms(call, args)
+            cells.append(f"{ms * 1e3:.1f} us = {cache_bytes / ms / 1e6:,.0f} GB/s{how}")
+        print(f"| {count} x {length:,} | {' | '.join(cells)} |")
+
+
 def benchmark() -> None:
     """Triton and flash-attn-4 prefill side by side, Qwen3-0.6B heads, bf16: device time per
     call replayed from a CUDA graph, and host time per eager call (launch only)."""
-    import triton.testing
-
     print("| prefill | Triton (nanofn) | flash-attn-4 | flash-attn-4, block 128 | host us/call eager: Triton, flash-attn-4 |")
     print("|---|---|---|---|---|")
     for count, length in [(8, 1024), (4, 4096), (1, 512), (1, 1024), (1, 2048), (2, 2048), (4, 1024)]:
@@ -123,12 +154,7 @@ def benchmark() -> None:
                                  (flash_attention.flash_prefill_attention, 16),
                                  (flash_attention.flash_prefill_attention, 128)]:
             args = inputs(sequences, block_size=block_size)
-            call(*args)  # compile outside the capture
-            try:
-                ms, how = triton.testing.do_bench_cudagraph(lambda: call(*args), return_mode="median"), ""
-            except Exception as error:  # say so, and time it eagerly with CUDA events instead
-                print(f"{count} x {length}: no CUDA graph ({type(error).__name__}: {error})")
-                ms, how = triton.testing.do_bench(lambda: call(*args), return_mode="median"), " (eager)"
+            ms, how = device_ms(call, args)
             cells.append(f"{ms * 1e3:.1f} us = {flops / ms / 1e9:.0f} TFLOP/s{how}")
             if block_size == 16:
                 torch.cuda.synchronize()
@@ -144,3 +170,4 @@ if __name__ == "__main__":
     if PROBLEM is not None:
         raise SystemExit(f"flash-attn-4 cannot run: {PROBLEM}")
     benchmark()
+    decode_benchmark()
