@@ -72,7 +72,7 @@ def test_the_decode_graphs_inputs_are_the_eager_inputs():
     cache slots, sequence lengths and block tables; padding rows write nowhere."""
     import numpy as np
 
-    from nanofn.runner.cuda_graphs import NUM_FIELDS, decode_inputs, fill_fields
+    from nanofn.runner.cuda_graphs import DECODE_ORDER, NUM_FIELDS, decode_inputs, fill_fields
 
     eager, graph = SlotTables(8, 4, CPU), SlotTables(8, 4, CPU)
     first = [seq("a", 3, 0, range(17), [5, 6]), seq("b", 1, 0, range(3), [2])]
@@ -92,6 +92,9 @@ def test_the_decode_graphs_inputs_are_the_eager_inputs():
     assert batch.seq_lens.tolist() == expected.batch.seq_lens.tolist() + [0, 0]
     assert batch.block_tables[:2, :2].tolist() == expected.batch.block_tables.tolist()
     assert torch.equal(graph.table[:8], eager.table[:8])  # the spare row took the padding
+    assert batch.decode_order.tolist() == [0, 1, 3, 2]  # longest context first, padding last
+    fill_fields(fields, plan_of(2, decode[::-1]), size=4, spare_slot=8)
+    assert fields[DECODE_ORDER].tolist() == [1, 0, 3, 2]
 
 
 def test_the_prefill_graphs_inputs_are_the_eager_inputs():

@@ -30,11 +30,6 @@ def interpreter():
         yield run
 
 
-def store_kv_and_return_caches(k, v, k_cache, v_cache, slot_mapping):
-    triton_attention.store_kv(k, v, k_cache, v_cache, slot_mapping)
-    return k_cache, v_cache
-
-
 class PagedCache:
     """A random K/V cache whose shuffled blocks hold sequences of the given lengths.
 
@@ -63,26 +58,6 @@ def random_queries(num_tokens, num_heads, head_dim, dtype, seed):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("num_kv_heads", [1, 3])
-def test_store_kv_writes_each_token_to_its_slot_and_skips_negative_slots(interpreter, dtype, num_kv_heads):
-    generator = torch.Generator().manual_seed(0)
-    num_tokens, block_size, head_dim = 23, 16, 32
-    k_cache = torch.randn(5, block_size, num_kv_heads, head_dim, generator=generator).to(dtype)
-    v_cache = torch.randn(5, block_size, num_kv_heads, head_dim, generator=generator).to(dtype)
-    kv = torch.randn(num_tokens, 2, num_kv_heads, head_dim, generator=generator).to(dtype)
-    k, v = kv[:, 0], kv[:, 1]  # strided views, as split from a fused projection
-    slot_mapping = torch.randperm(5 * block_size, generator=generator)[:num_tokens]
-    slot_mapping[[0, 7, 22]] = -1
-    expected_k, expected_v = k_cache.clone(), v_cache.clone()
-    reference.store_kv(k, v, expected_k, expected_v, slot_mapping)
-
-    k_cache, v_cache = interpreter(store_kv_and_return_caches, k, v, k_cache, v_cache, slot_mapping)
-
-    assert torch.equal(k_cache, expected_k)
-    assert torch.equal(v_cache, expected_v)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("group", [1, 2, 3, 4])
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("num_splits", [1, 4], ids=["one-partition", "split-k"])
@@ -98,6 +73,26 @@ def test_decode_attention_matches_reference(interpreter, dtype, group, block_siz
     out = interpreter(triton_attention.decode_attention, *args, num_splits=num_splits)
 
     torch.testing.assert_close(out, reference.decode_attention(*args), **TOLERANCES[dtype])
+
+
+@pytest.mark.parametrize("num_splits", [1, 4], ids=["one-partition", "split-k"])
+def test_decode_attention_taken_in_another_order_writes_each_row_its_own_result(interpreter,
+                                                                                num_splits):
+    """``order`` changes which program takes which row, never the row a result lands in."""
+    head_dim = 32
+    seq_lens = [300, 17, 0, 140, 1]
+    cache = PagedCache(seq_lens, 16, 2, head_dim, torch.float32, seed=7, extra_blocks=16)
+    q = random_queries(len(seq_lens), 4, head_dim, torch.float32, seed=8)
+    args = (q, cache.k_cache, cache.v_cache, cache.seq_lens, cache.block_tables, head_dim**-0.5)
+    longest_first = torch.tensor([0, 3, 1, 4, 2], dtype=torch.int32)
+
+    out = interpreter(triton_attention.decode_attention, *args, order=longest_first,
+                      num_splits=num_splits)
+
+    expected = reference.decode_attention(*args)
+    live = cache.seq_lens > 0
+    torch.testing.assert_close(out[live], expected[live], **TOLERANCES[torch.float32])
+    assert out[~live].abs().max() == 0  # the padding row: zeros, written by its own program
 
 
 @pytest.mark.parametrize("num_splits", [1, 3])
@@ -192,7 +187,6 @@ BACKENDS = {
     "torch": TORCH_KERNELS,
     "triton": dataclasses.replace(
         TORCH_KERNELS,
-        store_kv=triton_attention.store_kv,
         prefill_attention=triton_attention.prefill_attention,
         decode_attention=triton_attention.decode_attention,
     ),

@@ -12,7 +12,8 @@ from transformers import AutoConfig
 from triton_interpreter import interpreter_process
 
 import nanofn.kernels.triton_ops as triton_ops
-from nanofn.kernels import TORCH_KERNELS, apply_rotary, build_cos_sin_cache, rms_norm, silu_and_mul
+from nanofn.kernels import (TORCH_KERNELS, build_cos_sin_cache, rms_norm, rotate_and_store_kv,
+                            silu_and_mul)
 from nanofn.kernels.triton_ops import TRITON_KERNELS
 from nanofn.model import AttentionBatch, build_model, load_weights, model_shape
 
@@ -66,36 +67,54 @@ def test_rms_norm_keeps_leading_dimensions(interpreter):
     torch.testing.assert_close(out, expected, **TOLERANCES[torch.float32])
 
 
+def rotate_store_and_return(q, k, v, positions, cache, k_cache, v_cache, slot_mapping, **norm):
+    q_out = triton_ops.rotate_and_store_kv(q, k, v, positions, cache, k_cache, v_cache,
+                                           slot_mapping, **norm)
+    return q_out, k_cache, v_cache
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     "num_heads, num_kv_heads, head_dim", [(4, 2, 16), (3, 1, 32), (16, 8, 128)], ids=["16", "32", "128"]
 )
 @pytest.mark.parametrize("qk_norm", [False, True], ids=["rotary", "qk-norm-and-rotary"])
-def test_apply_rotary_matches_reference(interpreter, dtype, num_heads, num_kv_heads, head_dim, qk_norm):
+def test_rotate_and_store_kv_matches_reference(interpreter, dtype, num_heads, num_kv_heads,
+                                               head_dim, qk_norm):
+    """Rotated queries returned; rotated keys and the values in their cache slots, padding
+    tokens (slot -1) written nowhere; the rest of the cache untouched."""
     generator = torch.Generator().manual_seed(head_dim)
-    num_tokens, max_positions = 19, 2048
+    num_tokens, max_positions, block_size = 19, 2048, 16
     cache = build_cos_sin_cache(head_dim, max_positions, 500000.0, LLAMA3_SCALING)
     positions = torch.randint(0, max_positions, (num_tokens,), generator=generator)
-    # q and k are views into the fused projection, as the model passes them.
+    # q, k and v are views into the fused projection, as the model passes them.
     qkv = (torch.randn(num_tokens, num_heads + 2 * num_kv_heads, head_dim, generator=generator) * 3).to(dtype)
-    q, k = qkv[:, :num_heads], qkv[:, num_heads : num_heads + num_kv_heads]
+    q, k, v = qkv.split([num_heads, num_kv_heads, num_kv_heads], dim=1)
+    cache_shape = (3, block_size, num_kv_heads, head_dim)
+    k_cache, v_cache = (torch.randn(cache_shape, generator=generator).to(dtype) for _ in range(2))
+    slot_mapping = torch.randperm(3 * block_size, generator=generator)[:num_tokens]
+    slot_mapping[[0, 7, 18]] = -1
     norm = {}
     if qk_norm:
         q_norm_weight, k_norm_weight = (torch.rand(2, head_dim, generator=generator) + 0.5).to(dtype)
         norm = dict(q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight, norm_eps=1e-5)
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    q_expected = rotate_and_store_kv(q, k, v, positions, cache, expected_k, expected_v,
+                                     slot_mapping, **norm)
 
-    q_out, k_out = interpreter(triton_ops.apply_rotary, q, k, positions, cache, **norm)
+    q_out, k_cache, v_cache = interpreter(rotate_store_and_return, q, k, v, positions, cache,
+                                          k_cache, v_cache, slot_mapping, **norm)
 
-    q_expected, k_expected = apply_rotary(q, k, positions, cache, **norm)
-    assert q_out.dtype == k_out.dtype == dtype
+    assert q_out.dtype == dtype and q_out.is_contiguous()
     torch.testing.assert_close(q_out, q_expected, **TOLERANCES[dtype])
-    torch.testing.assert_close(k_out, k_expected, **TOLERANCES[dtype])
+    torch.testing.assert_close(k_cache, expected_k, **TOLERANCES[dtype])
+    assert torch.equal(v_cache, expected_v)
 
 
-def test_apply_rotary_requires_a_power_of_two_head_dim():
-    q, k = torch.zeros(2, 4, 48), torch.zeros(2, 2, 48)
+def test_rotate_and_store_kv_requires_a_power_of_two_head_dim():
+    q, k, cache = torch.zeros(2, 4, 48), torch.zeros(2, 2, 48), torch.zeros(1, 16, 2, 48)
     with pytest.raises(AssertionError, match="head_dim 48 is not a power of two"):
-        triton_ops.apply_rotary(q, k, torch.zeros(2, dtype=torch.int64), torch.zeros(8, 48))
+        triton_ops.rotate_and_store_kv(q, k, k, torch.zeros(2, dtype=torch.int64),
+                                       torch.zeros(8, 48), cache, cache, torch.zeros(2))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -136,6 +136,17 @@ def test_tokens_do_not_depend_on_the_split(interpreter):
     assert by_split[0][:2] == [3, 12_000]
 
 
+def test_sixteen_bit_logits_draw_the_tokens_of_their_float32_copy(interpreter):
+    """The decode graphs pass the LM head's bfloat16 logits straight to the draw."""
+    logits = random_logits(6, VOCAB, seed=4).to(torch.bfloat16)
+    temperature = torch.tensor([0.0, 0.3, 0.6, 1.0, 1.0, 2.0])
+    row_keys = keys(*range(20, 26))
+    tokens = interpreter(sample_plain, logits, temperature, row_keys)
+    assert tokens.tolist() == interpreter(sample_plain, logits.float(), temperature,
+                                          row_keys).tolist()
+    assert len(set(tokens.tolist())) > 1
+
+
 def test_a_concentrated_row_always_returns_its_token(interpreter):
     logits = random_logits(12, VOCAB, seed=3, scale=1.0)
     hot = torch.arange(12) * 83

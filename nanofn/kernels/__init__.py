@@ -16,7 +16,8 @@ from nanofn.kernels.activation import silu_and_mul
 from nanofn.kernels.attention import decode_attention, prefill_attention, store_kv
 from nanofn.kernels.linear import linear, rms_norm_linear, silu_and_mul_linear
 from nanofn.kernels.norm import rms_norm
-from nanofn.kernels.rotary import SUPPORTED_ROPE_TYPES, apply_rotary, build_cos_sin_cache
+from nanofn.kernels.rotary import (SUPPORTED_ROPE_TYPES, apply_rotary, build_cos_sin_cache,
+                                   rotate_and_store_kv)
 
 
 @dataclass(frozen=True)
@@ -26,11 +27,11 @@ class KernelBackend:
     Each field has the signature and contract of the torch reference of the same name.
     """
 
-    store_kv: Callable[..., None]
+    # rotary embedding (optionally after Qwen3's q/k norm), then the keys and values to the cache
+    rotate_and_store_kv: Callable[..., torch.Tensor]
     prefill_attention: Callable[..., torch.Tensor]
     decode_attention: Callable[..., torch.Tensor]
     rms_norm: Callable[..., torch.Tensor | tuple[torch.Tensor, torch.Tensor]]
-    apply_rotary: Callable[..., tuple[torch.Tensor, torch.Tensor]]  # optionally with Qwen3's q/k norm
     silu_and_mul: Callable[..., torch.Tensor]
     # The projections, two with the kernel before them fused in (see linear.py)
     linear: Callable[..., torch.Tensor]
@@ -39,11 +40,10 @@ class KernelBackend:
 
 
 TORCH_KERNELS = KernelBackend(
-    store_kv=store_kv,
+    rotate_and_store_kv=rotate_and_store_kv,
     prefill_attention=prefill_attention,
     decode_attention=decode_attention,
     rms_norm=rms_norm,
-    apply_rotary=apply_rotary,
     silu_and_mul=silu_and_mul,
     linear=linear,
     silu_and_mul_linear=silu_and_mul_linear,
@@ -61,6 +61,7 @@ __all__ = [
     "prefill_attention",
     "rms_norm",
     "rms_norm_linear",
+    "rotate_and_store_kv",
     "silu_and_mul",
     "silu_and_mul_linear",
     "store_kv",

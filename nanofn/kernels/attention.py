@@ -82,11 +82,14 @@ def decode_attention(
     seq_lens: torch.Tensor,
     block_tables: torch.Tensor,
     scale: float,
+    order: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query per sequence (``q`` is ``[B, H, D]``) at its last position.
 
     Gathers every sequence's blocks up to the table width and masks keys past ``seq_lens``.
-    A padding row with ``seq_len == 0`` yields finite garbage rather than NaN.
+    A padding row with ``seq_len == 0`` yields finite garbage rather than NaN. ``order`` is a
+    permutation of the rows, the order in which a GPU kernel may take them up: it has no
+    effect on the result, and none here.
     """
     batch_size, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]

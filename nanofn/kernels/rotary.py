@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from nanofn.kernels.attention import store_kv
 from nanofn.kernels.norm import rms_norm
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -59,6 +60,27 @@ def apply_rotary(
         q, k = rms_norm(q, q_norm_weight, norm_eps), rms_norm(k, k_norm_weight, norm_eps)
     cos, sin = cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, D/2] each
     return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def rotate_and_store_kv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    q_norm_weight: torch.Tensor | None = None,
+    k_norm_weight: torch.Tensor | None = None,
+    norm_eps: float = 1e-6,
+) -> torch.Tensor:
+    """``apply_rotary``, then ``store_kv`` of the rotated keys and the values: returns the
+    rotated queries. Attention reads keys only from the cache, so the rotated keys need no
+    tensor of their own, and a Triton kernel does the whole in one pass."""
+    q, k = apply_rotary(q, k, positions, cos_sin_cache, q_norm_weight, k_norm_weight, norm_eps)
+    store_kv(k, v, k_cache, v_cache, slot_mapping)
+    return q
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

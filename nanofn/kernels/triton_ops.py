@@ -5,8 +5,9 @@ Same signatures and semantics as the torch references in ``norm.py``, ``rotary.p
 in a decode step of a small model such launches take most of the time. Here each is one launch:
 
 - ``rms_norm``: one program per row, the whole row in one tile; with ``residual`` the add is fused.
-- ``apply_rotary``: one program per token, rotating all of its query and key heads; with norm
-  weights it first RMS-normalises each head (Qwen3's ``q_norm``/``k_norm``), in the same pass.
+- ``rotate_and_store_kv``: one program per token, rotating all of its query and key heads (with
+  norm weights it first RMS-normalises each head: Qwen3's ``q_norm``/``k_norm``) and writing the
+  keys and values straight into the paged cache, in the same pass.
 - ``silu_and_mul``: one program per (row, block of ``SILU_BLOCK`` columns).
 - the projections (``linear``, and ``silu_and_mul_linear``, ``rms_norm_linear`` with the kernel
   before them fused in): a GEMV of ``triton_gemv.py`` for at most ``GEMV_MAX_ROWS`` tokens
@@ -71,16 +72,18 @@ def _rms_norm_kernel(
 
 @triton.jit
 def _rotate_heads(
-    x_ptr, out_ptr, norm_weight_ptr, cos, sin, token, stride_token, stride_head, num_heads, eps,
-    HEADS: tl.constexpr, HALF_DIM: tl.constexpr, NORM: tl.constexpr,
+    x_row_ptr, stride_head, out_row_ptr, out_stride_head, norm_weight_ptr, cos, sin, num_heads,
+    eps, valid, HEADS: tl.constexpr, HALF_DIM: tl.constexpr, NORM: tl.constexpr,
 ):
-    """Rotate (with ``NORM``, first RMS-normalise) the ``num_heads`` heads of one token of ``x``
-    into the contiguous ``out``. ``cos`` and ``sin`` are the token's ``[1, HALF_DIM]`` angles."""
+    """Rotate (with ``NORM``, first RMS-normalise) the ``num_heads`` heads of one token, read
+    from ``x_row_ptr`` and written to ``out_row_ptr`` (heads ``stride_head`` and
+    ``out_stride_head`` apart), rounded to x's dtype; nothing is written unless ``valid``.
+    ``cos`` and ``sin`` are the token's ``[1, HALF_DIM]`` angles."""
     heads = tl.arange(0, HEADS)[:, None]
     dims = tl.arange(0, HALF_DIM)[None, :]
     mask = heads < num_heads
-    dtype = x_ptr.dtype.element_ty
-    first_half = x_ptr + token * stride_token + heads * stride_head + dims
+    dtype = x_row_ptr.dtype.element_ty
+    first_half = x_row_ptr + heads * stride_head + dims
     first = tl.load(first_half, mask=mask, other=0.0).to(tl.float32)
     second = tl.load(first_half + HALF_DIM, mask=mask, other=0.0).to(tl.float32)
     if NORM:
@@ -91,31 +94,46 @@ def _rotate_heads(
         # Rounded where rms_norm rounds: the normed head, then its product with the weight.
         first = (first_weight * (first * inv_rms).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
         second = (second_weight * (second * inv_rms).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-    out_first_half = out_ptr + (token * num_heads + heads) * (2 * HALF_DIM) + dims
-    tl.store(out_first_half, (first * cos - second * sin).to(dtype), mask=mask)
-    tl.store(out_first_half + HALF_DIM, (second * cos + first * sin).to(dtype), mask=mask)
+    out_dtype = out_row_ptr.dtype.element_ty
+    out_first_half = out_row_ptr + heads * out_stride_head + dims
+    store_mask = mask & valid
+    tl.store(out_first_half, (first * cos - second * sin).to(dtype).to(out_dtype), mask=store_mask)
+    tl.store(out_first_half + HALF_DIM, (second * cos + first * sin).to(dtype).to(out_dtype),
+             mask=store_mask)
 
 
 @triton.jit
-def _rotary_kernel(
-    q_ptr, k_ptr, q_out_ptr, k_out_ptr, positions_ptr, cos_sin_ptr, q_norm_weight_ptr, k_norm_weight_ptr,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_cos_sin, num_heads, num_kv_heads, eps,
-    Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF_DIM: tl.constexpr, NORM: tl.constexpr,
+def _rotate_and_store_kv_kernel(
+    q_ptr, k_ptr, v_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, positions_ptr, slot_mapping_ptr,
+    cos_sin_ptr, q_norm_weight_ptr, k_norm_weight_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_block, stride_slot, stride_head, stride_cos_sin, num_heads, num_kv_heads, eps,
+    Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, NORM: tl.constexpr,
 ):
-    """Program ``token``: all query and key heads of one token, at its position."""
+    """Program ``token``: its query heads rotated into ``q_out``, its key heads rotated and its
+    value heads copied into its cache slot (none for a negative slot)."""
     token = tl.program_id(0).to(tl.int64)
     position = tl.load(positions_ptr + token)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     dims = tl.arange(0, HALF_DIM)[None, :]
     cos = tl.load(cos_sin_ptr + position * stride_cos_sin + dims)
     sin = tl.load(cos_sin_ptr + position * stride_cos_sin + HALF_DIM + dims)
     _rotate_heads(
-        q_ptr, q_out_ptr, q_norm_weight_ptr, cos, sin, token, stride_qt, stride_qh, num_heads, eps,
-        Q_HEADS, HALF_DIM, NORM,
+        q_ptr + token * stride_qt, stride_qh, q_out_ptr + token * num_heads * (2 * HALF_DIM),
+        2 * HALF_DIM, q_norm_weight_ptr, cos, sin, num_heads, eps, True, Q_HEADS, HALF_DIM, NORM,
     )
+    cache_row = (slot // BLOCK_SIZE) * stride_block + (slot % BLOCK_SIZE) * stride_slot
     _rotate_heads(
-        k_ptr, k_out_ptr, k_norm_weight_ptr, cos, sin, token, stride_kt, stride_kh, num_kv_heads, eps,
-        KV_HEADS, HALF_DIM, NORM,
+        k_ptr + token * stride_kt, stride_kh, k_cache_ptr + cache_row, stride_head,
+        k_norm_weight_ptr, cos, sin, num_kv_heads, eps, slot >= 0, KV_HEADS, HALF_DIM, NORM,
     )
+    heads = tl.arange(0, KV_HEADS)[:, None]
+    head_dims = tl.arange(0, 2 * HALF_DIM)[None, :]
+    mask = (heads < num_kv_heads) & (slot >= 0)
+    v = tl.load(v_ptr + token * stride_vt + heads * stride_vh + head_dims, mask=mask)
+    tl.store(v_cache_ptr + cache_row + heads * stride_head + head_dims,
+             v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -167,37 +185,45 @@ def rms_norm(
     return out.view(x.shape), residual_out.view(x.shape)
 
 
-def apply_rotary(
+def rotate_and_store_kv(
     q: torch.Tensor,
     k: torch.Tensor,
+    v: torch.Tensor,
     positions: torch.Tensor,
     cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
     q_norm_weight: torch.Tensor | None = None,
     k_norm_weight: torch.Tensor | None = None,
     norm_eps: float = 1e-6,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate ``q [T, H, D]`` and ``k [T, Hkv, D]`` by the angles of ``positions [T]``, after an
-    RMS norm of each head when the norm weights are given. Returns new contiguous tensors.
+) -> torch.Tensor:
+    """Rotate ``q [T, H, D]`` and ``k [T, Hkv, D]`` by the angles of ``positions [T]`` (after an
+    RMS norm of each head when the norm weights are given); write the rotated keys and ``v`` to
+    the cache slots ``slot_mapping [T]`` (skipping negative ones). Returns the rotated queries,
+    a new contiguous tensor.
 
-    ``q`` and ``k`` may be strided views (of the fused qkv projection) with contiguous heads.
+    ``q``, ``k`` and ``v`` may be strided views (of the fused qkv projection) with contiguous heads.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     assert head_dim >= 2 and head_dim & (head_dim - 1) == 0, f"head_dim {head_dim} is not a power of two"
-    assert q.stride(-1) == k.stride(-1) == cos_sin_cache.stride(-1) == 1, "heads must be contiguous"
+    assert q.stride(-1) == k.stride(-1) == v.stride(-1) == cos_sin_cache.stride(-1) == 1, \
+        "heads must be contiguous"
+    triton_attention.check_cache_layout(k_cache, v_cache, k, v)
     norm = q_norm_weight is not None
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     if num_tokens > 0:
-        _rotary_kernel[(num_tokens,)](
-            q, k, q_out, k_out, positions, cos_sin_cache,
+        _rotate_and_store_kv_kernel[(num_tokens,)](
+            q, k, v, q_out, k_cache, v_cache, positions, slot_mapping, cos_sin_cache,
             q_norm_weight if norm else q, k_norm_weight if norm else k,  # placeholders when not norm
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0),
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), cos_sin_cache.stride(0),
             num_heads, num_kv_heads, norm_eps,
             Q_HEADS=triton.next_power_of_2(num_heads), KV_HEADS=triton.next_power_of_2(num_kv_heads),
-            HALF_DIM=head_dim // 2, NORM=norm,
+            HALF_DIM=head_dim // 2, BLOCK_SIZE=k_cache.shape[1], NORM=norm,
         )
-    return q_out, k_out
+    return q_out
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -268,11 +294,10 @@ def without_gemv(kernels: KernelBackend) -> KernelBackend:
 
 
 TRITON_KERNELS = KernelBackend(
-    store_kv=triton_attention.store_kv,
+    rotate_and_store_kv=rotate_and_store_kv,
     prefill_attention=triton_attention.prefill_attention,
     decode_attention=triton_attention.decode_attention,
     rms_norm=rms_norm,
-    apply_rotary=apply_rotary,
     silu_and_mul=silu_and_mul,
     linear=linear,
     silu_and_mul_linear=silu_and_mul_linear,

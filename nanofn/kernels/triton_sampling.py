@@ -184,7 +184,8 @@ def sample_plain(logits: torch.Tensor, temperature: torch.Tensor, row_seeds: tor
     """One token per row: ``argmax(logits / T + Gumbel noise)`` keyed by the row's seed, or the
     plain argmax where ``T`` is 0 (the caller maps its greedy rows to 0).
 
-    ``logits``: ``[B, V]`` float32 with unit stride along V; ``temperature``: ``[B]`` float32;
+    ``logits``: ``[B, V]`` float32, or bfloat16/float16 (read as float32: the same tokens as
+    their float32 copy), with unit stride along V; ``temperature``: ``[B]`` float32;
     ``row_seeds``: ``[B]`` int64 Philox keys. Returns ``[B]`` int64.
 
     Each row is split into ``num_splits`` ranges of counters (by default as many as fit

@@ -32,6 +32,9 @@ class AttentionBatch:
     # Triton's prefill work map when a CUDA graph fixes it in advance (its host tuples then
     # describe the capture, not the step): see ``triton_attention.prefill_tile_map``.
     prefill_tiles: torch.Tensor | None = None
+    # Decode rows longest context first ([B] int32, a permutation): the order decode attention
+    # takes them up in, a hint that does not change the result.
+    decode_order: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

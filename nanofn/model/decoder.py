@@ -130,11 +130,12 @@ class Attention(nn.Module):
         q = q.view(-1, qkv_proj.num_heads, self.head_dim)
         k = k.view(-1, qkv_proj.num_kv_heads, self.head_dim)
         v = v.view(-1, qkv_proj.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k, self.q_norm, self.k_norm)
-        self.kernels.store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+        q = self.rotary(positions, q, k, v, k_cache, v_cache, batch.slot_mapping, self.q_norm,
+                        self.k_norm)
         if batch.decode_only:
             out = self.kernels.decode_attention(
-                q, k_cache, v_cache, batch.seq_lens, batch.block_tables, self.scale
+                q, k_cache, v_cache, batch.seq_lens, batch.block_tables, self.scale,
+                order=batch.decode_order,
             )
         else:
             out = self.kernels.prefill_attention(
@@ -288,6 +289,8 @@ class CausalLM(nn.Module):
         """
         return self.model(input_ids, positions, batch, kv_cache)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[N, vocab_size]`` float32 logits, the full vocabulary on every rank."""
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+        """``[N, vocab_size]`` logits, the full vocabulary on every rank: float32, or with
+        ``upcast=False`` the model's dtype (for a kernel that reads them in float32 itself)."""
+        logits = self.lm_head(hidden)
+        return logits.float() if upcast else logits

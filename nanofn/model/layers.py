@@ -48,13 +48,17 @@ class RotaryEmbedding(nn.Module):
         positions: torch.Tensor,
         q: torch.Tensor,
         k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
         q_norm: RMSNorm | None = None,
         k_norm: RMSNorm | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotated ``q [T, H, D]`` and ``k [T, Hkv, D]``; with ``q_norm`` and ``k_norm`` (Qwen3) each
-        head is RMS-normalised first, in the same kernel."""
-        if q_norm is None:
-            return self.kernels.apply_rotary(q, k, positions, self.cos_sin_cache)
-        return self.kernels.apply_rotary(
-            q, k, positions, self.cos_sin_cache, q_norm.weight, k_norm.weight, q_norm.eps
-        )
+    ) -> torch.Tensor:
+        """Rotated ``q [T, H, D]``; ``k [T, Hkv, D]`` rotated and ``v`` go to their cache slots
+        (``slot_mapping``). With ``q_norm`` and ``k_norm`` (Qwen3) each head is RMS-normalised
+        first, in the same kernel."""
+        norm = {} if q_norm is None else dict(q_norm_weight=q_norm.weight,
+                                              k_norm_weight=k_norm.weight, norm_eps=q_norm.eps)
+        return self.kernels.rotate_and_store_kv(q, k, v, positions, self.cos_sin_cache, k_cache,
+                                                v_cache, slot_mapping, **norm)

@@ -36,8 +36,8 @@ from nanofn.state.plan import BatchPlan
 # The fields of the static input buffer, each ``max_batch`` int32s long (the sampling key base
 # is in the first entries of the last two, 31 bits in each).
 (IDS, POSITIONS, SLOTS, ENTRY_SLOTS, ENTRY_COLUMNS, ENTRY_BLOCKS, SAMPLE_ROWS,
- SAMPLING_SLOTS, KEY_BASE_LOW, KEY_BASE_HIGH) = range(10)
-NUM_FIELDS = 10
+ SAMPLING_SLOTS, DECODE_ORDER, KEY_BASE_LOW, KEY_BASE_HIGH) = range(11)
+NUM_FIELDS = 11
 KEY_BASE_BITS = 31
 STAGING_BUFFERS = 3  # pinned host buffers in turn: one may still be copying while the next fills
 
@@ -102,6 +102,7 @@ class DecodeGraphs:
         self.staged.buffer[POSITIONS] = -1  # all padding, for the warm-up and the capture
         self.staged.buffer[ENTRY_SLOTS] = self.spare_slot
         self.staged.buffer[SAMPLING_SLOTS] = self.spare_slot
+        self.staged.buffer[DECODE_ORDER] = torch.arange(max_batch)
         pool = None
         for size in reversed(self.sizes):  # the largest first: the others reuse its memory
             kinds = [(self.graphs, False)]
@@ -182,6 +183,8 @@ def fill_fields(fields: np.ndarray, plan: BatchPlan, size: int, spare_slot: int)
     fields[SAMPLING_SLOTS, :s] = plan.slots[sample_rows]
     fields[SAMPLE_ROWS, s:size] = 0
     fields[SAMPLING_SLOTS, s:size] = spare_slot
+    # longest context first, padding rows (position -1) last: see AttentionBatch.decode_order
+    fields[DECODE_ORDER, :size] = np.argsort(fields[POSITIONS, :size], kind="stable")[::-1]
 
 
 def sample_in_graph(model: torch.nn.Module, hidden: torch.Tensor, fields: torch.Tensor,
@@ -191,7 +194,7 @@ def sample_in_graph(model: torch.nn.Module, hidden: torch.Tensor, fields: torch.
     from nanofn.kernels.triton_sampling import sample_plain
 
     rows, slots = fields[SAMPLE_ROWS].long(), fields[SAMPLING_SLOTS].long()
-    logits = model.compute_logits(hidden[rows])
+    logits = model.compute_logits(hidden[rows], upcast=False)  # sample_plain reads float32
     base = (fields[KEY_BASE_HIGH, 0].long() << KEY_BASE_BITS) | fields[KEY_BASE_LOW, 0].long()
     keys = base + torch.arange(len(rows), device=rows.device)
     tokens = sample_plain(logits, slot_temperature[slots], keys)
@@ -220,5 +223,6 @@ def decode_inputs(fields: torch.Tensor, tables: SlotTables, block_size: int,
         query_lens_host=(1,) * size,
         seq_lens_host=(1,) * size,  # not read by decode attention
         decode_only=True,
+        decode_order=fields[DECODE_ORDER],
     )
     return ids, positions, batch

@@ -60,26 +60,6 @@ def assert_relative_error_below(out, expected, tolerance=1e-2):
     assert error < tolerance, f"relative error {error:.2e}"
 
 
-def test_store_kv_matches_reference():
-    generator = torch.Generator(device="cuda").manual_seed(2)
-    num_tokens, num_blocks = 4096, 400
-    shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
-    k_cache = torch.randn(shape, generator=generator, device="cuda").to(DTYPE)
-    v_cache = torch.randn(shape, generator=generator, device="cuda").to(DTYPE)
-    qkv_shape = (num_tokens, NUM_HEADS + 2 * NUM_KV_HEADS, HEAD_DIM)
-    qkv = torch.randn(qkv_shape, generator=generator, device="cuda").to(DTYPE)
-    k, v = qkv[:, NUM_HEADS : NUM_HEADS + NUM_KV_HEADS], qkv[:, NUM_HEADS + NUM_KV_HEADS :]
-    slot_mapping = torch.randperm(num_blocks * BLOCK_SIZE, generator=generator, device="cuda")[:num_tokens]
-    slot_mapping[::7] = -1
-    expected_k, expected_v = k_cache.clone(), v_cache.clone()
-    reference.store_kv(k, v, expected_k, expected_v, slot_mapping)
-
-    triton_attention.store_kv(k, v, k_cache, v_cache, slot_mapping)
-
-    assert torch.equal(k_cache, expected_k)
-    assert torch.equal(v_cache, expected_v)
-
-
 DECODE_BATCHES = {
     "batch-64": random_lengths(64, 1, 2048, seed=3),
     "long-contexts": [32768, 5001, 1, 0],  # a padding row with no context too

@@ -1,4 +1,4 @@
-"""The Triton norm, rotary and activation kernels against the torch references on a CUDA GPU,
+"""The Triton norm, rotary (+ KV store) and activation kernels against the torch references on a CUDA GPU,
 in bf16 at Qwen3-0.6B's sizes: hidden 1024, intermediate 3072, 16 query heads over 8 kv heads of
 128. Both sides round to bf16 at the same points, so they differ by about one bf16 step at most.
 ``benchmark()`` prints timings, asserting nothing."""
@@ -10,12 +10,12 @@ import torch
 import triton.testing
 
 import nanofn.kernels.triton_ops as triton_ops
-from nanofn.kernels import apply_rotary, build_cos_sin_cache, rms_norm, silu_and_mul
+from nanofn.kernels import build_cos_sin_cache, rms_norm, rotate_and_store_kv, silu_and_mul
 
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
               pytest.mark.usefixtures("nan_filled_allocations")]
 
-HIDDEN, INTERMEDIATE, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 1024, 3072, 16, 8, 128
+HIDDEN, INTERMEDIATE, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 1024, 3072, 16, 8, 128, 16
 MAX_POSITIONS, ROPE_THETA, EPS = 40960, 1000000.0, 1e-6
 DTYPE = torch.bfloat16
 TOLERANCES = dict(atol=2e-2, rtol=2e-2)  # two bf16 steps at magnitude 1
@@ -32,20 +32,42 @@ def norm_weight(size, seed):
 
 
 class RotaryInputs:
-    """``num_tokens`` tokens at scattered positions; q and k as views of a fused qkv projection."""
+    """``num_tokens`` tokens at scattered positions; q, k and v as views of a fused qkv
+    projection; a paged cache with a slot for each token, every seventh token padding (-1)."""
 
     def __init__(self, num_tokens, seed):
         generator = torch.Generator(device="cuda").manual_seed(seed)
         self.cache = build_cos_sin_cache(HEAD_DIM, MAX_POSITIONS, ROPE_THETA, device="cuda")
         self.positions = torch.randint(0, MAX_POSITIONS, (num_tokens,), generator=generator, device="cuda")
         qkv = randn(num_tokens, NUM_HEADS + 2 * NUM_KV_HEADS, HEAD_DIM, seed=seed + 1, scale=3.0)
-        self.q, self.k = qkv[:, :NUM_HEADS], qkv[:, NUM_HEADS : NUM_HEADS + NUM_KV_HEADS]
+        self.q, self.k, self.v = qkv.split([NUM_HEADS, NUM_KV_HEADS, NUM_KV_HEADS], dim=1)
         self.norm = dict(
             q_norm_weight=norm_weight(HEAD_DIM, seed + 2), k_norm_weight=norm_weight(HEAD_DIM, seed + 3), norm_eps=EPS
         )
+        num_blocks = num_tokens // BLOCK_SIZE + 2
+        cache_shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+        self.k_cache, self.v_cache = (randn(*cache_shape, seed=seed + i) for i in (4, 5))
+        self.slot_mapping = torch.randperm(num_blocks * BLOCK_SIZE, generator=generator,
+                                           device="cuda")[:num_tokens]
+        self.slot_mapping[::7] = -1
 
-    def args(self):
-        return self.q, self.k, self.positions, self.cache
+    def args(self, k_cache=None, v_cache=None):
+        """The arguments of ``rotate_and_store_kv`` but the norm's, into the given caches."""
+        return (self.q, self.k, self.v, self.positions, self.cache,
+                self.k_cache if k_cache is None else k_cache,
+                self.v_cache if v_cache is None else v_cache, self.slot_mapping)
+
+    def expected(self, norm):
+        """The reference's rotated queries and caches, leaving this one's caches as they are."""
+        k_cache, v_cache = self.k_cache.clone(), self.v_cache.clone()
+        return rotate_and_store_kv(*self.args(k_cache, v_cache), **norm), k_cache, v_cache
+
+
+def assert_rotated_and_stored(q_out, expected, inputs):
+    q_expected, k_expected, v_expected = expected
+    torch.testing.assert_close(q_out, q_expected, **TOLERANCES)
+    torch.testing.assert_close(inputs.k_cache, k_expected, **TOLERANCES)
+    assert torch.equal(inputs.v_cache, v_expected)
 
 
 @pytest.mark.parametrize("num_tokens", [1, 256, 4099])
@@ -66,33 +88,30 @@ def test_rms_norm_matches_reference(num_tokens, add_residual):
 
 @pytest.mark.parametrize("num_tokens", [1, 256, 4099])
 @pytest.mark.parametrize("qk_norm", [False, True], ids=["rotary", "qk-norm-and-rotary"])
-def test_apply_rotary_matches_reference(num_tokens, qk_norm):
+def test_rotate_and_store_kv_matches_reference(num_tokens, qk_norm):
     inputs = RotaryInputs(num_tokens, seed=3)
     norm = inputs.norm if qk_norm else {}
+    expected = inputs.expected(norm)
 
-    q_out, k_out = triton_ops.apply_rotary(*inputs.args(), **norm)
+    q_out = triton_ops.rotate_and_store_kv(*inputs.args(), **norm)
 
-    q_expected, k_expected = apply_rotary(*inputs.args(), **norm)
-    torch.testing.assert_close(q_out, q_expected, **TOLERANCES)
-    torch.testing.assert_close(k_out, k_expected, **TOLERANCES)
+    assert_rotated_and_stored(q_out, expected, inputs)
 
 
-def test_apply_rotary_replays_from_a_cuda_graph():
+def test_rotate_and_store_kv_replays_from_a_cuda_graph():
     inputs = RotaryInputs(64, seed=4)
-    triton_ops.apply_rotary(*inputs.args(), **inputs.norm)  # compile outside the capture
+    triton_ops.rotate_and_store_kv(*inputs.args(), **inputs.norm)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        q_out, k_out = triton_ops.apply_rotary(*inputs.args(), **inputs.norm)
+        q_out = triton_ops.rotate_and_store_kv(*inputs.args(), **inputs.norm)
 
     fresh = RotaryInputs(64, seed=5)
-    inputs.positions.copy_(fresh.positions)
-    inputs.q.copy_(fresh.q)
-    inputs.k.copy_(fresh.k)
+    for name in ("positions", "q", "k", "v", "k_cache", "v_cache", "slot_mapping"):
+        getattr(inputs, name).copy_(getattr(fresh, name))
+    expected = fresh.expected(inputs.norm)
     graph.replay()
 
-    q_expected, k_expected = apply_rotary(*fresh.args(), **inputs.norm)
-    torch.testing.assert_close(q_out, q_expected, **TOLERANCES)
-    torch.testing.assert_close(k_out, k_expected, **TOLERANCES)
+    assert_rotated_and_stored(q_out, expected, inputs)
 
 
 @pytest.mark.parametrize("num_tokens", [1, 256, 4099])
@@ -119,12 +138,13 @@ def benchmark() -> None:
                 lambda: triton_ops.rms_norm(x, weight, EPS, residual), lambda: rms_norm(x, weight, EPS, residual))
 
         inputs = RotaryInputs(num_tokens, seed=10)
-        qk_bytes = 2 * (inputs.q.numel() + inputs.k.numel()) * inputs.q.element_size()
-        _report(f"qk norm + rotary, {num_tokens} tokens", qk_bytes, graphed,
-                lambda: triton_ops.apply_rotary(*inputs.args(), **inputs.norm),
-                lambda: apply_rotary(*inputs.args(), **inputs.norm))
-        _report(f"rotary, {num_tokens} tokens", qk_bytes, graphed,
-                lambda: triton_ops.apply_rotary(*inputs.args()), lambda: apply_rotary(*inputs.args()))
+        qkv_bytes = 2 * (inputs.q.numel() + 2 * inputs.k.numel()) * inputs.q.element_size()
+        _report(f"qk norm + rotary + KV store, {num_tokens} tokens", qkv_bytes, graphed,
+                lambda: triton_ops.rotate_and_store_kv(*inputs.args(), **inputs.norm),
+                lambda: rotate_and_store_kv(*inputs.args(), **inputs.norm))
+        _report(f"rotary + KV store, {num_tokens} tokens", qkv_bytes, graphed,
+                lambda: triton_ops.rotate_and_store_kv(*inputs.args()),
+                lambda: rotate_and_store_kv(*inputs.args()))
 
         gate_up = randn(num_tokens, 2 * INTERMEDIATE, seed=11)
         silu_bytes = 3 * gate_up.numel() * gate_up.element_size() // 2

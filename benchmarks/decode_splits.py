@@ -1,0 +1,88 @@
+"""Decode attention on the standard workload's own batches: device time per layer against the
+time its K/V bytes need, for each split count, and for the count the heuristic picks (in the
+batch's order, and longest context first as the engine's decode graphs take it).
+
+The batches are those of the standard workload's decode steps (the draws of
+``../shared/tools/roofline.py``, all requests running together): at step ``s`` every request
+with ``s < max_tokens`` runs with ``prompt + s`` keys. Qwen3-0.6B's heads (16 query, 8 kv,
+head_dim 128), bf16, 16-token blocks, block tables 4,096 keys wide as in the engine's graphs.
+Each call is replayed from a CUDA graph (``triton.testing.do_bench_cudagraph``).
+
+Usage: python benchmarks/decode_splits.py [--bandwidth 3028] [--steps 50,300,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+
+import torch
+import triton.testing
+
+from nanofn.kernels import triton_attention
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, TABLE_KEYS = 16, 8, 128, 16, 4096
+SPLIT_COUNTS = (1, 2, 3, 4, 6, 8)
+
+
+def workload_contexts(step: int, num_requests: int = 256) -> list[int]:
+    """The context lengths of the standard workload's decode step ``step``."""
+    random.seed(0)
+    prompts = [len([random.randint(0, 10000) for _ in range(random.randint(100, 1024))])
+               for _ in range(num_requests)]
+    outputs = [random.randint(100, 1024) for _ in range(num_requests)]
+    return [p + step for p, o in zip(prompts, outputs) if step < o]
+
+
+def decode_inputs(contexts: list[int], device: torch.device) -> tuple:
+    """Queries and a paged cache in shuffled blocks holding ``contexts``: the arguments of
+    ``decode_attention`` but ``num_splits``."""
+    g = torch.Generator(device=device).manual_seed(0)
+    blocks = [-(-n // BLOCK_SIZE) for n in contexts]
+    num_blocks = sum(blocks) + 1
+    shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    k_cache, v_cache = (torch.randn(shape, generator=g, device=device, dtype=torch.bfloat16)
+                        for _ in range(2))
+    free = torch.randperm(num_blocks, generator=g, device=device)
+    tables = torch.zeros(len(contexts), TABLE_KEYS // BLOCK_SIZE, dtype=torch.int32, device=device)
+    start = 0
+    for row, n in enumerate(blocks):
+        tables[row, :n] = free[start:start + n]
+        start += n
+    q = torch.randn(len(contexts), NUM_HEADS, HEAD_DIM, generator=g, device=device,
+                    dtype=torch.bfloat16)
+    seq_lens = torch.tensor(contexts, dtype=torch.int32, device=device)
+    return q, k_cache, v_cache, seq_lens, tables, HEAD_DIM**-0.5
+
+
+def microseconds(args: tuple, num_splits: int | None, order: torch.Tensor | None = None) -> float:
+    call = lambda: triton_attention.decode_attention(*args, order=order,  # noqa: E731
+                                                     num_splits=num_splits)
+    call()  # compile outside the capture
+    return triton.testing.do_bench_cudagraph(call, return_mode="median") * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--bandwidth", type=float, default=3028.0, help="GB/s, the floor's")
+    ap.add_argument("--steps", default="1,50,150,300,450,600,700,800,900,950,1000")
+    args = ap.parse_args()
+    device = torch.device("cuda")
+    print("| step | batch | keys (max) | floor | heuristic, longest first (as in the engine) | "
+          "heuristic | " + " | ".join(f"{n} split{'s' * (n > 1)}" for n in SPLIT_COUNTS) + " |")
+    print("|---" * (6 + len(SPLIT_COUNTS)) + "|")
+    for step in map(int, args.steps.split(",")):
+        contexts = workload_contexts(step)
+        inputs = decode_inputs(contexts, device)
+        floor = sum(contexts) * NUM_KV_HEADS * HEAD_DIM * 2 * 2 / (args.bandwidth * 1e3)
+        longest_first = torch.argsort(inputs[3], descending=True, stable=True).to(torch.int32)
+        cells = [f"{microseconds(inputs, None, longest_first):.1f}"]
+        cells += [f"{microseconds(inputs, n):.1f}" for n in (None, *SPLIT_COUNTS)]
+        print(f"| {step} | {len(contexts)} | {sum(contexts):,} ({max(contexts):,}) | {floor:.1f} | "
+              + " | ".join(cells) + " |")
+        del inputs
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
