@@ -246,8 +246,12 @@ def test_close_gives_the_gpu_memory_back_while_the_llm_is_still_held(tiny_qwen3)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
-def test_tensor_parallel_on_two_gpus(float32_prompts):
+@pytest.mark.parametrize("count", [12, 1], ids=["batched", "one-sequence-gemv"])
+def test_tensor_parallel_on_two_gpus(float32_prompts, count):
+    """One sequence decodes through the Triton GEMVs (their norm and SiLU prologues on each
+    rank's shard), twelve through cuBLAS."""
     model_dir, prompts = float32_prompts
+    prompts = prompts[:count]
     assert run(model_dir, prompts, tensor_parallel_size=2) == run(model_dir, prompts)
 
 
