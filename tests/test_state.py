@@ -356,6 +356,22 @@ def test_abort_works_on_waiting_and_running_sequences_and_ignores_unknown_ids():
 
 # --- scheduling ---------------------------------------------------------------------------
 
+def test_a_records_token_array_is_its_token_ids_and_no_copy_keeps_a_stale_one():
+    """A new sequence's record holds its validated prompt as a read-only array (admission
+    stores and hashes it); a record made from it by ``replace`` builds its own."""
+    from nanofn.state.requests import add_seqs
+
+    state = add_seqs(start(config(max_num_seqs=1)), (request("a", [7, 8, 9]),))
+    (seq,) = state.waiting
+    tokens = seq.token_array()
+    assert tokens.tolist() == [7, 8, 9] and tokens.dtype == np.int64
+    assert not tokens.flags.writeable
+    assert seq.token_array() is tokens  # kept
+    longer = replace(seq, token_ids=(7, 8, 9, 4))
+    assert longer.token_array().tolist() == [7, 8, 9, 4]
+    assert longer == replace(longer)  # the memo takes no part in comparisons
+
+
 def test_long_prompts_are_prefilled_in_chunks_within_the_budget():
     state, plan = step(start(config(max_num_batched_tokens=16)),
                        Events(new_seqs=(request("a", range(1, 41)),)))

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import array
+from dataclasses import dataclass, field
 from enum import Enum
+
+import numpy as np
 
 from nanofn.state.params import SamplingParams
 
@@ -56,6 +59,19 @@ class Seq:
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # tokens found in the prefix cache at the last admission
+    # ``token_ids`` as an array, built once (a memo: not compared, not copied by ``replace``)
+    _token_array: np.ndarray | None = field(default=None, init=False, repr=False, compare=False)
+
+    def token_array(self) -> np.ndarray:
+        """``token_ids`` as a read-only int64 array, kept. A new sequence's record is given the
+        array its prompt was validated as, so a long prompt is converted from its tuple once
+        (~40 us for 2,000 tokens), not again when it is hashed for the cache and stored."""
+        tokens = self._token_array
+        if tokens is None:
+            tokens = np.frombuffer(array.array("q", self.token_ids), np.int64)
+            tokens.flags.writeable = False
+            object.__setattr__(self, "_token_array", tokens)
+        return tokens
 
     @property
     def seq_id(self) -> str:

@@ -200,7 +200,7 @@ def admit(pool: PoolChanges, seq: Seq, budget: int, c: SchedulerConfig,
     bs = c.block_size
     hits: list[int] = []
     if c.enable_prefix_caching:
-        data, width = token_bytes(seq.token_ids), 4 * bs
+        data, width = token_bytes(seq.token_array()), 4 * bs
     # A request for prompt logprobs reads nothing from the cache, as in vLLM: cached positions
     # would have no logits (it still caches the blocks it computes).
     if c.enable_prefix_caching and seq.params.prompt_logprobs is None:
@@ -262,7 +262,7 @@ def _append_admitted(store: SeqStore, cols: np.ndarray, admissions: list[Admissi
     new = []
     for k, (a, row) in enumerate(zip(admissions, rows)):
         seq, p = a.seq, a.seq.params
-        store.extend(TOKENS, row, 0, seq.token_ids)
+        store.extend(TOKENS, row, 0, seq.token_array())
         store.extend(TABLES, row, 0, a.blocks)
         store.extend(HASHES, row, 0, np.array(seq.block_hashes, np.uint64))
         new.append((next_serial + k, slots.first, row, seq.num_tokens, a.num_cached,
