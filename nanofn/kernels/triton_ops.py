@@ -207,10 +207,7 @@ def rotate_and_store_kv(
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
-    assert head_dim >= 2 and head_dim & (head_dim - 1) == 0, f"head_dim {head_dim} is not a power of two"
-    assert q.stride(-1) == k.stride(-1) == v.stride(-1) == cos_sin_cache.stride(-1) == 1, \
-        "heads must be contiguous"
-    triton_attention.check_cache_layout(k_cache, v_cache, k, v)
+    triton_attention.check_cache_layout(k_cache, v_cache, q, k, v, cos_sin_cache)
     norm = q_norm_weight is not None
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if num_tokens > 0:

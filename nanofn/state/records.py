@@ -68,9 +68,15 @@ class Seq:
         (~40 us for 2,000 tokens), not again when it is hashed for the cache and stored."""
         tokens = self._token_array
         if tokens is None:
-            tokens = np.frombuffer(array.array("q", self.token_ids), np.int64)
-            tokens.flags.writeable = False
-            object.__setattr__(self, "_token_array", tokens)
+            tokens = self.remember_token_array(np.frombuffer(array.array("q", self.token_ids),
+                                                             np.int64))
+        return tokens
+
+    def remember_token_array(self, tokens: np.ndarray) -> np.ndarray:
+        """Keep ``tokens`` (an int64 array equal to ``token_ids``, made read-only here) as the
+        record's ``token_array``; returns it."""
+        tokens.flags.writeable = False
+        object.__setattr__(self, "_token_array", tokens)
         return tokens
 
     @property

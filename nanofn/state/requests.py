@@ -122,6 +122,5 @@ def _new_seq(state: EngineState, new: NewSeq, tokens: np.ndarray,
     if c.enable_prefix_caching:
         hashes = block_hashes_sharing(tokens, c.block_size, *(known or (None, ())))
     seq = Seq(spec=spec, token_ids=spec.prompt_token_ids, block_hashes=hashes)
-    tokens.flags.writeable = False
-    object.__setattr__(seq, "_token_array", tokens)  # (the memo, given: see Seq.token_array)
+    seq.remember_token_array(tokens)  # the validated prompt: see Seq.token_array
     return seq
