@@ -45,6 +45,7 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
   bench triton-graphs-again --profile
   bench shared-prefix --workload shared-prefix --profile
   single triton-graphs --trace "$OUT/prefill"
+  single no-overlap --no-overlap  # kernels launched one after another, for a before/after
   for b in 1 256; do
     timeout 120 python3 benchmarks/profile_decode.py --random-weights qwen3-0.6b --batch $b \
       --host-only > "$OUT/profile-$b.txt" 2>&1

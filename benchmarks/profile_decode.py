@@ -18,7 +18,7 @@ from nanofn import LLM, SamplingParams
 from nanofn.cli import random_weights_model
 from nanofn.engine.collector import fewer_gc_pauses
 
-from gemv_off import projections_on_cublas  # (benchmarks/, the script's folder)
+from kernel_switches import launches_in_sequence, projections_on_cublas  # (benchmarks/)
 
 
 def main() -> None:
@@ -31,9 +31,13 @@ def main() -> None:
                     help="skip the device profile; list the host's functions by own time")
     ap.add_argument("--no-gemv", action="store_true",
                     help="every projection on cuBLAS (the Triton GEMVs off), for a before/after")
+    ap.add_argument("--no-overlap", action="store_true",
+                    help="kernels launched one after another (programmatic dependent launch off)")
     args = ap.parse_args()
     if args.no_gemv:
         projections_on_cublas()
+    if args.no_overlap:
+        launches_in_sequence()
     llm = LLM(str(args.model or random_weights_model(args.random_weights)), max_model_len=4096)
     engine = llm.engine
     rng = random.Random(0)

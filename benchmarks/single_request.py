@@ -24,7 +24,7 @@ from nanofn.cli.bench import ModelDims, floor
 from nanofn.cli import random_weights_model
 from nanofn.engine.options import EngineOptions
 
-from gemv_off import projections_on_cublas  # (benchmarks/, the script's folder)
+from kernel_switches import launches_in_sequence, projections_on_cublas  # (benchmarks/)
 
 PROMPT_LEN, NEW_TOKENS, PREFILL_REPEATS = 512, 512, 5
 
@@ -37,9 +37,13 @@ def main() -> None:
     ap.add_argument("--trace", help="a folder for a torch.profiler record of one more prefill")
     ap.add_argument("--no-gemv", action="store_true",
                     help="every projection on cuBLAS (the Triton GEMVs off), for a before/after")
+    ap.add_argument("--no-overlap", action="store_true",
+                    help="kernels launched one after another (programmatic dependent launch off)")
     args, extra = ap.parse_known_args()
     if args.no_gemv:
         projections_on_cublas()
+    if args.no_overlap:
+        launches_in_sequence()
     options = {"max_model_len": 4096, **_options(extra)}
     model = args.model or random_weights_model(args.random_weights)
     llm = LLM(str(model), **options)

@@ -30,7 +30,9 @@ import torch
 import triton
 import triton.language as tl
 
+from nanofn.kernels import triton_overlap
 from nanofn.kernels.device import num_sms
+from nanofn.kernels.triton_overlap import wait_for_previous
 
 LOG2_E = 1.4426950408889634
 DECODE_BLOCK_N = 64  # keys per decode tile where the context is split into partitions
@@ -94,6 +96,7 @@ def _decode_kernel(
     qk_scale,
     GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, HAS_ORDER: tl.constexpr,
+    OVERLAP: tl.constexpr,
 ):
     """Program (row, kv head, partition): the group's query heads over one context partition.
 
@@ -102,6 +105,7 @@ def _decode_kernel(
     short or empty). With ``SPLIT_K`` it writes the unnormalised output, row max and row sum of
     its partition for ``_decode_merge_kernel``; otherwise (one partition) the final output.
     """
+    wait_for_previous(OVERLAP)
     if HAS_ORDER:
         seq = tl.load(order_ptr + tl.program_id(0))
     else:
@@ -152,9 +156,10 @@ def _decode_kernel(
 @triton.jit
 def _decode_merge_kernel(
     partial_out_ptr, partial_max_ptr, partial_sum_ptr, out_ptr, stride_ob, stride_oh, num_splits,
-    HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr, OVERLAP: tl.constexpr,
 ):
     """Program (sequence, query head): rescale each partition's result to the global max and sum."""
+    wait_for_previous(OVERLAP)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     splits = tl.arange(0, SPLITS)
@@ -267,6 +272,7 @@ def decode_attention(
     _decode_merge_kernel[(batch_size, num_heads)](
         partial_out, partial_max, partial_sum, out, out.stride(0), out.stride(1), num_splits,
         HEAD_DIM=head_dim, SPLITS=triton.next_power_of_2(num_splits),
+        OVERLAP=triton_overlap.overlaps(q.device), **triton_overlap.launch_options(q.device),
     )
     return out
 
@@ -304,7 +310,9 @@ def _launch_decode(q, k_cache, v_cache, seq_lens, block_tables, order, scale, nu
         GROUP=group, BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=q.shape[2],
         BLOCK_M=max(16, triton.next_power_of_2(group)),
         BLOCK_N=DECODE_BLOCK_N if num_splits > 1 else WHOLE_CONTEXT_BLOCK_N,
-        SPLIT_K=num_splits > 1, HAS_ORDER=order is not None, num_warps=4,
+        SPLIT_K=num_splits > 1, HAS_ORDER=order is not None,
+        OVERLAP=triton_overlap.overlaps(q.device), num_warps=4,
+        **triton_overlap.launch_options(q.device),
     )
 
 

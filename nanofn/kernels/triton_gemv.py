@@ -32,6 +32,9 @@ import torch
 import triton
 import triton.language as tl
 
+from nanofn.kernels import triton_overlap
+from nanofn.kernels.triton_overlap import wait_for_previous
+
 PLAIN, SILU, NORM = 0, 1, 2  # PROLOGUE: how a program gets its input tile
 
 
@@ -77,13 +80,15 @@ def _gemv_kernel(
     rows, n, k, stride_x, stride_residual, stride_weight, stride_out, stride_residual_out, eps,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PROLOGUE: tl.constexpr, ADD_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
+    OVERLAP: tl.constexpr,
 ):
     """Program ``p``: outputs ``p * BLOCK_N ..`` of all ``rows`` (at most ``BLOCK_M``) rows.
 
     Tiles are 3-d, ``[rows, outputs, columns]``: the input ``[BLOCK_M, 1, BLOCK_K]`` and the
     weight ``[1, BLOCK_N, BLOCK_K]`` are loaded in the same layout (16 bytes a thread along the
     columns), and one sum over the columns serves every row. With ``NORM``, ``BLOCK_K >= k``:
-    the norm of a row needs all of it, and so it is read once.
+    the norm of a row needs all of it, and so it is read once. The first weight tile (most
+    often the only one) is loaded before waiting for the kernel ahead (``triton_overlap``).
     """
     program = tl.program_id(0)
     m = tl.arange(0, BLOCK_M)[:, None, None]
@@ -91,12 +96,17 @@ def _gemv_kernel(
     n_mask = outputs[None, :, None] < n
     columns = tl.arange(0, BLOCK_K)[None, None, :]
     weight_rows = weight_ptr + outputs[None, :, None].to(tl.int64) * stride_weight
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for start in range(0, k, BLOCK_K):  # a single step with NORM
+    x_rows, residual_rows = x_ptr + m * stride_x, residual_ptr + m * stride_residual
+    residual_out_rows = residual_out_ptr + m * stride_residual_out
+    w = tl.load(weight_rows + columns, mask=n_mask & (columns < k), other=0.0)
+    wait_for_previous(OVERLAP)
+    a = _input_tile(x_rows, residual_rows, norm_weight_ptr, residual_out_rows, columns,
+                    (m < rows) & (columns < k), k, eps, program == 0, PROLOGUE, ADD_RESIDUAL)
+    acc = tl.sum(a * w.to(tl.float32), 2)
+    for start in range(BLOCK_K, k, BLOCK_K):  # none with NORM, nor up to 4,096 columns
         cols = start + columns
-        a = _input_tile(x_ptr + m * stride_x, residual_ptr + m * stride_residual, norm_weight_ptr,
-                        residual_out_ptr + m * stride_residual_out, cols, (m < rows) & (cols < k),
-                        k, eps, program == 0, PROLOGUE, ADD_RESIDUAL)
+        a = _input_tile(x_rows, residual_rows, norm_weight_ptr, residual_out_rows, cols,
+                        (m < rows) & (cols < k), k, eps, program == 0, PROLOGUE, ADD_RESIDUAL)
         w = tl.load(weight_rows + cols, mask=n_mask & (cols < k), other=0.0).to(tl.float32)
         acc += tl.sum(a * w, 2)
     if HAS_BIAS:
@@ -147,7 +157,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pr
         weight.stride(0), out.stride(0), residual_out.stride(0) if residual_out is not None else 0,
         eps, BLOCK_M=triton.next_power_of_2(rows), BLOCK_N=config.block_n,
         BLOCK_K=config.block_k, PROLOGUE=prologue, ADD_RESIDUAL=residual is not None,
-        HAS_BIAS=bias is not None, num_warps=config.num_warps,
+        HAS_BIAS=bias is not None, OVERLAP=triton_overlap.overlaps(x.device),
+        num_warps=config.num_warps, **triton_overlap.launch_options(x.device),
     )
     return out, residual_out
 

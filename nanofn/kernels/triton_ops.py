@@ -13,6 +13,9 @@ in a decode step of a small model such launches take most of the time. Here each
   before them fused in): a GEMV of ``triton_gemv.py`` for at most ``GEMV_MAX_ROWS`` tokens
   (decode of a few sequences, where cuBLAS is latency-bound), cuBLAS beyond.
 
+On SM 9.0 and later these kernels, the GEMVs and decode attention launch overlapped with the
+kernel ahead of them (``triton_overlap.py``).
+
 Arithmetic is float32 but intermediate results are rounded to the input dtype where the
 references round them, so the kernels reproduce the references up to the order of a sum and the
 accuracy of ``rsqrt``. Grids depend only on shapes: no host sync, and all of them can be captured
@@ -30,6 +33,8 @@ import triton
 import triton.language as tl
 
 import nanofn.kernels.triton_attention as triton_attention
+from nanofn.kernels import triton_overlap
+from nanofn.kernels.triton_overlap import wait_for_previous
 import nanofn.kernels.triton_gemv as triton_gemv
 from nanofn.kernels import KernelBackend
 from nanofn.kernels.linear import norm_then_linear
@@ -50,10 +55,11 @@ GEMV_MAX_ROWS = 2
 def _rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
     stride_x, stride_residual, stride_out, stride_residual_out, size, eps,
-    BLOCK: tl.constexpr, ADD_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr, ADD_RESIDUAL: tl.constexpr, OVERLAP: tl.constexpr,
 ):
     """Program ``row``: ``out = weight * normed(x + residual)``; with ``ADD_RESIDUAL`` it also
     writes ``x + residual``, which is rounded to x's dtype before it is normalised."""
+    wait_for_previous(OVERLAP)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < size
@@ -109,10 +115,11 @@ def _rotate_and_store_kv_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_block, stride_slot, stride_head, stride_cos_sin, num_heads, num_kv_heads, eps,
     Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, NORM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, NORM: tl.constexpr, OVERLAP: tl.constexpr,
 ):
     """Program ``token``: its query heads rotated into ``q_out``, its key heads rotated and its
     value heads copied into its cache slot (none for a negative slot)."""
+    wait_for_previous(OVERLAP)
     token = tl.program_id(0).to(tl.int64)
     position = tl.load(positions_ptr + token)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
@@ -137,9 +144,11 @@ def _rotate_and_store_kv_kernel(
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, size, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, size, BLOCK: tl.constexpr,
+                         OVERLAP: tl.constexpr):
     """Program (row, column block): ``out = silu(gate) * up``, the silu rounded to x's dtype
     before the product as in the reference."""
+    wait_for_previous(OVERLAP)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < size
@@ -179,6 +188,7 @@ def rms_norm(
             rows, residual_rows, weight, out, residual_out,
             rows.stride(0), residual_rows.stride(0), out.stride(0), residual_out.stride(0), size, eps,
             BLOCK=block, ADD_RESIDUAL=residual is not None, num_warps=_row_warps(block),
+            OVERLAP=triton_overlap.overlaps(x.device), **triton_overlap.launch_options(x.device),
         )
     if residual is None:
         return out.view(x.shape)
@@ -219,6 +229,7 @@ def rotate_and_store_kv(
             num_heads, num_kv_heads, norm_eps,
             Q_HEADS=triton.next_power_of_2(num_heads), KV_HEADS=triton.next_power_of_2(num_kv_heads),
             HALF_DIM=head_dim // 2, BLOCK_SIZE=k_cache.shape[1], NORM=norm,
+            OVERLAP=triton_overlap.overlaps(q.device), **triton_overlap.launch_options(q.device),
         )
     return q_out
 
@@ -233,6 +244,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if len(rows) > 0:
         _silu_and_mul_kernel[(len(rows), triton.cdiv(size, block))](
             rows, out, rows.stride(0), out.stride(0), size, BLOCK=block, num_warps=4,
+            OVERLAP=triton_overlap.overlaps(x.device), **triton_overlap.launch_options(x.device),
         )
     return out.view(*x.shape[:-1], size)
 

@@ -1,0 +1,40 @@
+"""Overlapped launches of a decode step's kernels (programmatic dependent launch, SM 9.0 on).
+
+A decode step of a few sequences is hundreds of kernels of a few microseconds each, and each
+one's launch and first loads used to wait for the previous one to finish. A kernel launched
+with ``launch_pdl`` may start as soon as every program of the kernel ahead of it has started
+and let it (``gdc_launch_dependents``): until its own ``gdc_wait`` returns, which is when the
+kernel ahead has finished and its writes are visible, it may only read what no kernel writes
+(a projection's weights) and may write nothing, since a buffer it writes may be one the kernel
+ahead still reads. ``wait_for_previous`` is that wait, followed at once by letting the next
+kernel start in turn. Kernels that call it take ``OVERLAP`` and are launched with
+``**launch_options(device)``; under Triton's interpreter (a CPU tensor) nothing overlaps.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+
+@functools.cache
+def overlaps(device: torch.device) -> bool:
+    """Whether kernels on ``device`` launch overlapped: a CUDA GPU of SM 9.0 or later."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def launch_options(device: torch.device) -> dict:
+    """The keyword arguments of a launch whose kernel calls ``wait_for_previous``, besides its
+    ``OVERLAP=overlaps(device)``."""
+    return {"launch_pdl": True} if overlaps(device) else {}
+
+
+@triton.jit
+def wait_for_previous(OVERLAP: tl.constexpr):
+    """Wait until the kernel ahead has finished (its writes visible), then let the next start."""
+    if OVERLAP:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
