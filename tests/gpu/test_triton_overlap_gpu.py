@@ -47,7 +47,9 @@ def test_a_graph_of_overlapped_gemvs_reads_each_result_whole():
         x.copy_(torch.randn(1, HIDDEN, generator=torch.Generator(device="cuda").manual_seed(seed),
                             device="cuda"))
         graph.replay()
-        torch.testing.assert_close(out, reference(x), rtol=1e-4, atol=1e-4)
+        # float32 sums in another order, six layers deep: up to ~1e-4 apart (H100, 6d73f40);
+        # an input read before the kernel ahead wrote it is the last replay's, O(1) apart
+        torch.testing.assert_close(out, reference(x), rtol=1e-3, atol=1e-3)
 
 
 def test_engine_tokens_are_the_same_with_launches_overlapped_and_in_sequence(float32_prompts,  # noqa: F811
