@@ -107,8 +107,8 @@ def _gemv_kernel(
         cols = start + columns
         a = _input_tile(x_rows, residual_rows, norm_weight_ptr, residual_out_rows, cols,
                         (m < rows) & (cols < k), k, eps, program == 0, PROLOGUE, ADD_RESIDUAL)
-        w = tl.load(weight_rows + cols, mask=n_mask & (cols < k), other=0.0).to(tl.float32)
-        acc += tl.sum(a * w, 2)
+        w_tile = tl.load(weight_rows + cols, mask=n_mask & (cols < k), other=0.0)
+        acc += tl.sum(a * w_tile.to(tl.float32), 2)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + outputs, mask=outputs < n, other=0.0).to(tl.float32)[None, :]
     out_rows = tl.arange(0, BLOCK_M)[:, None]

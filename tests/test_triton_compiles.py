@@ -1,0 +1,81 @@
+"""Every Triton kernel compiles for an H100 (SM 9.0), in bf16, with overlapped launches, as its
+host function launches it at the model's shapes (Qwen3-0.6B's): what the interpreter tests
+cannot catch, since Triton's interpreter runs a kernel that the compiler rejects."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nanofn.kernels import triton_attention, triton_gemv, triton_ops, triton_sampling
+from triton_interpreter import compiler_process
+
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE, VOCAB, BLOCK = 1024, 16, 8, 128, 3072, 151936, 16
+BF16 = torch.bfloat16
+
+
+@pytest.fixture(scope="module")
+def compile_for_h100():
+    """``run(function, *args)``: ``function`` in a child whose launches compile for SM 9.0."""
+    with compiler_process() as run:
+        yield run
+
+
+def empty(*shape, dtype=BF16):
+    return torch.empty(*shape, dtype=dtype)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3])
+def test_gemvs_compile(compile_for_h100, rows):
+    """Plain (with and without bias, up to the LM head's width), SiLU and norm prologues."""
+    x = empty(rows, HIDDEN)
+    compile_for_h100(triton_gemv.gemv, x, empty(HEADS * HEAD_DIM * 2, HIDDEN))
+    compile_for_h100(triton_gemv.gemv, x, empty(VOCAB, HIDDEN))
+    compile_for_h100(triton_gemv.gemv, empty(rows, 4 * HIDDEN), empty(HIDDEN, 4 * HIDDEN), empty(HIDDEN))
+    compile_for_h100(triton_gemv.silu_and_mul_gemv, empty(rows, 2 * INTERMEDIATE), empty(HIDDEN, INTERMEDIATE))
+    for residual in (None, empty(rows, HIDDEN)):
+        compile_for_h100(triton_gemv.rms_norm_gemv, x, empty(HIDDEN), 1e-6, residual,
+                         empty(2 * INTERMEDIATE, HIDDEN))
+
+
+@pytest.mark.parametrize("tokens", [1, 300])
+def test_row_kernels_compile(compile_for_h100, tokens):
+    """RMS norm (with and without residual), SiLU-and-mul, rotary + KV store (with and without
+    the per-head norm)."""
+    x = empty(tokens, HIDDEN)
+    compile_for_h100(triton_ops.rms_norm, x, empty(HIDDEN), 1e-6)
+    compile_for_h100(triton_ops.rms_norm, x, empty(HIDDEN), 1e-6, empty(tokens, HIDDEN))
+    compile_for_h100(triton_ops.silu_and_mul, empty(tokens, 2 * INTERMEDIATE))
+    qkv = empty(tokens, (HEADS + 2 * KV_HEADS) * HEAD_DIM)
+    q, k, v = qkv.split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], dim=-1)
+    q, k, v = (t.view(tokens, -1, HEAD_DIM) for t in (q, k, v))
+    caches = empty(64, BLOCK, KV_HEADS, HEAD_DIM), empty(64, BLOCK, KV_HEADS, HEAD_DIM)
+    positions = torch.zeros(tokens, dtype=torch.int64)
+    slots = torch.zeros(tokens, dtype=torch.int64)
+    cos_sin = empty(4096, HEAD_DIM, dtype=torch.float32)
+    for norms in ((), (empty(HEAD_DIM), empty(HEAD_DIM))):
+        compile_for_h100(triton_ops.rotate_and_store_kv, q, k, v, positions, cos_sin, *caches, slots, *norms)
+
+
+@pytest.mark.parametrize("batch, splits, ordered", [(256, 1, True), (1, 8, False), (4, 3, True)])
+def test_attention_kernels_compile(compile_for_h100, batch, splits, ordered):
+    """Decode (one partition, split-K and its merge, rows in an order or not) and prefill."""
+    caches = empty(64, BLOCK, KV_HEADS, HEAD_DIM), empty(64, BLOCK, KV_HEADS, HEAD_DIM)
+    seq_lens = torch.ones(batch, dtype=torch.int32)
+    tables = torch.zeros(batch, 256, dtype=torch.int32)
+    order = torch.arange(batch, dtype=torch.int32) if ordered else None
+    compile_for_h100(triton_attention.decode_attention, empty(batch, HEADS, HEAD_DIM), *caches,
+                     seq_lens, tables, HEAD_DIM**-0.5, order, splits)
+    query_lens = (5,) * batch
+    compile_for_h100(triton_attention.prefill_attention, empty(5 * batch, HEADS, HEAD_DIM), *caches,
+                     torch.arange(0, 5 * batch + 1, 5, dtype=torch.int32), seq_lens * 5, tables,
+                     query_lens, query_lens, HEAD_DIM**-0.5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+def test_sampling_kernels_compile(compile_for_h100, dtype):
+    rows = 4
+    seeds = torch.zeros(rows, dtype=torch.int64)
+    compile_for_h100(triton_sampling.sample_plain, empty(rows, VOCAB, dtype=dtype),
+                     torch.ones(rows), seeds)
+    compile_for_h100(triton_sampling.exponential_noise, seeds, VOCAB)
