@@ -52,9 +52,12 @@ def _exponential_in_base_2(word):
     one_minus_v = ((word ^ 0xFFFFFFFF).to(tl.float32) + 0.5) * _TWO_POW_MINUS_32
     # -ln(1 - v) for v < 1/2 by Kahan's log1p: u is 1 - v rounded, and 1 - u is exact, so
     # ln(u) / (u - 1) * v makes up for the rounding.
+    # One logarithm a token, of whichever argument its branch needs: it is the costliest part.
     u = 1.0 - v
-    small = tl.where(u == 1.0, v, -tl.log(u) * (v / (1.0 - u)))
-    return tl.where(v < 0.5, small, -tl.log(one_minus_v)) * _LOG2_E
+    low = v < 0.5
+    log = tl.log(tl.where(low, u, one_minus_v))
+    small = tl.where(u == 1.0, v, -log * (v / (1.0 - u)))
+    return tl.where(low, small, -log) * _LOG2_E
 
 
 @triton.jit
