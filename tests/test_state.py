@@ -11,14 +11,14 @@ from dataclasses import dataclass, fields, replace
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nanofn.state import (Events, FinishReason, InvalidRequest, NewSeq, SamplingParams,
                           SchedulerConfig, TraceError, check_new_seq, figures,
                           header_line, initial_state, parse_trace, replay, step, step_line)
-from nanofn.state.block_pool import (CachedBlock, KnownPrefix, PoolChanges, find_cached_prefix,
-                                    new_block_pool)
+from nanofn.state.block_pool import (BULK_RELEASE, CachedBlock, KnownPrefix, PoolChanges,
+                                    find_cached_prefix, new_block_pool)
 from nanofn.state.engine_state import EngineState, evolve
 from nanofn.state.hashing import (ROOT_HASH, block_hash, block_hashes, block_hashes_sharing,
                                   token_bytes)
@@ -200,6 +200,34 @@ def test_content_evicted_and_cached_again_in_one_step_is_counted_once():
     pool = changes.build()
     assert (first, second) == (b, a)
     assert len(pool.by_hash) == 1 and pool.by_hash.get(entry.block_hash) == a
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_a_bulk_release_is_the_release_of_each_block_in_turn(data):
+    """From ``BULK_RELEASE`` blocks on, release counts with arrays: it must give the pool
+    (counts, the eviction queue's order, the plain stack) of releasing them one at a time."""
+    num_blocks = 40
+    owners = data.draw(st.lists(st.lists(st.integers(0, num_blocks - 1), min_size=6, max_size=12,
+                                         unique=True), min_size=12, max_size=24))
+    changes = PoolChanges(new_block_pool(num_blocks))
+    changes.allocate(num_blocks)
+    for owner in owners:  # a reference for each sequence that holds the block
+        changes.take_cached(owner)
+    for block in data.draw(st.lists(st.integers(0, num_blocks - 1), max_size=30, unique=True)):
+        changes.cache(block, CachedBlock(block_hash(ROOT_HASH, [block]), ROOT_HASH,
+                                         token_bytes([block])))
+    changes.release(range(num_blocks))  # allocate's references: the unowned go free
+    pool = changes.build()
+    blocks = [b for owner in data.draw(st.permutations(owners)) for b in reversed(owner)]
+    assert len(blocks) >= BULK_RELEASE
+    one_by_one = pool
+    for block in blocks:
+        one_by_one = release(one_by_one, [block])
+    assert release(pool, blocks) == one_by_one
+    assert release(pool, np.array(blocks)) == one_by_one
+    with pytest.raises(ValueError, match="released more often"):
+        release(pool, blocks + blocks[-1:])
 
 
 def test_releasing_a_block_twice_is_an_error():

@@ -221,7 +221,9 @@ def test_reset_prefix_cache_refuses_while_requests_run_and_the_trace_replays(tin
         assert not llm.reset_prefix_cache()  # a request is unfinished
         while llm.llm_engine.has_unfinished_requests():
             llm.llm_engine.step()
+        assert list(llm.llm_engine.loop.state.pool.cached_blocks())
         assert llm.reset_prefix_cache()
+        assert not list(llm.llm_engine.loop.state.pool.cached_blocks())  # at once, as vLLM's
         shaped = SamplingParams(temperature=0.5, max_tokens=6, seed=3, logit_bias={5: 3.0},
                                 allowed_token_ids=[5, 6, 7, 8], bad_words=["fox"],
                                 prompt_logprobs=1)

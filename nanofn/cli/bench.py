@@ -259,11 +259,12 @@ def measure(llm: Any, workload: Workload, timeline: Any = None) -> Measurement:
     llm.reset_prefix_cache()  # the measured run finds none of the warm-up's prompts cached
     before = llm.engine.state.counters
     llm.engine.runner.timeline = timeline
+    params = workload.sampling_params()  # (before the clock, as nano-vllm's bench builds them)
     start = time.perf_counter()
     if timeline is not None:
         timeline.begin()
     try:
-        outputs = llm.generate(workload.prompts, workload.sampling_params(), use_tqdm=False)
+        outputs = llm.generate(workload.prompts, params, use_tqdm=False)
     finally:
         if timeline is not None:
             timeline.end()

@@ -147,12 +147,13 @@ class Engine:
         return SamplingParams(**self.generation_defaults)
 
     def reset_prefix_cache(self) -> bool:
-        """Empty the prefix cache, as vLLM's: only while no request is unfinished (False then,
-        and nothing changes). The blocks leave the cache through the next step's events, so a
-        trace of the run replays it."""
+        """Empty the prefix cache now, as vLLM's: only while no request is unfinished (False
+        then, and nothing changes). The blocks leave the cache through a step of their own
+        (events, no plan), so a trace of the run replays it and the next step does not pay it."""
         if self._requests or self.loop.has_work():
             return False
         self.loop.forget_cached_blocks()
+        self.loop.step()
         return True
 
     # --- requests -------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from nanofn.state.hashing import ROOT_HASH
 from nanofn.state.pdict import PDict
 
 NO_STAMP = -1
+BULK_RELEASE = 64  # blocks released at once from which release counts them with arrays
 
 
 class CachedBlock(NamedTuple):
@@ -237,25 +238,51 @@ class PoolChanges:
                 self._pushed.append(block)
             self._forget(block)
 
-    def release(self, blocks: Iterable[int]) -> None:
+    def release(self, blocks: Iterable[int] | np.ndarray) -> None:
         """Drop one reference to each block, in the given order; a block whose count reaches
         zero joins the back of the eviction queue if it is cached, else the plain free stack.
-        Pass a block table reversed so that a sequence's last blocks are evicted first."""
+        Pass a block table reversed so that a sequence's last blocks are evicted first.
+        Many blocks at once (a batch finishing together, sharing a prefix) are counted with
+        array operations: each distinct block's count is set once, and the blocks freed join
+        their queues in the order of their last mention, where one by one they would reach 0."""
+        blocks = np.asarray(blocks if isinstance(blocks, np.ndarray) else list(blocks), np.int64)
         self._change()
-        refs, cached = self._refs, self._cached
+        if len(blocks) < BULK_RELEASE:
+            self._release_each(blocks.tolist())
+            return
+        refs = self._refs
+        distinct, first_from_end, counts = np.unique(blocks[::-1], return_index=True,
+                                                     return_counts=True)
+        blocks_distinct = distinct.tolist()
+        left = np.array([refs[block] for block in blocks_distinct]) - counts
+        if left.min() < 0:
+            raise ValueError(f"block {blocks_distinct[int(left.argmin())]} released more often "
+                             f"than it was taken")
+        for block, count in zip(blocks_distinct, left.tolist()):
+            refs[block] = count
+        freed = np.flatnonzero(left == 0)
+        last_mention = len(blocks) - 1 - first_from_end[freed]
+        for block in distinct[freed[np.argsort(last_mention)]].tolist():
+            self._free(block)
+
+    def _release_each(self, blocks: list[int]) -> None:
+        refs = self._refs
         for block in blocks:
             count = refs[block] - 1
             if count < 0:
                 raise ValueError(f"block {block} released more often than it was taken")
             refs[block] = count
-            if count:
-                continue
-            if cached[block] is not None:
-                self._stamps[block] = len(self._lru)
-                self._lru.append(block)
-                self._num_cached_free += 1
-            else:
-                self._pushed.append(block)
+            if not count:
+                self._free(block)
+
+    def _free(self, block: int) -> None:
+        """An unowned block to its queue: the eviction queue if cached, else the plain stack."""
+        if self._cached[block] is not None:
+            self._stamps[block] = len(self._lru)
+            self._lru.append(block)
+            self._num_cached_free += 1
+        else:
+            self._pushed.append(block)
 
     def take_cached(self, blocks: Iterable[int]) -> None:
         """Add a reference to each block found in the cache (a free one leaves the queue: its

@@ -75,11 +75,16 @@ def leaving_record(batch: RunningBatch, i: int, pool: PoolChanges, block_size: i
         hashes += _hash_and_cache(batch.store, row, first, count, int(cols[NUM_COMPUTED]), pool,
                                   block_size)
     preempted = status is SeqStatus.WAITING
-    return Seq(spec=batch.specs[i], token_ids=tuple(batch.tokens(i).tolist()),
-               block_hashes=tuple(hashes), num_computed=0 if preempted else int(cols[NUM_COMPUTED]),
-               num_pending=int(cols[NUM_PENDING]), status=status, finish_reason=finish_reason,
-               num_preemptions=int(cols[NUM_PREEMPTIONS]) + preempted,
-               num_cached_tokens=int(cols[NUM_CACHED]))
+    spec, tokens = batch.specs[i], batch.tokens(i)
+    prompt = spec.prompt_token_ids  # (the row's first tokens: only the rest is converted)
+    seq = Seq(spec=spec, token_ids=prompt + tuple(tokens[len(prompt):].tolist()),
+              block_hashes=tuple(hashes), num_computed=0 if preempted else int(cols[NUM_COMPUTED]),
+              num_pending=int(cols[NUM_PENDING]), status=status, finish_reason=finish_reason,
+              num_preemptions=int(cols[NUM_PREEMPTIONS]) + preempted,
+              num_cached_tokens=int(cols[NUM_CACHED]))
+    if preempted:  # it is admitted again from its tokens as an array (a copy: rows are reused)
+        seq.remember_token_array(tokens.copy())
+    return seq
 
 
 def _hash_and_cache(store: SeqStore, row: int, first: int, count: int, num_computed: int,

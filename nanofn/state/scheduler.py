@@ -189,7 +189,7 @@ def preempt(pool: PoolChanges, batch: RunningBatch, i: int, c: SchedulerConfig) 
     recompute them."""
     seq = leaving_record(batch, i, pool, c.block_size, c.enable_prefix_caching,
                          SeqStatus.WAITING)
-    pool.release(reversed(batch.table(i).tolist()))
+    pool.release(batch.table(i)[::-1])
     return seq
 
 
