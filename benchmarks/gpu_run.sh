@@ -46,6 +46,9 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
   bench shared-prefix --workload shared-prefix --profile
   single triton-graphs --trace "$OUT/prefill"
   single no-overlap --no-overlap  # kernels launched one after another, for a before/after
+  timeout 120 python3 benchmarks/profile_prefill.py --random-weights qwen3-0.6b \
+    > "$OUT/profile-prefill.txt" 2>&1
+  grep "one prefill step" "$OUT/profile-prefill.txt"
   for b in 1 256; do
     timeout 120 python3 benchmarks/profile_decode.py --random-weights qwen3-0.6b --batch $b \
       --host-only > "$OUT/profile-$b.txt" 2>&1
