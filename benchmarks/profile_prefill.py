@@ -3,7 +3,7 @@ of 560 tokens (16,240 tokens, about what a step of the workload's prefill holds)
 each, after a warm-up step of the same shape.
 
 Usage: python benchmarks/profile_prefill.py (MODEL | --random-weights qwen3-0.6b) [--prompts 29]
-       [--prompt-len 560]
+       [--prompt-len 560] [--no-overlap]
 Prints the step's wall time and torch.profiler's kernel table (device time, by kernel).
 """
 
@@ -18,6 +18,8 @@ import torch
 from nanofn import LLM, SamplingParams
 from nanofn.cli import random_weights_model
 
+from kernel_switches import launches_in_sequence  # (benchmarks/)
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -25,7 +27,11 @@ def main() -> None:
     ap.add_argument("--random-weights")
     ap.add_argument("--prompts", type=int, default=29)
     ap.add_argument("--prompt-len", type=int, default=560)
+    ap.add_argument("--no-overlap", action="store_true",
+                    help="kernels launched one after another (programmatic dependent launch off)")
     args = ap.parse_args()
+    if args.no_overlap:
+        launches_in_sequence()
     llm = LLM(str(args.model or random_weights_model(args.random_weights)), max_model_len=4096)
     rng = random.Random(0)
     params = SamplingParams(temperature=0.6, max_tokens=1, ignore_eos=True)

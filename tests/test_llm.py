@@ -486,3 +486,35 @@ def test_texts_left_for_later_are_decoded_while_the_device_is_busy_and_no_longer
     assert len(decoded) == 3  # three of the five short ones, while the device was "busy"
     engine.decode_texts(finished)
     assert len(decoded) == 6 and all(o.outputs[0].text for o in finished)
+
+
+def test_an_eager_steps_device_interval_opens_after_its_inputs_are_laid_out(tiny_qwen3,
+                                                                            monkeypatch):
+    """The busy-time timeline must not count, as the step's, the time an idle device waits for
+    the host to lay out an eager step's inputs: each interval's opening mark comes after the
+    step's ``prepare_inputs`` (a fake timeline records the order; on a CPU every step is eager)."""
+    import nanofn.runner.model_runner as model_runner
+
+    calls: list[str] = []
+    prepare = model_runner.prepare_inputs
+
+    def recorded_prepare(*args, **kwargs):
+        calls.append("prepare")
+        return prepare(*args, **kwargs)
+
+    class Timeline:
+        def mark(self):
+            calls.append("mark")
+            return len(calls) - 1  # the mark's place in the calls
+
+        def add(self, start, label):
+            calls.append(("interval", start))
+
+    monkeypatch.setattr(model_runner, "prepare_inputs", recorded_prepare)
+    with LLM(str(tiny_qwen3), num_kv_blocks=64, max_model_len=256) as llm:
+        llm.engine.runner.timeline = Timeline()
+        llm.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+    intervals = [call[1] for call in calls if isinstance(call, tuple)]
+    assert len(intervals) >= 3  # a prefill, then decode steps
+    for opening in intervals:
+        assert calls[opening] == "mark" and calls[opening - 1] == "prepare"

@@ -98,6 +98,7 @@ class ModelRunner:
         self.slot_params = SlotParams(config.max_num_seqs)
         self._sampling_slots = torch.zeros(0, dtype=torch.int64, device=self.device)
         self.timeline: DeviceTimeline | None = None  # set, on CUDA, to measure the busy time
+        self._work_start = None  # the timeline's mark where the launched step's work begins
         self.graphs = self.prefill_graphs = None
         # The torch reference attention gathers whole block tables: captured at the graphs'
         # full width it would need more memory than the KV cache leaves. Graphs are for Triton.
@@ -124,7 +125,7 @@ class ModelRunner:
         for it, in plan order, within ``token_bitmask`` (structured output) if given. The
         tokens stay on the device for the next plan's ``PENDING_TOKEN``s; ``wait()`` on the
         result brings them to the host."""
-        start = self.timeline.mark() if self.timeline is not None else None
+        self._work_start = self.timeline.mark() if self.timeline is not None else None
         sampling_slots = plan.slots[plan.sample]
         if token_bitmask is None and self._samples_in_graph(plan, sampling_slots):
             self._start(plan.started)
@@ -140,8 +141,8 @@ class ModelRunner:
             self.keep_sampled_tokens(plan, sample.token_ids)
             if plan.prompt_logprobs:
                 sample.prompt_logprobs = prompt_logprobs(logits[num_sampling:], plan)
-        if start is not None:
-            self.timeline.add(start, _step_kind(plan))
+        if self._work_start is not None:
+            self.timeline.add(self._work_start, _step_kind(plan))
         return sample
 
     def _samples_in_graph(self, plan: BatchPlan, sampling_slots: np.ndarray) -> bool:
@@ -186,6 +187,8 @@ class ModelRunner:
             hidden, sample_rows, self._sampling_slots = self.prefill_graphs.forward(plan)
         else:
             inputs = prepare_inputs(plan, self.config.block_size, self.slot_tables, self.device)
+            if self.timeline is not None:  # (an idle device waited for the inputs' layout: the
+                self._work_start = self.timeline.mark()  # step's work starts with its layers)
             self._sampling_slots, sample_rows = inputs.sampling_slots, inputs.sample_rows
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.batch, self.kv_cache)
         if plan.prompt_logprobs:

@@ -5,6 +5,11 @@ overlap; what lies between one plan's end and the next one's start is time the d
 for the host. Two event records per step cost a few microseconds, unlike the profiler, which
 would slow the host it is meant to watch. Each interval carries a label (the kind of step), so
 that the idle time can be told apart by kind.
+
+An eager step's interval opens after the host has laid out its inputs: a step launched onto an
+idle device (a prefill of thousands of tokens, say) leaves it waiting meanwhile, and that wait is
+idle time, not the step's. A graph step's interval opens as its launch begins: its inputs are
+staged on the host while the device still runs the step before it.
 """
 
 from __future__ import annotations
