@@ -18,7 +18,7 @@ from nanofn import LLM, SamplingParams
 from nanofn.cli import random_weights_model
 from nanofn.engine.collector import fewer_gc_pauses
 
-from kernel_switches import launches_in_sequence, projections_on_cublas  # (benchmarks/)
+from kernel_switches import gemv_up_to, launches_in_sequence, projections_on_cublas  # (benchmarks/)
 
 
 def main() -> None:
@@ -33,9 +33,13 @@ def main() -> None:
                     help="every projection on cuBLAS (the Triton GEMVs off), for a before/after")
     ap.add_argument("--no-overlap", action="store_true",
                     help="kernels launched one after another (programmatic dependent launch off)")
+    ap.add_argument("--gemv-max-rows", type=int,
+                    help="projections of at most this many tokens on the GEMVs, for a sweep")
     args = ap.parse_args()
     if args.no_gemv:
         projections_on_cublas()
+    if args.gemv_max_rows is not None:
+        gemv_up_to(args.gemv_max_rows)
     if args.no_overlap:
         launches_in_sequence()
     llm = LLM(str(args.model or random_weights_model(args.random_weights)), max_model_len=4096)

@@ -25,7 +25,7 @@ def empty(*shape, dtype=BF16):
     return torch.empty(*shape, dtype=dtype)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3])
+@pytest.mark.parametrize("rows", [1, 2, 4])
 def test_gemvs_compile(compile_for_h100, rows):
     """Plain (with and without bias, up to the LM head's width), SiLU and norm prologues."""
     x = empty(rows, HIDDEN)

@@ -41,10 +41,13 @@ from nanofn.kernels.linear import norm_then_linear
 
 SILU_BLOCK = 1024  # columns per silu_and_mul program
 # Token counts up to which the projections run as Triton GEMVs (triton_gemv.py), cuBLAS above.
-# Measured on the H100 at Qwen3-0.6B's shapes (tests/gpu/test_triton_gemv_gpu.py): a layer's four
-# projections with the fused norms and activation take 22.3 us at one row and 26.0 us at two,
-# against 31.6 and 31.2 us on cuBLAS after the separate kernels; at four rows 33.4 against 31.5.
-GEMV_MAX_ROWS = 2
+# Measured on the H100 at Qwen3-0.6B's shapes: launched one after another, a layer's four
+# projections with the fused norms and activation took 22.3 us at one row and 26.0 us at two,
+# against 31.6 and 31.2 us on cuBLAS after the separate kernels, and at four rows 33.4 against
+# 31.5 (tests/gpu/test_triton_gemv_gpu.py). Overlapped (triton_overlap.py), a whole decode step
+# of 4 sequences takes 1.36 ms on the GEMVs against 1.54 ms on cuBLAS, of 8 2.16 against 1.64
+# (benchmarks/profile_decode.py --batch B --gemv-max-rows R).
+GEMV_MAX_ROWS = 4
 
 
 # ---------------------------------------------------------------------------------------------
@@ -297,9 +300,15 @@ def _row_warps(block: int) -> int:
 def without_gemv(kernels: KernelBackend) -> KernelBackend:
     """``kernels`` with every projection on cuBLAS and the fused ones split again, whatever the
     token count: the baseline that the GEMVs are tested and measured against."""
-    return replace(kernels, linear=functools.partial(linear, gemv_max_rows=0),
-                   silu_and_mul_linear=functools.partial(silu_and_mul_linear, gemv_max_rows=0),
-                   rms_norm_linear=functools.partial(rms_norm_linear, gemv_max_rows=0))
+    return with_gemv_max_rows(kernels, 0)
+
+
+def with_gemv_max_rows(kernels: KernelBackend, rows: int) -> KernelBackend:
+    """``kernels`` with the projections of at most ``rows`` tokens on the GEMVs (instead of
+    ``GEMV_MAX_ROWS``), the others on cuBLAS."""
+    return replace(kernels, linear=functools.partial(linear, gemv_max_rows=rows),
+                   silu_and_mul_linear=functools.partial(silu_and_mul_linear, gemv_max_rows=rows),
+                   rms_norm_linear=functools.partial(rms_norm_linear, gemv_max_rows=rows))
 
 
 TRITON_KERNELS = KernelBackend(
