@@ -272,7 +272,7 @@ def decode_attention(
     _decode_merge_kernel[(batch_size, num_heads)](
         partial_out, partial_max, partial_sum, out, out.stride(0), out.stride(1), num_splits,
         HEAD_DIM=head_dim, SPLITS=triton.next_power_of_2(num_splits),
-        OVERLAP=triton_overlap.overlaps(q.device), **triton_overlap.launch_options(q.device),
+        **triton_overlap.launch_options(q.device),
     )
     return out
 
@@ -311,8 +311,7 @@ def _launch_decode(q, k_cache, v_cache, seq_lens, block_tables, order, scale, nu
         BLOCK_M=max(16, triton.next_power_of_2(group)),
         BLOCK_N=DECODE_BLOCK_N if num_splits > 1 else WHOLE_CONTEXT_BLOCK_N,
         SPLIT_K=num_splits > 1, HAS_ORDER=order is not None,
-        OVERLAP=triton_overlap.overlaps(q.device), num_warps=4,
-        **triton_overlap.launch_options(q.device),
+        num_warps=4, **triton_overlap.launch_options(q.device),
     )
 
 

@@ -157,8 +157,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pr
         weight.stride(0), out.stride(0), residual_out.stride(0) if residual_out is not None else 0,
         eps, BLOCK_M=triton.next_power_of_2(rows), BLOCK_N=config.block_n,
         BLOCK_K=config.block_k, PROLOGUE=prologue, ADD_RESIDUAL=residual is not None,
-        HAS_BIAS=bias is not None, OVERLAP=triton_overlap.overlaps(x.device),
-        num_warps=config.num_warps, **triton_overlap.launch_options(x.device),
+        HAS_BIAS=bias is not None, num_warps=config.num_warps,
+        **triton_overlap.launch_options(x.device),
     )
     return out, residual_out
 

@@ -191,7 +191,7 @@ def rms_norm(
             rows, residual_rows, weight, out, residual_out,
             rows.stride(0), residual_rows.stride(0), out.stride(0), residual_out.stride(0), size, eps,
             BLOCK=block, ADD_RESIDUAL=residual is not None, num_warps=_row_warps(block),
-            OVERLAP=triton_overlap.overlaps(x.device), **triton_overlap.launch_options(x.device),
+            **triton_overlap.launch_options(x.device),
         )
     if residual is None:
         return out.view(x.shape)
@@ -232,7 +232,7 @@ def rotate_and_store_kv(
             num_heads, num_kv_heads, norm_eps,
             Q_HEADS=triton.next_power_of_2(num_heads), KV_HEADS=triton.next_power_of_2(num_kv_heads),
             HALF_DIM=head_dim // 2, BLOCK_SIZE=k_cache.shape[1], NORM=norm,
-            OVERLAP=triton_overlap.overlaps(q.device), **triton_overlap.launch_options(q.device),
+            **triton_overlap.launch_options(q.device),
         )
     return q_out
 
@@ -247,7 +247,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if len(rows) > 0:
         _silu_and_mul_kernel[(len(rows), triton.cdiv(size, block))](
             rows, out, rows.stride(0), out.stride(0), size, BLOCK=block, num_warps=4,
-            OVERLAP=triton_overlap.overlaps(x.device), **triton_overlap.launch_options(x.device),
+            **triton_overlap.launch_options(x.device),
         )
     return out.view(*x.shape[:-1], size)
 

@@ -8,7 +8,8 @@ kernel ahead has finished and its writes are visible, it may only read what no k
 (a projection's weights) and may write nothing, since a buffer it writes may be one the kernel
 ahead still reads. ``wait_for_previous`` is that wait, followed at once by letting the next
 kernel start in turn. Kernels that call it take ``OVERLAP`` and are launched with
-``**launch_options(device)``; under Triton's interpreter (a CPU tensor) nothing overlaps.
+``**launch_options(device)``, which sets it; under Triton's interpreter (a CPU tensor) nothing
+overlaps.
 """
 
 from __future__ import annotations
@@ -27,9 +28,9 @@ def overlaps(device: torch.device) -> bool:
 
 
 def launch_options(device: torch.device) -> dict:
-    """The keyword arguments of a launch whose kernel calls ``wait_for_previous``, besides its
-    ``OVERLAP=overlaps(device)``."""
-    return {"launch_pdl": True} if overlaps(device) else {}
+    """The keyword arguments of a launch whose kernel calls ``wait_for_previous``: its
+    ``OVERLAP`` and, where it is on, the launch attribute."""
+    return {"OVERLAP": True, "launch_pdl": True} if overlaps(device) else {"OVERLAP": False}
 
 
 @triton.jit

@@ -238,14 +238,14 @@ class PoolChanges:
                 self._pushed.append(block)
             self._forget(block)
 
-    def release(self, blocks: Iterable[int] | np.ndarray) -> None:
+    def release(self, blocks: Sequence[int] | np.ndarray) -> None:
         """Drop one reference to each block, in the given order; a block whose count reaches
         zero joins the back of the eviction queue if it is cached, else the plain free stack.
         Pass a block table reversed so that a sequence's last blocks are evicted first.
         Many blocks at once (a batch finishing together, sharing a prefix) are counted with
         array operations: each distinct block's count is set once, and the blocks freed join
         their queues in the order of their last mention, where one by one they would reach 0."""
-        blocks = np.asarray(blocks if isinstance(blocks, np.ndarray) else list(blocks), np.int64)
+        blocks = np.asarray(blocks, np.int64)
         self._change()
         if len(blocks) < BULK_RELEASE:
             self._release_each(blocks.tolist())

@@ -121,35 +121,38 @@ def float32_prompts(tiny_qwen3):
     return tiny_qwen3, [torch.randint(3, 380, (n,), generator=g).tolist() for n in (2, 33, 70, 11, 50)]
 
 
+def greedy_batches(model_dir, prompts) -> list[list[list[int]]]:
+    """The greedy float32 tokens of one sequence at a time (graph of 1), then of two (graph of
+    2), four (graph of 4) and five (graph of 8) together: GEMVs up to ``GEMV_MAX_ROWS``
+    sequences, cuBLAS beyond."""
+    from nanofn import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    with LLM(str(model_dir), dtype="float32", gpu_memory_utilization=0.3, max_model_len=512,
+             max_num_seqs=8) as llm:
+        batches = [[p] for p in prompts[:3]] + [prompts[:2], prompts[:4], prompts]
+        outs = [llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+                for batch in batches]
+        return [[o.outputs[0].token_ids for o in out] for out in outs]
+
+
 def test_engine_tokens_are_the_same_with_the_gemvs_on_and_off(float32_prompts, monkeypatch):
     """Greedy float32 decoding of one sequence (graph of 1), of two (graph of 2), of four
     (graph of 4) and of five (graph of 8, cuBLAS either way) gives the same tokens with the
     projections on the GEMVs (the default, up to GEMV_MAX_ROWS tokens) as with them all on
     cuBLAS."""
-    from nanofn import LLM, SamplingParams
     from nanofn.runner import model_runner
 
-    model_dir, prompts = float32_prompts
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     launches = []
     launch = triton_gemv._launch
     monkeypatch.setattr(triton_gemv, "_launch", lambda *a, **kw: launches.append(1) or launch(*a, **kw))
-
-    def tokens():
-        with LLM(str(model_dir), dtype="float32", gpu_memory_utilization=0.3, max_model_len=512,
-                 max_num_seqs=8) as llm:
-            batches = [[p] for p in prompts[:3]] + [prompts[:2], prompts[:4], prompts]
-            outs = [llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
-                    for batch in batches]
-            return [[o.outputs[0].token_ids for o in out] for out in outs]
-
-    with_gemvs = tokens()
+    with_gemvs = greedy_batches(*float32_prompts)
     assert launches
     choose_kernels = model_runner.choose_kernels
     monkeypatch.setattr(model_runner, "choose_kernels",
                         lambda *a: triton_ops.without_gemv(choose_kernels(*a)))
     launches.clear()
-    assert tokens() == with_gemvs
+    assert greedy_batches(*float32_prompts) == with_gemvs
     assert not launches
 
 

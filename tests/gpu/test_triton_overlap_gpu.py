@@ -9,7 +9,7 @@ import torch
 
 import nanofn.kernels.triton_gemv as triton_gemv
 from nanofn.kernels import triton_overlap
-from test_triton_gemv_gpu import float32_prompts  # noqa: F401 (a fixture, this folder)
+from test_triton_gemv_gpu import float32_prompts, greedy_batches  # noqa: F401 (a fixture, this folder)
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
@@ -56,19 +56,6 @@ def test_engine_tokens_are_the_same_with_launches_overlapped_and_in_sequence(flo
                                                                           monkeypatch):
     """Greedy float32 decoding of one, two, four and five sequences (GEMVs, then cuBLAS) and their
     prefills, with every decode kernel launched overlapped (the default here) and with none."""
-    from nanofn import LLM, SamplingParams
-
-    model_dir, prompts = float32_prompts
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-
-    def tokens():
-        with LLM(str(model_dir), dtype="float32", gpu_memory_utilization=0.3, max_model_len=512,
-                 max_num_seqs=8) as llm:
-            batches = [[p] for p in prompts[:3]] + [prompts[:2], prompts[:4], prompts]
-            outs = [llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
-                    for batch in batches]
-            return [[o.outputs[0].token_ids for o in out] for out in outs]
-
-    overlapped = tokens()
+    overlapped = greedy_batches(*float32_prompts)
     monkeypatch.setattr(triton_overlap, "overlaps", lambda device: False)
-    assert tokens() == overlapped
+    assert greedy_batches(*float32_prompts) == overlapped
