@@ -48,43 +48,63 @@ PROGRAMS_PER_SM = 2  # decode splits the context until the grid has this many pr
 
 
 @triton.jit
+def _load_kv_tile(
+    k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, keys, in_range,
+    stride_block, stride_slot, stride_head, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+):
+    """The keys and values ``[len(keys), HEAD_DIM]`` at positions ``keys`` (zeros out of
+    ``in_range``), gathered row by row through the block table, and their offsets in the cache."""
+    dims = tl.arange(0, HEAD_DIM)
+    blocks = tl.load(block_table_ptr + keys // BLOCK_SIZE, mask=in_range, other=0).to(tl.int64)
+    rows = blocks * stride_block + (keys % BLOCK_SIZE) * stride_slot + kv_head * stride_head
+    offsets = rows[:, None] + dims[None, :]
+    k = tl.load(k_cache_ptr + offsets, mask=in_range[:, None], other=0.0)
+    v = tl.load(v_cache_ptr + offsets, mask=in_range[:, None], other=0.0)
+    return k, v, offsets
+
+
+@triton.jit
+def _attend_tile(acc, row_sum, row_max, q, k, v, visible, qk_scale, MASKED: tl.constexpr):
+    """Online-softmax update of ``acc``, ``row_sum``, ``row_max`` with one tile of keys and
+    values; with ``MASKED`` row ``r`` sees key ``n`` only where ``visible[r, n]``."""
+    if k.dtype == tl.float32:  # a float32 model gets float32 products, not TF32's 10 bits
+        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+    else:
+        scores = tl.dot(q, tl.trans(k)) * qk_scale
+    if MASKED:
+        scores = tl.where(visible, scores, float("-inf"))
+    new_max = tl.maximum(row_max, tl.max(scores, 1))
+    correction = tl.exp2(row_max - new_max)
+    probs = tl.exp2(scores - new_max[:, None])
+    row_sum = row_sum * correction + tl.sum(probs, 1)
+    if v.dtype == tl.float32:
+        acc = acc * correction[:, None] + tl.dot(probs, v, input_precision="ieee")
+    else:
+        acc = acc * correction[:, None] + tl.dot(probs.to(v.dtype), v)
+    return acc, row_sum, new_max
+
+
+@triton.jit
 def _attend_keys(
     acc, row_sum, row_max, q, query_pos,
     k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, key_begin, key_end, qk_scale,
     stride_block, stride_slot, stride_head,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
 ):
-    """Online-softmax update of ``acc``, ``row_sum``, ``row_max`` with keys ``key_begin .. key_end - 1``.
+    """``_attend_tile`` over keys ``key_begin .. key_end - 1``, ``BLOCK_N`` at a time.
 
     Without ``MASKED`` every key in the range must be visible to every row: the caller passes
     only whole tiles before the causal diagonal, which then skip building a mask. With it, row
     ``r`` sees key ``n`` when ``n <= query_pos[r]`` and ``n < key_end``.
     """
-    dims = tl.arange(0, HEAD_DIM)
     for tile_begin in range(key_begin, key_end, BLOCK_N):
         keys = tile_begin + tl.arange(0, BLOCK_N)
         in_range = keys < key_end
-        blocks = tl.load(block_table_ptr + keys // BLOCK_SIZE, mask=in_range, other=0).to(tl.int64)
-        rows = blocks * stride_block + (keys % BLOCK_SIZE) * stride_slot + kv_head * stride_head
-        offsets = rows[:, None] + dims[None, :]
-        k = tl.load(k_cache_ptr + offsets, mask=in_range[:, None], other=0.0)
-        v = tl.load(v_cache_ptr + offsets, mask=in_range[:, None], other=0.0)
-        if k.dtype == tl.float32:  # a float32 model gets float32 products, not TF32's 10 bits
-            scores = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
-        else:
-            scores = tl.dot(q, tl.trans(k)) * qk_scale
-        if MASKED:
-            visible = (keys[None, :] <= query_pos[:, None]) & in_range[None, :]
-            scores = tl.where(visible, scores, float("-inf"))
-        new_max = tl.maximum(row_max, tl.max(scores, 1))
-        correction = tl.exp2(row_max - new_max)
-        probs = tl.exp2(scores - new_max[:, None])
-        row_sum = row_sum * correction + tl.sum(probs, 1)
-        if v.dtype == tl.float32:
-            acc = acc * correction[:, None] + tl.dot(probs, v, input_precision="ieee")
-        else:
-            acc = acc * correction[:, None] + tl.dot(probs.to(v.dtype), v)
-        row_max = new_max
+        k, v, _ = _load_kv_tile(k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, keys, in_range,
+                                stride_block, stride_slot, stride_head, BLOCK_SIZE, HEAD_DIM)
+        visible = (keys[None, :] <= query_pos[:, None]) & in_range[None, :]
+        acc, row_sum, row_max = _attend_tile(acc, row_sum, row_max, q, k, v, visible, qk_scale,
+                                             MASKED)
     return acc, row_sum, row_max
 
 
@@ -104,8 +124,12 @@ def _decode_kernel(
     splits into ``tl.num_programs(2)`` partitions of equal whole tiles (the last ones may be
     short or empty). With ``SPLIT_K`` it writes the unnormalised output, row max and row sum of
     its partition for ``_decode_merge_kernel``; otherwise (one partition) the final output.
+
+    Everything up to the first tile's keys and values (with ``SPLIT_K``) is read before waiting
+    for the kernel ahead (``triton_overlap``): at a few sequences a partition is often one tile.
+    Of that, the kernel ahead (``rotate_and_store_kv``) writes only the newest key and value,
+    read again after the wait.
     """
-    wait_for_previous(OVERLAP)
     if HAS_ORDER:
         seq = tl.load(order_ptr + tl.program_id(0))
     else:
@@ -113,32 +137,52 @@ def _decode_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    rows = tl.arange(0, BLOCK_M)  # the group's query heads, padded to a tile of at least 16 rows
-    heads = kv_head * GROUP + rows
-    row_mask = rows < GROUP
-    dims = tl.arange(0, HEAD_DIM)
-    q_offsets = seq * stride_qb + heads[:, None] * stride_qh + dims[None, :]
-    q = tl.load(q_ptr + q_offsets, mask=row_mask[:, None], other=0.0)
-
     partition_len = tl.cdiv(tl.cdiv(seq_len, tl.num_programs(2)), BLOCK_N) * BLOCK_N
     key_begin = split * partition_len
     key_end = tl.maximum(tl.minimum(key_begin + partition_len, seq_len), key_begin)
     whole_tiles_end = key_begin + (key_end - key_begin) // BLOCK_N * BLOCK_N
     query_pos = tl.zeros([BLOCK_M], dtype=tl.int32) + seq_len - 1
+    block_table_ptr = block_tables_ptr + seq * stride_table
+    rows = tl.arange(0, BLOCK_M)  # the group's query heads, padded to a tile of at least 16 rows
+    heads = kv_head * GROUP + rows
+    row_mask = rows < GROUP
+    dims = tl.arange(0, HEAD_DIM)
+    # Split-K (a few sequences) reads its first tile before the wait; whole contexts (many
+    # sequences, 128-key tiles) do not: a tile held across the wait costs registers.
+    first_keys = key_begin + tl.arange(0, BLOCK_N)
+    first_in_range = first_keys < key_end
+    if SPLIT_K:
+        k, v, first_offsets = _load_kv_tile(
+            k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, first_keys, first_in_range,
+            stride_block, stride_slot, stride_head, BLOCK_SIZE, HEAD_DIM)
+    wait_for_previous(OVERLAP)
+
+    if SPLIT_K:
+        newest = (first_keys == seq_len - 1)[:, None]
+        k = tl.where(newest, tl.load(k_cache_ptr + first_offsets, mask=newest, other=0.0), k)
+        v = tl.where(newest, tl.load(v_cache_ptr + first_offsets, mask=newest, other=0.0), v)
+    q_offsets = seq * stride_qb + heads[:, None] * stride_qh + dims[None, :]
+    q = tl.load(q_ptr + q_offsets, mask=row_mask[:, None], other=0.0)
+
     # A finite starting max keeps empty partitions (and seq_len 0 padding rows) free of NaN.
     row_max = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    block_table_ptr = block_tables_ptr + seq * stride_table
+    if SPLIT_K:
+        acc, row_sum, row_max = _attend_tile(acc, row_sum, row_max, q, k, v,
+                                             first_in_range[None, :], qk_scale, True)
+        rest = key_begin + BLOCK_N
+    else:
+        rest = key_begin
     acc, row_sum, row_max = _attend_keys(
         acc, row_sum, row_max, q, query_pos, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head,
-        key_begin, whole_tiles_end, qk_scale, stride_block, stride_slot, stride_head,
+        rest, whole_tiles_end, qk_scale, stride_block, stride_slot, stride_head,
         BLOCK_SIZE, HEAD_DIM, BLOCK_N, False,
     )
     acc, row_sum, row_max = _attend_keys(
         acc, row_sum, row_max, q, query_pos, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head,
-        whole_tiles_end, key_end, qk_scale, stride_block, stride_slot, stride_head,
-        BLOCK_SIZE, HEAD_DIM, BLOCK_N, True,
+        tl.maximum(whole_tiles_end, rest), key_end, qk_scale, stride_block, stride_slot,
+        stride_head, BLOCK_SIZE, HEAD_DIM, BLOCK_N, True,
     )
 
     if SPLIT_K:

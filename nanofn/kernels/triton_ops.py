@@ -121,14 +121,15 @@ def _rotate_and_store_kv_kernel(
     BLOCK_SIZE: tl.constexpr, NORM: tl.constexpr, OVERLAP: tl.constexpr,
 ):
     """Program ``token``: its query heads rotated into ``q_out``, its key heads rotated and its
-    value heads copied into its cache slot (none for a negative slot)."""
-    wait_for_previous(OVERLAP)
+    value heads copied into its cache slot (none for a negative slot). Its position, slot and
+    angles are read before the wait: the kernel ahead (the projection) writes none of them."""
     token = tl.program_id(0).to(tl.int64)
     position = tl.load(positions_ptr + token)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     dims = tl.arange(0, HALF_DIM)[None, :]
     cos = tl.load(cos_sin_ptr + position * stride_cos_sin + dims)
     sin = tl.load(cos_sin_ptr + position * stride_cos_sin + HALF_DIM + dims)
+    wait_for_previous(OVERLAP)
     _rotate_heads(
         q_ptr + token * stride_qt, stride_qh, q_out_ptr + token * num_heads * (2 * HALF_DIM),
         2 * HALF_DIM, q_norm_weight_ptr, cos, sin, num_heads, eps, True, Q_HEADS, HALF_DIM, NORM,

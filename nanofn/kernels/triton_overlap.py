@@ -3,11 +3,12 @@
 A decode step of a few sequences is hundreds of kernels of a few microseconds each, and each
 one's launch and first loads used to wait for the previous one to finish. A kernel launched
 with ``launch_pdl`` may start as soon as every program of the kernel ahead of it has started
-and let it (``gdc_launch_dependents``): until its own ``gdc_wait`` returns, which is when the
-kernel ahead has finished and its writes are visible, it may only read what no kernel writes
-(a projection's weights) and may write nothing, since a buffer it writes may be one the kernel
-ahead still reads. ``wait_for_previous`` is that wait, followed at once by letting the next
-kernel start in turn. Kernels that call it take ``OVERLAP`` and are launched with
+and let it (``gdc_launch_dependents``). ``wait_for_previous`` is the wait for the kernel ahead
+to finish and its writes to be visible (``gdc_wait``), followed at once by letting the next
+kernel start in turn. So when a kernel starts, every kernel before the one ahead of it has
+finished, and until its wait returns it may read whatever the kernel ahead does not write (a
+projection's weights, a step's positions, the keys and values of earlier tokens) and may
+write nothing, since a buffer it writes may be one the kernel ahead still reads. Kernels that call it take ``OVERLAP`` and are launched with
 ``**launch_options(device)``, which sets it; under Triton's interpreter (a CPU tensor) nothing
 overlaps.
 """
