@@ -4,6 +4,7 @@ tables and last tokens kept on the device."""
 from __future__ import annotations
 
 import torch
+from triton_interpreter import interpreter_process
 
 from nanofn.runner.inputs import SlotTables, prepare_inputs
 from nanofn.state import PENDING_TOKEN, SamplingParams, ScheduledSeq, SeqStart, plan_of
@@ -66,13 +67,21 @@ def test_a_pending_token_is_the_last_token_sampled_in_its_slot():
     assert inputs.positions.tolist() == [5, 0, 1, 17]
 
 
+def decode_inputs_and_tables(fields, tables, block_size, query_start):
+    """``decode_inputs`` and the tables it wrote (from the interpreter's child)."""
+    from nanofn.runner.cuda_graphs import decode_inputs
+
+    return *decode_inputs(fields, tables, block_size, query_start), tables.table
+
+
 def test_the_decode_graphs_inputs_are_the_eager_inputs():
-    """What a CUDA graph's replay computes from the one copied buffer (run eagerly here) equals
-    what the eager path computes from the plan: tokens (pending ones resolved), positions,
-    cache slots, sequence lengths and block tables; padding rows write nowhere."""
+    """What a CUDA graph's replay computes from the one copied buffer (its Triton kernels run
+    in the interpreter here) equals what the eager path computes from the plan: tokens (pending
+    ones resolved), positions, cache slots, sequence lengths and block tables; padding rows
+    write nowhere."""
     import numpy as np
 
-    from nanofn.runner.cuda_graphs import DECODE_ORDER, NUM_FIELDS, decode_inputs, fill_fields
+    from nanofn.runner.cuda_graphs import DECODE_ORDER, NUM_FIELDS, fill_fields
 
     eager, graph = SlotTables(8, 4, CPU), SlotTables(8, 4, CPU)
     first = [seq("a", 3, 0, range(17), [5, 6]), seq("b", 1, 0, range(3), [2])]
@@ -84,14 +93,16 @@ def test_the_decode_graphs_inputs_are_the_eager_inputs():
     expected = prepare_inputs(plan, BS, eager, CPU)
     fields = np.zeros((NUM_FIELDS, 4), np.int32)
     fill_fields(fields, plan, size=4, spare_slot=8)
-    ids, positions, batch = decode_inputs(torch.from_numpy(fields), graph, BS,
-                                          torch.arange(5, dtype=torch.int32))
+    with interpreter_process() as interpreter:
+        ids, positions, batch, graph_table = interpreter(
+            decode_inputs_and_tables, torch.from_numpy(fields), graph, BS,
+            torch.arange(5, dtype=torch.int32))
     assert ids[:2].tolist() == expected.input_ids.tolist() == [40, 9]
     assert positions[:2].tolist() == expected.positions.tolist()
     assert batch.slot_mapping.tolist() == expected.batch.slot_mapping.tolist() + [-1, -1]
     assert batch.seq_lens.tolist() == expected.batch.seq_lens.tolist() + [0, 0]
     assert batch.block_tables[:2, :2].tolist() == expected.batch.block_tables.tolist()
-    assert torch.equal(graph.table[:8], eager.table[:8])  # the spare row took the padding
+    assert torch.equal(graph_table[:8], eager.table[:8])  # the spare row took the padding
     assert batch.decode_order.tolist() == [0, 1, 3, 2]  # longest context first, padding last
     fill_fields(fields, plan_of(2, decode[::-1]), size=4, spare_slot=8)
     assert fields[DECODE_ORDER].tolist() == [1, 0, 3, 2]

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nanofn.kernels import triton_attention, triton_gemv, triton_ops, triton_sampling
+from nanofn.kernels import (triton_attention, triton_decode_inputs, triton_gemv, triton_ops,
+                            triton_sampling)
 from triton_interpreter import compiler_process
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE, VOCAB, BLOCK = 1024, 16, 8, 128, 3072, 151936, 16
@@ -79,3 +80,16 @@ def test_sampling_kernels_compile(compile_for_h100, dtype):
     compile_for_h100(triton_sampling.sample_plain, empty(rows, VOCAB, dtype=dtype),
                      torch.ones(rows), seeds)
     compile_for_h100(triton_sampling.exponential_noise, seeds, VOCAB)
+    slots, fields = torch.zeros(rows, dtype=torch.int32), torch.zeros(2, 8, dtype=torch.int32)
+    compile_for_h100(triton_sampling.sample_plain_by_slot, empty(rows, VOCAB, dtype=dtype), slots,
+                     torch.ones(rows + 1), fields[:, 0], torch.zeros(rows + 1, dtype=torch.int64),
+                     torch.zeros(rows, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("rows, width", [(1, 256), (256, 2560)])
+def test_decode_input_kernels_compile(compile_for_h100, rows, width):
+    """A decode graph's input preparation, for a table narrower and wider than one copy step."""
+    field = torch.zeros(rows, dtype=torch.int32)
+    compile_for_h100(triton_decode_inputs.decode_rows, field, field, field, field, field, field,
+                     torch.zeros(rows + 1, width, dtype=torch.int32),
+                     torch.zeros(rows + 1, dtype=torch.int64), BLOCK, -1)

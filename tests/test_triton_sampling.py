@@ -15,7 +15,7 @@ import pytest
 import torch
 from triton_interpreter import interpreter_process
 
-from nanofn.kernels.triton_sampling import exponential_noise, sample_plain
+from nanofn.kernels.triton_sampling import exponential_noise, sample_plain, sample_plain_by_slot
 from nanofn.runner.sampler import (
     Sampler, SampleRequest, SamplingRows, exponential_race, row_seed,
 )
@@ -134,6 +134,36 @@ def test_tokens_do_not_depend_on_the_split(interpreter):
                 for n in (1, 2, 5)]
     assert by_split[0] == by_split[1] == by_split[2]
     assert by_split[0][:2] == [3, 12_000]
+
+
+def sample_by_slot_and_return(logits, slots, slot_temperature, key_base, kept):
+    """``sample_plain_by_slot``'s tokens and what it kept (from the interpreter's child)."""
+    tokens = torch.full((len(logits),), -7, dtype=torch.int64)
+    sample_plain_by_slot(logits, slots, slot_temperature, key_base, kept, tokens)
+    return tokens, kept
+
+
+def test_the_graphs_draw_by_slot_is_the_plain_draw_of_the_slots_temperatures_and_keys(interpreter):
+    """Rows at their slots' temperatures (one greedy), keyed by a 62-bit base plus the row
+    (given as its low and high 31 bits, a field apart as in the graphs' input buffer): the
+    tokens of ``sample_plain``, also kept at each row's slot and nowhere else."""
+    logits = random_logits(5, VOCAB, seed=4)
+    slots = torch.tensor([3, 0, 6, 2, 5], dtype=torch.int32)
+    slot_temperature = torch.tensor([0.7, 9.0, 1.3, 0.0, 9.0, 0.4, 2.0, 9.0])
+    base = (12345 << 31) | 678
+    fields = torch.zeros(2, 4, dtype=torch.int32)
+    fields[:, 0] = torch.tensor([base & ((1 << 31) - 1), base >> 31])
+    kept = torch.full((8,), -1, dtype=torch.int64)
+
+    tokens, kept = interpreter(sample_by_slot_and_return, logits, slots, slot_temperature,
+                               fields[:, 0], kept)
+
+    row_keys = base + torch.arange(5)
+    expected = interpreter(sample_plain, logits, slot_temperature[slots.long()], row_keys)
+    assert tokens.tolist() == expected.tolist()
+    assert kept[slots.long()].tolist() == expected.tolist()
+    assert kept[[1, 4, 7]].tolist() == [-1, -1, -1]
+    assert len(set(tokens.tolist())) > 1
 
 
 def test_sixteen_bit_logits_draw_the_tokens_of_their_float32_copy(interpreter):

@@ -103,15 +103,23 @@ def _best_of_quarter(row_logits, counters, k, quarter, vocab_size, scale, log2_n
 
 @triton.jit
 def _sample_plain_kernel(
-    logits_ptr, temperature_ptr, seed_ptr, split_value_ptr, split_token_ptr,
-    stride_row, vocab_size, quarter, counters_per_split,
-    BLOCK: tl.constexpr,
+    logits_ptr, temperature_ptr, seed_ptr, slots_ptr, split_value_ptr, split_token_ptr,
+    stride_row, stride_seed, vocab_size, quarter, counters_per_split,
+    BLOCK: tl.constexpr, BY_SLOT: tl.constexpr,
 ):
-    """Program (row, split): the best (value, token) of its range of counters, in all quarters."""
+    """Program (row, split): the best (value, token) of its range of counters, in all quarters.
+
+    With ``BY_SLOT`` the row's temperature is its slot's (``slots``) and its seed is the key
+    base (its low and high 31 bits, ``stride_seed`` apart at ``seed_ptr``) plus the row."""
     row = tl.program_id(0)
     split = tl.program_id(1)
-    temperature = tl.load(temperature_ptr + row)
-    seed = tl.load(seed_ptr + row)
+    if BY_SLOT:
+        temperature = tl.load(temperature_ptr + tl.load(slots_ptr + row))
+        high = tl.load(seed_ptr + stride_seed).to(tl.int64)
+        seed = ((high << 31) | tl.load(seed_ptr).to(tl.int64)) + row
+    else:
+        temperature = tl.load(temperature_ptr + row)
+        seed = tl.load(seed_ptr + row * stride_seed)
     greedy = temperature == 0.0
     scale = tl.where(greedy, 1.0, _LOG2_E / temperature)
     row_logits = logits_ptr + row.to(tl.int64) * stride_row
@@ -146,9 +154,10 @@ def _sample_plain_kernel(
 
 
 @triton.jit(do_not_specialize=["num_splits"])  # one compile for every batch size
-def _pick_split_kernel(split_value_ptr, split_token_ptr, token_ptr, num_splits,
-                       SPLITS: tl.constexpr):
-    """Program per row: the token of its best split."""
+def _pick_split_kernel(split_value_ptr, split_token_ptr, token_ptr, slots_ptr, kept_ptr,
+                       num_splits, SPLITS: tl.constexpr, KEEP: tl.constexpr):
+    """Program per row: the token of its best split; with ``KEEP`` also into ``kept`` at the
+    row's slot."""
     row = tl.program_id(0)
     splits = tl.arange(0, SPLITS)
     mask = splits < num_splits
@@ -156,6 +165,8 @@ def _pick_split_kernel(split_value_ptr, split_token_ptr, token_ptr, num_splits,
     tokens = tl.load(split_token_ptr + row * num_splits + splits, mask=mask, other=0)
     _, token = _argmax(values, tokens)
     tl.store(token_ptr + row, token.to(tl.int64))
+    if KEEP:
+        tl.store(kept_ptr + tl.load(slots_ptr + row), token.to(tl.int64))
 
 
 @triton.jit
@@ -195,6 +206,22 @@ def sample_plain(logits: torch.Tensor, temperature: torch.Tensor, row_seeds: tor
     ``PROGRAMS_PER_SM`` programs per SM, since a batch of 256 rows is only two rows per SM of an
     H100); a second kernel picks each row's best split. The tokens do not depend on the split.
     """
+    tokens = torch.empty(len(logits), dtype=torch.int64, device=logits.device)
+    _sample(logits, temperature, row_seeds, None, None, tokens, num_splits)
+    return tokens
+
+
+def sample_plain_by_slot(logits: torch.Tensor, slots: torch.Tensor,
+                         slot_temperature: torch.Tensor, key_base: torch.Tensor,
+                         kept: torch.Tensor, tokens: torch.Tensor) -> None:
+    """``sample_plain`` as a decode graph draws: row ``r`` at the temperature of its slot
+    (``slot_temperature[slots[r]]``), keyed by ``base + r`` (``key_base``: the base's low and
+    high 31 bits, int32, any stride), its token written to ``tokens[r]`` and kept at ``kept[slots[r]]``.
+    What took ten small torch kernels around the draw is in its two."""
+    _sample(logits, slot_temperature, key_base, slots, kept, tokens, None)
+
+
+def _sample(logits, temperature, seeds, slots, kept, tokens, num_splits) -> None:
     num_rows, vocab_size = logits.shape
     quarter = triton.cdiv(vocab_size, 4)
     num_blocks = triton.cdiv(quarter, BLOCK_COUNTERS)
@@ -204,16 +231,17 @@ def sample_plain(logits: torch.Tensor, temperature: torch.Tensor, row_seeds: tor
     num_splits = triton.cdiv(num_blocks, blocks_per_split)
     split_values = torch.empty(num_rows, num_splits, dtype=torch.float32, device=logits.device)
     split_tokens = torch.empty(num_rows, num_splits, dtype=torch.int32, device=logits.device)
-    tokens = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
+    by_slot = slots is not None
     _sample_plain_kernel[(num_rows, num_splits)](
-        logits, temperature, row_seeds, split_values, split_tokens,
-        logits.stride(0), vocab_size, quarter, blocks_per_split * BLOCK_COUNTERS,
-        BLOCK=BLOCK_COUNTERS, num_warps=NUM_WARPS,
+        logits, temperature, seeds, slots if by_slot else seeds, split_values, split_tokens,
+        logits.stride(0), seeds.stride(0), vocab_size, quarter, blocks_per_split * BLOCK_COUNTERS,
+        BLOCK=BLOCK_COUNTERS, BY_SLOT=by_slot, num_warps=NUM_WARPS,
     )
     _pick_split_kernel[(num_rows,)](
-        split_values, split_tokens, tokens, num_splits, SPLITS=triton.next_power_of_2(num_blocks),
+        split_values, split_tokens, tokens, slots if by_slot else tokens,
+        kept if by_slot else tokens, num_splits, SPLITS=triton.next_power_of_2(num_blocks),
+        KEEP=by_slot,
     )
-    return tokens
 
 
 def exponential_noise(row_seeds: torch.Tensor, vocab_size: int) -> torch.Tensor:

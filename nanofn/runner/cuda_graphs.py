@@ -5,16 +5,17 @@ at once. The graph also holds the step's input preparation: the host lays the pl
 (token ids, positions, slots, new block-table entries, sample rows) into one pinned int32
 buffer, one copy moves it into the graph's static input buffer, and the replay resolves pending
 tokens from the last sampled ones, appends the new block-table entries, gathers the block
-tables by slot and computes the cache slots. So a decode step costs the host a few numpy
-operations, one copy and one replay, whatever the batch size.
+tables by slot and computes the cache slots, in two Triton kernels (``triton_decode_inputs``).
+So a decode step costs the host a few numpy operations, one copy and one replay, whatever the
+batch size.
 
 One graph per batch size of ``graph_batch_sizes``; a batch is padded up to the next captured
 size (padding rows write to no cache slot and attend to nothing; padding table entries go to a
 spare row of the slot tables).
 
 With ``sample=True`` each size has a second graph that goes on to the tokens: the logits of the
-sampling rows, the fused Triton draw (``sample_plain``, keyed by a base the host draws from the
-sampler's generator, as the eager sampler does, plus the sampling row) with each slot's
+sampling rows, the fused Triton draw (``sample_plain_by_slot``, keyed by a base the host draws
+from the sampler's generator, as the eager sampler does, plus the sampling row) with each slot's
 temperature from a device table, and the tokens kept by slot for the next step's pending ones.
 The runner replays it when every sampling row is plain (no penalties, banned tokens, filters
 other than on greedy rows, seed or logprobs), so the common decode step is one replay and one
@@ -30,8 +31,8 @@ import numpy as np
 import torch
 
 from nanofn.model.batch import AttentionBatch
-from nanofn.runner.inputs import SlotTables, cache_slots
-from nanofn.state.plan import BatchPlan
+from nanofn.runner.inputs import SlotTables
+from nanofn.state.plan import PENDING_TOKEN, BatchPlan
 
 # The fields of the static input buffer, each ``max_batch`` int32s long (the sampling key base
 # is in the first entries of the last two, 31 bits in each).
@@ -126,8 +127,8 @@ class DecodeGraphs:
             hidden = model(ids, positions, batch, kv_cache)
             self.hidden[:size] = hidden
             if sample:
-                self.tokens[:size] = sample_in_graph(model, hidden, fields, self.tables,
-                                                     self.slot_temperature)
+                sample_in_graph(model, hidden, fields, self.tables, self.slot_temperature,
+                                self.tokens[:size])
         return run
 
     def fits(self, plan: BatchPlan) -> bool:
@@ -188,41 +189,38 @@ def fill_fields(fields: np.ndarray, plan: BatchPlan, size: int, spare_slot: int)
 
 
 def sample_in_graph(model: torch.nn.Module, hidden: torch.Tensor, fields: torch.Tensor,
-                    tables: SlotTables, slot_temperature: torch.Tensor) -> torch.Tensor:
-    """The sampling rows' tokens (padding rows sample too, into the spare slot), kept by slot:
-    the eager runner's logits, ``Sampler``'s fused draw and ``keep_sampled``, on the device."""
-    from nanofn.kernels.triton_sampling import sample_plain
+                    tables: SlotTables, slot_temperature: torch.Tensor,
+                    tokens: torch.Tensor) -> None:
+    """The sampling rows' tokens into ``tokens`` (padding rows sample too, into the spare
+    slot), kept by slot: the eager runner's logits, ``Sampler``'s fused draw and
+    ``keep_sampled``, on the device."""
+    from nanofn.kernels.triton_sampling import sample_plain_by_slot
 
-    rows, slots = fields[SAMPLE_ROWS].long(), fields[SAMPLING_SLOTS].long()
-    logits = model.compute_logits(hidden[rows], upcast=False)  # sample_plain reads float32
-    base = (fields[KEY_BASE_HIGH, 0].long() << KEY_BASE_BITS) | fields[KEY_BASE_LOW, 0].long()
-    keys = base + torch.arange(len(rows), device=rows.device)
-    tokens = sample_plain(logits, slot_temperature[slots], keys)
-    tables.keep_sampled(slots, tokens)
-    return tokens
+    logits = model.compute_logits(hidden[fields[SAMPLE_ROWS]], upcast=False)  # read as float32
+    sample_plain_by_slot(logits, fields[SAMPLING_SLOTS], slot_temperature,
+                         fields[KEY_BASE_LOW:, 0], tables.last_tokens, tokens)
 
 
 def decode_inputs(fields: torch.Tensor, tables: SlotTables, block_size: int,
                   query_start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch]:
-    """The model's inputs from the input fields, on the device (captured in the graph):
-    pending tokens from the slots' last sampled ones, the new block-table entries written, the
-    block tables gathered by slot, and each token's cache slot."""
-    slots = fields[SLOTS].long()
-    ids = tables.resolve_pending(fields[IDS].long(), slots)
-    valid = fields[POSITIONS] >= 0  # padding rows have position -1
-    positions = fields[POSITIONS].long().clamp_min(0)
-    tables.table[fields[ENTRY_SLOTS].long(), fields[ENTRY_COLUMNS].long()] = fields[ENTRY_BLOCKS]
-    block_tables = tables.table[slots]
-    size = len(slots)
+    """The model's inputs from the input fields, on the device (captured in the graph, two
+    Triton kernels: ``triton_decode_inputs``): pending tokens from the slots' last sampled
+    ones, the new block-table entries written, the block tables gathered by slot and each
+    token's cache slot."""
+    from nanofn.kernels.triton_decode_inputs import decode_rows
+
+    rows = decode_rows(fields[IDS], fields[POSITIONS], fields[SLOTS], fields[ENTRY_SLOTS],
+                       fields[ENTRY_COLUMNS], fields[ENTRY_BLOCKS], tables.table,
+                       tables.last_tokens, block_size, PENDING_TOKEN)
+    size = len(rows.ids)
     batch = AttentionBatch(
-        slot_mapping=torch.where(valid, cache_slots(block_tables, torch.arange(
-            size, device=slots.device), positions, block_size), -1),
+        slot_mapping=rows.slot_mapping,
         query_start=query_start,
-        seq_lens=torch.where(valid, positions + 1, 0).to(torch.int32),
-        block_tables=block_tables,
+        seq_lens=rows.seq_lens,
+        block_tables=rows.block_tables,
         query_lens_host=(1,) * size,
         seq_lens_host=(1,) * size,  # not read by decode attention
         decode_only=True,
         decode_order=fields[DECODE_ORDER],
     )
-    return ids, positions, batch
+    return rows.ids, rows.positions, batch
