@@ -82,8 +82,8 @@ def test_sampling_kernels_compile(compile_for_h100, dtype):
     compile_for_h100(triton_sampling.exponential_noise, seeds, VOCAB)
     slots, fields = torch.zeros(rows, dtype=torch.int32), torch.zeros(2, 8, dtype=torch.int32)
     compile_for_h100(triton_sampling.sample_plain_by_slot, empty(rows, VOCAB, dtype=dtype), slots,
-                     torch.ones(rows + 1), fields[:, 0], torch.zeros(rows + 1, dtype=torch.int64),
-                     torch.zeros(rows, dtype=torch.int64))
+                     torch.ones(rows + 1), fields[:, 0], 31,
+                     torch.zeros(rows + 1, dtype=torch.int64), torch.zeros(rows, dtype=torch.int64))
 
 
 @pytest.mark.parametrize("rows, width", [(1, 256), (256, 2560)])

@@ -139,7 +139,7 @@ def test_tokens_do_not_depend_on_the_split(interpreter):
 def sample_by_slot_and_return(logits, slots, slot_temperature, key_base, kept):
     """``sample_plain_by_slot``'s tokens and what it kept (from the interpreter's child)."""
     tokens = torch.full((len(logits),), -7, dtype=torch.int64)
-    sample_plain_by_slot(logits, slots, slot_temperature, key_base, kept, tokens)
+    sample_plain_by_slot(logits, slots, slot_temperature, key_base, 31, kept, tokens)
     return tokens, kept
 
 

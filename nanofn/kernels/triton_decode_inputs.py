@@ -65,7 +65,8 @@ def _decode_rows_kernel(
     tl.store(seq_lens_ptr + row, tl.where(valid, position + 1, 0).to(tl.int32))
     slot_table = table_ptr + slot * stride_table
     block = tl.load(slot_table + position // block_size).to(tl.int64)
-    tl.store(slot_mapping_ptr + row, tl.where(valid, block * block_size + position % block_size, -1))
+    cache_slot = block * block_size + position % block_size
+    tl.store(slot_mapping_ptr + row, tl.where(valid, cache_slot, -1))
     for start in range(0, width, BLOCK):
         columns = start + tl.arange(0, BLOCK)
         mask = columns < width

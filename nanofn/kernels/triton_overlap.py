@@ -8,9 +8,9 @@ to finish and its writes to be visible (``gdc_wait``), followed at once by letti
 kernel start in turn. So when a kernel starts, every kernel before the one ahead of it has
 finished, and until its wait returns it may read whatever the kernel ahead does not write (a
 projection's weights, a step's positions, the keys and values of earlier tokens) and may
-write nothing, since a buffer it writes may be one the kernel ahead still reads. Kernels that call it take ``OVERLAP`` and are launched with
-``**launch_options(device)``, which sets it; under Triton's interpreter (a CPU tensor) nothing
-overlaps.
+write nothing, since a buffer it writes may be one the kernel ahead still reads. Kernels that
+call it take ``OVERLAP`` and are launched with ``**launch_options(device)``, which sets it;
+under Triton's interpreter (a CPU tensor) nothing overlaps.
 """
 
 from __future__ import annotations

@@ -105,18 +105,18 @@ def _best_of_quarter(row_logits, counters, k, quarter, vocab_size, scale, log2_n
 def _sample_plain_kernel(
     logits_ptr, temperature_ptr, seed_ptr, slots_ptr, split_value_ptr, split_token_ptr,
     stride_row, stride_seed, vocab_size, quarter, counters_per_split,
-    BLOCK: tl.constexpr, BY_SLOT: tl.constexpr,
+    BLOCK: tl.constexpr, BY_SLOT: tl.constexpr, KEY_BITS: tl.constexpr,
 ):
     """Program (row, split): the best (value, token) of its range of counters, in all quarters.
 
     With ``BY_SLOT`` the row's temperature is its slot's (``slots``) and its seed is the key
-    base (its low and high 31 bits, ``stride_seed`` apart at ``seed_ptr``) plus the row."""
+    base (its low and high ``KEY_BITS``, ``stride_seed`` apart at ``seed_ptr``) plus the row."""
     row = tl.program_id(0)
     split = tl.program_id(1)
     if BY_SLOT:
         temperature = tl.load(temperature_ptr + tl.load(slots_ptr + row))
         high = tl.load(seed_ptr + stride_seed).to(tl.int64)
-        seed = ((high << 31) | tl.load(seed_ptr).to(tl.int64)) + row
+        seed = ((high << KEY_BITS) | tl.load(seed_ptr).to(tl.int64)) + row
     else:
         temperature = tl.load(temperature_ptr + row)
         seed = tl.load(seed_ptr + row * stride_seed)
@@ -212,16 +212,16 @@ def sample_plain(logits: torch.Tensor, temperature: torch.Tensor, row_seeds: tor
 
 
 def sample_plain_by_slot(logits: torch.Tensor, slots: torch.Tensor,
-                         slot_temperature: torch.Tensor, key_base: torch.Tensor,
+                         slot_temperature: torch.Tensor, key_base: torch.Tensor, key_bits: int,
                          kept: torch.Tensor, tokens: torch.Tensor) -> None:
     """``sample_plain`` as a decode graph draws: row ``r`` at the temperature of its slot
     (``slot_temperature[slots[r]]``), keyed by ``base + r`` (``key_base``: the base's low and
-    high 31 bits, int32, any stride), its token written to ``tokens[r]`` and kept at ``kept[slots[r]]``.
-    What took ten small torch kernels around the draw is in its two."""
-    _sample(logits, slot_temperature, key_base, slots, kept, tokens, None)
+    high ``key_bits`` bits, int32, any stride), its token written to ``tokens[r]`` and kept at
+    ``kept[slots[r]]``. What took ten small torch kernels around the draw is in its two."""
+    _sample(logits, slot_temperature, key_base, slots, kept, tokens, None, key_bits)
 
 
-def _sample(logits, temperature, seeds, slots, kept, tokens, num_splits) -> None:
+def _sample(logits, temperature, seeds, slots, kept, tokens, num_splits, key_bits=0) -> None:
     num_rows, vocab_size = logits.shape
     quarter = triton.cdiv(vocab_size, 4)
     num_blocks = triton.cdiv(quarter, BLOCK_COUNTERS)
@@ -235,7 +235,7 @@ def _sample(logits, temperature, seeds, slots, kept, tokens, num_splits) -> None
     _sample_plain_kernel[(num_rows, num_splits)](
         logits, temperature, seeds, slots if by_slot else seeds, split_values, split_tokens,
         logits.stride(0), seeds.stride(0), vocab_size, quarter, blocks_per_split * BLOCK_COUNTERS,
-        BLOCK=BLOCK_COUNTERS, BY_SLOT=by_slot, num_warps=NUM_WARPS,
+        BLOCK=BLOCK_COUNTERS, BY_SLOT=by_slot, KEY_BITS=key_bits, num_warps=NUM_WARPS,
     )
     _pick_split_kernel[(num_rows,)](
         split_values, split_tokens, tokens, slots if by_slot else tokens,

@@ -198,7 +198,7 @@ def sample_in_graph(model: torch.nn.Module, hidden: torch.Tensor, fields: torch.
 
     logits = model.compute_logits(hidden[fields[SAMPLE_ROWS]], upcast=False)  # read as float32
     sample_plain_by_slot(logits, fields[SAMPLING_SLOTS], slot_temperature,
-                         fields[KEY_BASE_LOW:, 0], tables.last_tokens, tokens)
+                         fields[KEY_BASE_LOW:, 0], KEY_BASE_BITS, tables.last_tokens, tokens)
 
 
 def decode_inputs(fields: torch.Tensor, tables: SlotTables, block_size: int,

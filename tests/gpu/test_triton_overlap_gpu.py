@@ -77,7 +77,8 @@ def test_decode_attention_reads_the_newest_key_the_kernel_ahead_wrote(num_splits
     seq_lens = torch.tensor([300, 100, 64, 1, 129], dtype=torch.int32, device="cuda")
     batch = len(seq_lens)
     g = torch.Generator(device="cuda").manual_seed(0)
-    k_cache = torch.randn(batch * blocks_each, block_size, kv_heads, dim, generator=g, device="cuda")
+    k_cache = torch.randn(batch * blocks_each, block_size, kv_heads, dim, generator=g,
+                          device="cuda")
     v_cache = torch.randn(k_cache.shape, generator=g, device="cuda")
     block_tables = torch.randperm(len(k_cache), generator=g, device="cuda").view(batch, blocks_each)
     block_tables = block_tables.to(torch.int32)
@@ -106,7 +107,8 @@ def test_decode_attention_reads_the_newest_key_the_kernel_ahead_wrote(num_splits
         fill(seed)
         graph.replay()
         rotated_q, _ = apply_rotary(q, k, positions, cos_sin)
-        expected = reference_attention(rotated_q, k_cache, v_cache, seq_lens, block_tables, dim**-0.5)
+        expected = reference_attention(rotated_q, k_cache, v_cache, seq_lens, block_tables,
+                                       dim**-0.5)
         # the cache holds this replay's newest key and value (the rotary kernel wrote them); an
         # output computed from the last replay's is O(1) away from it
         torch.testing.assert_close(out, expected, rtol=1e-3, atol=1e-3)
