@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# A/B of source trees in one device call, where hosts differ more than a change does: each tree's
+# single request and decode-step device time, the trees taken in turn, twice.
+# Usage (on the GPU machine, from the repository root, .whl/ carried):
+#   bash benchmarks/ab_trees.sh TREE [TREE...]     e.g. . .ab_base  (a tree: a folder holding nanofn/)
+# A tree other than the checkout is a copy carried along, e.g. made here with
+#   mkdir .ab_base && git archive HEAD | tar -x -C .ab_base   (and /.ab_base/ in .git/info/exclude)
+# BATCHES (default "1 256") sets the decode batch sizes profiled.
+set -u
+python3 -m pip install -q --upgrade --no-index --no-deps --target /tmp/site .whl/*.whl
+export PYTHONUNBUFFERED=1 NANOFN_CACHE=/tmp/nanofn-cache
+OUT=${OUT:-/tmp/nanofn-out}
+mkdir -p "$OUT"
+for round in 1 2; do
+  for tree in "$@"; do
+    PYTHONPATH=/tmp/site:$(cd "$tree" && pwd) timeout 120 python3 benchmarks/single_request.py \
+      --random-weights qwen3-0.6b 2>&1 | tail -1 | sed "s|^|$tree (round $round): |"
+  done
+done
+for b in ${BATCHES:-1 256}; do
+  for tree in "$@"; do
+    log="$OUT/profile-$b-$(echo "$tree" | tr -c 'a-zA-Z0-9\n' _).txt"
+    PYTHONPATH=/tmp/site:$(cd "$tree" && pwd) timeout 120 python3 benchmarks/profile_decode.py \
+      --random-weights qwen3-0.6b --batch "$b" > "$log" 2>&1
+    grep "per decode step" "$log" | sed "s|^|$tree: |"
+  done
+done
