@@ -4,6 +4,35 @@ one machine. The engine has no option for them, each being its default wherever 
 
 from __future__ import annotations
 
+import argparse
+
+
+def add_model_and_switches(parser: argparse.ArgumentParser) -> None:
+    """The scripts' shared arguments: the model (a folder, or ``--random-weights SHAPE``) and
+    the kernel switches below."""
+    parser.add_argument("model", nargs="?")
+    parser.add_argument("--random-weights")
+    parser.add_argument("--no-gemv", action="store_true",
+                        help="every projection on cuBLAS (the Triton GEMVs off), for a before/after")
+    parser.add_argument("--gemv-max-rows", type=int,
+                        help="projections of at most this many tokens on the GEMVs, for a sweep")
+    parser.add_argument("--no-overlap", action="store_true",
+                        help="kernels launched one after another (programmatic dependent launch off)")
+
+
+def model_with_switches(args: argparse.Namespace) -> str:
+    """Apply the switches ``args`` asks for; returns the model's folder (a random-weight
+    checkpoint is built once)."""
+    from nanofn.cli import random_weights_model
+
+    if args.no_gemv:
+        projections_on_cublas()
+    if args.gemv_max_rows is not None:
+        gemv_up_to(args.gemv_max_rows)
+    if args.no_overlap:
+        launches_in_sequence()
+    return str(args.model or random_weights_model(args.random_weights))
+
 
 def projections_on_cublas() -> None:
     """Every projection on cuBLAS (the Triton GEMVs of nanofn/kernels/triton_gemv.py off)."""

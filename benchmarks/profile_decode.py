@@ -15,34 +15,20 @@ import time
 import torch
 
 from nanofn import LLM, SamplingParams
-from nanofn.cli import random_weights_model
 from nanofn.engine.collector import fewer_gc_pauses
 
-from kernel_switches import gemv_up_to, launches_in_sequence, projections_on_cublas  # (benchmarks/)
+from kernel_switches import add_model_and_switches, model_with_switches  # (benchmarks/)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("model", nargs="?")
-    ap.add_argument("--random-weights")
+    add_model_and_switches(ap)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--host-only", action="store_true",
                     help="skip the device profile; list the host's functions by own time")
-    ap.add_argument("--no-gemv", action="store_true",
-                    help="every projection on cuBLAS (the Triton GEMVs off), for a before/after")
-    ap.add_argument("--no-overlap", action="store_true",
-                    help="kernels launched one after another (programmatic dependent launch off)")
-    ap.add_argument("--gemv-max-rows", type=int,
-                    help="projections of at most this many tokens on the GEMVs, for a sweep")
     args = ap.parse_args()
-    if args.no_gemv:
-        projections_on_cublas()
-    if args.gemv_max_rows is not None:
-        gemv_up_to(args.gemv_max_rows)
-    if args.no_overlap:
-        launches_in_sequence()
-    llm = LLM(str(args.model or random_weights_model(args.random_weights)), max_model_len=4096)
+    llm = LLM(model_with_switches(args), max_model_len=4096)
     engine = llm.engine
     rng = random.Random(0)
     params = SamplingParams(temperature=0.6, max_tokens=1000, ignore_eos=True)

@@ -16,23 +16,17 @@ import time
 import torch
 
 from nanofn import LLM, SamplingParams
-from nanofn.cli import random_weights_model
 
-from kernel_switches import launches_in_sequence  # (benchmarks/)
+from kernel_switches import add_model_and_switches, model_with_switches  # (benchmarks/)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("model", nargs="?")
-    ap.add_argument("--random-weights")
+    add_model_and_switches(ap)
     ap.add_argument("--prompts", type=int, default=29)
     ap.add_argument("--prompt-len", type=int, default=560)
-    ap.add_argument("--no-overlap", action="store_true",
-                    help="kernels launched one after another (programmatic dependent launch off)")
     args = ap.parse_args()
-    if args.no_overlap:
-        launches_in_sequence()
-    llm = LLM(str(args.model or random_weights_model(args.random_weights)), max_model_len=4096)
+    llm = LLM(model_with_switches(args), max_model_len=4096)
     rng = random.Random(0)
     params = SamplingParams(temperature=0.6, max_tokens=1, ignore_eos=True)
 

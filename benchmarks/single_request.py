@@ -21,32 +21,22 @@ from pathlib import Path
 
 from nanofn import LLM, SamplingParams
 from nanofn.cli.bench import ModelDims, floor
-from nanofn.cli import random_weights_model
 from nanofn.engine.options import EngineOptions
 
-from kernel_switches import launches_in_sequence, projections_on_cublas  # (benchmarks/)
+from kernel_switches import add_model_and_switches, model_with_switches  # (benchmarks/)
 
 PROMPT_LEN, NEW_TOKENS, PREFILL_REPEATS = 512, 512, 5
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("model", nargs="?")
-    ap.add_argument("--random-weights")
+    add_model_and_switches(ap)
     ap.add_argument("--json")
     ap.add_argument("--trace", help="a folder for a torch.profiler record of one more prefill")
-    ap.add_argument("--no-gemv", action="store_true",
-                    help="every projection on cuBLAS (the Triton GEMVs off), for a before/after")
-    ap.add_argument("--no-overlap", action="store_true",
-                    help="kernels launched one after another (programmatic dependent launch off)")
     args, extra = ap.parse_known_args()
-    if args.no_gemv:
-        projections_on_cublas()
-    if args.no_overlap:
-        launches_in_sequence()
     options = {"max_model_len": 4096, **_options(extra)}
-    model = args.model or random_weights_model(args.random_weights)
-    llm = LLM(str(model), **options)
+    model = model_with_switches(args)
+    llm = LLM(model, **options)
     vocab = llm.engine.hf_config.vocab_size
     rng = random.Random(1)
     prompts = [[rng.randrange(min(vocab, 10000)) for _ in range(PROMPT_LEN)]

@@ -149,9 +149,9 @@ def _decode_kernel(
     dims = tl.arange(0, HEAD_DIM)
     # Split-K (a few sequences) reads its first tile before the wait; whole contexts (many
     # sequences, 128-key tiles) do not: a tile held across the wait costs registers.
-    first_keys = key_begin + tl.arange(0, BLOCK_N)
-    first_in_range = first_keys < key_end
     if SPLIT_K:
+        first_keys = key_begin + tl.arange(0, BLOCK_N)
+        first_in_range = first_keys < key_end
         k, v, first_offsets = _load_kv_tile(
             k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, first_keys, first_in_range,
             stride_block, stride_slot, stride_head, BLOCK_SIZE, HEAD_DIM)
