@@ -17,6 +17,7 @@ import nanofn.llm as llm_module
 from nanofn import LLM, SamplingParams
 from nanofn.engine.engine import Engine
 from nanofn.runner.sampler import DeviceSample
+from nanofn.state.block_pool import BULK_RELEASE, PoolChanges
 from nanofn.state import parse_trace, replay
 
 PROMPTS = [[(7 * i + j) % 300 + 3 for j in range(20 + 9 * i)] for i in range(6)]
@@ -175,3 +176,33 @@ def test_ctrl_c_during_a_launch_waits_for_the_launch_to_end(tiny_qwen3, referenc
                     llm.generate(PROMPTS, PARAMS, use_tqdm=False)
             assert_clean(llm)
             assert tokens(llm.generate(PROMPTS, PARAMS, use_tqdm=False)) == reference
+
+
+@pytest.mark.parametrize("point", [(PoolChanges, "_free"), (loop_module, "step")],
+                         ids=["bulk-release", "reset-prefix-cache-step"])
+def test_an_interrupt_in_a_bulk_release_or_a_cache_reset_leaves_the_llm_usable(
+        tiny_qwen3, monkeypatch, point):
+    """A batch finishing together gives back 64+ blocks in one array-counted release
+    (``BULK_RELEASE``), and ``reset_prefix_cache`` runs a step of its own: Ctrl-C in either
+    leaves every block free and the next run's tokens unchanged."""
+    prompts = [[(5 * i + j) % 300 + 3 for j in range(96)] for i in range(10)]  # 7 blocks each
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    with LLM(str(tiny_qwen3), num_kv_blocks=200, max_model_len=128) as llm:
+        released = []
+        with monkeypatch.context() as patch:  # (the batch's blocks do go back in one release)
+            release = PoolChanges.release
+            patch.setattr(PoolChanges, "release",
+                          lambda self, blocks: released.append(len(blocks)) or release(self, blocks))
+            expected = tokens(llm.generate(prompts, params, use_tqdm=False))
+        assert max(released) >= BULK_RELEASE
+        owner, name = point
+        with monkeypatch.context() as patch:
+            raise_at_call(patch, owner, name, 1)
+            with pytest.raises(KeyboardInterrupt):
+                if name == "_free":
+                    llm.generate(prompts, params, use_tqdm=False)
+                else:
+                    llm.reset_prefix_cache()
+        assert_clean(llm)
+        assert tokens(llm.generate(prompts, params, use_tqdm=False)) == expected
+        assert_clean(llm)
