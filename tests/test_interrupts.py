@@ -191,8 +191,8 @@ def test_an_interrupt_in_a_bulk_release_or_a_cache_reset_leaves_the_llm_usable(
         released = []
         with monkeypatch.context() as patch:  # (the batch's blocks do go back in one release)
             release = PoolChanges.release
-            patch.setattr(PoolChanges, "release",
-                          lambda self, blocks: released.append(len(blocks)) or release(self, blocks))
+            patch.setattr(PoolChanges, "release", lambda self, blocks: (
+                released.append(len(blocks)) or release(self, blocks)))
             expected = tokens(llm.generate(prompts, params, use_tqdm=False))
         assert max(released) >= BULK_RELEASE
         owner, name = point
