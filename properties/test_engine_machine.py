@@ -16,7 +16,7 @@ from nanofn.state import (Events, InvalidRequest, NewSeq, SamplingParams, check_
                           parse_trace, replay, step)
 from nanofn.engine import loop
 from nanofn.state import scheduler
-from nanofn.state.decode import decode_step
+from nanofn.state.decode import decode_step, plain_run
 from nanofn.state.step import full_step
 from nanofn.state.plan import PENDING_TOKEN
 from properties.driver import Driver, run_workload
@@ -41,8 +41,14 @@ def _spying_preempt(pool, batch, i, config):
 
 def _step_checking_the_shortcut(state, events):
     """``step``, asserting on every step where the plain decode shortcut applies that it gives
-    the state and plan the general path (``full_step``) gives from the same state and events."""
+    the state and plan the general path (``full_step``) gives from the same state and events,
+    and on every state whose batch carries the shortcut's memo (``PlainRun``) that the memo
+    says what the checks it stands for find."""
     twin = copy.deepcopy(state)  # (a state's first step may write its store in place)
+    if state.batch.plain_run is not None:
+        memo_steps.append(1)
+        assert plain_run(state.batch, state.config.block_size) == state.batch.plain_run, \
+            "the plain decode memo departs from the checks it stands for"
     new_state, plan = _real_step(state, events)
     if events.sampled is not None:
         sampled = np.asarray(events.sampled, np.int64)
@@ -200,6 +206,7 @@ def mostly_plain_requests(draw) -> tuple[int, tuple[int, ...], SamplingParams]:
 
 
 shortcut_steps: list = []  # one entry per step the shortcut took and the property checked
+memo_steps: list = []  # one entry per state with the shortcut's memo, checked
 
 
 @settings(max_examples=examples(150), deadline=None,
@@ -213,5 +220,7 @@ def _decode_shortcut_agrees(setup, pipelined, workload):
 
 def test_the_plain_decode_shortcut_gives_what_full_step_gives():
     shortcut_steps.clear()
+    memo_steps.clear()
     _decode_shortcut_agrees()
     assert len(shortcut_steps) > 100, "the property hardly ever met a plain decode step"
+    assert len(memo_steps) > 50, "the property hardly ever met a batch with the decode memo"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import copy
 import json
 import pathlib
 import subprocess
@@ -19,11 +20,14 @@ from nanofn.state import (Events, FinishReason, InvalidRequest, NewSeq, Sampling
                           header_line, initial_state, parse_trace, replay, step, step_line)
 from nanofn.state.block_pool import (BULK_RELEASE, CachedBlock, KnownPrefix, PoolChanges,
                                     find_cached_prefix, new_block_pool)
+from nanofn.state.decode import decode_step
 from nanofn.state.engine_state import EngineState, evolve
 from nanofn.state.hashing import (ROOT_HASH, block_hash, block_hashes, block_hashes_sharing,
                                   token_bytes)
 from nanofn.state.plan import PENDING_TOKEN
 from nanofn.state.policy import banned_token_ids, may_stop, stops_on
+from nanofn.state.step import full_step
+from nanofn.state.store import TABLES, TOKENS
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
 
@@ -472,6 +476,31 @@ def test_decode_plans_carry_one_token_and_no_history():
     penalised = replace(GREEDY, repetition_penalty=1.2)
     state, plan = run(state, new_seqs=(request("p", [1, 2], penalised),))
     assert plan.histories == ((1, (1, 2)),)
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_the_plain_decode_step_leaves_the_ends_of_store_rows_to_the_general_path(pipelined):
+    """A sequence of 1,000 prompt tokens sits in store rows 1,024 tokens and 64 blocks wide.
+    The plain decode step (and the memo it passes on) must leave the step that would write
+    past either end to the general path, which widens the store, and give what ``full_step``
+    gives wherever it applies. (Pipelined, the table's end comes a step before the tokens'.)"""
+    cfg = config(num_blocks=200, max_num_batched_tokens=2048, max_model_len=2048)
+    params = replace(GREEDY, max_tokens=200, ignore_eos=True)
+    state, _ = step(start(cfg), Events(new_seqs=(request("a", range(1, 1001), params),)))
+    taken = []
+    for i in range(60):
+        sampled = deliver(state, i % 7 + 1) if len(state.undelivered) > pipelined else None
+        events = Events(sampled=sampled)
+        shortcut = None if sampled is None else decode_step(
+            copy.deepcopy(state), np.asarray(sampled, np.int64), True)
+        by_definition = full_step(copy.deepcopy(state), events)
+        state, plan = step(state, events)
+        assert (state, plan) == by_definition
+        if shortcut is not None:
+            assert shortcut == by_definition
+        taken.append(shortcut is not None)
+    assert state.batch.store.width(TOKENS) > 1024 and state.batch.store.width(TABLES) > 64
+    assert sum(taken) >= 50 and not all(taken[2:])
 
 
 # --- traces -------------------------------------------------------------------------------

@@ -14,8 +14,9 @@ its per-sequence state under (reused once the stint ends), its ``ROW`` is its st
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import compress
+from typing import NamedTuple
 
 import numpy as np
 
@@ -33,6 +34,19 @@ NUM_COLS = 16
 FILL_COLS = [NUM_TOKENS, NUM_BLOCKS, NUM_HASHED]  # a row's view of the store, per kind
 
 
+class PlainRun(NamedTuple):
+    """What the plain decode step (``decode.py``) found true of a batch's columns, passed on to
+    the batches its next plain steps make (whose columns differ only by a token more each):
+    every row decodes one token with nothing to do on the host, and for ``steps_left``
+    deliveries, this one included, no row reaches its length limit or the end of its store
+    rows. ``ignores_eos``: every row ignores end-of-sequence tokens; ``all_pending``: every row
+    computes a pending token."""
+
+    steps_left: int
+    ignores_eos: bool
+    all_pending: bool
+
+
 @dataclass(frozen=True, slots=True, eq=False)
 class RunningBatch:
     cols: np.ndarray  # [n, NUM_COLS] int64, read-only
@@ -40,6 +54,8 @@ class RunningBatch:
     ids: tuple[str, ...]
     store: SeqStore
     write_key: object  # appends skip the fill-mark check while the store's owner is this key
+    # A memo of the plain decode step's checks, set only by that step (None: not known).
+    plain_run: PlainRun | None = field(default=None, compare=False)
 
     def __len__(self) -> int:
         return len(self.ids)

@@ -126,6 +126,22 @@ def _valid_entry(refs, stamps, cached, block: int, position: int) -> bool:
     return refs[block] == 0 and stamps[block] == position and cached[block] is not None
 
 
+def take_plain_blocks(pool: BlockPool, count: int) -> tuple[BlockPool, list[int]] | None:
+    """``count`` blocks off the plain free stack and the pool after, or None if it holds fewer:
+    what ``PoolChanges``' ``allocate`` and ``build`` give then, without the builder (a decode
+    step's new blocks, the common allocation, come this way)."""
+    stack = pool.plain_free.blocks
+    left = len(stack) - count
+    if left < 0:
+        return None
+    blocks = stack[left:][::-1].tolist()
+    refs = pool.ref_counts.evolver()
+    for block in blocks:
+        refs[block] = 1
+    return BlockPool(refs.persistent(), BlockStack(stack[:left]), left, pool.lru, pool.lru_head,
+                     pool.num_cached_free, pool.lru_stamps, pool.cached, pool.by_hash), blocks
+
+
 class PoolChanges:
     """The changes one step makes to a pool, collected, then frozen by ``build``. Operations
     are the pool's own: allocate, release, take back cached blocks, cache a block."""
@@ -180,12 +196,19 @@ class PoolChanges:
         return self._cached[block]
 
     def _change(self) -> None:
+        """Make every vector writable (through an evolver)."""
         if not self._changed:
             self._changed = True
-            self._refs = self._refs.evolver()
+            self._change_refs()
             self._stamps = self._stamps.evolver()
             self._cached = self._cached.evolver()
             self._lru = self._lru.evolver()
+
+    def _change_refs(self) -> None:
+        """Make the reference counts writable: taking plain blocks, the common change, writes
+        nothing else (so the other vectors need no evolver and no ``persistent``)."""
+        if self._refs is self._pool.ref_counts:
+            self._refs = self._refs.evolver()
 
     def allocate(self, count: int) -> list[int]:
         """Take ``count`` free blocks (the caller checked ``num_free``): plain ones first, then
@@ -194,9 +217,9 @@ class PoolChanges:
             raise ValueError(f"allocate({count}) with only {self.num_free} free blocks")
         if not count:
             return []
-        self._change()
+        self._change_refs()
         refs, pushed = self._refs, self._pushed
-        blocks = [pushed.pop() for _ in range(min(count, len(pushed)))]
+        blocks = [pushed.pop() for _ in range(min(count, len(pushed)))] if pushed else []
         taken = min(count - len(blocks), self._plain_top)
         if taken:
             top = self._plain_top
@@ -204,6 +227,9 @@ class PoolChanges:
             self._plain_top = top - taken
         for block in blocks:
             refs[block] = 1
+        if len(blocks) == count:
+            return blocks
+        self._change()  # eviction: the cache's vectors change too
         lru, stamps, cached = self._lru, self._stamps, self._cached
         while len(blocks) < count:
             position = self._head
@@ -287,7 +313,7 @@ class PoolChanges:
     def take_cached(self, blocks: Iterable[int]) -> None:
         """Add a reference to each block found in the cache (a free one leaves the queue: its
         entry goes stale)."""
-        self._change()
+        self._change_refs()
         refs = self._refs
         for block in blocks:
             if refs[block] == 0:
@@ -319,16 +345,20 @@ class PoolChanges:
         return self._pool.by_hash.absent(candidates) | self._gone_hashes.intersection(candidates)
 
     def build(self) -> BlockPool:
-        if not self._changed:
-            return self._pool
-        lru, head, stamps = self._lru.persistent(), self._head, self._stamps
-        if head > 1024 and head > len(lru) // 2:  # compact: keep the entries still valid
-            refs, cached = self._refs, self._cached
-            kept = [b for p, b in enumerate(lru[head:], start=head)
-                    if _valid_entry(refs, stamps, cached, b, p)]
-            for position, block in enumerate(kept):
-                stamps[block] = position
-            lru, head = pvector(kept), 0
+        pool = self._pool
+        if self._refs is pool.ref_counts:  # (every change makes it an evolver)
+            return pool
+        lru, head, stamps, cached = pool.lru, pool.lru_head, pool.lru_stamps, pool.cached
+        if self._changed:  # (else only reference counts changed: plain blocks taken, say)
+            lru, head, stamps, cached = self._lru.persistent(), self._head, self._stamps, \
+                self._cached.persistent()
+            if head > 1024 and head > len(lru) // 2:  # compact: keep the entries still valid
+                kept = [b for p, b in enumerate(lru[head:], start=head)
+                        if _valid_entry(self._refs, stamps, cached, b, p)]
+                for position, block in enumerate(kept):
+                    stamps[block] = position
+                lru, head = pvector(kept), 0
+            stamps = stamps.persistent()
         return BlockPool(
             ref_counts=self._refs.persistent(),
             plain_free=BlockStack(np.concatenate([self._plain[:self._plain_top], self._pushed])
@@ -337,9 +367,9 @@ class PoolChanges:
             lru=lru,
             lru_head=head,
             num_cached_free=self._num_cached_free,
-            lru_stamps=stamps.persistent(),
-            cached=self._cached.persistent(),
-            by_hash=self._pool.by_hash.update_known(self._new_hashes, self._gone_hashes),
+            lru_stamps=stamps,
+            cached=cached,
+            by_hash=pool.by_hash.update_known(self._new_hashes, self._gone_hashes),
         )
 
 

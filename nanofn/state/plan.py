@@ -35,7 +35,8 @@ class SeqStart:
 
 
 def _frozen(a: np.ndarray) -> np.ndarray:
-    a.setflags(write=False)
+    if a.flags.writeable:  # (shared constant arrays are read-only already)
+        a.setflags(write=False)
     return a
 
 

@@ -47,6 +47,12 @@ def at_length_limit(num_tokens, limit):
     return num_tokens >= limit
 
 
+def tokens_to_length_limit(num_tokens, limit):
+    """How many tokens a sequence of ``num_tokens`` tokens takes before ``at_length_limit``
+    holds: it holds after ``k`` more exactly when ``k >=`` this."""
+    return limit - num_tokens
+
+
 def stop_token_ids(params: SamplingParams, eos_token_ids: tuple[int, ...]) -> tuple[int, ...]:
     """The token ids that end the sequence: its ``stop_token_ids`` and, unless it ignores them,
     the model's end-of-sequence ids."""

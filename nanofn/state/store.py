@@ -36,7 +36,7 @@ class SeqStore:
         self.arrays = (np.zeros((rows, widths[TOKENS]), np.int64),
                        np.zeros((rows, widths[TABLES]), np.int64),
                        np.zeros((rows, widths[HASHES]), np.uint64))
-        self.filled = np.zeros((rows, 3), np.int64)  # each row's fill mark, per kind
+        self.filled = np.zeros((3, rows), np.int64)  # per kind, each row's fill mark
         self.num_rows = 0  # rows handed out
         self.owner: object = None  # the write key of the batch that wrote last
 
@@ -47,7 +47,7 @@ class SeqStore:
 
     @property
     def capacity(self) -> int:
-        return len(self.filled)
+        return self.filled.shape[1]
 
     def width(self, kind: int) -> int:
         return self.arrays[kind].shape[1]
@@ -64,14 +64,14 @@ class SeqStore:
         fill marks need no check when ``key`` owns the store)."""
         if not len(rows):
             return True
-        return ((key is self.owner or bool((self.filled[rows, kind] == lengths).all()))
+        return ((key is self.owner or bool((self.filled[kind][rows] == lengths).all()))
                 and int((lengths + counts).max()) <= self.arrays[kind].shape[1])
 
     def append(self, kind: int, rows: np.ndarray, lengths: np.ndarray,
                values: np.ndarray) -> None:
         """Write ``values[i]`` at position ``lengths[i]`` of ``rows[i]`` (``can_append`` holds)."""
         self.arrays[kind][rows, lengths] = values
-        self.filled[rows, kind] = lengths + 1
+        self.filled[kind][rows] = lengths + 1
 
     def extend(self, kind: int, row: int, length: int, values) -> None:
         """Write ``values`` from position ``length`` of ``row`` on (``can_append`` holds)."""
@@ -79,7 +79,7 @@ class SeqStore:
             values = np.frombuffer(array.array("q", values), np.int64)
         end = length + len(values)
         self.arrays[kind][row, length:end] = values
-        self.filled[row, kind] = end
+        self.filled[kind, row] = end
 
     def take_rows(self, count: int) -> np.ndarray | None:
         """``count`` fresh rows, or None if the store has too few left."""
@@ -102,7 +102,7 @@ def moved(store: SeqStore, rows: np.ndarray, lengths: np.ndarray, extra_rows: in
         if n:
             longest = int(lengths[:, kind].max())
             new.arrays[kind][:n, :longest] = store.arrays[kind][rows, :longest]
-    new.filled[:n] = lengths
+    new.filled[:, :n] = lengths.T
     new.num_rows = n
     return new
 
