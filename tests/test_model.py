@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import multiprocessing
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -12,6 +13,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
+from nanofn.kernels import TORCH_KERNELS
 from nanofn.model import AttentionBatch, build_model, load_weights, model_shape
 from nanofn.model.config import rope_settings
 from nanofn.model.parallel import (
@@ -308,6 +310,25 @@ def test_lm_head_shard_logits_concatenate_to_the_full_vocabulary():
     gathered = torch.cat([rank.shard_logits(hidden) for rank in ranks], dim=-1)[:, :11]  # the all-gather
     torch.testing.assert_close(gathered, single(hidden))
     torch.testing.assert_close(single(hidden), hidden @ weight.T)
+
+
+def test_the_lm_head_projects_through_the_kernel_backends_linear(tiny_qwen3):
+    """The LM head is the backend's ``linear`` (the Triton backend's GEMV for a few tokens),
+    not a fixed cuBLAS call."""
+    calls = []
+
+    def linear(x, weight, bias=None):
+        calls.append(tuple(weight.shape))
+        return TORCH_KERNELS.linear(x, weight, bias)
+
+    config = AutoConfig.from_pretrained(tiny_qwen3)
+    model = build_model(config, dtype="float32", device="cpu",
+                        kernels=replace(TORCH_KERNELS, linear=linear))
+    load_weights(model, tiny_qwen3)
+    hidden = randn(2, config.hidden_size, seed=39)
+    logits = model.compute_logits(hidden)
+    assert calls == [(config.vocab_size, config.hidden_size)]
+    torch.testing.assert_close(logits, hidden @ model.lm_head.weight.T)
 
 
 # The whole model at tp_size=2: two forked processes talk through gloo, as GPU ranks do through

@@ -22,7 +22,8 @@ from nanofn.kernels.rotary import (SUPPORTED_ROPE_TYPES, apply_rotary, build_cos
 
 @dataclass(frozen=True)
 class KernelBackend:
-    """Every kernel a model calls besides its embedding lookups and its LM head.
+    """Every kernel a model calls besides its embedding lookups (the LM head projects through
+    ``linear``).
 
     Each field has the signature and contract of the torch reference of the same name.
     """

@@ -270,7 +270,8 @@ class CausalLM(nn.Module):
         super().__init__()
         self.model = DecoderModel(hf_config, options, kernels, max_positions, tp_rank, tp_size)
         self.lm_head = ParallelLMHead(
-            hf_config.vocab_size, hf_config.hidden_size, tp_rank=tp_rank, tp_size=tp_size
+            hf_config.vocab_size, hf_config.hidden_size, tp_rank=tp_rank, tp_size=tp_size,
+            project=kernels.linear,
         )
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:

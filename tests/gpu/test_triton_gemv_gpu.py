@@ -214,11 +214,12 @@ def benchmark() -> None:
                      _graph_us(lambda w: triton_gemv.rms_norm_gemv(x, scale, EPS, residual, w), weights)]
             print(f"| residual + rms_norm + {name} | {rows} | " + " | ".join(f"{t:.2f}" for t in times) + " |")
     weights = [randn(VOCAB, HIDDEN, seed=4, scale=0.03)]  # 311 MB: no copies needed
-    x = randn(1, HIDDEN, seed=5)
-    cublas = _graph_us(lambda w: F.linear(x, w), weights)
-    gemv = _graph_us(lambda w: triton_gemv.gemv(x, w), weights)
-    print(f"\nLM head {VOCAB} x {HIDDEN}, 1 row: cuBLAS {cublas:.1f} us, GEMV {gemv:.1f} us "
-          f"({VOCAB * HIDDEN * 2 / gemv / 1e3:,.0f} GB/s), {cublas / gemv:.2f}x")
+    for rows in ROWS:
+        x = randn(rows, HIDDEN, seed=5)
+        cublas = _graph_us(lambda w: F.linear(x, w), weights)
+        gemv = _graph_us(lambda w: triton_gemv.gemv(x, w), weights)
+        print(f"LM head {VOCAB} x {HIDDEN}, {rows} rows: cuBLAS {cublas:.1f} us, GEMV {gemv:.1f} "
+              f"us ({VOCAB * HIDDEN * 2 / gemv / 1e3:,.0f} GB/s), {cublas / gemv:.2f}x")
 
 
 SWEEP_ROWS = [1]
