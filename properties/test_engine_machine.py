@@ -16,7 +16,7 @@ from nanofn.state import (Events, InvalidRequest, NewSeq, SamplingParams, check_
                           parse_trace, replay, step)
 from nanofn.engine import loop
 from nanofn.state import scheduler
-from nanofn.state.decode import decode_step, plain_run
+from nanofn.state.decode import decode_step, find_plain_run
 from nanofn.state.step import full_step
 from nanofn.state.plan import PENDING_TOKEN
 from properties.driver import Driver, run_workload
@@ -47,7 +47,7 @@ def _step_checking_the_shortcut(state, events):
     twin = copy.deepcopy(state)  # (a state's first step may write its store in place)
     if state.batch.plain_run is not None:
         memo_steps.append(1)
-        assert plain_run(state.batch, state.config.block_size) == state.batch.plain_run, \
+        assert find_plain_run(state.batch, state.config.block_size) == state.batch.plain_run, \
             "the plain decode memo departs from the checks it stands for"
     new_state, plan = _real_step(state, events)
     if events.sampled is not None:

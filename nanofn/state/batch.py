@@ -37,9 +37,9 @@ FILL_COLS = [NUM_TOKENS, NUM_BLOCKS, NUM_HASHED]  # a row's view of the store, p
 class PlainRun(NamedTuple):
     """What the plain decode step (``decode.py``) found true of a batch's columns, passed on to
     the batches its next plain steps make (whose columns differ only by a token more each):
-    every row decodes one token with nothing to do on the host, and for ``steps_left``
-    deliveries, this one included, no row reaches its length limit or the end of its store
-    rows. ``ignores_eos``: every row ignores end-of-sequence tokens; ``all_pending``: every row
+    every row decodes one token with nothing to do on the host, and for the batch's next
+    ``steps_left`` deliveries no row reaches its length limit or the end of its store rows.
+    ``ignores_eos``: every row ignores end-of-sequence tokens; ``all_pending``: every row
     computes a pending token."""
 
     steps_left: int

@@ -48,7 +48,7 @@ def decode_step(state: EngineState, sampled: np.ndarray,
     cols = batch.cols
     if state.undelivered[0].serials_bytes != cols[:, SERIAL].tobytes():
         return None  # other stints' tokens
-    run = batch.plain_run or plain_run(batch, c.block_size)
+    run = batch.plain_run or find_plain_run(batch, c.block_size)
     if run is None:
         return None
     if not run.ignores_eos:
@@ -56,14 +56,14 @@ def decode_step(state: EngineState, sampled: np.ndarray,
         if np.count_nonzero(ends) and np.count_nonzero(ends & (cols[:, IGNORE_EOS] == 0)):
             return None
     # (``blocks_for(computed + 1) > NUM_BLOCKS``, in two operations instead of five; the
-    # tables have room for the new blocks: see ``plain_run``)
+    # tables have room for the new blocks: see ``find_plain_run``)
     grown = np.flatnonzero(cols[:, NUM_COMPUTED] >= cols[:, NUM_BLOCKS] * c.block_size)
     if len(grown) > state.pool.num_free:
         return None
     return _decode(state, sampled, run, grown)
 
 
-def plain_run(batch: RunningBatch, block_size: int) -> PlainRun | None:
+def find_plain_run(batch: RunningBatch, block_size: int) -> PlainRun | None:
     """The checks the plain decode step makes on a batch's columns, or None if they fail:
     every row has one token to compute, ready to be scheduled (only its last token pending,
     and not its last by length), no row needs its tokens on the host (stop token ids,
