@@ -116,8 +116,9 @@ class PDict:
         while len(layers) > 1 and 2 * len(layers[0]) >= len(layers[1]):
             merged = dict(layers[1])
             merged.update(layers[0])
-            if len(layers) == 2:  # the bottom layer holds no deletions
-                merged = {k: v for k, v in merged.items() if v is not _GONE}
+            if len(layers) == 2:  # the bottom layer holds no deletions: drop the newer one's
+                for key in [k for k, v in layers[0].items() if v is _GONE]:
+                    del merged[key]
             layers = (merged,) + layers[2:]
         new = object.__new__(PDict)
         new._layers = layers
