@@ -125,10 +125,11 @@ class DecodeGraphs:
             ids, positions, batch = decode_inputs(fields, self.tables, self.block_size,
                                                   query_start)
             hidden = model(ids, positions, batch, kv_cache)
-            self.hidden[:size] = hidden
-            if sample:
+            if sample:  # (the draw reads them in the graph: no copy out)
                 sample_in_graph(model, hidden, fields, self.tables, self.slot_temperature,
                                 self.tokens[:size])
+            else:
+                self.hidden[:size] = hidden
         return run
 
     def fits(self, plan: BatchPlan) -> bool:
