@@ -21,9 +21,12 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+import triton.testing
 
 from nanofn.kernels import triton_overlap
 from nanofn.kernels.triton_overlap import wait_for_previous
+
+from l2_prefetch import prefetch_to_l2  # (benchmarks/)
 
 LAYERS = 28
 SHAPES = [("qkv", 4096, 1024), ("o", 1024, 2048), ("gate_up", 6144, 1024), ("down", 1024, 3072)]
@@ -53,10 +56,7 @@ def _gemm_kernel(x_ptr, w_ptr, out_ptr, rows, n, k, stride_x, stride_w, stride_o
     outputs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     w_rows = w_ptr + tl.minimum(outputs, n - 1)[:, None].to(tl.int64) * stride_w
     if PREFETCH:
-        lines = tl.minimum(tl.arange(0, LINES), k // 64 - 1)
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l",
-                                  [w_rows + lines[None, :] * 64], dtype=tl.int32,
-                                  is_pure=False, pack=1)
+        prefetch_to_l2(w_rows + tl.minimum(tl.arange(0, LINES), k // 64 - 1)[None, :] * 64)
     wait_for_previous(OVERLAP)
     columns = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -95,21 +95,8 @@ def chain(x, weights, outs, project) -> torch.Tensor:
 
 
 def time_layer_us(run) -> float:
-    run()  # compile, warm
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    graph.replay()
-    times = []
-    for _ in range(10):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / LAYERS)
-    return sorted(times)[len(times) // 2]
+    """Median device microseconds a layer of ``run`` (all the layers), replayed from a graph."""
+    return triton.testing.do_bench_cudagraph(run, return_mode="median") * 1e3 / LAYERS
 
 
 def main() -> None:

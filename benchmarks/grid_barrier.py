@@ -18,6 +18,7 @@ import argparse
 import torch
 import triton
 import triton.language as tl
+import triton.testing
 
 from nanofn.kernels import triton_overlap
 from nanofn.kernels.device import num_sms
@@ -42,21 +43,8 @@ def _barriers_kernel(counter_ptr, rounds):
 
 
 def graph_us_per_step(run, steps: int) -> float:
-    run()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    graph.replay()
-    times = []
-    for _ in range(10):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / steps)
-    return sorted(times)[len(times) // 2]
+    """Median device microseconds a step of ``run`` (``steps`` of them), replayed from a graph."""
+    return triton.testing.do_bench_cudagraph(run, return_mode="median") * 1e3 / steps
 
 
 def main() -> None:

@@ -19,6 +19,7 @@ import argparse
 import torch
 import triton
 import triton.language as tl
+import triton.testing
 
 from nanofn.kernels import triton_gemv
 
@@ -28,13 +29,18 @@ LINES_PER_PROGRAM = 1024
 
 
 @triton.jit
+def prefetch_to_l2(pointers):
+    """Ask L2 for the 128-byte line at each of ``pointers`` (a hint: nothing waits for it)."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [pointers],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _prefetch_kernel(ptr, num_lines, LINE: tl.constexpr, LINES: tl.constexpr):
     """Ask L2 for ``LINES`` 128-byte lines of ``ptr`` from this program's first one on."""
     lines = tl.program_id(0) * LINES + tl.arange(0, LINES)
     lines = tl.minimum(lines, num_lines - 1)  # (a repeated last line instead of a mask)
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l",
-                              [ptr + lines.to(tl.int64) * LINE], dtype=tl.int32,
-                              is_pure=False, pack=1)
+    prefetch_to_l2(ptr + lines.to(tl.int64) * LINE)
 
 
 def prefetch(weight: torch.Tensor) -> None:
@@ -83,20 +89,7 @@ def time_tails(mode: str, reps: int, attention_us: float) -> float:
             if mode == "prefetch":
                 torch.cuda.current_stream().wait_stream(side)
 
-    tails()  # compile
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        tails()
-    times = []
-    for _ in range(20):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / reps)
-    return sorted(times)[len(times) // 2]
+    return triton.testing.do_bench_cudagraph(tails, return_mode="median") * 1e3 / reps
 
 
 def time_prefetch_alone(megabytes: int = 23) -> float:

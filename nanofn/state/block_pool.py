@@ -196,19 +196,12 @@ class PoolChanges:
         return self._cached[block]
 
     def _change(self) -> None:
-        """Make every vector writable (through an evolver)."""
         if not self._changed:
             self._changed = True
-            self._change_refs()
+            self._refs = self._refs.evolver()
             self._stamps = self._stamps.evolver()
             self._cached = self._cached.evolver()
             self._lru = self._lru.evolver()
-
-    def _change_refs(self) -> None:
-        """Make the reference counts writable: taking plain blocks, the common change, writes
-        nothing else (so the other vectors need no evolver and no ``persistent``)."""
-        if self._refs is self._pool.ref_counts:
-            self._refs = self._refs.evolver()
 
     def allocate(self, count: int) -> list[int]:
         """Take ``count`` free blocks (the caller checked ``num_free``): plain ones first, then
@@ -217,9 +210,9 @@ class PoolChanges:
             raise ValueError(f"allocate({count}) with only {self.num_free} free blocks")
         if not count:
             return []
-        self._change_refs()
+        self._change()
         refs, pushed = self._refs, self._pushed
-        blocks = [pushed.pop() for _ in range(min(count, len(pushed)))] if pushed else []
+        blocks = [pushed.pop() for _ in range(min(count, len(pushed)))]
         taken = min(count - len(blocks), self._plain_top)
         if taken:
             top = self._plain_top
@@ -227,9 +220,6 @@ class PoolChanges:
             self._plain_top = top - taken
         for block in blocks:
             refs[block] = 1
-        if len(blocks) == count:
-            return blocks
-        self._change()  # eviction: the cache's vectors change too
         lru, stamps, cached = self._lru, self._stamps, self._cached
         while len(blocks) < count:
             position = self._head
@@ -313,7 +303,7 @@ class PoolChanges:
     def take_cached(self, blocks: Iterable[int]) -> None:
         """Add a reference to each block found in the cache (a free one leaves the queue: its
         entry goes stale)."""
-        self._change_refs()
+        self._change()
         refs = self._refs
         for block in blocks:
             if refs[block] == 0:
@@ -345,20 +335,16 @@ class PoolChanges:
         return self._pool.by_hash.absent(candidates) | self._gone_hashes.intersection(candidates)
 
     def build(self) -> BlockPool:
-        pool = self._pool
-        if self._refs is pool.ref_counts:  # (every change makes it an evolver)
-            return pool
-        lru, head, stamps, cached = pool.lru, pool.lru_head, pool.lru_stamps, pool.cached
-        if self._changed:  # (else only reference counts changed: plain blocks taken, say)
-            lru, head, stamps, cached = self._lru.persistent(), self._head, self._stamps, \
-                self._cached.persistent()
-            if head > 1024 and head > len(lru) // 2:  # compact: keep the entries still valid
-                kept = [b for p, b in enumerate(lru[head:], start=head)
-                        if _valid_entry(self._refs, stamps, cached, b, p)]
-                for position, block in enumerate(kept):
-                    stamps[block] = position
-                lru, head = pvector(kept), 0
-            stamps = stamps.persistent()
+        if not self._changed:
+            return self._pool
+        lru, head, stamps = self._lru.persistent(), self._head, self._stamps
+        if head > 1024 and head > len(lru) // 2:  # compact: keep the entries still valid
+            refs, cached = self._refs, self._cached
+            kept = [b for p, b in enumerate(lru[head:], start=head)
+                    if _valid_entry(refs, stamps, cached, b, p)]
+            for position, block in enumerate(kept):
+                stamps[block] = position
+            lru, head = pvector(kept), 0
         return BlockPool(
             ref_counts=self._refs.persistent(),
             plain_free=BlockStack(np.concatenate([self._plain[:self._plain_top], self._pushed])
@@ -367,9 +353,9 @@ class PoolChanges:
             lru=lru,
             lru_head=head,
             num_cached_free=self._num_cached_free,
-            lru_stamps=stamps,
-            cached=cached,
-            by_hash=pool.by_hash.update_known(self._new_hashes, self._gone_hashes),
+            lru_stamps=stamps.persistent(),
+            cached=self._cached.persistent(),
+            by_hash=self._pool.by_hash.update_known(self._new_hashes, self._gone_hashes),
         )
 
 
