@@ -113,6 +113,17 @@ def test_greedy_rows_take_the_argmax_with_torch_tie_and_nan_rules(interpreter):
     assert tokens.tolist()[1:6] == [10, 5, 0, 777, 300]
 
 
+def test_greedy_ties_and_nans_met_by_one_lane_go_to_the_lower_token(interpreter):
+    """Tokens 1,024 counters apart in one quarter are one lane's, met one after the other."""
+    logits = random_logits(3, WIDE_VOCAB, seed=1)
+    logits[0, [7, 7 + 1024, 7 + 2048]] = 100.0
+    logits[1, [7, 7 + 1024]] = float("nan")
+    logits[2, [7 + 1024, 7 + 3072]] = float("nan")
+    logits[2, 7] = float("inf")
+    tokens = interpreter(sample_plain, logits, torch.zeros(3), keys(1, 2, 3), num_splits=1)
+    assert tokens.tolist() == logits.argmax(dim=-1).tolist() == [7, 7, 7 + 1024]
+
+
 def test_draw_is_the_exponential_race_over_the_same_noise(interpreter):
     logits = random_logits(8, VOCAB, seed=1)
     temperature = torch.tensor([0.2, 0.5, 0.6, 0.8, 1.0, 1.0, 1.5, 4.0])

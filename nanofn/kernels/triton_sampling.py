@@ -6,10 +6,12 @@ noise from Philox4x32-10 (Triton's ``tl.randint4x``) keyed by ``seed`` at counte
 ``t // quarter`` is token ``t``'s. One Philox call thus serves four tokens, and a token's noise
 depends on (seed, t, vocab size) alone: not on the batch, the grid or the path that draws it.
 
-A word ``w`` becomes Exp(1) noise ``E = -ln(1 - v)`` with ``v = (w + 1/2) / 2**32``, to float32's
-full relative precision at both ends. Small ``E`` is what lets an unlikely token win the race: a
-plain ``-ln(u)`` of a 24-bit uniform would make tokens less likely than about 1e-8 of the
-favourite's probability impossible to draw.
+A word ``w`` becomes Exp(1) noise ``E = -ln(1 - v)`` with ``v = (w + 1/2) / 2**32``, to about
+1e-6 relative at both ends. Small ``E`` is what lets an unlikely token win the race: a plain
+``-ln(u)`` of a 24-bit uniform would make tokens less likely than about 1e-8 of the favourite's
+probability impossible to draw. On the GPU the logarithms are the hardware's approximate base-2
+ones (``lg2.approx``, within 2**-22 absolute), which the rest of the computation is arranged
+around; Triton's interpreter has none and takes the exact ones.
 
 - ``exponential_noise`` writes ``E`` for every token of the given rows; the torch path (penalties,
   min_p, top_k, top_p) draws ``argmax(probs / E)``, the exponential race.
@@ -29,6 +31,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from nanofn.kernels.device import num_sms
 
@@ -46,26 +49,37 @@ _TWO_POW_MINUS_32 = tl.constexpr(2.3283064365386963e-10)
 
 
 @triton.jit
-def _exponential_in_base_2(word):
-    """Exp(1) noise over ln 2 from a uint32 word (see the module docstring)."""
-    v = (word.to(tl.float32) + 0.5) * _TWO_POW_MINUS_32
-    one_minus_v = ((word ^ 0xFFFFFFFF).to(tl.float32) + 0.5) * _TWO_POW_MINUS_32
-    # -ln(1 - v) for v < 1/2 by Kahan's log1p: u is 1 - v rounded, and 1 - u is exact, so
-    # ln(u) / (u - 1) * v makes up for the rounding.
-    # One logarithm a token, of whichever argument its branch needs: it is the costliest part.
-    u = 1.0 - v
-    low = v < 0.5
-    log = tl.log(tl.where(low, u, one_minus_v))
-    small = tl.where(u == 1.0, v, -log * (v / (1.0 - u)))
-    return tl.where(low, small, -log) * _LOG2_E
+def _log2(x, FAST_LOG: tl.constexpr):
+    """``log2(x)``: the hardware's approximation with ``FAST_LOG``, else the exact one."""
+    if FAST_LOG:
+        return libdevice.fast_log2f(x)
+    return tl.log2(x)
 
 
 @triton.jit
-def _noise(seed, counters):
+def _exponential_in_base_2(word, FAST_LOG: tl.constexpr):
+    """Exp(1) noise over ln 2, ``-log2(1 - v)``, from a uint32 word (see the module docstring).
+
+    Both halves of the words read ``x = min(v, 1 - v)`` as one float, from the word or its
+    complement, so that ``x`` keeps float32's relative precision however small. The upper half
+    (``1 - v = x``) is ``-log2(x)``. The lower half (``v = x``) is ``-log2(1 - x)``, where
+    ``1 - x`` rounds away ``x``'s low bits: below 1/8 it is the series
+    ``(x + x**2/2 + ... + x**7/7) / ln 2`` instead (the rest is below 1e-7 of it).
+    """
+    upper = word >= 0x80000000
+    x = (tl.where(upper, word ^ 0xFFFFFFFF, word).to(tl.float32) + 0.5) * _TWO_POW_MINUS_32
+    series = x * (1.0 + x * (1.0 / 2 + x * (1.0 / 3 + x * (1.0 / 4 + x * (
+        1.0 / 5 + x * (1.0 / 6 + x * (1.0 / 7))))))) * _LOG2_E
+    logarithm = -_log2(tl.where(upper, x, 1.0 - x), FAST_LOG)
+    return tl.where(upper | (x >= 0.125), logarithm, series)
+
+
+@triton.jit
+def _noise(seed, counters, FAST_LOG: tl.constexpr):
     """Four base-2 exponentials per counter from one Philox4x32-10 call keyed by ``seed``."""
     w0, w1, w2, w3 = tl.randint4x(seed, counters)
-    return (_exponential_in_base_2(w0), _exponential_in_base_2(w1),
-            _exponential_in_base_2(w2), _exponential_in_base_2(w3))
+    return (_exponential_in_base_2(w0, FAST_LOG), _exponential_in_base_2(w1, FAST_LOG),
+            _exponential_in_base_2(w2, FAST_LOG), _exponential_in_base_2(w3, FAST_LOG))
 
 
 @triton.jit
@@ -94,18 +108,23 @@ def _argmax(values, tokens):
 @triton.jit
 def _best_of_quarter(row_logits, counters, k, quarter, vocab_size, scale, log2_noise,
                      best_value, best_token):
-    """Fold the tokens of quarter ``k`` at ``counters`` into each lane's running best."""
+    """Fold the tokens of quarter ``k`` at ``counters`` into each lane's running best of that
+    quarter. A lane meets its tokens of one quarter in increasing order, so a later token wins
+    only by a larger value (or as the first NaN): ``_argmax_combine``'s order at a third of
+    its cost, which is paid for every token."""
     tokens = counters + k * quarter
     mask = (counters < quarter) & (tokens < vocab_size)
     logits = tl.load(row_logits + tokens, mask=mask, other=float("-inf")).to(tl.float32)
-    return _argmax_combine(logits * scale - log2_noise, tokens, best_value, best_token)
+    value = logits * scale - log2_noise
+    better = (value > best_value) | ((value != value) & (best_value == best_value))
+    return tl.where(better, value, best_value), tl.where(better, tokens, best_token)
 
 
 @triton.jit
 def _sample_plain_kernel(
     logits_ptr, temperature_ptr, seed_ptr, slots_ptr, split_value_ptr, split_token_ptr,
     stride_row, stride_seed, vocab_size, quarter, counters_per_split,
-    BLOCK: tl.constexpr, BY_SLOT: tl.constexpr, KEY_BITS: tl.constexpr,
+    BLOCK: tl.constexpr, BY_SLOT: tl.constexpr, KEY_BITS: tl.constexpr, FAST_LOG: tl.constexpr,
 ):
     """Program (row, split): the best (value, token) of its range of counters, in all quarters.
 
@@ -123,9 +142,12 @@ def _sample_plain_kernel(
     greedy = temperature == 0.0
     scale = tl.where(greedy, 1.0, _LOG2_E / temperature)
     row_logits = logits_ptr + row.to(tl.int64) * stride_row
-    # (-inf, token 0) loses to any larger value; for a row of -inf, token 0 is torch's answer too.
-    best_value = tl.full([BLOCK], float("-inf"), tl.float32)
-    best_token = tl.zeros([BLOCK], tl.int32)
+    # Each lane's best of each quarter. (-inf, token 0) loses to any larger value; for a row
+    # of -inf, token 0 is torch's answer too.
+    best0 = tl.full([BLOCK], float("-inf"), tl.float32)
+    token0 = tl.zeros([BLOCK], tl.int32)
+    best1, best2, best3 = best0, best0, best0
+    token1, token2, token3 = token0, token0, token0
     first = split * counters_per_split
     for start in range(first, first + counters_per_split, BLOCK):
         counters = start + tl.arange(0, BLOCK)
@@ -135,20 +157,23 @@ def _sample_plain_kernel(
             n2 = n0
             n3 = n0
         else:
-            e0, e1, e2, e3 = _noise(seed, counters)
-            n0 = tl.log2(e0)
-            n1 = tl.log2(e1)
-            n2 = tl.log2(e2)
-            n3 = tl.log2(e3)
-        best_value, best_token = _best_of_quarter(row_logits, counters, 0, quarter, vocab_size,
-                                                  scale, n0, best_value, best_token)
-        best_value, best_token = _best_of_quarter(row_logits, counters, 1, quarter, vocab_size,
-                                                  scale, n1, best_value, best_token)
-        best_value, best_token = _best_of_quarter(row_logits, counters, 2, quarter, vocab_size,
-                                                  scale, n2, best_value, best_token)
-        best_value, best_token = _best_of_quarter(row_logits, counters, 3, quarter, vocab_size,
-                                                  scale, n3, best_value, best_token)
-    value, token = _argmax(best_value, best_token)
+            e0, e1, e2, e3 = _noise(seed, counters, FAST_LOG)
+            n0 = _log2(e0, FAST_LOG)
+            n1 = _log2(e1, FAST_LOG)
+            n2 = _log2(e2, FAST_LOG)
+            n3 = _log2(e3, FAST_LOG)
+        best0, token0 = _best_of_quarter(row_logits, counters, 0, quarter, vocab_size, scale,
+                                         n0, best0, token0)
+        best1, token1 = _best_of_quarter(row_logits, counters, 1, quarter, vocab_size, scale,
+                                         n1, best1, token1)
+        best2, token2 = _best_of_quarter(row_logits, counters, 2, quarter, vocab_size, scale,
+                                         n2, best2, token2)
+        best3, token3 = _best_of_quarter(row_logits, counters, 3, quarter, vocab_size, scale,
+                                         n3, best3, token3)
+    best0, token0 = _argmax_combine(best0, token0, best1, token1)
+    best2, token2 = _argmax_combine(best2, token2, best3, token3)
+    best0, token0 = _argmax_combine(best0, token0, best2, token2)
+    value, token = _argmax(best0, token0)
     tl.store(split_value_ptr + row * tl.num_programs(1) + split, value)
     tl.store(split_token_ptr + row * tl.num_programs(1) + split, token)
 
@@ -177,11 +202,12 @@ def _store_quarter(row_noise, counters, k, quarter, vocab_size, noise_in_base_2)
 
 
 @triton.jit
-def _exponential_noise_kernel(seed_ptr, noise_ptr, vocab_size, quarter, BLOCK: tl.constexpr):
+def _exponential_noise_kernel(seed_ptr, noise_ptr, vocab_size, quarter, BLOCK: tl.constexpr,
+                              FAST_LOG: tl.constexpr):
     """Program (row, tile of counters): the noise of those counters' tokens in all four quarters."""
     row = tl.program_id(0)
     counters = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    e0, e1, e2, e3 = _noise(tl.load(seed_ptr + row), counters)
+    e0, e1, e2, e3 = _noise(tl.load(seed_ptr + row), counters, FAST_LOG)
     row_noise = noise_ptr + row.to(tl.int64) * vocab_size
     _store_quarter(row_noise, counters, 0, quarter, vocab_size, e0)
     _store_quarter(row_noise, counters, 1, quarter, vocab_size, e1)
@@ -235,13 +261,19 @@ def _sample(logits, temperature, seeds, slots, kept, tokens, num_splits, key_bit
     _sample_plain_kernel[(num_rows, num_splits)](
         logits, temperature, seeds, slots if by_slot else seeds, split_values, split_tokens,
         logits.stride(0), seeds.stride(0), vocab_size, quarter, blocks_per_split * BLOCK_COUNTERS,
-        BLOCK=BLOCK_COUNTERS, BY_SLOT=by_slot, KEY_BITS=key_bits, num_warps=NUM_WARPS,
+        BLOCK=BLOCK_COUNTERS, BY_SLOT=by_slot, KEY_BITS=key_bits, FAST_LOG=_fast_log(),
+        num_warps=NUM_WARPS,
     )
     _pick_split_kernel[(num_rows,)](
         split_values, split_tokens, tokens, slots if by_slot else tokens,
         kept if by_slot else tokens, num_splits, SPLITS=triton.next_power_of_2(num_blocks),
         KEEP=by_slot,
     )
+
+
+def _fast_log() -> bool:
+    """Whether the kernels take the hardware's logarithms: compiled, not interpreted."""
+    return not triton.knobs.runtime.interpret
 
 
 def exponential_noise(row_seeds: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -251,6 +283,7 @@ def exponential_noise(row_seeds: torch.Tensor, vocab_size: int) -> torch.Tensor:
     noise = torch.empty(num_rows, vocab_size, dtype=torch.float32, device=row_seeds.device)
     quarter = triton.cdiv(vocab_size, 4)
     _exponential_noise_kernel[(num_rows, triton.cdiv(quarter, BLOCK_COUNTERS))](
-        row_seeds, noise, vocab_size, quarter, BLOCK=BLOCK_COUNTERS, num_warps=NUM_WARPS,
+        row_seeds, noise, vocab_size, quarter, BLOCK=BLOCK_COUNTERS, FAST_LOG=_fast_log(),
+        num_warps=NUM_WARPS,
     )
     return noise

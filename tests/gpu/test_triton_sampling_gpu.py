@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import random
 
+import numpy as np
 import pytest
 import torch
 import triton.testing
@@ -64,6 +65,18 @@ def test_noise_is_philox4x32_10_and_exponential():
     for x in (0.01, 1.0, 5.0):
         assert (noise > x).double().mean().item() == pytest.approx(math.exp(-x), rel=0.02)
     assert (noise < 1e-4).double().mean().item() == pytest.approx(1e-4, rel=0.2)
+
+
+def test_the_hardware_logarithms_keep_the_noise_within_a_few_ulps_of_its_definition():
+    """On the GPU the noise takes ``lg2.approx``; the interpreter tests the exact logarithms."""
+    from test_triton_sampling import expected_noise  # (tests/: the numpy Philox4x32-10)
+
+    row_keys = keys(range(8))
+    noise = exponential_noise(row_keys, VOCAB).double().cpu().numpy()
+    expected = np.stack([expected_noise(int(k), VOCAB) for k in row_keys.tolist()])
+    relative = np.abs(noise - expected) / expected
+    print(f"largest relative error of the noise: {relative.max():.2e}")
+    assert relative.max() < 3e-6
 
 
 def test_greedy_rows_take_the_argmax_with_torch_tie_and_nan_rules():
