@@ -11,10 +11,14 @@ other warp and stage counts. Prints, per projection and row count, cuBLAS (``F.l
 
 On the H100 (2026-11-23) cuBLAS was 6.5-8.5 us a projection at 256 rows and 5.6-7.1 us at 8, a
 few microseconds over the bytes at any row count; the best Triton configuration was 1.5-4 us
-slower at 128-256 rows and within 0.8 us either way at 8-64 (RESULTS.md). Kept to measure
-again before writing a GEMM for these shapes.
+slower at 128-256 rows and within 0.8 us either way at 8-64 (RESULTS.md). ``--tiled`` sweeps
+tiles of 64-128 rows and split-K into float32 partial sums left for the consumer to add up
+(no atomics, no zeroing, not timed): on 2026-11-24 it beat cuBLAS on the two projections with
+N = 1,024 (o and down: by 0.8-2.5 us a projection at 64-256 rows) and lost on the two wide
+ones (qkv and gate-up: by up to 1 us at 256 rows). Kept to measure again before writing a GEMM
+for these shapes.
 
-Usage: python benchmarks/gemm_sweep.py [--rows 256,128,64,32,8] [--budget-s 400]
+Usage: python benchmarks/gemm_sweep.py [--rows 256,128,64,32,8] [--budget-s 400] [--tiled]
 """
 
 from __future__ import annotations
@@ -42,16 +46,19 @@ class GemmConfig(NamedTuple):
     swap: bool
     num_warps: int = 4
     num_stages: int = 4
+    block_m: int = 0  # rows per tile; 0: every row in one tile
+    partials: bool = False  # split-K writes float32 partial sums [split, rows, n], no atomics
 
 
 @triton.jit
 def _gemm_kernel(
     x_ptr, weight_ptr, out_ptr, rows, n, stride_x, stride_weight, stride_out, k_per_split,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT: tl.constexpr, SWAP: tl.constexpr,
+    SPLIT: tl.constexpr, SWAP: tl.constexpr, PARTIALS: tl.constexpr,
 ):
-    """Program (output tile, K range): ``out[:, tile] (+)= x[:, range] @ weight[tile, range].T``."""
-    m = tl.arange(0, BLOCK_M)
+    """Program (output tile, K range, row tile): ``out[rows, tile] (+)= x[rows, range] @
+    weight[tile, range].T``; with ``PARTIALS`` K range ``s`` stores its sums at ``out[s]``."""
+    m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
     outputs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     columns = tl.arange(0, BLOCK_K)
     first = tl.program_id(1) * k_per_split
@@ -74,7 +81,9 @@ def _gemm_kernel(
         acc = tl.trans(acc)
     out = out_ptr + m[:, None] * stride_out + outputs[None, :]
     mask = (m[:, None] < rows) & (outputs[None, :] < n)
-    if SPLIT:
+    if PARTIALS:
+        tl.store(out + tl.program_id(1) * rows * stride_out, acc, mask=mask)
+    elif SPLIT:
         tl.atomic_add(out, acc, mask=mask, sem="relaxed")
     else:
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
@@ -88,14 +97,22 @@ def gemm(x: torch.Tensor, weight: torch.Tensor, config: GemmConfig) -> torch.Ten
     assert rows <= 256 and x.stride(-1) == weight.stride(-1) == 1, "rows must be contiguous"
     assert k % (config.block_k * config.split_k) == 0, (k, config)
     split = config.split_k > 1
-    out = (torch.zeros(rows, n, dtype=torch.float32, device=x.device) if split
-           else torch.empty(rows, n, dtype=x.dtype, device=x.device))
-    _gemm_kernel[(triton.cdiv(n, config.block_n), config.split_k)](
-        x, weight, out, rows, n, x.stride(0), weight.stride(0), out.stride(0),
-        k // config.split_k, BLOCK_M=max(16, triton.next_power_of_2(rows)),
+    block_m = config.block_m or max(16, triton.next_power_of_2(rows))
+    if config.partials:
+        out = torch.empty(config.split_k, rows, n, dtype=torch.float32, device=x.device)
+    elif split:
+        out = torch.zeros(rows, n, dtype=torch.float32, device=x.device)
+    else:
+        out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(n, config.block_n), config.split_k, triton.cdiv(rows, block_m))
+    _gemm_kernel[grid](
+        x, weight, out, rows, n, x.stride(0), weight.stride(0), out.stride(-2),
+        k // config.split_k, BLOCK_M=block_m,
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT=split, SWAP=config.swap,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        PARTIALS=config.partials, num_warps=config.num_warps, num_stages=config.num_stages,
     )
+    if config.partials:  # the consumer kernel would add them up (not timed)
+        return out
     return out.to(x.dtype) if split else out
 
 
@@ -118,7 +135,13 @@ def time_us(call, copies: int) -> float:
     return start.elapsed_time(end) * 1e3 / (20 * copies)
 
 
-def stage_one(rows: int, k: int) -> list[GemmConfig]:
+def stage_one(rows: int, k: int, tiled: bool) -> list[GemmConfig]:
+    if tiled:  # tiles of rows, split-K into float32 partials that the consumer would sum
+        return [GemmConfig(bn, bk, split, False, 8 if bm * bn >= 128 * 128 else 4, 4, bm,
+                           split > 1)
+                for bm, bn, bk, split in itertools.product((64, 128), (64, 128), (64, 128),
+                                                           (1, 2, 4, 8))
+                if k % (bk * split) == 0 and bm <= max(64, rows)]
     swaps = (False, True) if rows <= 64 else (False,)
     return [GemmConfig(bn, bk, split, swap)
             for bn, bk, split, swap in itertools.product((32, 64, 128), (64, 128), (1, 2, 4, 8), swaps)
@@ -130,6 +153,8 @@ def main() -> None:
     ap.add_argument("--rows", default="256,128,64,32,8")
     ap.add_argument("--budget-s", type=float, default=400)
     ap.add_argument("--json")
+    ap.add_argument("--tiled", action="store_true",
+                    help="row tiles and split-K into partial sums (the consumer's to add up)")
     a = ap.parse_args()
     started = time.time()
     results = {}
@@ -155,13 +180,14 @@ def main() -> None:
                     return
                 try:
                     out = gemm(x, ws[0], config)
+                    out = out.sum(0) if config.partials else out
                     torch.testing.assert_close(out.float(), reference, rtol=2e-2, atol=2e-2)
                     timed[config] = time_us(lambda i: gemm(x, ws[i], config), count)
                 except Exception as error:  # out of shared memory, say
                     timed[config] = float("inf")
                     print(f"  {name} {rows} {config}: {type(error).__name__}: {str(error)[:80]}")
 
-            for config in stage_one(rows, k):
+            for config in stage_one(rows, k, a.tiled):
                 try_config(config)
             for config in sorted(timed, key=timed.get)[:3]:
                 for warps, stages in itertools.product((4, 8), (3, 4, 5)):
