@@ -20,9 +20,7 @@ import triton
 import triton.language as tl
 import triton.testing
 
-from nanofn.kernels import triton_attention
-
-BLOCK_SIZE, KV_HEADS, HEAD_DIM, HEADS = 16, 8, 128, 16
+from decode_splits import BLOCK_SIZE, HEAD_DIM, NUM_KV_HEADS as KV_HEADS, decode_inputs, microseconds
 
 
 @triton.jit
@@ -53,7 +51,8 @@ def _read_paged(cache_ptr, tables_ptr, out_ptr, blocks_per_seq, stride_table, st
 
 
 def gb_per_s(nbytes: int, call) -> tuple[float, float]:
-    us = triton.testing.do_bench_cudagraph(call, rep=200) * 1e3
+    call()  # compile outside the capture
+    us = triton.testing.do_bench_cudagraph(call, return_mode="median") * 1e3
     return us, nbytes / us / 1e3
 
 
@@ -63,44 +62,39 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=680)
     a = ap.parse_args()
     blocks_per_seq = -(-a.context // BLOCK_SIZE)
-    num_blocks = a.seqs * blocks_per_seq
-    g = torch.Generator("cuda").manual_seed(0)
-    tables = torch.randperm(num_blocks, generator=g, device="cuda").view(a.seqs, -1).to(torch.int32)
-    nhd = torch.randn(num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM, device="cuda",
-                      dtype=torch.bfloat16, generator=g)
-    hnd = nhd.transpose(1, 2).contiguous()
-    one_cache = nhd.numel() * 2
+    # decode_splits' paged inputs: shuffled blocks, tables as wide as the engine's graphs'
+    args = decode_inputs([blocks_per_seq * BLOCK_SIZE] * a.seqs, torch.device("cuda"))
+    k_cache, v_cache, tables = args[1], args[2], args[4]
+    caches = {"engine layout": (k_cache, v_cache),
+              "head-major": tuple(c.transpose(1, 2).contiguous() for c in (k_cache, v_cache))}
+    nbytes = 2 * k_cache.numel() * k_cache.element_size()  # K and V
     rows = []
 
-    flat = torch.cat([nhd.view(-1), hnd.view(-1)])  # K and V's bytes
+    flat = torch.cat([k_cache.view(-1), v_cache.view(-1)])
     out = torch.empty(1 << 20, device="cuda")
     for block, steps in ((4096, 8), (8192, 4), (2048, 16)):
         grid = triton.cdiv(flat.numel(), block * steps)
         rows.append((f"contiguous read, {block} x {steps} a program", *gb_per_s(
-            2 * one_cache, lambda: _read_contiguous[(grid,)](flat, out, flat.numel(), block, steps))))
+            nbytes, lambda: _read_contiguous[(grid,)](flat, out, flat.numel(), block, steps))))
     copy_dst = torch.empty_like(flat)
-    rows.append(("torch copy (bytes read)", *gb_per_s(2 * one_cache, lambda: copy_dst.copy_(flat))))
-    for name, cache in (("engine layout", nhd), ("head-major", hnd)):
+    rows.append(("torch copy (bytes read)", *gb_per_s(nbytes, lambda: copy_dst.copy_(flat))))
+    for name, pair in caches.items():
+        head_major = name == "head-major"
         for tile in (64, 128):
             for warps in (4, 8):
                 def run():
-                    for _ in range(2):  # K, then V: the same bytes again
+                    for cache in pair:
                         _read_paged[(a.seqs, KV_HEADS)](
                             cache, tables, out, blocks_per_seq, tables.stride(0),
-                            cache.stride(0), cache.stride(1 if cache is nhd else 2),
-                            cache.stride(2 if cache is nhd else 1), TILE=tile,
+                            cache.stride(0), cache.stride(2 if head_major else 1),
+                            cache.stride(1 if head_major else 2), TILE=tile,
                             HEAD_DIM=HEAD_DIM, num_warps=warps)
                 rows.append((f"paged, {name}, {tile}-key tiles, {warps} warps",
-                             *gb_per_s(2 * one_cache, run)))
-    q = torch.randn(a.seqs, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-    seq_lens = torch.full((a.seqs,), blocks_per_seq * BLOCK_SIZE, dtype=torch.int32, device="cuda")
-    wide = torch.zeros(a.seqs, 4096 // BLOCK_SIZE, dtype=torch.int32, device="cuda")
-    wide[:, :blocks_per_seq] = tables
-    v = nhd.clone()
-    rows.append(("decode attention (the engine's kernel)", *gb_per_s(2 * one_cache, lambda: (
-        triton_attention.decode_attention(q, nhd, v, seq_lens, wide, HEAD_DIM**-0.5)))))
+                             *gb_per_s(nbytes, run)))
+    us = microseconds(args, None)
+    rows.append(("decode attention (the engine's kernel)", us, nbytes / us / 1e3))
     print(f"{a.seqs} sequences x {blocks_per_seq * BLOCK_SIZE} keys, K and V: "
-          f"{2 * one_cache / 1e6:.0f} MB")
+          f"{nbytes / 1e6:.0f} MB")
     print("| access | us | GB/s |\n|---|---|---|")
     for name, us, rate in rows:
         print(f"| {name} | {us:.1f} | {rate:,.0f} |")

@@ -126,6 +126,12 @@ def _valid_entry(refs, stamps, cached, block: int, position: int) -> bool:
     return refs[block] == 0 and stamps[block] == position and cached[block] is not None
 
 
+def _taken_off(stack: np.ndarray, top: int, count: int) -> list[int]:
+    """The ``count`` blocks below ``top`` of a plain free stack, in the order they are taken
+    (the top one first)."""
+    return stack[top - count:top][::-1].tolist()
+
+
 def take_plain_blocks(pool: BlockPool, count: int) -> tuple[BlockPool, list[int]] | None:
     """``count`` blocks off the plain free stack and the pool after, or None if it holds fewer:
     what ``PoolChanges``' ``allocate`` and ``build`` give then, without the builder (a decode
@@ -134,7 +140,7 @@ def take_plain_blocks(pool: BlockPool, count: int) -> tuple[BlockPool, list[int]
     left = len(stack) - count
     if left < 0:
         return None
-    blocks = stack[left:][::-1].tolist()
+    blocks = _taken_off(stack, len(stack), count)
     refs = pool.ref_counts.evolver()
     for block in blocks:
         refs[block] = 1
@@ -215,9 +221,8 @@ class PoolChanges:
         blocks = [pushed.pop() for _ in range(min(count, len(pushed)))]
         taken = min(count - len(blocks), self._plain_top)
         if taken:
-            top = self._plain_top
-            blocks += self._plain[top - taken:top][::-1].tolist()
-            self._plain_top = top - taken
+            blocks += _taken_off(self._plain, self._plain_top, taken)
+            self._plain_top -= taken
         for block in blocks:
             refs[block] = 1
         lru, stamps, cached = self._lru, self._stamps, self._cached
