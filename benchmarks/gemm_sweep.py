@@ -135,6 +135,31 @@ def time_us(call, copies: int) -> float:
     return start.elapsed_time(end) * 1e3 / (20 * copies)
 
 
+def sweep(configs: list, run, check, copies: int, deadline: float, label: str) -> dict:
+    """Microseconds of ``run(i, config)`` (weight copy ``i``) for each config whose first output
+    passes ``check`` (infinite where it fails or does not launch), then for the best three's
+    variants of 4 or 8 warps and 3 to 5 stages; configs left when ``deadline`` passes go
+    untimed."""
+    timed: dict = {}
+
+    def try_config(config) -> None:
+        if config in timed or time.time() > deadline:
+            return
+        try:
+            check(run(0, config))
+            timed[config] = time_us(lambda i: run(i, config), copies)
+        except Exception as error:  # out of shared memory, say
+            timed[config] = float("inf")
+            print(f"  {label} {config}: {type(error).__name__}: {str(error)[:80]}")
+
+    for config in configs:
+        try_config(config)
+    for config in sorted(timed, key=timed.get)[:3]:
+        for warps, stages in itertools.product((4, 8), (3, 4, 5)):
+            try_config(config._replace(num_warps=warps, num_stages=stages))
+    return timed
+
+
 def stage_one(rows: int, k: int, tiled: bool) -> list[GemmConfig]:
     if tiled:  # tiles of rows, split-K into float32 partials that the consumer would sum
         return [GemmConfig(bn, bk, split, False, 8 if bm * bn >= 128 * 128 else 4, 4, bm,
@@ -148,11 +173,26 @@ def stage_one(rows: int, k: int, tiled: bool) -> list[GemmConfig]:
             if k % (bk * split) == 0]
 
 
-def main() -> None:
+def sweep_arguments(rows: str) -> argparse.ArgumentParser:
+    """A sweep script's arguments: the row counts (``rows`` by default), a time budget, a JSON
+    file for every timing."""
     ap = argparse.ArgumentParser()
-    ap.add_argument("--rows", default="256,128,64,32,8")
+    ap.add_argument("--rows", default=rows)
     ap.add_argument("--budget-s", type=float, default=400)
     ap.add_argument("--json")
+    return ap
+
+
+def write_results(args: argparse.Namespace, results: dict, started: float) -> None:
+    """Every timing to ``--json`` (if given), and the sweep's duration."""
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    print(f"swept in {time.time() - started:.0f} s")
+
+
+def main() -> None:
+    ap = sweep_arguments("256,128,64,32,8")
     ap.add_argument("--tiled", action="store_true",
                     help="row tiles and split-K into partial sums (the consumer's to add up)")
     a = ap.parse_args()
@@ -173,25 +213,11 @@ def main() -> None:
             linear = time_us(lambda i: F.linear(x, ws[i]), count)
             nn = time_us(lambda i: x @ wts[i], count)
             reference = F.linear(x, ws[0]).float()
-            timed = {}
-
-            def try_config(config: GemmConfig) -> None:
-                if config in timed or time.time() - started > a.budget_s:
-                    return
-                try:
-                    out = gemm(x, ws[0], config)
-                    out = out.sum(0) if config.partials else out
-                    torch.testing.assert_close(out.float(), reference, rtol=2e-2, atol=2e-2)
-                    timed[config] = time_us(lambda i: gemm(x, ws[i], config), count)
-                except Exception as error:  # out of shared memory, say
-                    timed[config] = float("inf")
-                    print(f"  {name} {rows} {config}: {type(error).__name__}: {str(error)[:80]}")
-
-            for config in stage_one(rows, k, a.tiled):
-                try_config(config)
-            for config in sorted(timed, key=timed.get)[:3]:
-                for warps, stages in itertools.product((4, 8), (3, 4, 5)):
-                    try_config(config._replace(num_warps=warps, num_stages=stages))
+            timed = sweep(stage_one(rows, k, a.tiled), lambda i, c: gemm(x, ws[i], c),
+                          lambda out: torch.testing.assert_close(
+                              (out.sum(0) if out.dim() == 3 else out).float(), reference,
+                              rtol=2e-2, atol=2e-2),
+                          count, started + a.budget_s, f"{name} {rows}")
             best = min(timed, key=timed.get) if timed else None
             floor = n * k * 2 / 3.35e6
             cell = f"{timed[best]:.1f} us" if best else "-"
@@ -200,10 +226,7 @@ def main() -> None:
             results[f"{name}/{rows}"] = {
                 "linear": linear, "nn": nn, "best": list(best) if best else None,
                 "best_us": timed.get(best), "all": {str(tuple(c)): t for c, t in timed.items()}}
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(results, f, indent=1)
-    print(f"swept in {time.time() - started:.0f} s")
+    write_results(a, results, started)
 
 
 if __name__ == "__main__":

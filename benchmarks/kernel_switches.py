@@ -1,4 +1,5 @@
-"""The benchmark scripts' ``--no-gemv``, ``--gemv-max-rows`` and ``--no-overlap``: a kernel
+"""The benchmark scripts' ``--no-gemv``, ``--gemv-max-rows``, ``--no-partial-sums`` and
+``--no-overlap``: a kernel
 feature off (or set otherwise) for the rest of the process, for a before/after in one run on
 one machine. The engine has no option for them, each being its default wherever it can run."""
 
@@ -16,6 +17,8 @@ def add_model_and_switches(parser: argparse.ArgumentParser) -> None:
                         help="every projection on cuBLAS (the Triton GEMVs off), for a before/after")
     parser.add_argument("--gemv-max-rows", type=int,
                         help="projections of at most this many tokens on the GEMVs, for a sweep")
+    parser.add_argument("--no-partial-sums", action="store_true",
+                        help="o_proj and down_proj on cuBLAS (the split-K GEMM off), for a before/after")
     parser.add_argument("--no-overlap", action="store_true",
                         help="kernels launched one after another (programmatic dependent launch off)")
 
@@ -24,11 +27,14 @@ def model_with_switches(args: argparse.Namespace) -> str:
     """Apply the switches ``args`` asks for; returns the model's folder (a random-weight
     checkpoint is built once)."""
     from nanofn.cli import random_weights_model
+    from nanofn.kernels.triton_ops import with_partial_sums_max_rows
 
     if args.no_gemv:
         projections_on_cublas()
     if args.gemv_max_rows is not None:
         gemv_up_to(args.gemv_max_rows)
+    if args.no_partial_sums:
+        _wrap_kernels(lambda kernels: with_partial_sums_max_rows(kernels, 0))
     if args.no_overlap:
         launches_in_sequence()
     return str(args.model or random_weights_model(args.random_weights))
@@ -43,10 +49,16 @@ def gemv_up_to(rows: int) -> None:
     """The projections of at most ``rows`` tokens on the GEMVs, the others on cuBLAS: the
     runner's kernel choice wrapped in ``with_gemv_max_rows``."""
     from nanofn.kernels.triton_ops import with_gemv_max_rows
+
+    _wrap_kernels(lambda kernels: with_gemv_max_rows(kernels, rows))
+
+
+def _wrap_kernels(wrap) -> None:
+    """The runner's kernel choice, then ``wrap`` applied to it."""
     from nanofn.runner import model_runner
 
     choose_kernels = model_runner.choose_kernels
-    model_runner.choose_kernels = lambda *args: with_gemv_max_rows(choose_kernels(*args), rows)
+    model_runner.choose_kernels = lambda *args: wrap(choose_kernels(*args))
 
 
 def launches_in_sequence() -> None:

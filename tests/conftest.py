@@ -1,4 +1,5 @@
-"""Fixtures: tiny random-weight Hugging Face checkpoints, written once per test session."""
+"""Fixtures: tiny random-weight Hugging Face checkpoints, written once per test session; a
+Triton interpreter in a child process per test module."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from nanofn.model.tiny import make_tiny_checkpoint
+from triton_interpreter import interpreter_process
 
 # The test tensors are tiny: extra intra-op threads only add synchronisation, and on a busy
 # machine with few cores they spin against other processes (several times slower).
@@ -63,3 +65,10 @@ def tiny_llama3(tiny_checkpoint) -> Path:
 @pytest.fixture(scope="session")
 def tiny_mistral(tiny_checkpoint) -> Path:
     return tiny_checkpoint("mistral")
+
+
+@pytest.fixture(scope="module")
+def interpreter():
+    """``run(function, *args, **kwargs)``: ``function`` in a child whose kernels run in the interpreter."""
+    with interpreter_process() as run:
+        yield run

@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
-from nanofn.kernels import TORCH_KERNELS
+from nanofn.kernels import TORCH_KERNELS, silu_and_mul
+from nanofn.kernels.partial_sums import linear_partial_sums
 from nanofn.model import AttentionBatch, build_model, load_weights, model_shape
 from nanofn.model.config import rope_settings
 from nanofn.model.parallel import (
@@ -329,6 +330,40 @@ def test_the_lm_head_projects_through_the_kernel_backends_linear(tiny_qwen3):
     logits = model.compute_logits(hidden)
     assert calls == [(config.vocab_size, config.hidden_size)]
     torch.testing.assert_close(logits, hidden @ model.lm_head.weight.T)
+
+
+def test_projections_handed_to_the_norms_as_partial_sums_give_the_same_logits(tiny_checkpoint):
+    """A backend may return o_proj's and down_proj's outputs as ``PartialSums`` (the norm after
+    each adds them up): every layer's norms, the final norm included, take them, and a model
+    with a bias on those projections (Llama's, added after the sum) is asked for none."""
+    asked, returned = [], []
+
+    def as_partial_sums(project):
+        def wrapped(x, weight, *args, partial_sums=False):
+            asked.append(partial_sums)
+            if not partial_sums:
+                return project(x, weight, *args)
+            x = silu_and_mul(x) if project is TORCH_KERNELS.silu_and_mul_linear else x
+            returned.append(linear_partial_sums(x.reshape(-1, x.shape[-1]), weight, splits=2))
+            return returned[-1]
+        return wrapped
+
+    kernels = replace(TORCH_KERNELS, linear=as_partial_sums(TORCH_KERNELS.linear),
+                      silu_and_mul_linear=as_partial_sums(TORCH_KERNELS.silu_and_mul_linear))
+    for arch, kwargs, sums_per_layer in (("qwen3", {}, 2), ("llama", {"attention_bias": True}, 1)):
+        path = tiny_checkpoint(arch, **kwargs)
+        config = AutoConfig.from_pretrained(path)
+        expected = run_steps(_loaded(build_model(config, dtype="float32", device="cpu"), path), config)
+        returned.clear()
+        model = _loaded(build_model(config, dtype="float32", device="cpu", kernels=kernels), path)
+        torch.testing.assert_close(run_steps(model, config), expected, atol=1e-5, rtol=1e-5)
+        assert len(returned) == sums_per_layer * config.num_hidden_layers * len(TP_STEPS)
+    assert True in asked and False in asked
+
+
+def _loaded(model, path):
+    load_weights(model, path)
+    return model
 
 
 # The whole model at tp_size=2: two forked processes talk through gloo, as GPU ranks do through

@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 import torch
 from transformers import AutoConfig
-from triton_interpreter import interpreter_process
 
 import nanofn.kernels.attention as reference
 import nanofn.kernels.triton_attention as triton_attention
@@ -21,13 +20,6 @@ from nanofn.kernels import TORCH_KERNELS
 from nanofn.model import AttentionBatch, build_model, load_weights, model_shape
 
 TOLERANCES = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.float16: dict(atol=3e-3, rtol=0)}
-
-
-@pytest.fixture(scope="module")
-def interpreter():
-    """``run(function, *args, **kwargs)``: ``function`` in a child whose kernels run in the interpreter."""
-    with interpreter_process() as run:
-        yield run
 
 
 class PagedCache:

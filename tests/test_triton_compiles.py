@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nanofn.kernels import (triton_attention, triton_decode_inputs, triton_gemv, triton_ops,
-                            triton_sampling)
+from nanofn.kernels import (triton_attention, triton_decode_inputs, triton_gemm, triton_gemv,
+                            triton_ops, triton_sampling)
 from triton_interpreter import compiler_process
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE, VOCAB, BLOCK = 1024, 16, 8, 128, 3072, 151936, 16
@@ -37,6 +37,16 @@ def test_gemvs_compile(compile_for_h100, rows):
     for residual in (None, empty(rows, HIDDEN)):
         compile_for_h100(triton_gemv.rms_norm_gemv, x, empty(HIDDEN), 1e-6, residual,
                          empty(2 * INTERMEDIATE, HIDDEN))
+
+
+@pytest.mark.parametrize("rows", [5, 64, 128])
+def test_split_k_gemm_and_its_norm_compile(compile_for_h100, rows):
+    """o_proj's and down_proj's partial sums, and the norm adding them up (with and without a
+    residual)."""
+    for k in (HEADS * HEAD_DIM, INTERMEDIATE):
+        sums = compile_for_h100(triton_gemm.partial_sums_gemm, empty(rows, k), empty(HIDDEN, k))
+        for residual in (None, empty(rows, HIDDEN)):
+            compile_for_h100(triton_ops.rms_norm, sums, empty(HIDDEN), 1e-6, residual)
 
 
 @pytest.mark.parametrize("tokens", [1, 300])

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from triton_interpreter import interpreter_process
 
 import nanofn.kernels.triton_gemv as triton_gemv
 import nanofn.kernels.triton_ops as triton_ops
@@ -22,13 +21,6 @@ TOLERANCES = {torch.float32: dict(atol=1e-4, rtol=1e-5), torch.float16: dict(ato
 SHAPES = [(40, 96), (33, 300)]
 CONFIGS = [GemvConfig(8, 64, 4), GemvConfig(16, 128, 2), None]  # None: gemv_config's choice
 NORM_CONFIGS = [GemvConfig(8, 512, 4), GemvConfig(1, 512, 2), None]
-
-
-@pytest.fixture(scope="module")
-def interpreter():
-    """``run(function, *args, **kwargs)``: ``function`` in a child whose kernels run in the interpreter."""
-    with interpreter_process() as run:
-        yield run
 
 
 def randn(*shape: int, seed: int, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:

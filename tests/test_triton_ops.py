@@ -9,7 +9,6 @@ import itertools
 import pytest
 import torch
 from transformers import AutoConfig
-from triton_interpreter import interpreter_process
 
 import nanofn.kernels.triton_ops as triton_ops
 from nanofn.kernels import (TORCH_KERNELS, build_cos_sin_cache, rms_norm, rotate_and_store_kv,
@@ -27,13 +26,6 @@ LLAMA3_SCALING = {
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 256,
 }
-
-
-@pytest.fixture(scope="module")
-def interpreter():
-    """``run(function, *args, **kwargs)``: ``function`` in a child whose kernels run in the interpreter."""
-    with interpreter_process() as run:
-        yield run
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

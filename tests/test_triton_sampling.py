@@ -13,7 +13,6 @@ import math
 import numpy as np
 import pytest
 import torch
-from triton_interpreter import interpreter_process
 
 from nanofn.kernels.triton_sampling import exponential_noise, sample_plain, sample_plain_by_slot
 from nanofn.runner.sampler import (
@@ -23,13 +22,6 @@ from nanofn.state.params import SamplingParams
 
 VOCAB = 1000
 WIDE_VOCAB = 20_000  # five tiles of counters per row: room for several splits
-
-
-@pytest.fixture(scope="module")
-def interpreter():
-    """``run(function, *args, **kwargs)``: ``function`` in a child whose kernels are interpreted."""
-    with interpreter_process() as run:
-        yield run
 
 
 def keys(*seeds: int) -> torch.Tensor:

@@ -16,6 +16,7 @@ from nanofn.kernels.activation import silu_and_mul
 from nanofn.kernels.attention import decode_attention, prefill_attention, store_kv
 from nanofn.kernels.linear import linear, rms_norm_linear, silu_and_mul_linear
 from nanofn.kernels.norm import rms_norm
+from nanofn.kernels.partial_sums import PartialSums
 from nanofn.kernels.rotary import (SUPPORTED_ROPE_TYPES, apply_rotary, build_cos_sin_cache,
                                    rotate_and_store_kv)
 
@@ -55,6 +56,7 @@ __all__ = [
     "SUPPORTED_ROPE_TYPES",
     "TORCH_KERNELS",
     "KernelBackend",
+    "PartialSums",
     "apply_rotary",
     "build_cos_sin_cache",
     "decode_attention",

@@ -1,31 +1,39 @@
 """The projections of a decoder layer, plain-torch references: a matrix multiply, alone or with
 the small kernel that comes before it in the layer (the MLP's activation, the residual add and
-RMS norm) folded in. A backend may fuse each pair into one kernel; these define the result."""
+RMS norm) folded in. A backend may fuse each pair into one kernel; these define the result.
+
+A projection whose output goes only to a norm (a decoder layer's ``o_proj`` and ``down_proj``)
+is asked for with ``partial_sums=True``: a backend may then return ``PartialSums``, the product
+as float32 sums over ranges of K that the norm adds up (``rms_norm`` and ``rms_norm_linear``
+take either). These references always return the tensor.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-
 import torch
 import torch.nn.functional as F
 
 from nanofn.kernels.activation import silu_and_mul
 from nanofn.kernels.norm import rms_norm
+from nanofn.kernels.partial_sums import PartialSums, added_up
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           partial_sums: bool = False) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` for ``weight [N, K]`` and ``x [..., K]``."""
     return F.linear(x, weight, bias)
 
 
-def silu_and_mul_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def silu_and_mul_linear(x: torch.Tensor, weight: torch.Tensor,
+                        partial_sums: bool = False) -> torch.Tensor:
     """``silu_and_mul(x) @ weight.T`` for ``x = [gate | up]`` of shape ``[..., 2 * K]``: the MLP's
     down projection after its activation."""
     return F.linear(silu_and_mul(x), weight)
 
 
 def rms_norm_linear(
-    x: torch.Tensor,
+    x: torch.Tensor | PartialSums,
     norm_weight: torch.Tensor,
     eps: float,
     residual: torch.Tensor | None,
@@ -35,12 +43,12 @@ def rms_norm_linear(
     """A norm and the projection after it: ``(rms_norm(x + residual) @ weight.T (+ bias), x +
     residual)``, as ``rms_norm`` rounds them; with ``residual`` None, ``(rms_norm(x) @ weight.T
     (+ bias), x)``. The second result is the residual stream the layer carries on."""
-    return norm_then_linear(rms_norm, x, norm_weight, eps, residual, weight, bias)
+    return norm_then_linear(rms_norm, added_up(x), norm_weight, eps, residual, weight, bias)
 
 
 def norm_then_linear(
     norm: Callable[..., torch.Tensor | tuple[torch.Tensor, torch.Tensor]],
-    x: torch.Tensor,
+    x: torch.Tensor | PartialSums,
     norm_weight: torch.Tensor,
     eps: float,
     residual: torch.Tensor | None,
@@ -49,7 +57,7 @@ def norm_then_linear(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``rms_norm_linear`` unfused, with ``norm`` (any backend's ``rms_norm``) as the norm."""
     if residual is None:
-        normed, summed = norm(x, norm_weight, eps), x
+        normed, summed = norm(x, norm_weight, eps), added_up(x)
     else:
         normed, summed = norm(x, norm_weight, eps, residual)
     return F.linear(normed, weight, bias), summed

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import torch
 
+from nanofn.kernels.partial_sums import PartialSums
+
 
 def rms_norm(
-    x: torch.Tensor,
+    x: torch.Tensor | PartialSums,
     weight: torch.Tensor,
     eps: float,
     residual: torch.Tensor | None = None,
@@ -16,8 +18,11 @@ def rms_norm(
     With ``residual``, first adds it to ``x`` (in ``x``'s dtype, as a Hugging Face decoder layer
     does) and returns ``(normed(x + residual), x + residual)``. The statistics are computed in
     float32 and the result is cast back to ``x``'s dtype *before* the weight multiplies it, which
-    reproduces ``LlamaRMSNorm``/``Qwen3RMSNorm`` bit for bit.
+    reproduces ``LlamaRMSNorm``/``Qwen3RMSNorm`` bit for bit. ``x`` may come as a projection's
+    ``PartialSums`` (``linear.py``): it is their total.
     """
+    if isinstance(x, PartialSums):
+        x = x.total()
     if residual is not None:
         x = x + residual
     x32 = x.float()

@@ -47,6 +47,15 @@ class GemvConfig(NamedTuple):
 
 
 @triton.jit
+def silu_times_up(gate, up, dtype: tl.constexpr):
+    """``silu(gate) * up`` in ``dtype``, rounded where ``silu_and_mul`` rounds: the silu, then
+    the product."""
+    gate = gate.to(tl.float32)
+    activated = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
+    return (activated * up.to(tl.float32)).to(dtype)
+
+
+@triton.jit
 def _input_tile(
     x_rows, residual_rows, norm_weight_ptr, residual_out_rows, cols, mask, k, eps, write,
     PROLOGUE: tl.constexpr, ADD_RESIDUAL: tl.constexpr,
@@ -56,10 +65,9 @@ def _input_tile(
     ``write`` it also stores them as ``x + residual``."""
     dtype = x_rows.dtype.element_ty
     if PROLOGUE == 1:  # SILU
-        gate = tl.load(x_rows + cols, mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(x_rows + k + cols, mask=mask, other=0.0).to(tl.float32)
-        activated = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
-        return (activated * up).to(dtype).to(tl.float32)
+        gate = tl.load(x_rows + cols, mask=mask, other=0.0)
+        up = tl.load(x_rows + k + cols, mask=mask, other=0.0)
+        return silu_times_up(gate, up, dtype).to(tl.float32)
     x = tl.load(x_rows + cols, mask=mask, other=0.0)
     if PROLOGUE == 2:  # NORM
         if ADD_RESIDUAL:

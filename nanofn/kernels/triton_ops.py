@@ -11,7 +11,9 @@ in a decode step of a small model such launches take most of the time. Here each
 - ``silu_and_mul``: one program per (row, block of ``SILU_BLOCK`` columns).
 - the projections (``linear``, and ``silu_and_mul_linear``, ``rms_norm_linear`` with the kernel
   before them fused in): a GEMV of ``triton_gemv.py`` for at most ``GEMV_MAX_ROWS`` tokens
-  (decode of a few sequences, where cuBLAS is latency-bound), cuBLAS beyond.
+  (decode of a few sequences, where cuBLAS is latency-bound); for projections asked for
+  ``partial_sums`` (those a norm reads), the split-K GEMM of ``triton_gemm.py`` up to
+  ``PARTIAL_SUMS_MAX_ROWS``, its sums added up in ``rms_norm``; cuBLAS beyond.
 
 On SM 9.0 and later these kernels, the GEMVs and decode attention launch overlapped with the
 kernel ahead of them (``triton_overlap.py``).
@@ -25,6 +27,7 @@ in a CUDA graph.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
@@ -35,9 +38,12 @@ import triton.language as tl
 import nanofn.kernels.triton_attention as triton_attention
 from nanofn.kernels import triton_overlap
 from nanofn.kernels.triton_overlap import wait_for_previous
+import nanofn.kernels.triton_gemm as triton_gemm
 import nanofn.kernels.triton_gemv as triton_gemv
+from nanofn.kernels.triton_gemv import silu_times_up
 from nanofn.kernels import KernelBackend
 from nanofn.kernels.linear import norm_then_linear
+from nanofn.kernels.partial_sums import PartialSums, added_up
 
 SILU_BLOCK = 1024  # columns per silu_and_mul program
 # Token counts up to which the projections run as Triton GEMVs (triton_gemv.py), cuBLAS above.
@@ -48,6 +54,11 @@ SILU_BLOCK = 1024  # columns per silu_and_mul program
 # of 4 sequences takes 1.36 ms on the GEMVs against 1.54 ms on cuBLAS, of 8 2.16 against 1.64
 # (benchmarks/profile_decode.py --batch B --gemv-max-rows R).
 GEMV_MAX_ROWS = 4
+# Token counts up to which a projection asked for partial sums (o_proj, down_proj) runs as the
+# split-K GEMM of triton_gemm.py, cuBLAS above. Measured on the H100, each projection with the
+# norm after it: at 8-256 rows 4.9-6.9 us (o) and 5.7-8.4 us (down) against 7.0-8.2 and
+# 8.1-10.0 us for cuBLAS and the norm (benchmarks/decode_gemm.py).
+PARTIAL_SUMS_MAX_ROWS = triton_gemm.MAX_ROWS
 
 
 # ---------------------------------------------------------------------------------------------
@@ -57,17 +68,25 @@ GEMV_MAX_ROWS = 4
 @triton.jit
 def _rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
-    stride_x, stride_residual, stride_out, stride_residual_out, size, eps,
-    BLOCK: tl.constexpr, ADD_RESIDUAL: tl.constexpr, OVERLAP: tl.constexpr,
+    stride_x, stride_sums, stride_residual, stride_out, stride_residual_out, size, eps,
+    BLOCK: tl.constexpr, NUM_SUMS: tl.constexpr, ADD_RESIDUAL: tl.constexpr, OVERLAP: tl.constexpr,
 ):
     """Program ``row``: ``out = weight * normed(x + residual)``; with ``ADD_RESIDUAL`` it also
-    writes ``x + residual``, which is rounded to x's dtype before it is normalised."""
+    writes ``x + residual``, which is rounded to the output's dtype before it is normalised.
+    With ``NUM_SUMS``, ``x`` is a projection's float32 partial sums (``stride_sums`` apart),
+    added up in order and rounded to the output's dtype first."""
     wait_for_previous(OVERLAP)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < size
-    dtype = x_ptr.dtype.element_ty
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    dtype = out_ptr.dtype.element_ty
+    if NUM_SUMS > 0:
+        x = tl.zeros([BLOCK], tl.float32)
+        for s in tl.static_range(NUM_SUMS):
+            x += tl.load(x_ptr + s * stride_sums + row * stride_x + cols, mask=mask, other=0.0)
+        x = x.to(dtype).to(tl.float32)
+    else:
+        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     if ADD_RESIDUAL:
         residual = tl.load(residual_ptr + row * stride_residual + cols, mask=mask, other=0.0)
         summed = (x + residual.to(tl.float32)).to(dtype)
@@ -157,10 +176,9 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, size, BLOCK: tl.c
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < size
     dtype = x_ptr.dtype.element_ty
-    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(x_ptr + row * stride_x + size + cols, mask=mask, other=0.0).to(tl.float32)
-    activated = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
-    tl.store(out_ptr + row * stride_out + cols, (activated * up).to(dtype), mask=mask)
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    up = tl.load(x_ptr + row * stride_x + size + cols, mask=mask, other=0.0)
+    tl.store(out_ptr + row * stride_out + cols, silu_times_up(gate, up, dtype), mask=mask)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -168,35 +186,42 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, size, BLOCK: tl.c
 
 
 def rms_norm(
-    x: torch.Tensor,
+    x: torch.Tensor | PartialSums,
     weight: torch.Tensor,
     eps: float,
     residual: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Normalise ``x`` over its last dimension and scale by ``weight`` (in ``x``'s dtype).
 
-    With ``residual`` returns ``(normed(x + residual), x + residual)``.
+    With ``residual`` returns ``(normed(x + residual), x + residual)``. ``x`` may be a
+    projection's ``PartialSums``, added up in the same kernel.
     """
-    size = x.shape[-1]
-    rows = x.reshape(-1, size)
-    out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    if isinstance(x, PartialSums):
+        sums, dtype, shape = x.sums, x.dtype, x.sums.shape[1:]
+    else:
+        sums, dtype, shape = x[None], x.dtype, x.shape
+    size = shape[-1]
+    rows = sums.reshape(len(sums), -1, size)
+    out = torch.empty(rows.shape[1:], dtype=dtype, device=sums.device)
     if residual is None:
-        residual_rows = residual_out = rows  # placeholders, never read or written
+        residual_rows = residual_out = out  # placeholders, never read or written
     else:
         residual_rows = residual.reshape(-1, size)
-        residual_out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+        residual_out = torch.empty(out.shape, dtype=dtype, device=sums.device)
     assert rows.stride(-1) == residual_rows.stride(-1) == weight.stride(-1) == 1, "rows must be contiguous"
-    if len(rows) > 0:
+    if out.shape[0] > 0:
         block = triton.next_power_of_2(size)
-        _rms_norm_kernel[(len(rows),)](
+        _rms_norm_kernel[(out.shape[0],)](
             rows, residual_rows, weight, out, residual_out,
-            rows.stride(0), residual_rows.stride(0), out.stride(0), residual_out.stride(0), size, eps,
-            BLOCK=block, ADD_RESIDUAL=residual is not None, num_warps=_row_warps(block),
-            **triton_overlap.launch_options(x.device),
+            rows.stride(1), rows.stride(0), residual_rows.stride(0), out.stride(0),
+            residual_out.stride(0), size, eps,
+            BLOCK=block, NUM_SUMS=len(rows) if isinstance(x, PartialSums) else 0,
+            ADD_RESIDUAL=residual is not None, num_warps=_row_warps(block),
+            **triton_overlap.launch_options(sums.device),
         )
     if residual is None:
-        return out.view(x.shape)
-    return out.view(x.shape), residual_out.view(x.shape)
+        return out.view(shape)
+    return out.view(shape), residual_out.view(shape)
 
 
 def rotate_and_store_kv(
@@ -254,26 +279,45 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           gemv_max_rows: int = GEMV_MAX_ROWS) -> torch.Tensor:
-    """``x @ weight.T (+ bias)``: a Triton GEMV for at most ``gemv_max_rows`` rows, else cuBLAS."""
+           partial_sums: bool = False, gemv_max_rows: int = GEMV_MAX_ROWS,
+           partial_sums_max_rows: int = PARTIAL_SUMS_MAX_ROWS) -> torch.Tensor | PartialSums:
+    """``x @ weight.T (+ bias)``: a Triton GEMV for at most ``gemv_max_rows`` rows; asked for
+    ``partial_sums``, the split-K GEMM's up to ``partial_sums_max_rows`` (and no bias); else
+    cuBLAS."""
     rows = x.reshape(-1, x.shape[-1])
-    if not 0 < len(rows) <= gemv_max_rows:
-        return F.linear(x, weight, bias)
-    return triton_gemv.gemv(rows, weight, bias).view(*x.shape[:-1], -1)
+    if 0 < len(rows) <= gemv_max_rows:
+        return triton_gemv.gemv(rows, weight, bias).view(*x.shape[:-1], -1)
+    if config := _partial_sums_config(rows, weight, bias, partial_sums, partial_sums_max_rows):
+        return triton_gemm.partial_sums_gemm(rows, weight, config)
+    return F.linear(x, weight, bias)
 
 
-def silu_and_mul_linear(x: torch.Tensor, weight: torch.Tensor,
-                        gemv_max_rows: int = GEMV_MAX_ROWS) -> torch.Tensor:
+def silu_and_mul_linear(x: torch.Tensor, weight: torch.Tensor, partial_sums: bool = False,
+                        gemv_max_rows: int = GEMV_MAX_ROWS,
+                        partial_sums_max_rows: int = PARTIAL_SUMS_MAX_ROWS,
+                        ) -> torch.Tensor | PartialSums:
     """``silu_and_mul(x) @ weight.T``: one Triton GEMV for at most ``gemv_max_rows`` rows, else
-    the activation kernel and cuBLAS."""
+    the activation kernel and then (asked for ``partial_sums``, up to ``partial_sums_max_rows``)
+    the split-K GEMM or cuBLAS."""
     rows = x.reshape(-1, x.shape[-1])
-    if not 0 < len(rows) <= gemv_max_rows:
-        return F.linear(silu_and_mul(x), weight)
-    return triton_gemv.silu_and_mul_gemv(rows, weight).view(*x.shape[:-1], -1)
+    if 0 < len(rows) <= gemv_max_rows:
+        return triton_gemv.silu_and_mul_gemv(rows, weight).view(*x.shape[:-1], -1)
+    activated = silu_and_mul(x)
+    if config := _partial_sums_config(rows, weight, None, partial_sums, partial_sums_max_rows):
+        return triton_gemm.partial_sums_gemm(activated.view(len(rows), -1), weight, config)
+    return F.linear(activated, weight)
+
+
+def _partial_sums_config(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                         asked: bool, max_rows: int) -> triton_gemm.GemmConfig | None:
+    """The split-K GEMM's launch parameters, where it is asked for and takes the projection."""
+    if not asked or bias is not None or not 0 < len(rows) <= max_rows:
+        return None
+    return triton_gemm.gemm_config(*weight.shape, len(rows))
 
 
 def rms_norm_linear(
-    x: torch.Tensor,
+    x: torch.Tensor | PartialSums,
     norm_weight: torch.Tensor,
     eps: float,
     residual: torch.Tensor | None,
@@ -282,13 +326,16 @@ def rms_norm_linear(
     gemv_max_rows: int = GEMV_MAX_ROWS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rms_norm(x + residual) @ weight.T (+ bias), x + residual)`` (see ``linear.py``): one
-    Triton GEMV for at most ``gemv_max_rows`` rows, else the norm kernel and cuBLAS."""
-    size = x.shape[-1]
-    rows = x.reshape(-1, size)
-    if not 0 < len(rows) <= gemv_max_rows:
+    Triton GEMV for at most ``gemv_max_rows`` rows, else the norm kernel (which adds up
+    ``PartialSums``) and cuBLAS."""
+    size = weight.shape[-1]
+    num_rows = (x.sums[0] if isinstance(x, PartialSums) else x).numel() // size
+    if not 0 < num_rows <= gemv_max_rows:
         return norm_then_linear(rms_norm, x, norm_weight, eps, residual, weight, bias)
+    x = added_up(x)  # (partial sums come at these row counts only where the GEMVs are off)
     residual_rows = None if residual is None else residual.reshape(-1, size)
-    out, summed = triton_gemv.rms_norm_gemv(rows, norm_weight, eps, residual_rows, weight, bias)
+    out, summed = triton_gemv.rms_norm_gemv(x.reshape(-1, size), norm_weight, eps, residual_rows,
+                                            weight, bias)
     return out.view(*x.shape[:-1], -1), summed.view(x.shape)
 
 
@@ -300,16 +347,32 @@ def _row_warps(block: int) -> int:
 
 def without_gemv(kernels: KernelBackend) -> KernelBackend:
     """``kernels`` with every projection on cuBLAS and the fused ones split again, whatever the
-    token count: the baseline that the GEMVs are tested and measured against."""
-    return with_gemv_max_rows(kernels, 0)
+    token count: the baseline that the GEMVs and the split-K GEMM are tested and measured
+    against."""
+    return with_partial_sums_max_rows(with_gemv_max_rows(kernels, 0), 0)
 
 
 def with_gemv_max_rows(kernels: KernelBackend, rows: int) -> KernelBackend:
     """``kernels`` with the projections of at most ``rows`` tokens on the GEMVs (instead of
-    ``GEMV_MAX_ROWS``), the others on cuBLAS."""
-    return replace(kernels, linear=functools.partial(linear, gemv_max_rows=rows),
-                   silu_and_mul_linear=functools.partial(silu_and_mul_linear, gemv_max_rows=rows),
-                   rms_norm_linear=functools.partial(rms_norm_linear, gemv_max_rows=rows))
+    ``GEMV_MAX_ROWS``), the others as before."""
+    return replace(kernels, linear=_with(kernels.linear, gemv_max_rows=rows),
+                   silu_and_mul_linear=_with(kernels.silu_and_mul_linear, gemv_max_rows=rows),
+                   rms_norm_linear=_with(kernels.rms_norm_linear, gemv_max_rows=rows))
+
+
+def with_partial_sums_max_rows(kernels: KernelBackend, rows: int) -> KernelBackend:
+    """``kernels`` with the split-K GEMM for the projections asked for partial sums of at most
+    ``rows`` tokens (instead of ``PARTIAL_SUMS_MAX_ROWS``; 0: none), cuBLAS above."""
+    return replace(kernels, linear=_with(kernels.linear, partial_sums_max_rows=rows),
+                   silu_and_mul_linear=_with(kernels.silu_and_mul_linear,
+                                             partial_sums_max_rows=rows))
+
+
+def _with(function: Callable, **keywords: int) -> Callable:
+    """``function`` (maybe a partial already) with ``keywords`` set."""
+    if isinstance(function, functools.partial):
+        return functools.partial(function.func, *function.args, **{**function.keywords, **keywords})
+    return functools.partial(function, **keywords)
 
 
 TRITON_KERNELS = KernelBackend(

@@ -5,7 +5,9 @@ follow Hugging Face's, except the fused ``qkv_proj`` and ``gate_up_proj`` (see `
 Everything a step needs comes in through ``forward``'s arguments and every kernel but the
 embedding lookup and the LM head through the ``KernelBackend`` given at construction: no global
 context. A decoder layer runs each norm together with the projection after it (the backend may
-fuse the two), and the MLP's activation together with its down projection.
+fuse the two), and the MLP's activation together with its down projection. The projections
+whose output only a norm reads (``o_proj``, ``down_proj``) may hand it over as ``PartialSums``
+for the norm to add up (``nanofn/kernels/linear.py``).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 from torch import nn
 
 from nanofn.kernels import KernelBackend
+from nanofn.kernels.partial_sums import PartialSums
 from nanofn.model.batch import AttentionBatch
 from nanofn.model.config import head_dim, num_kv_heads, rope_settings
 from nanofn.model.layers import RMSNorm, RotaryEmbedding
@@ -122,7 +125,7 @@ class Attention(nn.Module):
         batch: AttentionBatch,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | PartialSums:
         """Attention of the tokens whose ``qkv_proj`` output is ``qkv`` (``DecoderLayer`` runs the
         projection, with the norm before it), through ``o_proj``."""
         qkv_proj = self.qkv_proj
@@ -150,7 +153,7 @@ class Attention(nn.Module):
                 self.scale,
                 tiles=batch.prefill_tiles,
             )
-        return self.o_proj(out.flatten(1))
+        return self.o_proj(out.flatten(1), for_norm=True)
 
 
 class MLP(nn.Module):
@@ -167,10 +170,10 @@ class MLP(nn.Module):
             intermediate, hidden, bias=options.mlp_bias, tp_rank=tp_rank, tp_size=tp_size, kernels=kernels
         )
 
-    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor | PartialSums:
         """The MLP's output from its ``gate_up_proj`` output (``DecoderLayer`` runs the projection,
         with the norm before it): ``down_proj(silu(gate) * up)``."""
-        return self.down_proj(gate_up, gated=True)
+        return self.down_proj(gate_up, gated=True, for_norm=True)
 
 
 class DecoderLayer(nn.Module):
@@ -192,11 +195,11 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         positions: torch.Tensor,
-        hidden: torch.Tensor,
+        hidden: torch.Tensor | PartialSums,
         residual: torch.Tensor | None,
         batch: AttentionBatch,
         layer_kv_cache: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor | PartialSums, torch.Tensor]:
         """Returns ``(mlp output, residual stream before it)``: the next norm adds them."""
         attention, mlp = self.self_attn, self.mlp
         norm = self.input_layernorm

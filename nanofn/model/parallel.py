@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanofn.kernels import TORCH_KERNELS, KernelBackend
+from nanofn.kernels.partial_sums import PartialSums
 
 
 def load_replicated(param: nn.Parameter, loaded: torch.Tensor, shard_id: None = None) -> None:
@@ -79,8 +80,8 @@ class ColumnParallelLinear(_Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.kernels.linear(x, self.weight, self.bias)
 
-    def forward_normed(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
-                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_normed(self, x: torch.Tensor | PartialSums, residual: torch.Tensor | None,
+                       norm_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         """``(self(rms_norm(x + residual)), x + residual)`` (``residual`` None: ``x`` alone): a
         decoder layer's norm and the projection after it, as the kernels' ``rms_norm_linear``."""
         return self.kernels.rms_norm_linear(x, norm_weight, eps, residual, self.weight, self.bias)
@@ -175,14 +176,20 @@ class RowParallelLinear(_Linear):
         in_local = _divide(input_size, tp_size, "input size")
         super().__init__(in_local, output_size, output_size if bias else None, tp_rank, tp_size, kernels)
 
-    def partial_forward(self, x: torch.Tensor, gated: bool = False) -> torch.Tensor:
+    def partial_forward(self, x: torch.Tensor, gated: bool = False,
+                        partial_sums: bool = False) -> torch.Tensor | PartialSums:
         """This rank's summand of ``x @ weight.T``, without bias (added once, after the sum)."""
         if gated:
-            return self.kernels.silu_and_mul_linear(x, self.weight)
-        return self.kernels.linear(x, self.weight)
+            return self.kernels.silu_and_mul_linear(x, self.weight, partial_sums=partial_sums)
+        return self.kernels.linear(x, self.weight, partial_sums=partial_sums)
 
-    def forward(self, x: torch.Tensor, gated: bool = False) -> torch.Tensor:
-        y = self.partial_forward(x, gated)
+    def forward(self, x: torch.Tensor, gated: bool = False,
+                for_norm: bool = False) -> torch.Tensor | PartialSums:
+        """The output; ``for_norm`` (its only reader a norm): the backend may return it as
+        ``PartialSums`` for the norm to add up, where there is nothing to add after the product
+        (one rank, no bias)."""
+        y = self.partial_forward(x, gated, partial_sums=for_norm and self.tp_size == 1
+                                 and self.bias is None)
         if self.tp_size > 1:
             dist.all_reduce(y)
         return y if self.bias is None else y + self.bias

@@ -1,0 +1,103 @@
+"""The split-K GEMM whose partial sums the norm adds up (``triton_gemm.py``, ``PartialSums``), the
+norm kernel reading them, and which projections ``TRITON_KERNELS`` hands over as partial sums,
+on CPU through Triton's interpreter (float32 and float16). bf16 at the model's shapes:
+``tests/gpu/test_triton_gemm_gpu.py``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_triton_gemv import DTYPES, TOLERANCES, randn
+
+import nanofn.kernels.triton_gemm as triton_gemm
+import nanofn.kernels.triton_ops as triton_ops
+from nanofn.kernels import PartialSums, linear, rms_norm, rms_norm_linear, silu_and_mul_linear
+from nanofn.kernels.partial_sums import added_up, linear_partial_sums
+from nanofn.kernels.triton_gemm import GemmConfig
+
+N, K = 40, 256  # 40 outputs: a tile's edge falls inside them
+CONFIGS = [GemmConfig(16, 32, 32, 1), GemmConfig(16, 32, 64, 2), GemmConfig(32, 16, 32, 4)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [5, 40])  # one tile of rows, and three with the last part-filled
+@pytest.mark.parametrize("config", CONFIGS, ids=str)
+def test_partial_sums_are_the_products_of_the_ranges_of_k(interpreter, dtype, rows, config):
+    x = randn(rows, K + 8, seed=rows, dtype=dtype)[:, :K]  # strided rows
+    weight = randn(N, K, seed=1, dtype=dtype, scale=0.5)
+
+    got = interpreter(triton_gemm.partial_sums_gemm, x, weight, config)
+
+    expected = linear_partial_sums(x, weight, config.split_k)
+    assert got.dtype == dtype and got.sums.dtype == torch.float32
+    assert got.sums.shape == (config.split_k, rows, N)
+    torch.testing.assert_close(got.sums, expected.sums, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(got.total(), linear(x, weight), **TOLERANCES[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("splits", [1, 4])
+@pytest.mark.parametrize("add_residual", [False, True], ids=["norm", "add-and-norm"])
+def test_the_norm_adds_partial_sums_up_in_order_before_it_normalises(interpreter, dtype, splits,
+                                                                     add_residual):
+    """The sum, rounded once to the dtype, is the projection's output: the residual stream it
+    makes is the reference's bit for bit."""
+    rows, size = 6, 96
+    sums = PartialSums(randn(splits, rows, size, seed=2, dtype=torch.float32, scale=2.0), dtype)
+    residual = randn(rows, size, seed=3, dtype=dtype) if add_residual else None
+    weight = (torch.rand(size, generator=torch.Generator().manual_seed(4)) + 0.5).to(dtype)
+
+    got = interpreter(triton_ops.rms_norm, sums, weight, 1e-6, residual)
+
+    expected = rms_norm(sums.total(), weight, 1e-6, residual)
+    if add_residual:
+        assert torch.equal(got[1], expected[1])
+        got, expected = got[0], expected[0]
+    assert got.dtype == dtype
+    torch.testing.assert_close(got, expected, **TOLERANCES[dtype])
+
+
+def projections(x, gate_up, weight, down_weight, norm_weight, residual, **switches):
+    """``TRITON_KERNELS``' o_proj, down_proj and the norm + projection after them, asked for
+    partial sums; each result with whether it came as ``PartialSums``."""
+    kernels = triton_ops.with_partial_sums_max_rows(triton_ops.TRITON_KERNELS,
+                                                    switches.pop("max_rows", 16))
+    o = kernels.linear(x, weight, switches.get("bias"), partial_sums=True)
+    down = kernels.silu_and_mul_linear(gate_up, down_weight, partial_sums=True)
+    normed = kernels.rms_norm_linear(o, norm_weight, 1e-6, residual, down_weight.T.contiguous())
+    return [(isinstance(out, PartialSums), out) for out in (o, down)], normed
+
+
+@pytest.mark.parametrize("rows, as_sums", [(3, False), (5, True), (16, True), (17, False)],
+                         ids=["gemv", "split-k", "split-k at the bound", "cublas above it"])
+def test_projections_asked_for_partial_sums_get_them_between_the_gemvs_and_the_bound(
+        interpreter, rows, as_sums):
+    """Up to ``GEMV_MAX_ROWS`` tokens the GEMVs (a tensor), then the split-K GEMM (partial sums)
+    up to the bound, cuBLAS (a tensor) above it: the same results either way, and the norm
+    after them takes whichever comes."""
+    dtype = torch.float32
+    x, gate_up = randn(rows, K, seed=5, dtype=dtype), randn(rows, 2 * K, seed=6, dtype=dtype)
+    weight, down_weight = randn(K, K, seed=7, dtype=dtype, scale=0.1), randn(K, K, seed=8, dtype=dtype)
+    norm_weight, residual = randn(K, seed=9, dtype=dtype), randn(rows, K, seed=10, dtype=dtype)
+
+    outs, normed = interpreter(projections, x, gate_up, weight, down_weight, norm_weight, residual)
+
+    assert [came_as_sums for came_as_sums, _ in outs] == [as_sums, as_sums]
+    for (_, out), expected in zip(outs, (linear(x, weight), silu_and_mul_linear(gate_up, down_weight))):
+        torch.testing.assert_close(added_up(out), expected, **TOLERANCES[dtype])
+    expected = rms_norm_linear(linear(x, weight), norm_weight, 1e-6, residual, down_weight.T)
+    torch.testing.assert_close(normed, expected, **TOLERANCES[dtype])
+
+
+@pytest.mark.parametrize("case", ["not asked", "a bias", "K not in whole steps"])
+def test_projections_come_whole_where_partial_sums_do_not_fit(interpreter, case):
+    dtype, rows = torch.float32, 8
+    k = 200 if case == "K not in whole steps" else K
+    x, weight = randn(rows, k, seed=11, dtype=dtype), randn(N, k, seed=12, dtype=dtype)
+    bias = randn(N, seed=13, dtype=dtype) if case == "a bias" else None
+    asked = case != "not asked"
+
+    out = interpreter(triton_ops.linear, x, weight, bias, asked)
+
+    assert isinstance(out, torch.Tensor)
+    torch.testing.assert_close(out, linear(x, weight, bias), **TOLERANCES[dtype])
