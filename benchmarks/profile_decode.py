@@ -1,7 +1,8 @@
 """Where a decode step's time goes: cProfile of the host side and torch.profiler of the GPU.
 
 Usage: python benchmarks/profile_decode.py (MODEL | --random-weights qwen3-0.6b) [--batch N]
-Runs N requests of 512-token prompts into steady decode, then profiles 50 engine steps.
+Runs N requests of 512-token prompts (``--prompt-len``) into steady decode, then profiles 50
+engine steps.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ def main() -> None:
     add_model_and_switches(ap)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--host-only", action="store_true",
                     help="skip the device profile; list the host's functions by own time")
     args = ap.parse_args()
@@ -33,7 +35,8 @@ def main() -> None:
     rng = random.Random(0)
     params = SamplingParams(temperature=0.6, max_tokens=1000, ignore_eos=True)
     for _ in range(args.batch):
-        engine.add_request([rng.randrange(10000) for _ in range(512)], params, stream=False)
+        engine.add_request([rng.randrange(10000) for _ in range(args.prompt_len)], params,
+                           stream=False)
     with fewer_gc_pauses():  # as LLM.generate runs its steps
         _profile(engine, args)
 
