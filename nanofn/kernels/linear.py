@@ -11,6 +11,7 @@ take either). These references always return the tensor.
 from __future__ import annotations
 
 from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
