@@ -89,11 +89,12 @@ def test_projections_asked_for_partial_sums_get_them_between_the_gemvs_and_the_b
     torch.testing.assert_close(normed, expected, **TOLERANCES[dtype])
 
 
-@pytest.mark.parametrize("case", ["not asked", "a bias", "K not in whole steps"])
+@pytest.mark.parametrize("case", ["not asked", "a bias", "K not in whole steps", "leading dims"])
 def test_projections_come_whole_where_partial_sums_do_not_fit(interpreter, case):
     dtype, rows = torch.float32, 8
     k = 200 if case == "K not in whole steps" else K
     x, weight = randn(rows, k, seed=11, dtype=dtype), randn(N, k, seed=12, dtype=dtype)
+    x = x.view(2, rows // 2, k) if case == "leading dims" else x
     bias = randn(N, seed=13, dtype=dtype) if case == "a bias" else None
     asked = case != "not asked"
 

@@ -287,7 +287,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     rows = x.reshape(-1, x.shape[-1])
     if 0 < len(rows) <= gemv_max_rows:
         return triton_gemv.gemv(rows, weight, bias).view(*x.shape[:-1], -1)
-    if config := _partial_sums_config(rows, weight, bias, partial_sums, partial_sums_max_rows):
+    if config := _partial_sums_config(x, weight, bias, partial_sums, partial_sums_max_rows):
         return triton_gemm.partial_sums_gemm(rows, weight, config)
     return F.linear(x, weight, bias)
 
@@ -303,17 +303,18 @@ def silu_and_mul_linear(x: torch.Tensor, weight: torch.Tensor, partial_sums: boo
     if 0 < len(rows) <= gemv_max_rows:
         return triton_gemv.silu_and_mul_gemv(rows, weight).view(*x.shape[:-1], -1)
     activated = silu_and_mul(x)
-    if config := _partial_sums_config(rows, weight, None, partial_sums, partial_sums_max_rows):
-        return triton_gemm.partial_sums_gemm(activated.view(len(rows), -1), weight, config)
+    if config := _partial_sums_config(x, weight, None, partial_sums, partial_sums_max_rows):
+        return triton_gemm.partial_sums_gemm(activated, weight, config)
     return F.linear(activated, weight)
 
 
-def _partial_sums_config(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+def _partial_sums_config(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                          asked: bool, max_rows: int) -> triton_gemm.GemmConfig | None:
-    """The split-K GEMM's launch parameters, where it is asked for and takes the projection."""
-    if not asked or bias is not None or not 0 < len(rows) <= max_rows:
+    """The split-K GEMM's launch parameters, where it is asked for and takes the projection
+    (rows of ``x [M, K]``; the sums have no leading dimensions to keep)."""
+    if not asked or bias is not None or x.dim() != 2 or not 0 < len(x) <= max_rows:
         return None
-    return triton_gemm.gemm_config(*weight.shape, len(rows))
+    return triton_gemm.gemm_config(*weight.shape, len(x))
 
 
 def rms_norm_linear(
