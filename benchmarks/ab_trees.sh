@@ -5,12 +5,23 @@
 #   bash benchmarks/ab_trees.sh TREE [TREE...]     e.g. . .ab_base  (a tree: a folder holding nanofn/)
 # A tree other than the checkout is a copy carried along, e.g. made here with
 #   mkdir .ab_base && git archive HEAD | tar -x -C .ab_base   (and /.ab_base/ in .git/info/exclude)
-# BATCHES (default "1 256") sets the decode batch sizes profiled.
+# BATCHES (default "1 256") sets the decode batch sizes profiled; BENCH=N (default 0) first runs
+# the standard workload N times a tree, the trees in turn. Each tree's nanofn is imported from
+# PYTHONPATH; `python3 -m nanofn` would put the current folder first on sys.path and import the
+# checkout's instead, so the workload runs from the tree's own folder.
 set -u
 python3 -m pip install -q --upgrade --no-index --no-deps --target /tmp/site .whl/*.whl
 export PYTHONUNBUFFERED=1 NANOFN_CACHE=/tmp/nanofn-cache
 OUT=${OUT:-/tmp/nanofn-out}
 mkdir -p "$OUT"
+for round in $(seq 1 "${BENCH:-0}"); do
+  for tree in "$@"; do
+    log="$OUT/bench-$round-$(echo "$tree" | tr -c 'a-zA-Z0-9\n' _).txt"
+    (cd "$tree" && PYTHONPATH=/tmp/site:$PWD timeout 150 python3 -m nanofn bench \
+      --random-weights qwen3-0.6b --max-model-len 4096 --profile > "$log" 2>&1)
+    echo "$tree (bench $round): $(grep -E '^elapsed|^device busy' "$log" | tr '\n' ' ')"
+  done
+done
 for round in 1 2; do
   for tree in "$@"; do
     PYTHONPATH=/tmp/site:$(cd "$tree" && pwd) timeout 120 python3 benchmarks/single_request.py \
