@@ -18,7 +18,8 @@ def add_model_and_switches(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gemv-max-rows", type=int,
                         help="projections of at most this many tokens on the GEMVs, for a sweep")
     parser.add_argument("--no-partial-sums", action="store_true",
-                        help="o_proj and down_proj on cuBLAS (the split-K GEMM off), for a before/after")
+                        help="the GEMMs of nanofn/kernels/triton_gemm.py off (cuBLAS instead), for a "
+                             "before/after")
     parser.add_argument("--no-overlap", action="store_true",
                         help="kernels launched one after another (programmatic dependent launch off)")
 

@@ -49,6 +49,13 @@ def test_split_k_gemm_and_its_norm_compile(compile_for_h100, rows):
             compile_for_h100(triton_ops.rms_norm, sums, empty(HIDDEN), 1e-6, residual)
 
 
+@pytest.mark.parametrize("rows", [5, 32, 64])
+def test_gemm_after_a_norm_compiles(compile_for_h100, rows):
+    """qkv_proj and gate_up_proj on the GEMM with K in one range."""
+    for n in ((HEADS + 2 * KV_HEADS) * HEAD_DIM, 2 * INTERMEDIATE):
+        compile_for_h100(triton_gemm.gemm, empty(rows, HIDDEN), empty(n, HIDDEN))
+
+
 @pytest.mark.parametrize("tokens", [1, 300])
 def test_row_kernels_compile(compile_for_h100, tokens):
     """RMS norm (with and without residual), SiLU-and-mul, rotary + KV store (with and without

@@ -1,7 +1,7 @@
 """The split-K GEMM whose partial sums the norm adds up (``triton_gemm.py``, ``PartialSums``), the
-norm kernel reading them, and which projections ``TRITON_KERNELS`` hands over as partial sums,
-on CPU through Triton's interpreter (float32 and float16). bf16 at the model's shapes:
-``tests/gpu/test_triton_gemm_gpu.py``."""
+norm kernel reading them, the same GEMM with K in one range, and which projections
+``TRITON_KERNELS`` runs on them, on CPU through Triton's interpreter (float32 and float16).
+bf16 at the model's shapes: ``tests/gpu/test_triton_gemm_gpu.py``."""
 
 from __future__ import annotations
 
@@ -36,6 +36,20 @@ def test_partial_sums_are_the_products_of_the_ranges_of_k(interpreter, dtype, ro
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [5, 40])
+@pytest.mark.parametrize("config", [GemmConfig(16, 32, 32, 1), GemmConfig(32, 16, 64, 1), None],
+                         ids=str)
+def test_gemm_with_k_in_one_range_is_the_product(interpreter, dtype, rows, config):
+    x = randn(rows, K + 8, seed=rows, dtype=dtype)[:, :K]  # strided rows
+    weight = randn(N, K, seed=1, dtype=dtype, scale=0.5)
+
+    got = interpreter(triton_gemm.gemm, x, weight, config)
+
+    assert got.dtype == dtype and got.shape == (rows, N)
+    torch.testing.assert_close(got, linear(x, weight), **TOLERANCES[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("splits", [1, 4])
 @pytest.mark.parametrize("add_residual", [False, True], ids=["norm", "add-and-norm"])
 def test_the_norm_adds_partial_sums_up_in_order_before_it_normalises(interpreter, dtype, splits,
@@ -57,33 +71,44 @@ def test_the_norm_adds_partial_sums_up_in_order_before_it_normalises(interpreter
     torch.testing.assert_close(got, expected, **TOLERANCES[dtype])
 
 
-def projections(x, gate_up, weight, down_weight, norm_weight, residual, **switches):
-    """``TRITON_KERNELS``' o_proj, down_proj and the norm + projection after them, asked for
-    partial sums; each result with whether it came as ``PartialSums``."""
-    kernels = triton_ops.with_partial_sums_max_rows(triton_ops.TRITON_KERNELS,
-                                                    switches.pop("max_rows", 16))
-    o = kernels.linear(x, weight, switches.get("bias"), partial_sums=True)
-    down = kernels.silu_and_mul_linear(gate_up, down_weight, partial_sums=True)
-    normed = kernels.rms_norm_linear(o, norm_weight, 1e-6, residual, down_weight.T.contiguous())
-    return [(isinstance(out, PartialSums), out) for out in (o, down)], normed
+def projections(x, gate_up, weight, down_weight, norm_weight, residual):
+    """``TRITON_KERNELS``' o_proj and down_proj asked for partial sums, and the norm and
+    projection after o_proj, with the GEMMs of ``triton_gemm.py`` up to 16 tokens: each
+    projection's result, with which kernel made it."""
+    launches, launchers = [], {name: getattr(triton_gemm, name) for name in ("gemm", "partial_sums_gemm")}
+    for name, launch in launchers.items():
+        setattr(triton_gemm, name, lambda *a, launch=launch, name=name: launches.append(name) or launch(*a))
+    try:
+        kernels = triton_ops.with_partial_sums_max_rows(triton_ops.TRITON_KERNELS, 16)
+        o = kernels.linear(x, weight, partial_sums=True)
+        down = kernels.silu_and_mul_linear(gate_up, down_weight, partial_sums=True)
+        normed = kernels.rms_norm_linear(o, norm_weight, 1e-6, residual, down_weight.T.contiguous())
+    finally:
+        for name, launch in launchers.items():
+            setattr(triton_gemm, name, launch)
+    return (o, down, normed), launches
 
 
-@pytest.mark.parametrize("rows, as_sums", [(3, False), (5, True), (16, True), (17, False)],
-                         ids=["gemv", "split-k", "split-k at the bound", "cublas above it"])
-def test_projections_asked_for_partial_sums_get_them_between_the_gemvs_and_the_bound(
-        interpreter, rows, as_sums):
-    """Up to ``GEMV_MAX_ROWS`` tokens the GEMVs (a tensor), then the split-K GEMM (partial sums)
-    up to the bound, cuBLAS (a tensor) above it: the same results either way, and the norm
-    after them takes whichever comes."""
+@pytest.mark.parametrize("rows, kernels", [
+    (3, []), (5, ["partial_sums_gemm", "partial_sums_gemm", "gemm"]),
+    (16, ["partial_sums_gemm", "partial_sums_gemm", "gemm"]), (17, [])],
+    ids=["gemv", "triton gemms", "triton gemms at the bound", "cublas above it"])
+def test_projections_take_the_triton_gemms_between_the_gemvs_and_the_bound(interpreter, rows,
+                                                                          kernels):
+    """Up to ``GEMV_MAX_ROWS`` tokens the GEMVs, then the GEMMs of ``triton_gemm.py`` (partial
+    sums where asked for, the product itself after a norm) up to the bound, cuBLAS above it:
+    the same results either way, and the norm takes partial sums or a tensor."""
     dtype = torch.float32
     x, gate_up = randn(rows, K, seed=5, dtype=dtype), randn(rows, 2 * K, seed=6, dtype=dtype)
     weight, down_weight = randn(K, K, seed=7, dtype=dtype, scale=0.1), randn(K, K, seed=8, dtype=dtype)
     norm_weight, residual = randn(K, seed=9, dtype=dtype), randn(rows, K, seed=10, dtype=dtype)
 
-    outs, normed = interpreter(projections, x, gate_up, weight, down_weight, norm_weight, residual)
+    (o, down, normed), launches = interpreter(projections, x, gate_up, weight, down_weight,
+                                              norm_weight, residual)
 
-    assert [came_as_sums for came_as_sums, _ in outs] == [as_sums, as_sums]
-    for (_, out), expected in zip(outs, (linear(x, weight), silu_and_mul_linear(gate_up, down_weight))):
+    assert launches == kernels
+    assert isinstance(o, PartialSums) == isinstance(down, PartialSums) == bool(kernels)
+    for out, expected in zip((o, down), (linear(x, weight), silu_and_mul_linear(gate_up, down_weight))):
         torch.testing.assert_close(added_up(out), expected, **TOLERANCES[dtype])
     expected = rms_norm_linear(linear(x, weight), norm_weight, 1e-6, residual, down_weight.T)
     torch.testing.assert_close(normed, expected, **TOLERANCES[dtype])

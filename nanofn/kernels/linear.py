@@ -55,10 +55,12 @@ def norm_then_linear(
     residual: torch.Tensor | None,
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
+    project: Callable[..., torch.Tensor] = F.linear,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``rms_norm_linear`` unfused, with ``norm`` (any backend's ``rms_norm``) as the norm."""
+    """``rms_norm_linear`` unfused, with ``norm`` (any backend's ``rms_norm``) as the norm and
+    ``project(normed, weight, bias)`` as the projection."""
     if residual is None:
         normed, summed = norm(x, norm_weight, eps), added_up(x)
     else:
         normed, summed = norm(x, norm_weight, eps, residual)
-    return F.linear(normed, weight, bias), summed
+    return project(normed, weight, bias), summed

@@ -59,6 +59,11 @@ GEMV_MAX_ROWS = 4
 # norm after it: at 8-256 rows 4.9-6.9 us (o) and 5.7-8.4 us (down) against 7.0-8.2 and
 # 8.1-10.0 us for cuBLAS and the norm (benchmarks/decode_gemm.py).
 PARTIAL_SUMS_MAX_ROWS = triton_gemm.MAX_ROWS
+# Token counts up to which the projections after a norm (qkv_proj, gate_up_proj) run as the
+# Triton GEMM of triton_gemm.py (K in one range) after the norm kernel, cuBLAS above. Measured
+# on the H100: 5.3-5.4 and 6.2-6.7 us against cuBLAS's 5.6-5.7 and 7.1-7.2 at 16-64 rows; at 128
+# and 256 rows cuBLAS is faster (benchmarks/RESULTS.md).
+WHOLE_GEMM_MAX_ROWS = triton_gemm.WHOLE_MAX_ROWS
 
 
 # ---------------------------------------------------------------------------------------------
@@ -325,19 +330,31 @@ def rms_norm_linear(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     gemv_max_rows: int = GEMV_MAX_ROWS,
+    whole_gemm_max_rows: int = WHOLE_GEMM_MAX_ROWS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rms_norm(x + residual) @ weight.T (+ bias), x + residual)`` (see ``linear.py``): one
     Triton GEMV for at most ``gemv_max_rows`` rows, else the norm kernel (which adds up
-    ``PartialSums``) and cuBLAS."""
+    ``PartialSums``) and then the Triton GEMM (up to ``whole_gemm_max_rows`` rows, no bias) or
+    cuBLAS."""
     size = weight.shape[-1]
     num_rows = (x.sums[0] if isinstance(x, PartialSums) else x).numel() // size
-    if not 0 < num_rows <= gemv_max_rows:
+    if 0 < num_rows <= gemv_max_rows:
+        x = added_up(x)  # (partial sums come at these row counts only where the GEMVs are off)
+        residual_rows = None if residual is None else residual.reshape(-1, size)
+        out, summed = triton_gemv.rms_norm_gemv(x.reshape(-1, size), norm_weight, eps,
+                                                residual_rows, weight, bias)
+        return out.view(*x.shape[:-1], -1), summed.view(x.shape)
+    config = None
+    if bias is None and 0 < num_rows <= whole_gemm_max_rows:
+        config = triton_gemm.whole_gemm_config(*weight.shape, num_rows)
+    if config is None:
         return norm_then_linear(rms_norm, x, norm_weight, eps, residual, weight, bias)
-    x = added_up(x)  # (partial sums come at these row counts only where the GEMVs are off)
-    residual_rows = None if residual is None else residual.reshape(-1, size)
-    out, summed = triton_gemv.rms_norm_gemv(x.reshape(-1, size), norm_weight, eps, residual_rows,
-                                            weight, bias)
-    return out.view(*x.shape[:-1], -1), summed.view(x.shape)
+
+    def project(normed: torch.Tensor, weight: torch.Tensor, _: None) -> torch.Tensor:
+        out = triton_gemm.gemm(normed.reshape(num_rows, size), weight, config)
+        return out.view(*normed.shape[:-1], -1)
+
+    return norm_then_linear(rms_norm, x, norm_weight, eps, residual, weight, bias, project)
 
 
 def _row_warps(block: int) -> int:
@@ -348,8 +365,8 @@ def _row_warps(block: int) -> int:
 
 def without_gemv(kernels: KernelBackend) -> KernelBackend:
     """``kernels`` with every projection on cuBLAS and the fused ones split again, whatever the
-    token count: the baseline that the GEMVs and the split-K GEMM are tested and measured
-    against."""
+    token count: the baseline that the GEMVs and the GEMMs of ``triton_gemm.py`` are tested and
+    measured against."""
     return with_partial_sums_max_rows(with_gemv_max_rows(kernels, 0), 0)
 
 
@@ -362,11 +379,14 @@ def with_gemv_max_rows(kernels: KernelBackend, rows: int) -> KernelBackend:
 
 
 def with_partial_sums_max_rows(kernels: KernelBackend, rows: int) -> KernelBackend:
-    """``kernels`` with the split-K GEMM for the projections asked for partial sums of at most
-    ``rows`` tokens (instead of ``PARTIAL_SUMS_MAX_ROWS``; 0: none), cuBLAS above."""
+    """``kernels`` with the GEMMs of ``triton_gemm.py`` for at most ``rows`` tokens (the split-K
+    one up to ``PARTIAL_SUMS_MAX_ROWS`` and the one after a norm up to ``WHOLE_GEMM_MAX_ROWS``
+    at most; 0: none), cuBLAS above."""
     return replace(kernels, linear=_with(kernels.linear, partial_sums_max_rows=rows),
                    silu_and_mul_linear=_with(kernels.silu_and_mul_linear,
-                                             partial_sums_max_rows=rows))
+                                             partial_sums_max_rows=rows),
+                   rms_norm_linear=_with(kernels.rms_norm_linear,
+                                         whole_gemm_max_rows=min(rows, WHOLE_GEMM_MAX_ROWS)))
 
 
 def _with(function: Callable, **keywords: int) -> Callable:
