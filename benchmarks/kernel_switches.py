@@ -28,14 +28,14 @@ def model_with_switches(args: argparse.Namespace) -> str:
     """Apply the switches ``args`` asks for; returns the model's folder (a random-weight
     checkpoint is built once)."""
     from nanofn.cli import random_weights_model
-    from nanofn.kernels.triton_ops import with_partial_sums_max_rows
+    from nanofn.kernels.triton_ops import with_triton_gemm_max_rows
 
     if args.no_gemv:
         projections_on_cublas()
     if args.gemv_max_rows is not None:
         gemv_up_to(args.gemv_max_rows)
     if args.no_partial_sums:
-        _wrap_kernels(lambda kernels: with_partial_sums_max_rows(kernels, 0))
+        _wrap_kernels(lambda kernels: with_triton_gemm_max_rows(kernels, 0))
     if args.no_overlap:
         launches_in_sequence()
     return str(args.model or random_weights_model(args.random_weights))

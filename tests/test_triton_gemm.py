@@ -79,7 +79,7 @@ def projections(x, gate_up, weight, down_weight, norm_weight, residual):
     for name, launch in launchers.items():
         setattr(triton_gemm, name, lambda *a, launch=launch, name=name: launches.append(name) or launch(*a))
     try:
-        kernels = triton_ops.with_partial_sums_max_rows(triton_ops.TRITON_KERNELS, 16)
+        kernels = triton_ops.with_triton_gemm_max_rows(triton_ops.TRITON_KERNELS, 16)
         o = kernels.linear(x, weight, partial_sums=True)
         down = kernels.silu_and_mul_linear(gate_up, down_weight, partial_sums=True)
         normed = kernels.rms_norm_linear(o, norm_weight, 1e-6, residual, down_weight.T.contiguous())

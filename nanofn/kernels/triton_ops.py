@@ -367,7 +367,7 @@ def without_gemv(kernels: KernelBackend) -> KernelBackend:
     """``kernels`` with every projection on cuBLAS and the fused ones split again, whatever the
     token count: the baseline that the GEMVs and the GEMMs of ``triton_gemm.py`` are tested and
     measured against."""
-    return with_partial_sums_max_rows(with_gemv_max_rows(kernels, 0), 0)
+    return with_triton_gemm_max_rows(with_gemv_max_rows(kernels, 0), 0)
 
 
 def with_gemv_max_rows(kernels: KernelBackend, rows: int) -> KernelBackend:
@@ -378,7 +378,7 @@ def with_gemv_max_rows(kernels: KernelBackend, rows: int) -> KernelBackend:
                    rms_norm_linear=_with(kernels.rms_norm_linear, gemv_max_rows=rows))
 
 
-def with_partial_sums_max_rows(kernels: KernelBackend, rows: int) -> KernelBackend:
+def with_triton_gemm_max_rows(kernels: KernelBackend, rows: int) -> KernelBackend:
     """``kernels`` with the GEMMs of ``triton_gemm.py`` for at most ``rows`` tokens (the split-K
     one up to ``PARTIAL_SUMS_MAX_ROWS`` and the one after a norm up to ``WHOLE_GEMM_MAX_ROWS``
     at most; 0: none), cuBLAS above."""
