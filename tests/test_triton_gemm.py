@@ -127,3 +127,11 @@ def test_projections_come_whole_where_partial_sums_do_not_fit(interpreter, case)
 
     assert isinstance(out, torch.Tensor)
     torch.testing.assert_close(out, linear(x, weight, bias), **TOLERANCES[dtype])
+
+
+def test_the_gemm_after_a_norm_keeps_to_the_widths_it_was_measured_at():
+    """K = 1,024 (Qwen3-0.6B's hidden size) was measured faster than cuBLAS; Qwen3-8B's 4,096
+    was not measured, and keeps cuBLAS."""
+    assert triton_gemm.whole_gemm_config(4096, 1024, 64) is not None
+    assert triton_gemm.whole_gemm_config(6144, 4096, 64) is None
+

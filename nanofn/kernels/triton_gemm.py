@@ -83,6 +83,9 @@ MAX_ROWS = TILES[-1][0]
 # sweep on the H100 for the two (the GEMM alone; 128 columns a step, 4 warps, 4 stages)
 WHOLE_TILES = ((32, 16, 64, 1), (64, 64, 64, 1))
 WHOLE_MAX_ROWS = WHOLE_TILES[-1][0]
+# Measured at K = 1,024 only (Qwen3-0.6B); a wider K makes each program's loop longer on the
+# same grid, where cuBLAS may split it: cuBLAS there until measured.
+WHOLE_MAX_K = 1024
 
 
 def gemm_config(n: int, k: int, rows: int) -> GemmConfig | None:
@@ -93,8 +96,9 @@ def gemm_config(n: int, k: int, rows: int) -> GemmConfig | None:
 
 
 def whole_gemm_config(n: int, k: int, rows: int) -> GemmConfig | None:
-    """``gemm_config`` for ``gemm`` (K in one range), from ``WHOLE_TILES``."""
-    return _config(WHOLE_TILES, k, rows)
+    """``gemm_config`` for ``gemm`` (K in one range), from ``WHOLE_TILES``; None for K over
+    ``WHOLE_MAX_K``."""
+    return _config(WHOLE_TILES, k, rows) if k <= WHOLE_MAX_K else None
 
 
 def _config(tiles: tuple[tuple[int, int, int, int], ...], k: int, rows: int) -> GemmConfig | None:
