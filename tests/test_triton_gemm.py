@@ -129,9 +129,12 @@ def test_projections_come_whole_where_partial_sums_do_not_fit(interpreter, case)
     torch.testing.assert_close(out, linear(x, weight, bias), **TOLERANCES[dtype])
 
 
-def test_the_gemm_after_a_norm_keeps_to_the_widths_it_was_measured_at():
-    """K = 1,024 (Qwen3-0.6B's hidden size) was measured faster than cuBLAS; Qwen3-8B's 4,096
-    was not measured, and keeps cuBLAS."""
+def test_the_triton_gemms_keep_to_the_widths_they_were_measured_at():
+    """Qwen3-0.6B's K (1,024 before a norm's projections, 2,048 and 3,072 for o_proj and
+    down_proj) were measured faster than cuBLAS; Qwen3-8B's (4,096, 12,288) were not, and keep
+    cuBLAS."""
     assert triton_gemm.whole_gemm_config(4096, 1024, 64) is not None
     assert triton_gemm.whole_gemm_config(6144, 4096, 64) is None
+    assert triton_gemm.gemm_config(1024, 3072, 64) is not None
+    assert triton_gemm.gemm_config(4096, 4096, 64) is None
 

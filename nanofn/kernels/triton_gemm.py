@@ -79,6 +79,7 @@ def _partial_sums_kernel(
 # columns a step, 4 warps, 4 stages)
 TILES = ((32, 16, 32, 4), (64, 64, 32, 4), (128, 64, 32, 2), (256, 64, 64, 2))
 MAX_ROWS = TILES[-1][0]
+MAX_K = 3072  # measured at K = 2,048 and 3,072 (Qwen3-0.6B); cuBLAS for wider K until measured
 # The same for ``gemm`` (one range of K) at qkv_proj's and gate_up_proj's widths: the best of a
 # sweep on the H100 for the two (the GEMM alone; 128 columns a step, 4 warps, 4 stages)
 WHOLE_TILES = ((32, 16, 64, 1), (64, 64, 64, 1))
@@ -91,8 +92,8 @@ WHOLE_MAX_K = 1024
 def gemm_config(n: int, k: int, rows: int) -> GemmConfig | None:
     """Launch parameters for ``rows`` (at most ``MAX_ROWS``) from ``TILES``; where K does not
     split into those ranges of 128 columns, fewer ranges and narrower steps; None where K is
-    not a multiple of 16."""
-    return _config(TILES, k, rows)
+    not a multiple of 16 or over ``MAX_K``."""
+    return _config(TILES, k, rows) if k <= MAX_K else None
 
 
 def whole_gemm_config(n: int, k: int, rows: int) -> GemmConfig | None:
