@@ -64,7 +64,7 @@ def main() -> None:
 
             baseline = time_us(lambda i: engine(weights[i]), copies)
             reference = engine(weights[0])
-            default = triton_gemm.gemm_config(n, k, rows)
+            default = triton_gemm.gemm_config(k, rows)
             timed = sweep([default, *stage_one(rows, k)], lambda i, c: split_k(weights[i], c),
                           lambda out: torch.testing.assert_close(out, reference, rtol=2e-2, atol=2e-2),
                           copies, started + a.budget_s, f"{name} {rows}")

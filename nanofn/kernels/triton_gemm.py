@@ -89,21 +89,24 @@ WHOLE_MAX_ROWS = WHOLE_TILES[-1][0]
 WHOLE_MAX_K = 1024
 
 
-def gemm_config(n: int, k: int, rows: int) -> GemmConfig | None:
-    """Launch parameters for ``rows`` (at most ``MAX_ROWS``) from ``TILES``; where K does not
-    split into those ranges of 128 columns, fewer ranges and narrower steps; None where K is
-    not a multiple of 16 or over ``MAX_K``."""
+def gemm_config(k: int, rows: int) -> GemmConfig | None:
+    """Launch parameters for ``rows`` from ``TILES``; where K does not split into those ranges
+    of 128 columns, fewer ranges and narrower steps; None over ``MAX_ROWS`` rows or ``MAX_K``,
+    or where K is not a multiple of 16."""
     return _config(TILES, k, rows) if k <= MAX_K else None
 
 
-def whole_gemm_config(n: int, k: int, rows: int) -> GemmConfig | None:
-    """``gemm_config`` for ``gemm`` (K in one range), from ``WHOLE_TILES``; None for K over
-    ``WHOLE_MAX_K``."""
+def whole_gemm_config(k: int, rows: int) -> GemmConfig | None:
+    """``gemm_config`` for ``gemm`` (K in one range), from ``WHOLE_TILES``; None over
+    ``WHOLE_MAX_ROWS`` rows or ``WHOLE_MAX_K``."""
     return _config(WHOLE_TILES, k, rows) if k <= WHOLE_MAX_K else None
 
 
 def _config(tiles: tuple[tuple[int, int, int, int], ...], k: int, rows: int) -> GemmConfig | None:
-    _, block_m, block_n, most_splits = next(t for t in tiles if rows <= t[0])
+    tile = next((t for t in tiles if rows <= t[0]), None)
+    if tile is None:
+        return None
+    _, block_m, block_n, most_splits = tile
     splits = (most_splits, *(s for s in (2, 1) if s < most_splits))
     for split, block_k in itertools.product(splits, (128, 64, 32, 16)):
         if k % (split * block_k) == 0:
@@ -116,8 +119,7 @@ def partial_sums_gemm(x: torch.Tensor, weight: torch.Tensor,
     """``x @ weight.T`` for ``x [M, K]`` (contiguous rows) and ``weight [N, K]``, as float32 sums
     over ``config.split_k`` ranges of K, to be added up and rounded to x's dtype."""
     rows, k = x.shape
-    assert config is not None or rows <= MAX_ROWS, f"{rows} rows: give a config"
-    config = _checked(config or gemm_config(len(weight), k, rows), k)
+    config = _checked(config or gemm_config(k, rows), k, rows)
     sums = torch.empty(config.split_k, rows, len(weight), dtype=torch.float32, device=x.device)
     _launch(x, weight, sums, config)
     return PartialSums(sums, x.dtype)
@@ -127,17 +129,16 @@ def gemm(x: torch.Tensor, weight: torch.Tensor, config: GemmConfig | None = None
     """``x @ weight.T`` in x's dtype, K in one range: qkv_proj and gate_up_proj (4,096 and 6,144
     outputs, enough tiles without a split) at up to ``WHOLE_MAX_ROWS`` rows."""
     rows, k = x.shape
-    assert config is not None or rows <= WHOLE_MAX_ROWS, f"{rows} rows: give a config"
-    config = _checked(config or whole_gemm_config(len(weight), k, rows), k)
+    config = _checked(config or whole_gemm_config(k, rows), k, rows)
     assert config.split_k == 1, "one range of K"
     out = torch.empty(rows, len(weight), dtype=x.dtype, device=x.device)
     _launch(x, weight, out[None], config)
     return out
 
 
-def _checked(config: GemmConfig | None, k: int) -> GemmConfig:
-    assert config is not None and k % (config.block_k * config.split_k) == 0, \
-        f"K={k} does not split by {config}"
+def _checked(config: GemmConfig | None, k: int, rows: int) -> GemmConfig:
+    assert config is not None, f"no launch parameters for {rows} rows of K={k}: give a config"
+    assert k % (config.block_k * config.split_k) == 0, f"K={k} does not split by {config}"
     return config
 
 

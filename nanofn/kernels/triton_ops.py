@@ -292,8 +292,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     rows = x.reshape(-1, x.shape[-1])
     if 0 < len(rows) <= gemv_max_rows:
         return triton_gemv.gemv(rows, weight, bias).view(*x.shape[:-1], -1)
-    if config := _partial_sums_config(x, weight, bias, partial_sums, partial_sums_max_rows):
-        return triton_gemm.partial_sums_gemm(rows, weight, config)
+    if partial_sums and x.dim() == 2 and (config := _triton_gemm_config(
+            triton_gemm.gemm_config, len(x), weight, bias, partial_sums_max_rows)):
+        return triton_gemm.partial_sums_gemm(x, weight, config)
     return F.linear(x, weight, bias)
 
 
@@ -308,18 +309,21 @@ def silu_and_mul_linear(x: torch.Tensor, weight: torch.Tensor, partial_sums: boo
     if 0 < len(rows) <= gemv_max_rows:
         return triton_gemv.silu_and_mul_gemv(rows, weight).view(*x.shape[:-1], -1)
     activated = silu_and_mul(x)
-    if config := _partial_sums_config(x, weight, None, partial_sums, partial_sums_max_rows):
+    if partial_sums and x.dim() == 2 and (config := _triton_gemm_config(
+            triton_gemm.gemm_config, len(x), weight, None, partial_sums_max_rows)):
         return triton_gemm.partial_sums_gemm(activated, weight, config)
     return F.linear(activated, weight)
 
 
-def _partial_sums_config(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                         asked: bool, max_rows: int) -> triton_gemm.GemmConfig | None:
-    """The split-K GEMM's launch parameters, where it is asked for and takes the projection
-    (rows of ``x [M, K]``; the sums have no leading dimensions to keep)."""
-    if not asked or bias is not None or x.dim() != 2 or not 0 < len(x) <= max_rows:
+def _triton_gemm_config(choose: Callable[[int, int], triton_gemm.GemmConfig | None],
+                        num_rows: int, weight: torch.Tensor, bias: torch.Tensor | None,
+                        max_rows: int) -> triton_gemm.GemmConfig | None:
+    """``choose``'s launch parameters (a config of ``triton_gemm``) where a Triton GEMM takes the
+    projection: no bias, 1 to ``max_rows`` rows, and a K it has parameters for. (Partial sums
+    keep no leading dimensions: their callers also ask for 2-D inputs.)"""
+    if bias is not None or not 0 < num_rows <= max_rows:
         return None
-    return triton_gemm.gemm_config(*weight.shape, len(x))
+    return choose(weight.shape[1], num_rows)
 
 
 def rms_norm_linear(
@@ -344,9 +348,8 @@ def rms_norm_linear(
         out, summed = triton_gemv.rms_norm_gemv(x.reshape(-1, size), norm_weight, eps,
                                                 residual_rows, weight, bias)
         return out.view(*x.shape[:-1], -1), summed.view(x.shape)
-    config = None
-    if bias is None and 0 < num_rows <= whole_gemm_max_rows:
-        config = triton_gemm.whole_gemm_config(*weight.shape, num_rows)
+    config = _triton_gemm_config(triton_gemm.whole_gemm_config, num_rows, weight, bias,
+                                 whole_gemm_max_rows)
     if config is None:
         return norm_then_linear(rms_norm, x, norm_weight, eps, residual, weight, bias)
 
@@ -385,8 +388,7 @@ def with_triton_gemm_max_rows(kernels: KernelBackend, rows: int) -> KernelBacken
     return replace(kernels, linear=_with(kernels.linear, partial_sums_max_rows=rows),
                    silu_and_mul_linear=_with(kernels.silu_and_mul_linear,
                                              partial_sums_max_rows=rows),
-                   rms_norm_linear=_with(kernels.rms_norm_linear,
-                                         whole_gemm_max_rows=min(rows, WHOLE_GEMM_MAX_ROWS)))
+                   rms_norm_linear=_with(kernels.rms_norm_linear, whole_gemm_max_rows=rows))
 
 
 def _with(function: Callable, **keywords: int) -> Callable:
