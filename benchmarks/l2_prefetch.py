@@ -72,6 +72,7 @@ def time_tails(mode: str, reps: int, attention_us: float) -> float:
     o, gate_up, down = weights(HIDDEN, 2048), weights(2 * INTERMEDIATE, HIDDEN), \
         weights(HIDDEN, INTERMEDIATE)
     attn = torch.randn(1, 2048, device="cuda", dtype=torch.bfloat16)
+    norm = torch.ones(HIDDEN, device="cuda", dtype=torch.bfloat16)
     side = torch.cuda.Stream()
     cycles = spin_cycles(attention_us)
 
@@ -85,7 +86,8 @@ def time_tails(mode: str, reps: int, attention_us: float) -> float:
                         prefetch(w)
             torch.cuda._sleep(cycles)
             hidden = triton_gemv.gemv(attn, o[j])
-            triton_gemv.silu_and_mul_gemv(triton_gemv.gemv(hidden, gate_up[j]), down[j])
+            activated, _ = triton_gemv.rms_norm_gemv(hidden, norm, 1e-6, None, gate_up[j], gated=True)
+            triton_gemv.gemv(activated, down[j])
             if mode == "prefetch":
                 torch.cuda.current_stream().wait_stream(side)
 

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
-from nanofn.kernels import TORCH_KERNELS, silu_and_mul
+from nanofn.kernels import TORCH_KERNELS
 from nanofn.kernels.partial_sums import linear_partial_sums
 from nanofn.model import AttentionBatch, build_model, load_weights, model_shape
 from nanofn.model.config import rope_settings
@@ -338,18 +338,14 @@ def test_projections_handed_to_the_norms_as_partial_sums_give_the_same_logits(ti
     with a bias on those projections (Llama's, added after the sum) is asked for none."""
     asked, returned = [], []
 
-    def as_partial_sums(project):
-        def wrapped(x, weight, *args, partial_sums=False):
-            asked.append(partial_sums)
-            if not partial_sums:
-                return project(x, weight, *args)
-            x = silu_and_mul(x) if project is TORCH_KERNELS.silu_and_mul_linear else x
-            returned.append(linear_partial_sums(x.reshape(-1, x.shape[-1]), weight, splits=2))
-            return returned[-1]
-        return wrapped
+    def as_partial_sums(x, weight, *args, partial_sums=False):
+        asked.append(partial_sums)
+        if not partial_sums:
+            return TORCH_KERNELS.linear(x, weight, *args)
+        returned.append(linear_partial_sums(x.reshape(-1, x.shape[-1]), weight, splits=2))
+        return returned[-1]
 
-    kernels = replace(TORCH_KERNELS, linear=as_partial_sums(TORCH_KERNELS.linear),
-                      silu_and_mul_linear=as_partial_sums(TORCH_KERNELS.silu_and_mul_linear))
+    kernels = replace(TORCH_KERNELS, linear=as_partial_sums)
     for arch, kwargs, sums_per_layer in (("qwen3", {}, 2), ("llama", {"attention_bias": True}, 1)):
         path = tiny_checkpoint(arch, **kwargs)
         config = AutoConfig.from_pretrained(path)

@@ -28,15 +28,16 @@ def empty(*shape, dtype=BF16):
 
 @pytest.mark.parametrize("rows", [1, 2, 4])
 def test_gemvs_compile(compile_for_h100, rows):
-    """Plain (with and without bias, up to the LM head's width), SiLU and norm prologues."""
+    """Plain (with and without bias, up to the LM head's width), and after a norm (plain, and
+    gated: the activation of gate_up_proj)."""
     x = empty(rows, HIDDEN)
     compile_for_h100(triton_gemv.gemv, x, empty(HEADS * HEAD_DIM * 2, HIDDEN))
     compile_for_h100(triton_gemv.gemv, x, empty(VOCAB, HIDDEN))
     compile_for_h100(triton_gemv.gemv, empty(rows, 4 * HIDDEN), empty(HIDDEN, 4 * HIDDEN), empty(HIDDEN))
-    compile_for_h100(triton_gemv.silu_and_mul_gemv, empty(rows, 2 * INTERMEDIATE), empty(HIDDEN, INTERMEDIATE))
     for residual in (None, empty(rows, HIDDEN)):
-        compile_for_h100(triton_gemv.rms_norm_gemv, x, empty(HIDDEN), 1e-6, residual,
-                         empty(2 * INTERMEDIATE, HIDDEN))
+        for gated in (False, True):
+            compile_for_h100(triton_gemv.rms_norm_gemv, x, empty(HIDDEN), 1e-6, residual,
+                             empty(2 * INTERMEDIATE, HIDDEN), gated=gated)
 
 
 @pytest.mark.parametrize("rows", [5, 64, 128])
@@ -51,9 +52,10 @@ def test_split_k_gemm_and_its_norm_compile(compile_for_h100, rows):
 
 @pytest.mark.parametrize("rows", [5, 32, 64])
 def test_gemm_after_a_norm_compiles(compile_for_h100, rows):
-    """qkv_proj and gate_up_proj on the GEMM with K in one range."""
+    """qkv_proj on the GEMM with K in one range, gate_up_proj on it gated (and plain)."""
     for n in ((HEADS + 2 * KV_HEADS) * HEAD_DIM, 2 * INTERMEDIATE):
         compile_for_h100(triton_gemm.gemm, empty(rows, HIDDEN), empty(n, HIDDEN))
+    compile_for_h100(triton_gemm.gated_gemm, empty(rows, HIDDEN), empty(2 * INTERMEDIATE, HIDDEN))
 
 
 @pytest.mark.parametrize("tokens", [1, 300])

@@ -1,5 +1,5 @@
-"""The Triton GEMVs (alone, with SiLU-and-mul, with residual add and RMS norm before them) and the
-projections of ``TRITON_KERNELS`` against the torch references, on CPU through Triton's
+"""The Triton GEMVs (alone, with residual add and RMS norm before them, and with the MLP's
+activation after a ``[gate | up]`` product) and the projections of ``TRITON_KERNELS`` against the torch references, on CPU through Triton's
 interpreter (float32 and float16). The GPU tests in ``tests/gpu`` cover bf16."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch
 
 import nanofn.kernels.triton_gemv as triton_gemv
 import nanofn.kernels.triton_ops as triton_ops
-from nanofn.kernels import linear, rms_norm_linear, silu_and_mul_linear
+from nanofn.kernels import linear, rms_norm_linear
 from nanofn.kernels.triton_gemv import GemvConfig
 
 DTYPES = [torch.float32, torch.float16]
@@ -47,38 +47,38 @@ def test_gemv_matches_reference(interpreter, dtype, rows, shape, config, bias):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 3])
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
-@pytest.mark.parametrize("config", CONFIGS, ids=str)
-def test_silu_and_mul_gemv_matches_reference(interpreter, dtype, rows, shape, config):
-    n, k = shape
-    x = randn(rows, 2 * k, seed=rows + k, dtype=dtype, scale=3.0)
-    weight = randn(n, k, seed=n, dtype=dtype, scale=0.5)
-
-    out = interpreter(triton_gemv.silu_and_mul_gemv, x, weight, config)
-
-    assert out.dtype == dtype
-    torch.testing.assert_close(out, silu_and_mul_linear(x, weight), **TOLERANCES[dtype])
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [1, 3])
-@pytest.mark.parametrize("shape", SHAPES, ids=str)
 @pytest.mark.parametrize("config", NORM_CONFIGS, ids=str)
 @pytest.mark.parametrize("add_residual", [False, True], ids=["norm", "add-and-norm"])
-def test_rms_norm_gemv_matches_reference(interpreter, dtype, rows, shape, config, add_residual):
+@pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
+def test_rms_norm_gemv_matches_reference(interpreter, dtype, rows, shape, config, add_residual,
+                                         gated):
+    """Gated, the weight is ``[gate | up]`` (2n rows, a bias for each) and the output is
+    ``silu(gate) * up``: a program multiplies outputs of both halves."""
     n, k = shape
+    weight_rows = 2 * n if gated else n
     x = randn(rows, k, seed=rows, dtype=dtype, scale=3.0)
     residual = randn(rows, k, seed=rows + 1, dtype=dtype) if add_residual else None
     norm_weight = (torch.rand(k, generator=torch.Generator().manual_seed(k)) + 0.5).to(dtype)
-    weight = randn(n, k, seed=n, dtype=dtype, scale=0.5)
-    bias = randn(n, seed=n + 1, dtype=dtype)
+    weight = randn(weight_rows, k, seed=n, dtype=dtype, scale=0.5)
+    bias = randn(weight_rows, seed=n + 1, dtype=dtype)
 
     out, summed = interpreter(triton_gemv.rms_norm_gemv, x, norm_weight, 1e-6, residual, weight,
-                              bias, config)
+                              bias, config, gated)
 
-    expected, expected_summed = rms_norm_linear(x, norm_weight, 1e-6, residual, weight, bias)
+    expected, expected_summed = rms_norm_linear(x, norm_weight, 1e-6, residual, weight, bias,
+                                                gated=gated)
     assert torch.equal(summed, expected_summed)
-    assert out.dtype == dtype
+    assert out.dtype == dtype and out.shape == (rows, n)
     torch.testing.assert_close(out, expected, **TOLERANCES[dtype])
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+def test_gated_gemv_config_reads_as_many_weight_rows_a_program(rows):
+    """A gated program multiplies ``block_n`` outputs of each half: half of what the plain
+    projection of the whole ``[gate | up]`` weight gives a program."""
+    plain = triton_gemv.gemv_config(6144, 1024, rows, triton_gemv.NORM)
+    gated = triton_gemv.gemv_config(3072, 1024, rows, triton_gemv.NORM, gated=True)
+    assert 2 * gated.block_n == plain.block_n and gated.block_k == plain.block_k
 
 
 def test_rms_norm_gemv_refuses_a_tile_narrower_than_a_row():
@@ -93,7 +93,7 @@ def test_triton_projections_match_references_on_either_side_of_the_gemv_bound(in
     CPU's matmul) after the unfused kernels: the same results either way."""
     dtype, (n, k) = torch.float32, SHAPES[1]
     x, residual = randn(rows, k, seed=1, dtype=dtype), randn(rows, k, seed=2, dtype=dtype)
-    gate_up = randn(rows, 2 * k, seed=3, dtype=dtype)
+    gate_up = randn(2 * n, k, seed=3, dtype=dtype)
     norm_weight, weight = randn(k, seed=4, dtype=dtype), randn(n, k, seed=5, dtype=dtype)
     bias = randn(n, seed=6, dtype=dtype)
 
@@ -106,7 +106,7 @@ def test_triton_projections_match_references_on_either_side_of_the_gemv_bound(in
 def test_triton_projections_keep_leading_dimensions(interpreter):
     dtype, (n, k) = torch.float32, SHAPES[0]
     x, residual = randn(1, 2, k, seed=7, dtype=dtype), randn(1, 2, k, seed=8, dtype=dtype)
-    gate_up, norm_weight = randn(1, 2, 2 * k, seed=9, dtype=dtype), randn(k, seed=10, dtype=dtype)
+    gate_up, norm_weight = randn(2 * n, k, seed=9, dtype=dtype), randn(k, seed=10, dtype=dtype)
     weight, bias = randn(n, k, seed=11, dtype=dtype), randn(n, seed=12, dtype=dtype)
 
     got = interpreter(triton_projections, x, residual, gate_up, norm_weight, weight, bias)
@@ -116,13 +116,15 @@ def test_triton_projections_keep_leading_dimensions(interpreter):
 
 
 def triton_projections(x, residual, gate_up, norm_weight, weight, bias):
+    """``gate_up``: a ``[gate | up]`` weight, projected after the norm with the activation."""
     return (triton_ops.linear(x, weight, bias),
-            triton_ops.silu_and_mul_linear(gate_up, weight),
+            triton_ops.rms_norm_linear(x, norm_weight, 1e-6, residual, gate_up, gated=True),
             triton_ops.rms_norm_linear(x, norm_weight, 1e-6, residual, weight, bias),
             triton_ops.rms_norm_linear(x, norm_weight, 1e-6, None, weight))
 
 
 def reference_projections(x, residual, gate_up, norm_weight, weight, bias):
-    return (linear(x, weight, bias), silu_and_mul_linear(gate_up, weight),
+    return (linear(x, weight, bias),
+            rms_norm_linear(x, norm_weight, 1e-6, residual, gate_up, gated=True),
             rms_norm_linear(x, norm_weight, 1e-6, residual, weight, bias),
             rms_norm_linear(x, norm_weight, 1e-6, None, weight))

@@ -14,7 +14,7 @@ import torch
 
 from nanofn.kernels.activation import silu_and_mul
 from nanofn.kernels.attention import decode_attention, prefill_attention, store_kv
-from nanofn.kernels.linear import linear, rms_norm_linear, silu_and_mul_linear
+from nanofn.kernels.linear import linear, rms_norm_linear
 from nanofn.kernels.norm import rms_norm
 from nanofn.kernels.partial_sums import PartialSums
 from nanofn.kernels.rotary import (SUPPORTED_ROPE_TYPES, apply_rotary, build_cos_sin_cache,
@@ -35,9 +35,9 @@ class KernelBackend:
     decode_attention: Callable[..., torch.Tensor]
     rms_norm: Callable[..., torch.Tensor | tuple[torch.Tensor, torch.Tensor]]
     silu_and_mul: Callable[..., torch.Tensor]
-    # The projections, two with the kernel before them fused in (see linear.py)
+    # The projections, and one with the norm before it (and maybe the activation after it) fused
+    # in (see linear.py)
     linear: Callable[..., torch.Tensor]
-    silu_and_mul_linear: Callable[..., torch.Tensor]
     rms_norm_linear: Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -48,7 +48,6 @@ TORCH_KERNELS = KernelBackend(
     rms_norm=rms_norm,
     silu_and_mul=silu_and_mul,
     linear=linear,
-    silu_and_mul_linear=silu_and_mul_linear,
     rms_norm_linear=rms_norm_linear,
 )
 
@@ -66,6 +65,5 @@ __all__ = [
     "rms_norm_linear",
     "rotate_and_store_kv",
     "silu_and_mul",
-    "silu_and_mul_linear",
     "store_kv",
 ]

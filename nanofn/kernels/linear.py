@@ -1,6 +1,7 @@
 """The projections of a decoder layer, plain-torch references: a matrix multiply, alone or with
-the small kernel that comes before it in the layer (the MLP's activation, the residual add and
-RMS norm) folded in. A backend may fuse each pair into one kernel; these define the result.
+the small kernels around it in the layer folded in (the residual add and RMS norm before it, and
+for the MLP's ``gate_up_proj`` the activation after it). A backend may fuse them into one
+kernel; these define the result.
 
 A projection whose output goes only to a norm (a decoder layer's ``o_proj`` and ``down_proj``)
 is asked for with ``partial_sums=True``: a backend may then return ``PartialSums``, the product
@@ -26,13 +27,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
-def silu_and_mul_linear(x: torch.Tensor, weight: torch.Tensor,
-                        partial_sums: bool = False) -> torch.Tensor:
-    """``silu_and_mul(x) @ weight.T`` for ``x = [gate | up]`` of shape ``[..., 2 * K]``: the MLP's
-    down projection after its activation."""
-    return F.linear(silu_and_mul(x), weight)
-
-
 def rms_norm_linear(
     x: torch.Tensor | PartialSums,
     norm_weight: torch.Tensor,
@@ -40,11 +34,16 @@ def rms_norm_linear(
     residual: torch.Tensor | None,
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
+    gated: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A norm and the projection after it: ``(rms_norm(x + residual) @ weight.T (+ bias), x +
     residual)``, as ``rms_norm`` rounds them; with ``residual`` None, ``(rms_norm(x) @ weight.T
-    (+ bias), x)``. The second result is the residual stream the layer carries on."""
-    return norm_then_linear(rms_norm, added_up(x), norm_weight, eps, residual, weight, bias)
+    (+ bias), x)``. The second result is the residual stream the layer carries on.
+
+    ``gated``: the projection is the MLP's ``[gate | up]`` (``weight [2I, K]``) and the first
+    result its activation, ``silu_and_mul`` of the product (``[..., I]``)."""
+    out, summed = norm_then_linear(rms_norm, added_up(x), norm_weight, eps, residual, weight, bias)
+    return (silu_and_mul(out) if gated else out), summed
 
 
 def norm_then_linear(

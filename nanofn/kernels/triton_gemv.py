@@ -12,12 +12,12 @@ of the input in float32 and sums over K. Small tiles (``gemv_config``) make many
 loads are all in flight at once.
 
 The input of a tile may be computed in the kernel from what precedes the projection in a
-decoder layer (``PROLOGUE``), which saves that kernel's launch and its round trip through
-memory; every program recomputes the slice it needs (from L2, but for the first):
-
-- ``SILU``: the input is ``[gate | up]`` and the kernel multiplies by ``silu(gate) * up``;
-- ``NORM``: the input is ``rms_norm(x + residual)``, a tile holding whole rows; program 0 also
-  writes ``x + residual``, the layer's residual stream.
+decoder layer (``NORM``), which saves that kernel's launch and its round trip through memory;
+every program recomputes the rows it needs (from L2, but for the first): the input is
+``rms_norm(x + residual)``, a tile holding whole rows, and program 0 also writes ``x +
+residual``, the layer's residual stream. And the output may be the MLP's activation of a
+``[gate | up]`` product (``GATED``): a program computes the same outputs of both halves and
+stores ``silu(gate) * up``, so that the activation costs neither a kernel nor a re-read.
 
 Intermediate values are rounded to the input dtype where the torch references round them
 (``nanofn.kernels.linear``), so the results differ from them by the order of the sums only.
@@ -35,7 +35,7 @@ import triton.language as tl
 from nanofn.kernels import triton_overlap
 from nanofn.kernels.triton_overlap import wait_for_previous
 
-PLAIN, SILU, NORM = 0, 1, 2  # PROLOGUE: how a program gets its input tile
+PLAIN, NORM = 0, 1  # PROLOGUE: how a program gets its input tile
 
 
 class GemvConfig(NamedTuple):
@@ -64,12 +64,8 @@ def _input_tile(
     input dtype as the references round it. With ``NORM`` the tile holds whole rows; with
     ``write`` it also stores them as ``x + residual``."""
     dtype = x_rows.dtype.element_ty
-    if PROLOGUE == 1:  # SILU
-        gate = tl.load(x_rows + cols, mask=mask, other=0.0)
-        up = tl.load(x_rows + k + cols, mask=mask, other=0.0)
-        return silu_times_up(gate, up, dtype).to(tl.float32)
     x = tl.load(x_rows + cols, mask=mask, other=0.0)
-    if PROLOGUE == 2:  # NORM
+    if PROLOGUE == 1:  # NORM
         if ADD_RESIDUAL:
             residual = tl.load(residual_rows + cols, mask=mask, other=0.0)
             x = (x.to(tl.float32) + residual.to(tl.float32)).to(dtype)
@@ -88,9 +84,11 @@ def _gemv_kernel(
     rows, n, k, stride_x, stride_residual, stride_weight, stride_out, stride_residual_out, eps,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PROLOGUE: tl.constexpr, ADD_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
-    OVERLAP: tl.constexpr,
+    GATED: tl.constexpr, OVERLAP: tl.constexpr,
 ):
-    """Program ``p``: outputs ``p * BLOCK_N ..`` of all ``rows`` (at most ``BLOCK_M``) rows.
+    """Program ``p``: outputs ``p * BLOCK_N ..`` of all ``rows`` (at most ``BLOCK_M``) rows; with
+    ``GATED`` of both halves of ``[gate | up]`` (the weight's rows ``outputs`` and ``n +
+    outputs``), stored as ``silu(gate) * up``.
 
     Tiles are 3-d, ``[rows, outputs, columns]``: the input ``[BLOCK_M, 1, BLOCK_K]`` and the
     weight ``[1, BLOCK_N, BLOCK_K]`` are loaded in the same layout (16 bytes a thread along the
@@ -104,27 +102,42 @@ def _gemv_kernel(
     n_mask = outputs[None, :, None] < n
     columns = tl.arange(0, BLOCK_K)[None, None, :]
     weight_rows = weight_ptr + outputs[None, :, None].to(tl.int64) * stride_weight
+    up_rows = weight_rows + n * stride_weight
     x_rows, residual_rows = x_ptr + m * stride_x, residual_ptr + m * stride_residual
     residual_out_rows = residual_out_ptr + m * stride_residual_out
     w = tl.load(weight_rows + columns, mask=n_mask & (columns < k), other=0.0)
+    if GATED:
+        w_up = tl.load(up_rows + columns, mask=n_mask & (columns < k), other=0.0)
     wait_for_previous(OVERLAP)
     a = _input_tile(x_rows, residual_rows, norm_weight_ptr, residual_out_rows, columns,
                     (m < rows) & (columns < k), k, eps, program == 0, PROLOGUE, ADD_RESIDUAL)
     acc = tl.sum(a * w.to(tl.float32), 2)
+    if GATED:
+        up = tl.sum(a * w_up.to(tl.float32), 2)
     for start in range(BLOCK_K, k, BLOCK_K):  # none with NORM, nor up to 4,096 columns
         cols = start + columns
         a = _input_tile(x_rows, residual_rows, norm_weight_ptr, residual_out_rows, cols,
                         (m < rows) & (cols < k), k, eps, program == 0, PROLOGUE, ADD_RESIDUAL)
         w_tile = tl.load(weight_rows + cols, mask=n_mask & (cols < k), other=0.0)
         acc += tl.sum(a * w_tile.to(tl.float32), 2)
+        if GATED:
+            up_tile = tl.load(up_rows + cols, mask=n_mask & (cols < k), other=0.0)
+            up += tl.sum(a * up_tile.to(tl.float32), 2)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + outputs, mask=outputs < n, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            up += tl.load(bias_ptr + n + outputs, mask=outputs < n, other=0.0).to(tl.float32)[None, :]
+    dtype = out_ptr.dtype.element_ty
+    if GATED:
+        out = silu_times_up(acc.to(dtype), up.to(dtype), dtype)
+    else:
+        out = acc.to(dtype)
     out_rows = tl.arange(0, BLOCK_M)[:, None]
-    tl.store(out_ptr + out_rows * stride_out + outputs[None, :], acc.to(out_ptr.dtype.element_ty),
+    tl.store(out_ptr + out_rows * stride_out + outputs[None, :], out,
              mask=(out_rows < rows) & (outputs[None, :] < n))
 
 
-def gemv_config(n: int, k: int, rows: int, prologue: int = PLAIN) -> GemvConfig:
+def gemv_config(n: int, k: int, rows: int, prologue: int = PLAIN, gated: bool = False) -> GemvConfig:
     """Launch parameters after a sweep on the H100 (``tests/gpu/test_triton_gemv_gpu.py --sweep``)
     at one row: all of K in one step (up to 4,096 columns; ``NORM`` needs whole rows), 2 outputs
     a program, 16-32 weight elements a thread. More rows, or a prologue, re-read the input in
@@ -134,26 +147,35 @@ def gemv_config(n: int, k: int, rows: int, prologue: int = PLAIN) -> GemvConfig:
 
     Within 0.1 us of the best swept config at each projection, but ``NORM``, where (8, K, 8)
     was 0.3 us faster than this (4, K, 4) at one row (not yet measured in the engine).
+    ``gated`` (``n`` outputs of each of two halves): half the outputs a program of 2n outputs
+    would take, so that a program reads as many weight rows.
     """
     block_k = triton.next_power_of_2(k)
     if prologue != NORM:
         block_k = min(block_k, 4096)
     wanted = (2 if prologue == PLAIN else 4) * triton.next_power_of_2(rows)
-    most = 1 << (max(1, n // 512).bit_length() - 1)  # a power of two, n // 512 at most
+    weight_rows = 2 * n if gated else n
+    most = 1 << (max(1, weight_rows // 512).bit_length() - 1)  # a power of two, rows // 512 at most
     block_n = min(wanted, most)
+    if gated:
+        block_n = max(1, block_n // 2)
     return GemvConfig(block_n, block_k, 8 if block_k >= 4096 else 4)
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, prologue: int,
             residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
-            eps: float = 0.0, config: GemvConfig | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``[M, N]`` outputs for ``x [M, K or 2K]`` (contiguous rows), and with ``NORM`` and a
-    ``residual`` the new residual stream ``[M, K]``."""
+            eps: float = 0.0, config: GemvConfig | None = None,
+            gated: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``[M, N]`` outputs for ``x [M, K]`` (contiguous rows; gated: ``N`` is half the weight's
+    rows), and with ``NORM`` and a ``residual`` the new residual stream ``[M, K]``."""
     rows = len(x)
     n, k = weight.shape
     assert x.stride(-1) == weight.stride(-1) == 1, "rows must be contiguous"
-    assert x.shape[-1] == (2 * k if prologue == SILU else k), (tuple(x.shape), tuple(weight.shape))
-    config = config or gemv_config(n, k, rows, prologue)
+    assert x.shape[-1] == k, (tuple(x.shape), tuple(weight.shape))
+    if gated:
+        assert n % 2 == 0, "weight is [gate | up]"
+        n //= 2
+    config = config or gemv_config(n, k, rows, prologue, gated)
     assert prologue != NORM or config.block_k >= k, "a norm's tile holds whole rows"
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     residual_out = torch.empty(rows, k, dtype=x.dtype, device=x.device) if residual is not None else None
@@ -165,7 +187,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pr
         weight.stride(0), out.stride(0), residual_out.stride(0) if residual_out is not None else 0,
         eps, BLOCK_M=triton.next_power_of_2(rows), BLOCK_N=config.block_n,
         BLOCK_K=config.block_k, PROLOGUE=prologue, ADD_RESIDUAL=residual is not None,
-        HAS_BIAS=bias is not None, num_warps=config.num_warps,
+        HAS_BIAS=bias is not None, GATED=gated, num_warps=config.num_warps,
         **triton_overlap.launch_options(x.device),
     )
     return out, residual_out
@@ -177,16 +199,11 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     return _launch(x, weight, bias, PLAIN, config=config)[0]
 
 
-def silu_and_mul_gemv(x: torch.Tensor, weight: torch.Tensor,
-                      config: GemvConfig | None = None) -> torch.Tensor:
-    """``silu_and_mul(x) @ weight.T`` for ``x = [gate | up]`` of shape ``[M, 2K]``."""
-    return _launch(x, weight, None, SILU, config=config)[0]
-
-
 def rms_norm_gemv(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                   residual: torch.Tensor | None, weight: torch.Tensor,
-                  bias: torch.Tensor | None = None,
-                  config: GemvConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``linear.rms_norm_linear`` for ``x [M, K]`` with few rows."""
-    out, summed = _launch(x, weight, bias, NORM, residual, norm_weight, eps, config)
+                  bias: torch.Tensor | None = None, config: GemvConfig | None = None,
+                  gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``linear.rms_norm_linear`` for ``x [M, K]`` with few rows (``gated``: the weight is
+    ``[gate | up]`` and the output ``silu(gate) * up``)."""
+    out, summed = _launch(x, weight, bias, NORM, residual, norm_weight, eps, config, gated)
     return out, x if summed is None else summed

@@ -9,11 +9,12 @@ in a decode step of a small model such launches take most of the time. Here each
   norm weights it first RMS-normalises each head: Qwen3's ``q_norm``/``k_norm``) and writing the
   keys and values straight into the paged cache, in the same pass.
 - ``silu_and_mul``: one program per (row, block of ``SILU_BLOCK`` columns).
-- the projections (``linear``, and ``silu_and_mul_linear``, ``rms_norm_linear`` with the kernel
-  before them fused in): a GEMV of ``triton_gemv.py`` for at most ``GEMV_MAX_ROWS`` tokens
-  (decode of a few sequences, where cuBLAS is latency-bound); for projections asked for
-  ``partial_sums`` (those a norm reads), the split-K GEMM of ``triton_gemm.py`` up to
-  ``PARTIAL_SUMS_MAX_ROWS``, its sums added up in ``rms_norm``; cuBLAS beyond.
+- the projections (``linear``, and ``rms_norm_linear`` with the norm before it and maybe the
+  activation after it fused in): a GEMV of ``triton_gemv.py`` for at most ``GEMV_MAX_ROWS``
+  tokens (decode of a few sequences, where cuBLAS is latency-bound); then up to the row bounds
+  of ``triton_gemm.py``'s configs, its GEMMs: for projections asked for ``partial_sums`` (those
+  a norm reads) the split-K one, its sums added up in ``rms_norm``, and after the norm kernel
+  the one with K in one range (gated: with the activation); cuBLAS beyond.
 
 On SM 9.0 and later these kernels, the GEMVs and decode attention launch overlapped with the
 kernel ahead of them (``triton_overlap.py``).
@@ -54,16 +55,14 @@ SILU_BLOCK = 1024  # columns per silu_and_mul program
 # of 4 sequences takes 1.36 ms on the GEMVs against 1.54 ms on cuBLAS, of 8 2.16 against 1.64
 # (benchmarks/profile_decode.py --batch B --gemv-max-rows R).
 GEMV_MAX_ROWS = 4
-# Token counts up to which a projection asked for partial sums (o_proj, down_proj) runs as the
-# split-K GEMM of triton_gemm.py, cuBLAS above. Measured on the H100, each projection with the
-# norm after it: at 8-256 rows 4.9-6.9 us (o) and 5.7-8.4 us (down) against 7.0-8.2 and
-# 8.1-10.0 us for cuBLAS and the norm (benchmarks/decode_gemm.py).
-PARTIAL_SUMS_MAX_ROWS = triton_gemm.MAX_ROWS
-# Token counts up to which the projections after a norm (qkv_proj, gate_up_proj) run as the
-# Triton GEMM of triton_gemm.py (K in one range) after the norm kernel, cuBLAS above. Measured
-# on the H100: 5.3-5.4 and 6.2-6.7 us against cuBLAS's 5.6-5.7 and 7.1-7.2 at 16-64 rows; at 128
-# and 256 rows cuBLAS is faster (benchmarks/RESULTS.md).
-WHOLE_GEMM_MAX_ROWS = triton_gemm.WHOLE_MAX_ROWS
+# Token counts up to which the GEMMs of triton_gemm.py may run, each further bounded by its
+# config's rows (the measured ranges: see there), cuBLAS above. Measured on the H100: the
+# split-K one with the norm after it at 8-256 rows 4.9-6.9 us (o_proj) and 5.7-8.4 us
+# (down_proj) against 7.0-8.2 and 8.1-10.0 us for cuBLAS and the norm
+# (benchmarks/decode_gemm.py); K in one range 5.3-5.4 (qkv_proj) and 6.2-6.7 us (gate_up_proj)
+# against cuBLAS's 5.6-5.7 and 7.1-7.2 at 16-64 rows.
+TRITON_GEMM_MAX_ROWS = max(triton_gemm.MAX_ROWS, triton_gemm.WHOLE_MAX_ROWS,
+                           triton_gemm.GATED_MAX_ROWS)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -285,34 +284,17 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            partial_sums: bool = False, gemv_max_rows: int = GEMV_MAX_ROWS,
-           partial_sums_max_rows: int = PARTIAL_SUMS_MAX_ROWS) -> torch.Tensor | PartialSums:
+           triton_gemm_max_rows: int = TRITON_GEMM_MAX_ROWS) -> torch.Tensor | PartialSums:
     """``x @ weight.T (+ bias)``: a Triton GEMV for at most ``gemv_max_rows`` rows; asked for
-    ``partial_sums``, the split-K GEMM's up to ``partial_sums_max_rows`` (and no bias); else
-    cuBLAS."""
+    ``partial_sums``, the split-K GEMM's (no bias, at most ``triton_gemm_max_rows`` rows and
+    its config's); else cuBLAS."""
     rows = x.reshape(-1, x.shape[-1])
     if 0 < len(rows) <= gemv_max_rows:
         return triton_gemv.gemv(rows, weight, bias).view(*x.shape[:-1], -1)
     if partial_sums and x.dim() == 2 and (config := _triton_gemm_config(
-            triton_gemm.gemm_config, len(x), weight, bias, partial_sums_max_rows)):
+            triton_gemm.gemm_config, len(x), weight, bias, triton_gemm_max_rows)):
         return triton_gemm.partial_sums_gemm(x, weight, config)
     return F.linear(x, weight, bias)
-
-
-def silu_and_mul_linear(x: torch.Tensor, weight: torch.Tensor, partial_sums: bool = False,
-                        gemv_max_rows: int = GEMV_MAX_ROWS,
-                        partial_sums_max_rows: int = PARTIAL_SUMS_MAX_ROWS,
-                        ) -> torch.Tensor | PartialSums:
-    """``silu_and_mul(x) @ weight.T``: one Triton GEMV for at most ``gemv_max_rows`` rows, else
-    the activation kernel and then (asked for ``partial_sums``, up to ``partial_sums_max_rows``)
-    the split-K GEMM or cuBLAS."""
-    rows = x.reshape(-1, x.shape[-1])
-    if 0 < len(rows) <= gemv_max_rows:
-        return triton_gemv.silu_and_mul_gemv(rows, weight).view(*x.shape[:-1], -1)
-    activated = silu_and_mul(x)
-    if partial_sums and x.dim() == 2 and (config := _triton_gemm_config(
-            triton_gemm.gemm_config, len(x), weight, None, partial_sums_max_rows)):
-        return triton_gemm.partial_sums_gemm(activated, weight, config)
-    return F.linear(activated, weight)
 
 
 def _triton_gemm_config(choose: Callable[[int, int], triton_gemm.GemmConfig | None],
@@ -333,28 +315,32 @@ def rms_norm_linear(
     residual: torch.Tensor | None,
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
+    gated: bool = False,
     gemv_max_rows: int = GEMV_MAX_ROWS,
-    whole_gemm_max_rows: int = WHOLE_GEMM_MAX_ROWS,
+    triton_gemm_max_rows: int = TRITON_GEMM_MAX_ROWS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(rms_norm(x + residual) @ weight.T (+ bias), x + residual)`` (see ``linear.py``): one
-    Triton GEMV for at most ``gemv_max_rows`` rows, else the norm kernel (which adds up
-    ``PartialSums``) and then the Triton GEMM (up to ``whole_gemm_max_rows`` rows, no bias) or
-    cuBLAS."""
+    """``(rms_norm(x + residual) @ weight.T (+ bias), x + residual)`` (see ``linear.py``; with
+    ``gated`` the first is its ``silu_and_mul``): one Triton GEMV for at most ``gemv_max_rows``
+    rows, else the norm kernel (which adds up ``PartialSums``) and then a Triton GEMM (no bias,
+    at most ``triton_gemm_max_rows`` rows and its config's; gated, with the activation) or
+    cuBLAS and the activation kernel."""
     size = weight.shape[-1]
     num_rows = (x.sums[0] if isinstance(x, PartialSums) else x).numel() // size
     if 0 < num_rows <= gemv_max_rows:
         x = added_up(x)  # (partial sums come at these row counts only where the GEMVs are off)
         residual_rows = None if residual is None else residual.reshape(-1, size)
         out, summed = triton_gemv.rms_norm_gemv(x.reshape(-1, size), norm_weight, eps,
-                                                residual_rows, weight, bias)
+                                                residual_rows, weight, bias, gated=gated)
         return out.view(*x.shape[:-1], -1), summed.view(x.shape)
-    config = _triton_gemm_config(triton_gemm.whole_gemm_config, num_rows, weight, bias,
-                                 whole_gemm_max_rows)
+    choose, gemm = ((triton_gemm.gated_gemm_config, triton_gemm.gated_gemm) if gated
+                    else (triton_gemm.whole_gemm_config, triton_gemm.gemm))
+    config = _triton_gemm_config(choose, num_rows, weight, bias, triton_gemm_max_rows)
     if config is None:
-        return norm_then_linear(rms_norm, x, norm_weight, eps, residual, weight, bias)
+        out, summed = norm_then_linear(rms_norm, x, norm_weight, eps, residual, weight, bias)
+        return (silu_and_mul(out) if gated else out), summed
 
     def project(normed: torch.Tensor, weight: torch.Tensor, _: None) -> torch.Tensor:
-        out = triton_gemm.gemm(normed.reshape(num_rows, size), weight, config)
+        out = gemm(normed.reshape(num_rows, size), weight, config)
         return out.view(*normed.shape[:-1], -1)
 
     return norm_then_linear(rms_norm, x, norm_weight, eps, residual, weight, bias, project)
@@ -367,9 +353,9 @@ def _row_warps(block: int) -> int:
 
 
 def without_gemv(kernels: KernelBackend) -> KernelBackend:
-    """``kernels`` with every projection on cuBLAS and the fused ones split again, whatever the
-    token count: the baseline that the GEMVs and the GEMMs of ``triton_gemm.py`` are tested and
-    measured against."""
+    """``kernels`` with every projection on cuBLAS and the fused kernels split again, whatever
+    the token count: the baseline that the GEMVs and the GEMMs of ``triton_gemm.py`` are tested
+    and measured against."""
     return with_triton_gemm_max_rows(with_gemv_max_rows(kernels, 0), 0)
 
 
@@ -377,18 +363,14 @@ def with_gemv_max_rows(kernels: KernelBackend, rows: int) -> KernelBackend:
     """``kernels`` with the projections of at most ``rows`` tokens on the GEMVs (instead of
     ``GEMV_MAX_ROWS``), the others as before."""
     return replace(kernels, linear=_with(kernels.linear, gemv_max_rows=rows),
-                   silu_and_mul_linear=_with(kernels.silu_and_mul_linear, gemv_max_rows=rows),
                    rms_norm_linear=_with(kernels.rms_norm_linear, gemv_max_rows=rows))
 
 
 def with_triton_gemm_max_rows(kernels: KernelBackend, rows: int) -> KernelBackend:
-    """``kernels`` with the GEMMs of ``triton_gemm.py`` for at most ``rows`` tokens (the split-K
-    one up to ``PARTIAL_SUMS_MAX_ROWS`` and the one after a norm up to ``WHOLE_GEMM_MAX_ROWS``
-    at most; 0: none), cuBLAS above."""
-    return replace(kernels, linear=_with(kernels.linear, partial_sums_max_rows=rows),
-                   silu_and_mul_linear=_with(kernels.silu_and_mul_linear,
-                                             partial_sums_max_rows=rows),
-                   rms_norm_linear=_with(kernels.rms_norm_linear, whole_gemm_max_rows=rows))
+    """``kernels`` with the GEMMs of ``triton_gemm.py`` for at most ``rows`` tokens (and their
+    configs' bounds; 0: none), cuBLAS above."""
+    return replace(kernels, linear=_with(kernels.linear, triton_gemm_max_rows=rows),
+                   rms_norm_linear=_with(kernels.rms_norm_linear, triton_gemm_max_rows=rows))
 
 
 def _with(function: Callable, **keywords: int) -> Callable:
@@ -405,6 +387,5 @@ TRITON_KERNELS = KernelBackend(
     rms_norm=rms_norm,
     silu_and_mul=silu_and_mul,
     linear=linear,
-    silu_and_mul_linear=silu_and_mul_linear,
     rms_norm_linear=rms_norm_linear,
 )

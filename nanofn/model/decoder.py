@@ -5,7 +5,7 @@ follow Hugging Face's, except the fused ``qkv_proj`` and ``gate_up_proj`` (see `
 Everything a step needs comes in through ``forward``'s arguments and every kernel but the
 embedding lookup and the LM head through the ``KernelBackend`` given at construction: no global
 context. A decoder layer runs each norm together with the projection after it (the backend may
-fuse the two), and the MLP's activation together with its down projection. The projections
+fuse the two), and the MLP's activation together with its gate-up projection. The projections
 whose output only a norm reads (``o_proj``, ``down_proj``) may hand it over as ``PartialSums``
 for the norm to add up (``nanofn/kernels/linear.py``).
 """
@@ -170,10 +170,11 @@ class MLP(nn.Module):
             intermediate, hidden, bias=options.mlp_bias, tp_rank=tp_rank, tp_size=tp_size, kernels=kernels
         )
 
-    def forward(self, gate_up: torch.Tensor) -> torch.Tensor | PartialSums:
-        """The MLP's output from its ``gate_up_proj`` output (``DecoderLayer`` runs the projection,
-        with the norm before it): ``down_proj(silu(gate) * up)``."""
-        return self.down_proj(gate_up, gated=True, for_norm=True)
+    def forward(self, activated: torch.Tensor) -> torch.Tensor | PartialSums:
+        """The MLP's output from its activation ``silu(gate) * up`` (``DecoderLayer`` runs
+        ``gate_up_proj`` with the norm before it and the activation after it): its down
+        projection."""
+        return self.down_proj(activated, for_norm=True)
 
 
 class DecoderLayer(nn.Module):
@@ -206,8 +207,9 @@ class DecoderLayer(nn.Module):
         qkv, residual = attention.qkv_proj.forward_normed(hidden, residual, norm.weight, norm.eps)
         hidden = attention(positions, qkv, batch, layer_kv_cache[0], layer_kv_cache[1])
         norm = self.post_attention_layernorm
-        gate_up, residual = mlp.gate_up_proj.forward_normed(hidden, residual, norm.weight, norm.eps)
-        return mlp(gate_up), residual
+        activated, residual = mlp.gate_up_proj.forward_normed(hidden, residual, norm.weight,
+                                                              norm.eps, gated=True)
+        return mlp(activated), residual
 
 
 class DecoderModel(nn.Module):

@@ -9,8 +9,8 @@ process group, whose ranks are the tensor-parallel ranks.
 ``partial_forward`` (row-parallel layers, the embedding) and ``shard_logits`` (the LM head) expose
 a rank's contribution before communication; ``forward`` is that plus the collective. The linear
 layers multiply through the ``KernelBackend`` they are given (a rank's local product), which may
-fuse the kernel before the projection into it: ``forward_normed`` (column-parallel) and
-``gated`` (row-parallel).
+fuse the norm before a column-parallel projection into it (``forward_normed``), and the MLP's
+activation after the merged gate-up projection (``gated``).
 """
 
 from __future__ import annotations
@@ -81,10 +81,13 @@ class ColumnParallelLinear(_Linear):
         return self.kernels.linear(x, self.weight, self.bias)
 
     def forward_normed(self, x: torch.Tensor | PartialSums, residual: torch.Tensor | None,
-                       norm_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                       norm_weight: torch.Tensor, eps: float,
+                       gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """``(self(rms_norm(x + residual)), x + residual)`` (``residual`` None: ``x`` alone): a
-        decoder layer's norm and the projection after it, as the kernels' ``rms_norm_linear``."""
-        return self.kernels.rms_norm_linear(x, norm_weight, eps, residual, self.weight, self.bias)
+        decoder layer's norm and the projection after it, as the kernels' ``rms_norm_linear``.
+        ``gated`` (a ``[gate | up]`` projection): the first is ``silu(gate) * up``."""
+        return self.kernels.rms_norm_linear(x, norm_weight, eps, residual, self.weight, self.bias,
+                                            gated=gated)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         local = param.shape[0]
@@ -96,7 +99,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel outputs in one matrix (``gate_up_proj``), loaded one by one.
 
     Each rank's weight is ``[shard of output 0 | shard of output 1 | ...]``; ``shard_id`` is the
-    index of the output a checkpoint tensor fills.
+    index of the output a checkpoint tensor fills. So a rank's ``[gate | up]`` shards are what
+    ``forward_normed(..., gated=True)`` activates.
     """
 
     def __init__(self, input_size: int, output_sizes: list[int], *, bias: bool, tp_rank: int, tp_size: int,
@@ -165,30 +169,22 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 
 class RowParallelLinear(_Linear):
-    """Splits the input features across ranks; the partial products are summed over ranks.
-
-    With ``gated``, ``x`` is ``[gate | up]`` (this rank's slices of a merged gate-up projection)
-    and the input is ``silu(gate) * up``, computed by the kernels' ``silu_and_mul_linear``.
-    """
+    """Splits the input features across ranks; the partial products are summed over ranks."""
 
     def __init__(self, input_size: int, output_size: int, *, bias: bool, tp_rank: int, tp_size: int,
                  kernels: KernelBackend = TORCH_KERNELS):
         in_local = _divide(input_size, tp_size, "input size")
         super().__init__(in_local, output_size, output_size if bias else None, tp_rank, tp_size, kernels)
 
-    def partial_forward(self, x: torch.Tensor, gated: bool = False,
-                        partial_sums: bool = False) -> torch.Tensor | PartialSums:
+    def partial_forward(self, x: torch.Tensor, partial_sums: bool = False) -> torch.Tensor | PartialSums:
         """This rank's summand of ``x @ weight.T``, without bias (added once, after the sum)."""
-        if gated:
-            return self.kernels.silu_and_mul_linear(x, self.weight, partial_sums=partial_sums)
         return self.kernels.linear(x, self.weight, partial_sums=partial_sums)
 
-    def forward(self, x: torch.Tensor, gated: bool = False,
-                for_norm: bool = False) -> torch.Tensor | PartialSums:
+    def forward(self, x: torch.Tensor, for_norm: bool = False) -> torch.Tensor | PartialSums:
         """The output; ``for_norm`` (its only reader a norm): the backend may return it as
         ``PartialSums`` for the norm to add up, where there is nothing to add after the product
         (one rank, no bias)."""
-        y = self.partial_forward(x, gated, partial_sums=for_norm and self.tp_size == 1
+        y = self.partial_forward(x, partial_sums=for_norm and self.tp_size == 1
                                  and self.bias is None)
         if self.tp_size > 1:
             dist.all_reduce(y)

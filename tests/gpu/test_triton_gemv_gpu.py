@@ -20,7 +20,7 @@ import triton.testing
 
 import nanofn.kernels.triton_gemv as triton_gemv
 import nanofn.kernels.triton_ops as triton_ops
-from nanofn.kernels import linear, rms_norm_linear, silu_and_mul_linear
+from nanofn.kernels import linear, rms_norm_linear
 from nanofn.kernels.triton_gemv import GemvConfig
 from test_triton_ops_gpu import norm_weight, randn  # (this folder; bf16 inputs as here)
 
@@ -61,34 +61,24 @@ def test_gemv_matches_torch(name, rows):
 
 @pytest.mark.usefixtures("nan_filled_allocations")
 @pytest.mark.parametrize("rows", ROWS)
-def test_silu_and_mul_gemv_matches_torch(rows):
-    n, k = SHAPES["down"]
-    gate_up, weight = randn(rows, 2 * k, seed=rows, scale=3.0), randn(n, k, seed=2, scale=0.03)
-
-    out = triton_gemv.silu_and_mul_gemv(gate_up, weight)
-
-    # the reference rounds the activation to bf16 as the kernel does, then multiplies in float32
-    activated = triton_ops.silu_and_mul(gate_up)
-    assert relative_error(out, linear(*upcast(activated, weight))) < TOLERANCE
-    assert relative_error(silu_and_mul_linear(gate_up, weight), linear(*upcast(activated, weight))) < TOLERANCE
-
-
-@pytest.mark.usefixtures("nan_filled_allocations")
-@pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("name", ["qkv", "gate_up"])
 @pytest.mark.parametrize("add_residual", [False, True], ids=["norm", "add-and-norm"])
-def test_rms_norm_gemv_matches_torch(name, rows, add_residual):
+@pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
+def test_rms_norm_gemv_matches_torch(name, rows, add_residual, gated):
+    """Gated (gate_up only): the output is ``silu(gate) * up`` of the product."""
+    if gated and name != "gate_up":
+        pytest.skip("only gate_up_proj is gated")
     n, k = SHAPES[name]
     x, weight = randn(rows, k, seed=rows, scale=3.0), randn(n, k, seed=3, scale=0.03)
     residual = randn(rows, k, seed=4) if add_residual else None
     scale = norm_weight(k, seed=5)
 
-    out, summed = triton_gemv.rms_norm_gemv(x, scale, EPS, residual, weight)
+    out, summed = triton_gemv.rms_norm_gemv(x, scale, EPS, residual, weight, gated=gated)
 
-    unfused, expected_summed = triton_ops.rms_norm_linear(x, scale, EPS, residual, weight,
-                                                          gemv_max_rows=0)  # norm kernel, cuBLAS
+    unfused, expected_summed = triton_ops.rms_norm_linear(  # the norm kernel, cuBLAS, SiLU kernel
+        x, scale, EPS, residual, weight, gated=gated, gemv_max_rows=0, triton_gemm_max_rows=0)
     assert torch.equal(summed, expected_summed)
-    expected, _ = rms_norm_linear(*upcast(x, scale), EPS, *upcast(residual, weight))
+    expected, _ = rms_norm_linear(*upcast(x, scale), EPS, *upcast(residual, weight), gated=gated)
     assert relative_error(out, expected) < TOLERANCE
     assert relative_error(unfused, expected) < TOLERANCE
 
@@ -96,18 +86,18 @@ def test_rms_norm_gemv_matches_torch(name, rows, add_residual):
 def test_gemvs_replay_from_a_cuda_graph():
     n, k = SHAPES["qkv"]
     x, residual, weight = randn(2, k, seed=6), randn(2, k, seed=7), randn(n, k, seed=8, scale=0.03)
-    scale, gate_up = norm_weight(k, seed=9), randn(2, 2 * n, seed=10)
-    down = randn(k, n, seed=11, scale=0.03)
+    scale = norm_weight(k, seed=9)
 
     def run():
-        return (triton_gemv.gemv(x, weight), triton_gemv.silu_and_mul_gemv(gate_up, down),
+        return (triton_gemv.gemv(x, weight),
+                *triton_gemv.rms_norm_gemv(x, scale, EPS, residual, weight, gated=True),
                 *triton_gemv.rms_norm_gemv(x, scale, EPS, residual, weight))
 
     run()  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         outs = run()
-    for tensor, seed in ((x, 12), (residual, 13), (gate_up, 14)):
+    for tensor, seed in ((x, 12), (residual, 13)):
         tensor.copy_(randn(*tensor.shape, seed=seed))
     graph.replay()
 
@@ -189,30 +179,25 @@ def benchmark() -> None:
             gemv = _graph_us(lambda w: triton_gemv.gemv(x, w), weights)
             print(f"| {name} | {n} x {k} | {rows} | {cublas:.2f} | {gemv:.2f} | "
                   f"{n * k * 2 / gemv / 1e3:,.0f} | {cublas / gemv:.2f}x |")
-    print("\n| fused | rows | small kernel + cuBLAS us | small kernel + GEMV us | fused GEMV us |")
+    print("\n| fused | rows | small kernels + cuBLAS us | small kernels + GEMV us | fused GEMV us |")
     print("|---|---|---|---|---|")
-    n, k = SHAPES["down"]
-    weights = _weights(n, k, seed=1)
-    for rows in ROWS:
-        gate_up = randn(rows, 2 * k, seed=rows)
-        times = [_graph_us(lambda w: F.linear(triton_ops.silu_and_mul(gate_up), w), weights),
-                 _graph_us(lambda w: triton_gemv.gemv(triton_ops.silu_and_mul(gate_up), w), weights),
-                 _graph_us(lambda w: triton_gemv.silu_and_mul_gemv(gate_up, w), weights)]
-        print(f"| silu_and_mul + down | {rows} | " + " | ".join(f"{t:.2f}" for t in times) + " |")
-    for name in ("qkv", "gate_up"):
+    for name, gated in (("qkv", False), ("gate_up", False), ("gate_up", True)):
         n, k = SHAPES[name]
         weights, scale = _weights(n, k, seed=2), norm_weight(k, seed=3)
+        activate = triton_ops.silu_and_mul if gated else (lambda out: out)
         for rows in ROWS:
             x, residual = randn(rows, k, seed=rows), randn(rows, k, seed=rows + 1)
 
             def unfused(w, project):
                 normed, _ = triton_ops.rms_norm(x, scale, EPS, residual)
-                return project(normed, w)
+                return activate(project(normed, w))
 
             times = [_graph_us(lambda w: unfused(w, F.linear), weights),
                      _graph_us(lambda w: unfused(w, triton_gemv.gemv), weights),
-                     _graph_us(lambda w: triton_gemv.rms_norm_gemv(x, scale, EPS, residual, w), weights)]
-            print(f"| residual + rms_norm + {name} | {rows} | " + " | ".join(f"{t:.2f}" for t in times) + " |")
+                     _graph_us(lambda w: triton_gemv.rms_norm_gemv(x, scale, EPS, residual, w,
+                                                                   gated=gated), weights)]
+            label = f"residual + rms_norm + {name}" + (" + silu_and_mul" if gated else "")
+            print(f"| {label} | {rows} | " + " | ".join(f"{t:.2f}" for t in times) + " |")
     weights = [randn(VOCAB, HIDDEN, seed=4, scale=0.03)]  # 311 MB: no copies needed
     for rows in ROWS:
         x = randn(rows, HIDDEN, seed=5)
@@ -223,30 +208,30 @@ def benchmark() -> None:
 
 
 SWEEP_ROWS = [1]
+GATED = "gated"  # a norm before the projection and the activation after it
 # (label, prologue, weight shape) of each swept kernel
 SWEEP_KERNELS = [*((name, triton_gemv.PLAIN, shape) for name, shape in SHAPES.items()),
-                 ("silu_and_mul + down", triton_gemv.SILU, SHAPES["down"]),
                  *((f"residual + rms_norm + {name}", triton_gemv.NORM, SHAPES[name])
-                   for name in ("qkv", "gate_up"))]
+                   for name in ("qkv", "gate_up")),
+                 ("residual + rms_norm + gate_up + silu_and_mul", GATED, SHAPES["gate_up"])]
 
 
 def _sweep_configs(k: int, prologue: int) -> list[GemvConfig]:
     """1-16 outputs a program, 4 or 8 warps, all of K in one step (up to 4,096 columns) or, but
     with a norm, 1,024 columns a step."""
-    whole = min(triton.next_power_of_2(k), 4096 if prologue != triton_gemv.NORM else k)
-    block_ks = sorted({whole, min(whole, 1024)} if prologue != triton_gemv.NORM else {whole})
+    norm = prologue in (triton_gemv.NORM, GATED)
+    whole = min(triton.next_power_of_2(k), k if norm else 4096)
+    block_ks = sorted({whole} if norm else {whole, min(whole, 1024)})
     return [GemvConfig(n, b, w) for b in block_ks for n in (1, 2, 4, 8, 16) for w in (4, 8)]
 
 
 def _call(prologue: int, rows: int, n: int, k: int):
     """``call(weight, config)`` running the kernel of ``prologue`` on random inputs of ``rows``."""
-    if prologue == triton_gemv.SILU:
-        gate_up = randn(rows, 2 * k, seed=rows)
-        return lambda w, c: triton_gemv.silu_and_mul_gemv(gate_up, w, config=c)
     x = randn(rows, k, seed=rows)
-    if prologue == triton_gemv.NORM:
+    if prologue in (triton_gemv.NORM, GATED):
         residual, scale = randn(rows, k, seed=rows + 1), norm_weight(k, seed=3)
-        return lambda w, c: triton_gemv.rms_norm_gemv(x, scale, EPS, residual, w, config=c)
+        return lambda w, c: triton_gemv.rms_norm_gemv(x, scale, EPS, residual, w, config=c,
+                                                      gated=prologue == GATED)
     return lambda w, c: triton_gemv.gemv(x, w, config=c)
 
 
@@ -276,7 +261,8 @@ def sweep(workers: int = 12) -> None:
             call = _call(prologue, rows, n, k)
             timed = sorted((_graph_us(lambda w: call(w, c), weights, 5), c)
                            for c in _sweep_configs(k, prologue))
-            default = triton_gemv.gemv_config(n, k, rows, prologue)
+            default = (triton_gemv.gemv_config(n // 2, k, rows, triton_gemv.NORM, gated=True)
+                       if prologue == GATED else triton_gemv.gemv_config(n, k, rows, prologue))
             default_us = _graph_us(lambda w: call(w, None), weights)
             best = ", ".join(f"{tuple(c)}: {t:.2f}" for t, c in timed[:3])
             print(f"| {name} | {rows} | {tuple(default)}: {default_us:.2f} | {best} |")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import nanofn.kernels.triton_gemv as triton_gemv
-from nanofn.kernels import triton_overlap
+from nanofn.kernels import rms_norm, triton_overlap
 from test_triton_gemv_gpu import float32_prompts, greedy_batches  # noqa: F401 (a fixture, this folder)
 
 pytestmark = pytest.mark.skipif(
@@ -20,7 +20,8 @@ HIDDEN, STEPS = 1024, 6
 
 def test_a_graph_of_overlapped_gemvs_reads_each_result_whole():
     """A chain of GEMVs, each reading the one before (a weight loaded before its wait, the
-    input after), replayed from a graph with new inputs: the float32 torch chain's results."""
+    input after: a norm and a gated projection, then a plain one), replayed from a graph with
+    new inputs: the float32 torch chain's results."""
     assert triton_overlap.overlaps(torch.device("cuda"))
     g = torch.Generator(device="cuda").manual_seed(0)
     scale = HIDDEN**-0.5
@@ -28,16 +29,21 @@ def test_a_graph_of_overlapped_gemvs_reads_each_result_whole():
     downs = [torch.randn(HIDDEN, HIDDEN, generator=g, device="cuda") * scale for _ in range(STEPS)]
     x = torch.randn(1, HIDDEN, generator=g, device="cuda")
 
-    def chain(h, up=triton_gemv.gemv, down=triton_gemv.silu_and_mul_gemv):
+    norm = torch.ones(HIDDEN, device="cuda")
+
+    def gated_gemv(h, w):
+        return triton_gemv.rms_norm_gemv(h, norm, 1e-6, None, w, gated=True)[0]
+
+    def chain(h, up=gated_gemv, down=triton_gemv.gemv):
         for w_up, w_down in zip(ups, downs):
             h = h + down(up(h, w_up), w_down)  # (the sum: a torch kernel between, not overlapped)
         return h
 
     def reference(h):
-        def silu_and_mul_linear(gate_up, w):
-            gate, up = gate_up.chunk(2, dim=-1)
-            return (torch.nn.functional.silu(gate) * up) @ w.T
-        return chain(h, lambda h, w: h @ w.T, silu_and_mul_linear)
+        def gated_linear(h, w):
+            gate, up = (rms_norm(h, norm, 1e-6) @ w.T).chunk(2, dim=-1)
+            return torch.nn.functional.silu(gate) * up
+        return chain(h, gated_linear, lambda h, w: h @ w.T)
 
     chain(x)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
