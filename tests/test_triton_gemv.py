@@ -72,6 +72,15 @@ def test_rms_norm_gemv_matches_reference(interpreter, dtype, rows, shape, config
     torch.testing.assert_close(out, expected, **TOLERANCES[dtype])
 
 
+@pytest.mark.parametrize("rows", [1, 4])
+def test_gated_gemv_config_reads_as_many_weight_rows_a_program(rows):
+    """A gated program multiplies ``block_n`` outputs of each half: half of what the plain
+    projection of the whole ``[gate | up]`` weight gives a program."""
+    plain = triton_gemv.gemv_config(6144, 1024, rows, triton_gemv.NORM)
+    gated = triton_gemv.gemv_config(3072, 1024, rows, triton_gemv.NORM, gated=True)
+    assert 2 * gated.block_n == plain.block_n and gated.block_k == plain.block_k
+
+
 def test_rms_norm_gemv_refuses_a_tile_narrower_than_a_row():
     x, weight = torch.zeros(1, 300), torch.zeros(8, 300)
     with pytest.raises(AssertionError, match="a norm's tile holds whole rows"):

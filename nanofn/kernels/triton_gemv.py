@@ -137,7 +137,7 @@ def _gemv_kernel(
              mask=(out_rows < rows) & (outputs[None, :] < n))
 
 
-def gemv_config(n: int, k: int, rows: int, prologue: int = PLAIN) -> GemvConfig:
+def gemv_config(n: int, k: int, rows: int, prologue: int = PLAIN, gated: bool = False) -> GemvConfig:
     """Launch parameters after a sweep on the H100 (``tests/gpu/test_triton_gemv_gpu.py --sweep``)
     at one row: all of K in one step (up to 4,096 columns; ``NORM`` needs whole rows), 2 outputs
     a program, 16-32 weight elements a thread. More rows, or a prologue, re-read the input in
@@ -146,16 +146,21 @@ def gemv_config(n: int, k: int, rows: int, prologue: int = PLAIN) -> GemvConfig:
     share a layout; otherwise the input is moved between layouts through shared memory.
 
     Within 0.1 us of the best swept config at each projection, but ``NORM``, where (8, K, 8)
-    was 0.3 us faster than this (4, K, 4) at one row (not yet measured in the engine). Gated,
-    ``n`` is the outputs of each half: at one row gate_up's (4, K, 4), twice the weight rows of
-    the plain projection's programs, took 5.82 us against 6.15 for (2, K, 4).
+    was 0.3 us faster than this (4, K, 4) at one row (not yet measured in the engine).
+    ``gated`` (``n`` outputs of each of two halves): half the outputs a program of 2n outputs
+    would take, so that a program reads as many weight rows. (At one row gate_up's (4, K, 4), twice
+    the rows, took 5.82 us alone against 6.15 for this (2, K, 4), but in the engine the decode
+    step took 0.83 against 0.82 ms and the single request 1,182 against 1,192 tok/s.)
     """
     block_k = triton.next_power_of_2(k)
     if prologue != NORM:
         block_k = min(block_k, 4096)
     wanted = (2 if prologue == PLAIN else 4) * triton.next_power_of_2(rows)
-    most = 1 << (max(1, n // 512).bit_length() - 1)  # a power of two, n // 512 at most
+    weight_rows = 2 * n if gated else n
+    most = 1 << (max(1, weight_rows // 512).bit_length() - 1)  # a power of two, rows // 512 at most
     block_n = min(wanted, most)
+    if gated:
+        block_n = max(1, block_n // 2)
     return GemvConfig(block_n, block_k, 8 if block_k >= 4096 else 4)
 
 
@@ -172,7 +177,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pr
     if gated:
         assert n % 2 == 0, "weight is [gate | up]"
         n //= 2
-    config = config or gemv_config(n, k, rows, prologue)
+    config = config or gemv_config(n, k, rows, prologue, gated)
     assert prologue != NORM or config.block_k >= k, "a norm's tile holds whole rows"
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     residual_out = torch.empty(rows, k, dtype=x.dtype, device=x.device) if residual is not None else None

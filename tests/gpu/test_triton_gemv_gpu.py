@@ -259,7 +259,7 @@ def sweep(workers: int = 12) -> None:
             call = _call(prologue, rows, n, k)
             timed = sorted((_graph_us(lambda w: call(w, c), weights, 5), c)
                            for c in _sweep_configs(k, prologue))
-            default = (triton_gemv.gemv_config(n // 2, k, rows, triton_gemv.NORM)
+            default = (triton_gemv.gemv_config(n // 2, k, rows, triton_gemv.NORM, gated=True)
                        if prologue == GATED else triton_gemv.gemv_config(n, k, rows, prologue))
             default_us = _graph_us(lambda w: call(w, None), weights)
             best = ", ".join(f"{tuple(c)}: {t:.2f}" for t, c in timed[:3])
