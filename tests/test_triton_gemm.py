@@ -1,6 +1,6 @@
 """The split-K GEMM whose partial sums the norm adds up (``triton_gemm.py``, ``PartialSums``), the
-norm kernel reading them, the same GEMM with K in one range (alone, and gated: with the MLP's
-activation), and which projections ``TRITON_KERNELS`` runs on them, on CPU through Triton's interpreter (float32 and float16).
+norm kernel reading them, the same GEMM with K in one range, and which projections
+``TRITON_KERNELS`` runs on them, on CPU through Triton's interpreter (float32 and float16).
 bf16 at the model's shapes: ``tests/gpu/test_triton_gemm_gpu.py``."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from test_triton_gemv import DTYPES, TOLERANCES, randn
 
 import nanofn.kernels.triton_gemm as triton_gemm
 import nanofn.kernels.triton_ops as triton_ops
-from nanofn.kernels import TORCH_KERNELS, PartialSums, linear, rms_norm, silu_and_mul
+from nanofn.kernels import TORCH_KERNELS, PartialSums, linear, rms_norm
 from nanofn.kernels.partial_sums import added_up, linear_partial_sums
 from nanofn.kernels.triton_gemm import GemmConfig
 
@@ -50,22 +50,6 @@ def test_gemm_with_k_in_one_range_is_the_product(interpreter, dtype, rows, confi
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [5, 40])
-@pytest.mark.parametrize("config", [GemmConfig(16, 32, 32, 1), GemmConfig(32, 16, 64, 1), None],
-                         ids=str)
-def test_gated_gemm_is_the_activation_of_the_product(interpreter, dtype, rows, config):
-    """``weight = [gate | up]`` (2 x 40 rows, so a tile's edge falls inside each half): the
-    output is ``silu(gate) * up`` of the product, as the reference rounds it."""
-    x = randn(rows, K + 8, seed=rows, dtype=dtype)[:, :K]  # strided rows
-    weight = randn(2 * N, K, seed=3, dtype=dtype, scale=0.25)  # products of ~4: both signs
-
-    got = interpreter(triton_gemm.gated_gemm, x, weight, config)
-
-    assert got.dtype == dtype and got.shape == (rows, N)
-    torch.testing.assert_close(got, silu_and_mul(linear(x, weight)), **TOLERANCES[dtype])
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("splits", [1, 4])
 @pytest.mark.parametrize("add_residual", [False, True], ids=["norm", "add-and-norm"])
 def test_the_norm_adds_partial_sums_up_in_order_before_it_normalises(interpreter, dtype, splits,
@@ -89,10 +73,10 @@ def test_the_norm_adds_partial_sums_up_in_order_before_it_normalises(interpreter
 
 def projections(x, weights, norm_weight, residual):
     """A layer's chain on ``TRITON_KERNELS`` with the GEMMs of ``triton_gemm.py`` up to 16
-    tokens: o_proj asked for partial sums, the norm with gate_up_proj and the activation, down_proj
+    tokens: o_proj asked for partial sums, the norm with gate_up_proj gated, down_proj
     asked for partial sums, the norm with a plain projection. Each result, and which GEMMs ran."""
     launches = []
-    names = ("gemm", "gated_gemm", "partial_sums_gemm")
+    names = ("gemm", "partial_sums_gemm")
     launchers = {name: getattr(triton_gemm, name) for name in names}
     for name, launch in launchers.items():
         setattr(triton_gemm, name, lambda *a, launch=launch, name=name: launches.append(name) or launch(*a))
@@ -115,14 +99,14 @@ def layer_chain(kernels, x, weights, norm_weight, residual):
 
 
 @pytest.mark.parametrize("rows, kernels", [
-    (3, []), (5, ["partial_sums_gemm", "gated_gemm", "partial_sums_gemm", "gemm"]),
-    (16, ["partial_sums_gemm", "gated_gemm", "partial_sums_gemm", "gemm"]), (17, [])],
+    (3, []), (5, ["partial_sums_gemm", "gemm", "partial_sums_gemm", "gemm"]),
+    (16, ["partial_sums_gemm", "gemm", "partial_sums_gemm", "gemm"]), (17, [])],
     ids=["gemv", "triton gemms", "triton gemms at the bound", "cublas above it"])
 def test_projections_take_the_triton_gemms_between_the_gemvs_and_the_bound(interpreter, rows,
                                                                           kernels):
     """Up to ``GEMV_MAX_ROWS`` tokens the GEMVs, then the GEMMs of ``triton_gemm.py`` (partial
-    sums where asked for, the product itself or its activation after a norm) up to the bound,
-    cuBLAS and the activation kernel above it: the same results either way, and the norm takes
+    sums where asked for, the product itself after a norm, then the activation kernel where
+    gated) up to the bound, cuBLAS above it: the same results either way, and the norm takes
     partial sums or a tensor."""
     dtype = torch.float32
     x = randn(rows, K, seed=5, dtype=dtype)
@@ -161,8 +145,6 @@ def test_the_triton_gemms_keep_to_the_widths_they_were_measured_at():
     cuBLAS."""
     assert triton_gemm.whole_gemm_config(1024, 64) is not None
     assert triton_gemm.whole_gemm_config(4096, 64) is None
-    assert triton_gemm.gated_gemm_config(1024, 64) is not None
-    assert triton_gemm.gated_gemm_config(4096, 64) is None
     assert triton_gemm.gemm_config(3072, 64) is not None
     assert triton_gemm.gemm_config(4096, 64) is None
 

@@ -19,12 +19,8 @@ Program ``(tile of outputs, range of K, tile of rows)`` stores its sums to ``sum
 The same kernel with K in one range writes the product itself (``gemm``): for the two wide
 projections (qkv_proj, gate_up_proj) at 5-64 rows it beats cuBLAS by 0.3-0.9 us, and in the
 decode step, launched overlapped with the norm ahead, more (64 sequences: 2.63 -> 2.56 ms a
-step; at 128-256 rows cuBLAS is faster, and keeps them). For gate_up_proj it is gated
-(``gated_gemm``): a program multiplies the same outputs of the gate and the up halves and
-stores ``silu(gate) * up``, the MLP's activation, which then needs no kernel of its own (at
-8-64 rows 7.2-7.9 us against 8.8-9.6 for the GEMM and the activation kernel; at 128-256 rows
-cuBLAS and the activation kernel stay faster). Grids depend only on shapes, and the output (or
-the sums' buffer) is the launch's only allocation: the kernel can be captured in a CUDA graph.
+step; at 128-256 rows cuBLAS is faster, and keeps them). Grids depend only on shapes, and the
+sums' buffer is the launch's only allocation: the kernel can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -38,7 +34,6 @@ import triton.language as tl
 
 from nanofn.kernels import triton_overlap
 from nanofn.kernels.partial_sums import PartialSums
-from nanofn.kernels.triton_gemv import silu_times_up
 from nanofn.kernels.triton_overlap import wait_for_previous
 
 
@@ -56,43 +51,27 @@ class GemmConfig(NamedTuple):
 @triton.jit
 def _partial_sums_kernel(
     x_ptr, weight_ptr, sums_ptr, rows, n, k_per_split, stride_x, stride_weight,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATED: tl.constexpr,
-    OVERLAP: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, OVERLAP: tl.constexpr,
 ):
     """Program ``(output tile, K range s, row tile)``: ``sums[s, rows, outputs] = x[rows, range]
-    @ weight[outputs, range].T``, summed in float32 and stored in ``sums``' dtype.
-
-    With ``GATED`` (one range of K) the weight is ``[gate | up]``, 2n rows: the program also
-    multiplies by the up rows ``n + outputs`` and stores ``silu(gate) * up``, the two products
-    rounded to the output dtype first, as ``silu_and_mul`` after ``linear`` rounds them."""
+    @ weight[outputs, range].T``, summed in float32 and stored in ``sums``' dtype."""
     split = tl.program_id(1)
     m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
     outputs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     columns = split * k_per_split + tl.arange(0, BLOCK_K)[None, :]
     x_tile = x_ptr + m[:, None].to(tl.int64) * stride_x + columns
     weight_tile = weight_ptr + outputs[:, None].to(tl.int64) * stride_weight + columns
-    up_tile = weight_tile + n * stride_weight
     row_mask, output_mask = m[:, None] < rows, outputs[:, None] < n
     wait_for_previous(OVERLAP)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for _ in range(0, k_per_split, BLOCK_K):
         a = tl.load(x_tile, mask=row_mask, other=0.0)
         w = tl.load(weight_tile, mask=output_mask, other=0.0)
         acc = tl.dot(a, tl.trans(w), acc, input_precision="ieee")
-        if GATED:
-            w_up = tl.load(up_tile, mask=output_mask, other=0.0)
-            up = tl.dot(a, tl.trans(w_up), up, input_precision="ieee")
-            up_tile += BLOCK_K
         x_tile += BLOCK_K
         weight_tile += BLOCK_K
-    dtype = sums_ptr.dtype.element_ty
-    if GATED:
-        out = silu_times_up(acc.to(dtype), up.to(dtype), dtype)
-    else:
-        out = acc.to(dtype)
     sums = sums_ptr + (split * rows + m[:, None]).to(tl.int64) * n + outputs[None, :]
-    tl.store(sums, out, mask=row_mask & (outputs[None, :] < n))
+    tl.store(sums, acc.to(sums_ptr.dtype.element_ty), mask=row_mask & (outputs[None, :] < n))
 
 
 # (most rows, rows a tile, outputs a tile, ranges of K): the best of a sweep on the H100 for
@@ -108,13 +87,6 @@ WHOLE_MAX_ROWS = WHOLE_TILES[-1][0]
 # Measured at K = 1,024 only (Qwen3-0.6B); a wider K makes each program's loop longer on the
 # same grid, where cuBLAS may split it: cuBLAS there until measured.
 WHOLE_MAX_K = 1024
-# The same for ``gated_gemm`` (gate_up_proj and the activation after it; outputs a tile are per
-# half, so a program reads 2 x BLOCK_N weight rows): the best of a sweep on the H100 with the
-# norm kernel before it (benchmarks/decode_gemm.py --cases gate_up), 128 columns a step, 4 warps,
-# 4 stages. At 128 and 256 rows its best (64 x 32 tiles, 64 columns a step) took 9.6 and 14.0 us
-# against 9.4 and 10.6 for cuBLAS and the activation kernel: cuBLAS there.
-GATED_TILES = ((32, 16, 32, 1), (64, 64, 32, 1))
-GATED_MAX_ROWS = GATED_TILES[-1][0]
 
 
 def gemm_config(k: int, rows: int) -> GemmConfig | None:
@@ -128,12 +100,6 @@ def whole_gemm_config(k: int, rows: int) -> GemmConfig | None:
     """``gemm_config`` for ``gemm`` (K in one range), from ``WHOLE_TILES``; None over
     ``WHOLE_MAX_ROWS`` rows or ``WHOLE_MAX_K``."""
     return _config(WHOLE_TILES, k, rows) if k <= WHOLE_MAX_K else None
-
-
-def gated_gemm_config(k: int, rows: int) -> GemmConfig | None:
-    """``gemm_config`` for ``gated_gemm``, from ``GATED_TILES``; None over ``GATED_MAX_ROWS``
-    rows or ``WHOLE_MAX_K``."""
-    return _config(GATED_TILES, k, rows) if k <= WHOLE_MAX_K else None
 
 
 def _config(tiles: tuple[tuple[int, int, int, int], ...], k: int, rows: int) -> GemmConfig | None:
@@ -170,34 +136,21 @@ def gemm(x: torch.Tensor, weight: torch.Tensor, config: GemmConfig | None = None
     return out
 
 
-def gated_gemm(x: torch.Tensor, weight: torch.Tensor, config: GemmConfig | None = None) -> torch.Tensor:
-    """``silu_and_mul(x @ weight.T)`` in x's dtype for ``weight = [gate | up]`` (``[2I, K]``):
-    gate_up_proj and the MLP's activation in one kernel, ``[M, I]``."""
-    rows, k = x.shape
-    config = _checked(config or gated_gemm_config(k, rows), k, rows)
-    assert config.split_k == 1, "one range of K"
-    assert len(weight) % 2 == 0, "weight is [gate | up]"
-    out = torch.empty(rows, len(weight) // 2, dtype=x.dtype, device=x.device)
-    _launch(x, weight, out[None], config, gated=True)
-    return out
-
-
 def _checked(config: GemmConfig | None, k: int, rows: int) -> GemmConfig:
     assert config is not None, f"no launch parameters for {rows} rows of K={k}: give a config"
     assert k % (config.block_k * config.split_k) == 0, f"K={k} does not split by {config}"
     return config
 
 
-def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, config: GemmConfig,
-            gated: bool = False) -> None:
-    """The kernel into ``out [splits, M, N]`` (contiguous; gated: ``N`` is half the weight's rows)."""
+def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, config: GemmConfig) -> None:
+    """The kernel into ``out [splits, M, N]`` (contiguous)."""
     rows, k = x.shape
-    n = out.shape[-1]
+    n = weight.shape[0]
     assert x.stride(-1) == weight.stride(-1) == 1, "rows must be contiguous"
     grid = (triton.cdiv(n, config.block_n), config.split_k, triton.cdiv(rows, config.block_m))
     _partial_sums_kernel[grid](
         x, weight, out, rows, n, k // config.split_k, x.stride(0), weight.stride(0),
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GATED=gated,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         num_warps=config.num_warps, num_stages=config.num_stages,
         **triton_overlap.launch_options(x.device),
     )

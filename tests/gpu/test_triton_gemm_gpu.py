@@ -1,6 +1,6 @@
 """The split-K GEMM's partial sums (``triton_gemm.py``) and the norm that adds them up, in bf16 at
 Qwen3-0.6B's o_proj and down_proj shapes, and the GEMM with K in one range at qkv_proj's and
-gate_up_proj's (and gated at gate_up_proj's: with the MLP's activation), against torch on a CUDA GPU; the same results from a CUDA graph; and the
+gate_up_proj's, against torch on a CUDA GPU; the same results from a CUDA graph; and the
 engine's tokens with these GEMMs on and off (float32, greedy). Errors
 are ``|out - ref| / |ref|`` over the whole output against a float32 reference on the upcast
 bf16 inputs, the bound cuBLAS's bf16 result is held to."""
@@ -49,22 +49,6 @@ def test_gemm_with_k_in_one_range_matches_torch(name, rows, config):
     out = triton_gemm.gemm(x, weight, config)
 
     assert relative_error(out, linear(*upcast(x, weight))) < TOLERANCE
-
-
-@pytest.mark.usefixtures("nan_filled_allocations")
-@pytest.mark.parametrize("rows", [5, 16, 32, 64, 128, 256])
-@pytest.mark.parametrize("config", [None, GemmConfig(64, 32, 128, 1, num_warps=8)], ids=str)
-def test_gated_gemm_is_the_activation_of_the_product(rows, config):
-    """The reference rounds the product to bf16, as the kernel does, then activates it."""
-    n, k = SHAPES["gate_up"]
-    x, weight = randn(rows, k, seed=rows, scale=3.0), randn(n, k, seed=n, scale=0.03)
-    config = config or triton_gemm.gated_gemm_config(k, rows) or GemmConfig(64, 64, 128, 1)
-
-    out = triton_gemm.gated_gemm(x, weight, config)
-
-    assert out.shape == (rows, n // 2)
-    expected = triton_ops.silu_and_mul(linear(*upcast(x, weight)).to(torch.bfloat16)).float()
-    assert relative_error(out, expected) < TOLERANCE
 
 
 @pytest.mark.usefixtures("nan_filled_allocations")
@@ -124,19 +108,18 @@ def test_the_split_k_gemm_and_its_norm_replay_from_a_cuda_graph():
 def test_engine_tokens_are_the_same_with_the_triton_gemms_on_and_off(tiny_qwen3, monkeypatch):
     """Greedy float32 decoding of batches of one to five sequences (graphs of 1-8 rows: the
     GEMVs up to four, the GEMMs of ``triton_gemm.py`` for five, and for prompts of up to 64 and
-    256 tokens) gives the same tokens with them (the default) as with cuBLAS and the
-    activation kernel."""
+    256 tokens) gives the same tokens with them (the default) as with cuBLAS."""
     from nanofn.runner import model_runner
 
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 380, (n,), generator=g).tolist() for n in (2, 33, 70, 11, 50)]
     launches = []
-    for name in ("gemm", "gated_gemm", "partial_sums_gemm"):
+    for name in ("gemm", "partial_sums_gemm"):
         launch = getattr(triton_gemm, name)
         monkeypatch.setattr(triton_gemm, name, lambda *a, launch=launch, name=name, **kw:
                             launches.append(name) or launch(*a, **kw))
     with_triton = greedy_batches(tiny_qwen3, prompts)
-    assert set(launches) == {"gemm", "gated_gemm", "partial_sums_gemm"}
+    assert set(launches) == {"gemm", "partial_sums_gemm"}
     choose_kernels = model_runner.choose_kernels
     monkeypatch.setattr(model_runner, "choose_kernels",
                         lambda *a: triton_ops.with_triton_gemm_max_rows(choose_kernels(*a), 0))
