@@ -34,7 +34,6 @@ class KernelBackend:
     prefill_attention: Callable[..., torch.Tensor]
     decode_attention: Callable[..., torch.Tensor]
     rms_norm: Callable[..., torch.Tensor | tuple[torch.Tensor, torch.Tensor]]
-    silu_and_mul: Callable[..., torch.Tensor]
     # The projections, and one with the norm before it (and maybe the activation after it) fused
     # in (see linear.py)
     linear: Callable[..., torch.Tensor]
@@ -46,7 +45,6 @@ TORCH_KERNELS = KernelBackend(
     prefill_attention=prefill_attention,
     decode_attention=decode_attention,
     rms_norm=rms_norm,
-    silu_and_mul=silu_and_mul,
     linear=linear,
     rms_norm_linear=rms_norm_linear,
 )

@@ -389,7 +389,6 @@ TRITON_KERNELS = KernelBackend(
     prefill_attention=triton_attention.prefill_attention,
     decode_attention=triton_attention.decode_attention,
     rms_norm=rms_norm,
-    silu_and_mul=silu_and_mul,
     linear=linear,
     rms_norm_linear=rms_norm_linear,
 )
