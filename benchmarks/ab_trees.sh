@@ -9,8 +9,6 @@
 # the standard workload N times a tree, the trees in turn. Each tree's nanofn is imported from
 # PYTHONPATH; `python3 -m nanofn` would put the current folder first on sys.path and import the
 # checkout's instead, so the workload runs from the tree's own folder.
-# Without BENCH a tree's first single request in a call compiles its kernels inside the
-# measurement (1,038-1,046 against ~1,200 tok/s warm on the H100): compare the second rounds.
 set -u
 python3 -m pip install -q --upgrade --no-index --no-deps --target /tmp/site .whl/*.whl
 export PYTHONUNBUFFERED=1 NANOFN_CACHE=/tmp/nanofn-cache
