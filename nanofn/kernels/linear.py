@@ -42,7 +42,7 @@ def rms_norm_linear(
 
     ``gated``: the projection is the MLP's ``[gate | up]`` (``weight [2I, K]``) and the first
     result its activation, ``silu_and_mul`` of the product (``[..., I]``)."""
-    out, summed = norm_then_linear(rms_norm, added_up(x), norm_weight, eps, residual, weight, bias)
+    out, summed = norm_then_linear(rms_norm, x, norm_weight, eps, residual, weight, bias)
     return (silu_and_mul(out) if gated else out), summed
 
 

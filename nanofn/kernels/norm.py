@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from nanofn.kernels.partial_sums import PartialSums
+from nanofn.kernels.partial_sums import PartialSums, added_up
 
 
 def rms_norm(
@@ -21,8 +21,7 @@ def rms_norm(
     reproduces ``LlamaRMSNorm``/``Qwen3RMSNorm`` bit for bit. ``x`` may come as a projection's
     ``PartialSums`` (``linear.py``): it is their total.
     """
-    if isinstance(x, PartialSums):
-        x = x.total()
+    x = added_up(x)
     if residual is not None:
         x = x + residual
     x32 = x.float()

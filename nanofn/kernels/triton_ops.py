@@ -366,22 +366,17 @@ def without_gemv(kernels: KernelBackend) -> KernelBackend:
 def with_gemv_max_rows(kernels: KernelBackend, rows: int) -> KernelBackend:
     """``kernels`` with the projections of at most ``rows`` tokens on the GEMVs (instead of
     ``GEMV_MAX_ROWS``), the others as before."""
-    return replace(kernels, linear=_with(kernels.linear, gemv_max_rows=rows),
-                   rms_norm_linear=_with(kernels.rms_norm_linear, gemv_max_rows=rows))
+    return replace(kernels, linear=functools.partial(kernels.linear, gemv_max_rows=rows),
+                   rms_norm_linear=functools.partial(kernels.rms_norm_linear, gemv_max_rows=rows))
 
 
 def with_triton_gemm_max_rows(kernels: KernelBackend, rows: int) -> KernelBackend:
     """``kernels`` with the GEMMs of ``triton_gemm.py`` for at most ``rows`` tokens (and their
-    configs' bounds; 0: none), cuBLAS above."""
-    return replace(kernels, linear=_with(kernels.linear, triton_gemm_max_rows=rows),
-                   rms_norm_linear=_with(kernels.rms_norm_linear, triton_gemm_max_rows=rows))
-
-
-def _with(function: Callable, **keywords: int) -> Callable:
-    """``function`` (maybe a partial already) with ``keywords`` set."""
-    if isinstance(function, functools.partial):
-        return functools.partial(function.func, *function.args, **{**function.keywords, **keywords})
-    return functools.partial(function, **keywords)
+    configs' bounds; 0: none), cuBLAS above. (A partial of a partial is flattened by
+    ``functools.partial`` itself, the later keywords winning.)"""
+    return replace(kernels, linear=functools.partial(kernels.linear, triton_gemm_max_rows=rows),
+                   rms_norm_linear=functools.partial(kernels.rms_norm_linear,
+                                                     triton_gemm_max_rows=rows))
 
 
 TRITON_KERNELS = KernelBackend(
