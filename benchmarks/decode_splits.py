@@ -8,7 +8,9 @@ with ``s < max_tokens`` runs with ``prompt + s`` keys. Qwen3-0.6B's heads (16 qu
 head_dim 128), bf16, 16-token blocks, block tables 4,096 keys wide as in the engine's graphs.
 Each call is replayed from a CUDA graph (``triton.testing.do_bench_cudagraph``).
 
-Usage: python benchmarks/decode_splits.py [--bandwidth 3028] [--steps 50,300,...]
+With ``--longest-first`` the fixed split counts take the rows longest context first too.
+
+Usage: python benchmarks/decode_splits.py [--bandwidth 3028] [--steps 50,300,...] [--longest-first]
 """
 
 from __future__ import annotations
@@ -66,6 +68,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--bandwidth", type=float, default=3028.0, help="GB/s, the floor's")
     ap.add_argument("--steps", default="1,50,150,300,450,600,700,800,900,950,1000")
+    ap.add_argument("--longest-first", action="store_true",
+                    help="the fixed split counts too take the rows longest context first")
     args = ap.parse_args()
     device = torch.device("cuda")
     print("| step | batch | keys (max) | floor | heuristic, longest first (as in the engine) | "
@@ -77,7 +81,9 @@ def main() -> None:
         floor = sum(contexts) * NUM_KV_HEADS * HEAD_DIM * 2 * 2 / (args.bandwidth * 1e3)
         longest_first = torch.argsort(inputs[3], descending=True, stable=True).to(torch.int32)
         cells = [f"{microseconds(inputs, None, longest_first):.1f}"]
-        cells += [f"{microseconds(inputs, n):.1f}" for n in (None, *SPLIT_COUNTS)]
+        fixed_order = longest_first if args.longest_first else None
+        cells += [f"{microseconds(inputs, None):.1f}"]
+        cells += [f"{microseconds(inputs, n, fixed_order):.1f}" for n in SPLIT_COUNTS]
         print(f"| {step} | {len(contexts)} | {sum(contexts):,} ({max(contexts):,}) | {floor:.1f} | "
               + " | ".join(cells) + " |")
         del inputs
