@@ -8,13 +8,13 @@ embedding.)
   of that kv head's GQA group, so each K/V tile is read once per group. The kv heads are the
   grid's first axis: a sequence's heads start side by side and read the rows of each cache block
   at about the same time (1-2% faster at 48-256 sequences than the sequences first, on the
-  H100). For small batches a third
-  grid dimension splits the context into partitions ("flash decoding"); a second kernel merges
-  their partial results. The host picks the number of partitions; each program sizes its
-  partition from its sequence's own length, which only the device knows (so a short context
-  in a wide block table, as in a CUDA graph, is still spread over every partition). An
-  optional ``order`` maps programs to sequences: the decode graphs pass the longest context
-  first, so that no long sequence is left running alone at the end of the kernel.
+  H100). For small batches a third grid dimension splits the context into partitions ("flash
+  decoding"); a second kernel merges their partial results. The host picks the number of
+  partitions; each program sizes its partition from its sequence's own length, which only the
+  device knows (so a short context in a wide block table, as in a CUDA graph, is still spread
+  over every partition). An optional ``order`` maps programs to sequences: the decode graphs
+  pass the longest context first, so that no long sequence is left running alone at the end
+  of the kernel.
 - ``prefill_attention``: flash attention, one program per (query tile, kv head). A tile's rows
   are ``BLOCK_M // group`` queries times the group's heads, again reading K/V once per group.
 
