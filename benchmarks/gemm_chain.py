@@ -9,7 +9,10 @@ Each layer: qkv (4096 x 1024), o (1024 x 2048, on the first 2048 qkv outputs), g
 layer's input; 28 layers of distinct weights (882 MB, so every weight comes from HBM), replayed
 from a CUDA graph. Prints microseconds per layer, the best of a few tile configurations each.
 
-Usage (GPU): python3 benchmarks/gemm_chain.py [--rows 256,128]
+Also cuBLAS with one weight set for every layer (the weights in L2): what prefetching them
+would gain at best.
+
+Usage (GPU): python3 benchmarks/gemm_chain.py [--rows 256,128] [--cublas-only]
 """
 
 from __future__ import annotations
@@ -102,6 +105,7 @@ def time_layer_us(run) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="256,128")
+    ap.add_argument("--cublas-only", action="store_true", help="skip the Triton GEMMs")
     a = ap.parse_args()
     g = torch.Generator(device="cuda").manual_seed(0)
     weights = [[torch.randn(n, k, generator=g, device="cuda", dtype=torch.bfloat16) * k**-0.5
@@ -112,7 +116,12 @@ def main() -> None:
         inputs = [torch.randn(rows, k, generator=g, device="cuda", dtype=torch.bfloat16)
                   for _, _, k in SHAPES]
         cublas = time_layer_us(lambda: chain(x, weights, outs, lambda v, w, out: F.linear(v, w)))
-        print(f"{rows} rows: cuBLAS {cublas:.1f} us a layer (4 projections)")
+        warm = time_layer_us(lambda: chain(x, [weights[0]] * LAYERS, outs,
+                                           lambda v, w, out: F.linear(v, w)))
+        print(f"{rows} rows: cuBLAS {cublas:.1f} us a layer (4 projections); {warm:.1f} us with "
+              f"every layer's weights the same (in L2)")
+        if a.cublas_only:
+            continue
         for label, overlap, prefetch in (("Triton", False, False), ("Triton, overlapped", True, False),
                                          ("Triton, overlapped + L2 prefetch", True, True)):
             best = None

@@ -5,18 +5,20 @@ keys and values reach the cache through ``triton_ops.rotate_and_store_kv``, with
 embedding.)
 
 - ``decode_attention``: one program per (kv head, sequence), whose tile rows are the query heads
-  of that kv head's GQA group, so each K/V tile is read once per group. The kv heads are the
-  grid's first axis: a sequence's heads start side by side and read the rows of each cache block
+  of that kv head's GQA group, so each K/V tile is read once per group. The kv heads vary
+  fastest along the grid's first axis (sequences times kv heads, one axis so that the batch has
+  no 65,535 cap): a sequence's heads start side by side and read the rows of each cache block
   at about the same time (1-2% faster at 48-256 sequences than the sequences first, on the
-  H100). For small batches a third grid dimension splits the context into partitions ("flash
+  H100). For small batches a second grid dimension splits the context into partitions ("flash
   decoding"); a second kernel merges their partial results. The host picks the number of
   partitions; each program sizes its partition from its sequence's own length, which only the
   device knows (so a short context in a wide block table, as in a CUDA graph, is still spread
   over every partition). An optional ``order`` maps programs to sequences: the decode graphs
   pass the longest context first, so that no long sequence is left running alone at the end
   of the kernel.
-- ``prefill_attention``: flash attention, one program per (query tile, kv head). A tile's rows
-  are ``BLOCK_M // group`` queries times the group's heads, again reading K/V once per group.
+- ``prefill_attention``: flash attention, one program per (query tile, kv head), the kv heads
+  fastest along the grid's one axis. A tile's rows are ``BLOCK_M // group`` queries times the
+  group's heads, again reading K/V once per group.
 
 Key tiles are gathered row by row through the block table, so a tile may span several cache
 blocks. Softmax runs in float32 and in base 2: scores are pre-multiplied by log2(e). Grids
@@ -117,15 +119,16 @@ def _decode_kernel(
     seq_lens_ptr, block_tables_ptr, order_ptr,
     stride_qb, stride_qh, stride_ob, stride_oh, stride_block, stride_slot, stride_head, stride_table,
     qk_scale,
-    GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    KV_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, HAS_ORDER: tl.constexpr,
     OVERLAP: tl.constexpr,
 ):
-    """Program (kv head, row, partition): the group's query heads over one context partition.
+    """Program (row x kv head, partition): the group's query heads over one context partition.
 
-    Row ``r`` is sequence ``order[r]`` with ``HAS_ORDER``, sequence ``r`` otherwise. The context
-    splits into ``tl.num_programs(2)`` partitions of equal whole tiles (the last ones may be
-    short or empty). With ``SPLIT_K`` it writes the unnormalised output, row max and row sum of
+    The first axis is ``row * KV_HEADS + kv_head`` (kv heads fastest, and no 65,535-block cap
+    of CUDA's second axis on the rows). Row ``r`` is sequence ``order[r]`` with ``HAS_ORDER``,
+    sequence ``r`` otherwise. The context splits into ``tl.num_programs(1)`` partitions of
+    equal whole tiles (the last ones may be short or empty). With ``SPLIT_K`` it writes the unnormalised output, row max and row sum of
     its partition for ``_decode_merge_kernel``; otherwise (one partition) the final output.
 
     Everything up to the first tile's keys and values (with ``SPLIT_K``) is read before waiting
@@ -133,14 +136,14 @@ def _decode_kernel(
     Of that, the kernel ahead (``rotate_and_store_kv``) writes only the newest key and value,
     read again after the wait.
     """
+    row, kv_head = tl.program_id(0) // KV_HEADS, tl.program_id(0) % KV_HEADS
     if HAS_ORDER:
-        seq = tl.load(order_ptr + tl.program_id(1))
+        seq = tl.load(order_ptr + row)
     else:
-        seq = tl.program_id(1)
-    kv_head = tl.program_id(0)
-    split = tl.program_id(2)
+        seq = row
+    split = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
-    partition_len = tl.cdiv(tl.cdiv(seq_len, tl.num_programs(2)), BLOCK_N) * BLOCK_N
+    partition_len = tl.cdiv(tl.cdiv(seq_len, tl.num_programs(1)), BLOCK_N) * BLOCK_N
     key_begin = split * partition_len
     key_end = tl.maximum(tl.minimum(key_begin + partition_len, seq_len), key_begin)
     whole_tiles_end = key_begin + (key_end - key_begin) // BLOCK_N * BLOCK_N
@@ -189,8 +192,8 @@ def _decode_kernel(
     )
 
     if SPLIT_K:
-        num_splits = tl.num_programs(2)
-        partial = (seq * tl.num_programs(0) * GROUP + heads) * num_splits + split
+        num_splits = tl.num_programs(1)
+        partial = (seq * KV_HEADS * GROUP + heads) * num_splits + split
         tl.store(partial_max_ptr + partial, row_max, mask=row_mask)
         tl.store(partial_sum_ptr + partial, row_sum, mask=row_mask)
         tl.store(partial_out_ptr + partial[:, None] * HEAD_DIM + dims[None, :], acc, mask=row_mask[:, None])
@@ -228,19 +231,20 @@ def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, query_start_ptr, seq_lens_ptr, block_tables_ptr, tiles_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_block, stride_slot, stride_head, stride_table,
     qk_scale,
-    GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    KV_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """Program (kv head, tile): ``BLOCK_Q`` queries of one sequence times the group's heads.
+    """Program ``tile * KV_HEADS + kv_head``: ``BLOCK_Q`` queries of one sequence times the
+    group's heads (one grid axis: no cap on the number of tiles).
 
     ``tiles_ptr`` maps the program to ``(sequence, query tile within the sequence)``; a
     sequence of -1 is padding (a CUDA graph's map is longer than most steps need): no work.
     """
-    kv_head = tl.program_id(0)
-    seq = tl.load(tiles_ptr + 2 * tl.program_id(1))
+    tile, kv_head = tl.program_id(0) // KV_HEADS, tl.program_id(0) % KV_HEADS
+    seq = tl.load(tiles_ptr + 2 * tile)
     if seq < 0:
         return
-    q_tile = tl.load(tiles_ptr + 2 * tl.program_id(1) + 1)
+    q_tile = tl.load(tiles_ptr + 2 * tile + 1)
     query_begin = tl.load(query_start_ptr + seq)
     query_len = tl.load(query_start_ptr + seq + 1) - query_begin
     seq_len = tl.load(seq_lens_ptr + seq)
@@ -343,18 +347,18 @@ def decode_partitions(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 
 def _launch_decode(q, k_cache, v_cache, seq_lens, block_tables, order, scale, num_splits, out,
                    partials) -> None:
-    """One program per (kv head, row, partition), ``DECODE_BLOCK_N`` keys a tile and
+    """One program per (row x kv head, partition), ``DECODE_BLOCK_N`` keys a tile and
     ``DECODE_STAGES`` tiles in flight: on the H100, with the kv heads first, 64-key tiles two
     deep match or beat 128-key tiles three deep from 4 to 256 sequences."""
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
-    _decode_kernel[(num_kv_heads, q.shape[0], num_splits)](
+    _decode_kernel[(q.shape[0] * num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, *partials, seq_lens, block_tables,
         seq_lens if order is None else order,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         scale * LOG2_E,
-        GROUP=group, BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=q.shape[2],
+        KV_HEADS=num_kv_heads, GROUP=group, BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=q.shape[2],
         BLOCK_M=max(16, triton.next_power_of_2(group)),
         BLOCK_N=DECODE_BLOCK_N, SPLIT_K=num_splits > 1, HAS_ORDER=order is not None,
         num_warps=4, num_stages=DECODE_STAGES, **triton_overlap.launch_options(q.device),
@@ -405,12 +409,12 @@ def prefill_attention(
         tiles = _prefill_tiles(query_lens_host, seq_lens_host, block_q, q.device)
     if len(tiles) == 0:
         return out
-    _prefill_kernel[(num_kv_heads, len(tiles))](
+    _prefill_kernel[(len(tiles) * num_kv_heads,)](
         q, k_cache, v_cache, out, query_start, seq_lens, block_tables, tiles,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         scale * LOG2_E,
-        GROUP=group, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
+        KV_HEADS=num_kv_heads, GROUP=group, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=PREFILL_BLOCK_N,
         num_warps=8 if head_dim >= 128 else 4,
     )

@@ -118,6 +118,51 @@ def test_prefill_attention_matches_reference(num_heads, num_kv_heads):
     assert_relative_error_below(out, expected)
 
 
+SMALL_HEAD_DIM = 16
+
+
+def small_cache(num_blocks, num_kv_heads, seed):
+    """A random K/V cache of head_dim 16 and a random permutation of its blocks."""
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    shape = (num_blocks, BLOCK_SIZE, num_kv_heads, SMALL_HEAD_DIM)
+    k_cache = torch.randn(shape, generator=generator, device="cuda").to(DTYPE)
+    v_cache = torch.randn(shape, generator=generator, device="cuda").to(DTYPE)
+    blocks = torch.randperm(num_blocks, generator=generator, device="cuda").to(torch.int32)
+    return k_cache, v_cache, blocks
+
+
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_decode_attention_of_more_sequences_than_a_grid_axis_holds(num_splits):
+    """70,000 rows of one block each: CUDA caps a grid's second and third axes at 65,535."""
+    num_seqs = 70_000
+    k_cache, v_cache, blocks = small_cache(num_seqs, num_kv_heads=2, seed=16)
+    seq_lens = torch.randint(1, BLOCK_SIZE + 1, (num_seqs,), device="cuda", dtype=torch.int32)
+    q = torch.randn(num_seqs, 4, SMALL_HEAD_DIM, device="cuda").to(DTYPE)
+    order = torch.arange(num_seqs - 1, -1, -1, dtype=torch.int32, device="cuda")
+    args = (q, k_cache, v_cache, seq_lens, blocks[:, None])
+
+    out = triton_attention.decode_attention(*args, 1.0, order=order, num_splits=num_splits)
+
+    assert_relative_error_below(out, reference.decode_attention(*upcast(*args), 1.0))
+
+
+def test_prefill_attention_of_more_tiles_than_a_grid_axis_holds():
+    """4,100 prompts of 256 tokens in tiles of 16 queries (8 heads a kv head): 65,600 tiles."""
+    num_seqs, query_len, num_heads = 4_100, 256, 8
+    assert num_seqs * query_len // triton_attention.prefill_block_q(num_heads, 1) > 65_535
+    k_cache, v_cache, blocks = small_cache(num_seqs * query_len // BLOCK_SIZE, 1, seed=17)
+    query_lens = seq_lens = (query_len,) * num_seqs
+    q = torch.randn(num_seqs * query_len, num_heads, SMALL_HEAD_DIM, device="cuda").to(DTYPE)
+    query_start = torch.arange(0, len(q) + 1, query_len, dtype=torch.int32, device="cuda")
+    args = (q, k_cache, v_cache, query_start, torch.tensor(seq_lens, dtype=torch.int32, device="cuda"),
+            blocks.view(num_seqs, query_len // BLOCK_SIZE))
+
+    out = triton_attention.prefill_attention(*args, query_lens, seq_lens, 1.0)
+
+    expected = reference.prefill_attention(*upcast(*args), query_lens, seq_lens, 1.0)
+    assert_relative_error_below(out, expected)
+
+
 def benchmark() -> None:
     """Print median times of the Triton kernels and the torch references, bf16, Qwen3-0.6B shape."""
     seq_lens = [1024] * 256
