@@ -29,6 +29,8 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--host-only", action="store_true",
                     help="skip the device profile; list the host's functions by own time")
+    ap.add_argument("--timeline", action="store_true",
+                    help="also each kernel's share of the device's critical path (see below)")
     args = ap.parse_args()
     llm = LLM(model_with_switches(args), max_model_len=4096)
     engine = llm.engine
@@ -65,6 +67,43 @@ def _profile(engine, args) -> None:
         for _ in range(10):
             engine.step(only_finished=True)
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))
+    if args.timeline:
+        _print_critical_path(prof, steps=10)
+
+
+def _print_critical_path(prof, steps: int) -> None:
+    """Per kernel (name and grid), how much later the device's last finished kernel ends
+    because of it: kernels in launch order, each adds ``max(0, its end - the latest end
+    before it)``. With overlapped launches a kernel's own duration includes its wait for the
+    kernel ahead; this increment does not, so it is the kernel's share of the step."""
+    import json
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(suffix=".json") as trace:
+        prof.export_chrome_trace(trace.name)
+        events = json.load(open(trace.name))["traceEvents"]
+    share = critical_path_shares(events)
+    print(f"{'kernel (grid)':<60} {'calls/step':>10} {'us/call':>8} {'critical us/step':>17}")
+    for key, (calls, duration, increment) in sorted(share.items(), key=lambda kv: -kv[1][2]):
+        print(f"{key:<60} {calls / steps:>10.1f} {duration / calls:>8.2f} {increment / steps:>17.1f}")
+    print(f"critical path {sum(v[2] for v in share.values()) / steps:.1f} us a step")
+
+
+def critical_path_shares(events: list[dict]) -> dict[str, list[float]]:
+    """``{name and grid: [calls, total duration, total increment]}`` of a chrome trace's kernels
+    (microseconds). Idle time between kernels is nobody's increment."""
+    kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    latest_end = 0.0
+    share: dict[str, list[float]] = {}
+    for event in kernels:
+        end = event["ts"] + event["dur"]
+        key = f"{event['name'][:40]} {tuple(event.get('args', {}).get('grid', ()))}"
+        totals = share.setdefault(key, [0, 0.0, 0.0])
+        totals[0] += 1
+        totals[1] += event["dur"]
+        totals[2] += max(0.0, end - max(latest_end, event["ts"]))
+        latest_end = max(latest_end, end)
+    return share
 
 
 def _time_phases(engine, steps: int) -> dict[str, float]:
