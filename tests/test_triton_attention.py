@@ -16,7 +16,8 @@ from transformers import AutoConfig
 
 import nanofn.kernels.attention as reference
 import nanofn.kernels.triton_attention as triton_attention
-from nanofn.kernels import TORCH_KERNELS
+from nanofn.kernels import TORCH_KERNELS, build_cos_sin_cache
+from nanofn.kernels.rotary import rotary_decode_attention as reference_rotary_decode_attention
 from nanofn.model import AttentionBatch, build_model, load_weights, model_shape
 
 TOLERANCES = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.float16: dict(atol=3e-3, rtol=0)}
@@ -122,6 +123,77 @@ def test_decode_partitions_follow_each_sequences_own_length(interpreter):
         reference.decode_attention(*args), **TOLERANCES[torch.float32])
 
 
+def attend_and_return_caches(function, *args, **kwargs):
+    """``function`` (a rotary decode attention), then its output and the caches it wrote (a
+    child's writes do not reach the parent's tensors)."""
+    out = function(*args, **kwargs)
+    return out, args[5], args[6]
+
+
+def rotary_decode_inputs(seq_lens, group, dtype, seed, block_size=16, extra_blocks=16):
+    """The arguments of ``rotary_decode_attention`` but the norms: q, k and v as views of one
+    projection output, each token at its sequence's newest position, a padding row (``seq_len``
+    0) with slot -1. The caches hold random values at the newest slots: never to be read."""
+    num_kv_heads, head_dim = 2, 32
+    cache = PagedCache(seq_lens, block_size, num_kv_heads, head_dim, dtype, seed=seed,
+                       extra_blocks=extra_blocks)
+    num_heads = num_kv_heads * group
+    generator = torch.Generator().manual_seed(seed + 1)
+    sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
+    projection = torch.randn(len(seq_lens), sum(sizes), generator=generator).to(dtype)
+    q, k, v = (part.view(len(seq_lens), -1, head_dim) for part in projection.split(sizes, dim=-1))
+    positions = (cache.seq_lens - 1).clamp(min=0).long()
+    slots = [table[p // block_size] * block_size + p % block_size if n > 0 else -1
+             for table, p, n in zip(cache.block_tables.tolist(), positions.tolist(), seq_lens)]
+    cos_sin = build_cos_sin_cache(head_dim, 512, 10000.0)
+    return (q, k, v, positions, cos_sin, cache.k_cache, cache.v_cache, torch.tensor(slots),
+            cache.seq_lens, cache.block_tables, head_dim**-0.5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("group", [1, 2, 3])
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["no-norm", "qk-norm"])
+@pytest.mark.parametrize("num_splits", [1, 4], ids=["one-partition", "split-k"])
+def test_rotary_decode_attention_matches_rotating_storing_then_attending(interpreter, dtype, group,
+                                                                         qk_norm, num_splits):
+    """Contexts of one key (the newest alone), one past a tile, on a tile's last key, long; a
+    padding row; taken longest first."""
+    seq_lens = [1, 65, 64, 130, 0, 17]
+    args = rotary_decode_inputs(seq_lens, group, dtype, seed=11)
+    generator = torch.Generator().manual_seed(12)
+    norms = dict(q_norm_weight=(1 + torch.randn(32, generator=generator) / 4).to(dtype),
+                 k_norm_weight=(1 + torch.randn(32, generator=generator) / 4).to(dtype),
+                 norm_eps=1e-5) if qk_norm else {}
+    order = torch.argsort(args[8], descending=True, stable=True).to(torch.int32)
+
+    out, k_cache, v_cache = interpreter(attend_and_return_caches,
+                                        triton_attention.rotary_decode_attention, *args,
+                                        order=order, num_splits=num_splits, **norms)
+
+    expected = reference_rotary_decode_attention(*args, **norms)  # writes args' caches
+    live = args[8] > 0
+    torch.testing.assert_close(out[live], expected[live], **TOLERANCES[dtype])
+    assert out[~live].abs().max() == 0
+    torch.testing.assert_close(k_cache, args[5], **TOLERANCES[dtype])
+    torch.testing.assert_close(v_cache, args[6], atol=0, rtol=0)
+
+
+def test_rotary_decode_attention_writes_only_each_tokens_own_slot(interpreter):
+    """Each token's key and value go to its own slot, and nowhere for a negative slot (the
+    padding row's, and here row 2's)."""
+    seq_lens = [40, 0, 3]
+    args = rotary_decode_inputs(seq_lens, 2, torch.float32, seed=13)
+    args[7][2] = -1
+    before = args[5].clone(), args[6].clone()
+
+    _, k_cache, v_cache = interpreter(attend_and_return_caches,
+                                      triton_attention.rotary_decode_attention, *args, num_splits=3)
+
+    changed = ((k_cache != before[0]) | (v_cache != before[1])).any(-1).any(-1).flatten()
+    written = {slot for slot in args[7].tolist() if slot >= 0}
+    assert set(changed.nonzero().flatten().tolist()) == written
+
+
 def test_decode_splits_the_context_only_when_the_batch_leaves_the_gpu_idle():
     num_sms = 132
     assert triton_attention.decode_num_splits(256, 8, 2048, num_sms) == 1
@@ -180,7 +252,7 @@ BACKENDS = {
     "triton": dataclasses.replace(
         TORCH_KERNELS,
         prefill_attention=triton_attention.prefill_attention,
-        decode_attention=triton_attention.decode_attention,
+        rotary_decode_attention=triton_attention.rotary_decode_attention,
     ),
 }
 

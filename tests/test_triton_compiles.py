@@ -65,26 +65,37 @@ def test_row_kernels_compile(compile_for_h100, tokens):
     compile_for_h100(triton_ops.rms_norm, x, empty(HIDDEN), 1e-6)
     compile_for_h100(triton_ops.rms_norm, x, empty(HIDDEN), 1e-6, empty(tokens, HIDDEN))
     compile_for_h100(triton_ops.silu_and_mul, empty(tokens, 2 * INTERMEDIATE))
-    qkv = empty(tokens, (HEADS + 2 * KV_HEADS) * HEAD_DIM)
-    q, k, v = qkv.split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], dim=-1)
-    q, k, v = (t.view(tokens, -1, HEAD_DIM) for t in (q, k, v))
     caches = empty(64, BLOCK, KV_HEADS, HEAD_DIM), empty(64, BLOCK, KV_HEADS, HEAD_DIM)
-    positions = torch.zeros(tokens, dtype=torch.int64)
-    slots = torch.zeros(tokens, dtype=torch.int64)
-    cos_sin = empty(4096, HEAD_DIM, dtype=torch.float32)
+    q, k, v, positions, cos_sin, slots = new_tokens(tokens)
     for norms in ((), (empty(HEAD_DIM), empty(HEAD_DIM))):
         compile_for_h100(triton_ops.rotate_and_store_kv, q, k, v, positions, cos_sin, *caches, slots, *norms)
 
 
+def new_tokens(tokens):
+    """q, k and v as views of one projection output, positions, the angles, slots."""
+    qkv = empty(tokens, (HEADS + 2 * KV_HEADS) * HEAD_DIM)
+    q, k, v = qkv.split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], dim=-1)
+    q, k, v = (t.view(tokens, -1, HEAD_DIM) for t in (q, k, v))
+    positions = torch.zeros(tokens, dtype=torch.int64)
+    slots = torch.zeros(tokens, dtype=torch.int64)
+    return q, k, v, positions, empty(4096, HEAD_DIM, dtype=torch.float32), slots
+
+
 @pytest.mark.parametrize("batch, splits, ordered", [(256, 1, True), (1, 8, False), (4, 3, True)])
 def test_attention_kernels_compile(compile_for_h100, batch, splits, ordered):
-    """Decode (one partition, split-K and its merge, rows in an order or not) and prefill."""
+    """Decode (one partition, split-K and its merge, rows in an order or not; with the rotary
+    embedding and KV store, with and without the per-head norms) and prefill."""
     caches = empty(64, BLOCK, KV_HEADS, HEAD_DIM), empty(64, BLOCK, KV_HEADS, HEAD_DIM)
     seq_lens = torch.ones(batch, dtype=torch.int32)
     tables = torch.zeros(batch, 256, dtype=torch.int32)
     order = torch.arange(batch, dtype=torch.int32) if ordered else None
     compile_for_h100(triton_attention.decode_attention, empty(batch, HEADS, HEAD_DIM), *caches,
                      seq_lens, tables, HEAD_DIM**-0.5, order, splits)
+    q, k, v, positions, cos_sin, slots = new_tokens(batch)
+    for norms in ((None, None), (empty(HEAD_DIM), empty(HEAD_DIM))):
+        compile_for_h100(triton_attention.rotary_decode_attention, q, k, v, positions, cos_sin,
+                         *caches, slots, seq_lens, tables, HEAD_DIM**-0.5, order, *norms, 1e-6,
+                         splits)
     query_lens = (5,) * batch
     compile_for_h100(triton_attention.prefill_attention, empty(5 * batch, HEADS, HEAD_DIM), *caches,
                      torch.arange(0, 5 * batch + 1, 5, dtype=torch.int32), seq_lens * 5, tables,

@@ -102,6 +102,38 @@ def test_rotate_and_store_kv_matches_reference(interpreter, dtype, num_heads, nu
     assert torch.equal(v_cache, expected_v)
 
 
+@pytest.mark.parametrize("batch, fused", [(1, False), (32, False), (33, True), (82, True),
+                                          (83, False), (256, False)])
+def test_rotary_decode_attention_is_one_kernel_for_one_wave_of_whole_contexts(monkeypatch, batch,
+                                                                              fused):
+    """Where the contexts are split (a few sequences, here up to 32 over 8 kv heads and 132
+    SMs), every partition of the fused kernel would rotate its queries again, and where its
+    programs come in more than one wave (5 an SM: above 82 sequences) every wave would rotate
+    before reading the cache: the rotary kernel goes first there; the fused kernel takes the
+    rest."""
+    import nanofn.kernels.triton_attention as triton_attention
+
+    calls = []
+    monkeypatch.setattr(triton_attention, "rotary_decode_attention",
+                        lambda *args, **kwargs: calls.append("fused"))
+    monkeypatch.setattr(triton_ops, "rotate_and_store_kv",
+                        lambda q, *args: calls.append("rotary") or q)
+    monkeypatch.setattr(triton_attention, "decode_attention",
+                        lambda *args, **kwargs: calls.append("attention"))
+    heads, kv_heads, head_dim, block_size = 16, 8, 128, 16
+    q = torch.empty(batch, heads, head_dim)
+    k = v = torch.empty(batch, kv_heads, head_dim)
+    cache = torch.empty(8, block_size, kv_heads, head_dim)
+    tables = torch.zeros(batch, 4096 // block_size, dtype=torch.int32)  # a decode graph's width
+    lengths = torch.ones(batch, dtype=torch.int32)
+    positions = slots = torch.zeros(batch, dtype=torch.int64)
+
+    triton_ops.rotary_decode_attention(q, k, v, positions, torch.empty(4096, head_dim), cache,
+                                       cache, slots, lengths, tables, 0.1)
+
+    assert calls == (["fused"] if fused else ["rotary", "attention"])
+
+
 def test_rotate_and_store_kv_requires_a_power_of_two_head_dim():
     q, k, cache = torch.zeros(2, 4, 48), torch.zeros(2, 2, 48), torch.zeros(1, 16, 2, 48)
     with pytest.raises(AssertionError, match="head_dim 48 is not a power of two"):

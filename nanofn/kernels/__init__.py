@@ -18,7 +18,7 @@ from nanofn.kernels.linear import linear, rms_norm_linear
 from nanofn.kernels.norm import rms_norm
 from nanofn.kernels.partial_sums import PartialSums
 from nanofn.kernels.rotary import (SUPPORTED_ROPE_TYPES, apply_rotary, build_cos_sin_cache,
-                                   rotate_and_store_kv)
+                                   rotary_decode_attention, rotate_and_store_kv)
 
 
 @dataclass(frozen=True)
@@ -32,7 +32,8 @@ class KernelBackend:
     # rotary embedding (optionally after Qwen3's q/k norm), then the keys and values to the cache
     rotate_and_store_kv: Callable[..., torch.Tensor]
     prefill_attention: Callable[..., torch.Tensor]
-    decode_attention: Callable[..., torch.Tensor]
+    # a decode step's rotary embedding, cache writes and attention together
+    rotary_decode_attention: Callable[..., torch.Tensor]
     rms_norm: Callable[..., torch.Tensor | tuple[torch.Tensor, torch.Tensor]]
     # The projections, and one with the norm before it (and maybe the activation after it) fused
     # in (see linear.py)
@@ -43,7 +44,7 @@ class KernelBackend:
 TORCH_KERNELS = KernelBackend(
     rotate_and_store_kv=rotate_and_store_kv,
     prefill_attention=prefill_attention,
-    decode_attention=decode_attention,
+    rotary_decode_attention=rotary_decode_attention,
     rms_norm=rms_norm,
     linear=linear,
     rms_norm_linear=rms_norm_linear,
@@ -61,6 +62,7 @@ __all__ = [
     "prefill_attention",
     "rms_norm",
     "rms_norm_linear",
+    "rotary_decode_attention",
     "rotate_and_store_kv",
     "silu_and_mul",
     "store_kv",

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from nanofn.kernels.attention import store_kv
+from nanofn.kernels.attention import decode_attention, store_kv
 from nanofn.kernels.norm import rms_norm
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -81,6 +81,32 @@ def rotate_and_store_kv(
     q, k = apply_rotary(q, k, positions, cos_sin_cache, q_norm_weight, k_norm_weight, norm_eps)
     store_kv(k, v, k_cache, v_cache, slot_mapping)
     return q
+
+
+def rotary_decode_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    order: torch.Tensor | None = None,
+    q_norm_weight: torch.Tensor | None = None,
+    k_norm_weight: torch.Tensor | None = None,
+    norm_eps: float = 1e-6,
+) -> torch.Tensor:
+    """A decode step's attention from the projection's ``q``, ``k``, ``v`` (one token a
+    sequence, at its newest position): ``rotate_and_store_kv``, then ``decode_attention`` of
+    the rotated queries. The Triton kernel does both in one, attending to each token's own key
+    and value without reading them back from the cache."""
+    q = rotate_and_store_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
+                            q_norm_weight, k_norm_weight, norm_eps)
+    return decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale, order)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

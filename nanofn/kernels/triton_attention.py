@@ -29,6 +29,7 @@ captured in a CUDA graph.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -113,28 +114,63 @@ def _attend_keys(
     return acc, row_sum, row_max
 
 
+@triton.jit
+def _rotated_heads(heads_ptr, mask, norm_weight_ptr, cos, sin, eps,
+                   HEAD_DIM: tl.constexpr, NORM: tl.constexpr):
+    """The heads at ``heads_ptr`` (``[R]`` pointers to contiguous heads; zeros where not
+    ``mask``) as an ``[R, HEAD_DIM]`` tile, RMS-normalised first with ``NORM``, then rotated by
+    the angles ``cos``, ``sin`` (``[HEAD_DIM]``, each half's angles repeated), rounded where
+    ``rotate_and_store_kv`` rounds. Each element is rotated with its partner in the other half."""
+    half: tl.constexpr = HEAD_DIM // 2
+    dims = tl.arange(0, HEAD_DIM)
+    partner_dims = (dims + half) % HEAD_DIM
+    dtype = heads_ptr.dtype.element_ty
+    x = tl.load(heads_ptr[:, None] + dims[None, :], mask=mask[:, None], other=0.0).to(tl.float32)
+    partner = tl.load(heads_ptr[:, None] + partner_dims[None, :], mask=mask[:, None],
+                      other=0.0).to(tl.float32)
+    if NORM:
+        inv_rms = tl.rsqrt(tl.sum(x * x, 1) / HEAD_DIM + eps)[:, None]
+        weight = tl.load(norm_weight_ptr + dims).to(tl.float32)[None, :]
+        partner_weight = tl.load(norm_weight_ptr + partner_dims).to(tl.float32)[None, :]
+        x = (weight * (x * inv_rms).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        partner = (partner_weight * (partner * inv_rms).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    first_half = (dims < half)[None, :]
+    rotated = tl.where(first_half, x * cos[None, :] - partner * sin[None, :],
+                       x * cos[None, :] + partner * sin[None, :])
+    return rotated.to(dtype)
+
+
 @triton.jit(do_not_specialize=["stride_table"])  # any table width: one compile
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr,
     seq_lens_ptr, block_tables_ptr, order_ptr,
     stride_qb, stride_qh, stride_ob, stride_oh, stride_block, stride_slot, stride_head, stride_table,
     qk_scale,
+    new_k_ptr, new_v_ptr, positions_ptr, slot_mapping_ptr, cos_sin_ptr, q_norm_weight_ptr,
+    k_norm_weight_ptr, stride_kb, stride_kh, stride_vb, stride_vh, stride_cos_sin, norm_eps,
     KV_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, HAS_ORDER: tl.constexpr,
-    OVERLAP: tl.constexpr,
+    ROTATE: tl.constexpr, NORM: tl.constexpr, OVERLAP: tl.constexpr,
 ):
     """Program (row x kv head, partition): the group's query heads over one context partition.
 
     The first axis is ``row * KV_HEADS + kv_head`` (kv heads fastest, and no 65,535-block cap
     of CUDA's second axis on the rows). Row ``r`` is sequence ``order[r]`` with ``HAS_ORDER``,
     sequence ``r`` otherwise. The context splits into ``tl.num_programs(1)`` partitions of
-    equal whole tiles (the last ones may be short or empty). With ``SPLIT_K`` it writes the unnormalised output, row max and row sum of
-    its partition for ``_decode_merge_kernel``; otherwise (one partition) the final output.
+    equal whole tiles (the last ones may be short or empty). With ``SPLIT_K`` it writes the
+    unnormalised output, row max and row sum of its partition for ``_decode_merge_kernel``;
+    otherwise (one partition) the final output.
+
+    With ``ROTATE`` the queries and the newest key and value are the projection's (``q_ptr``,
+    ``new_k_ptr``, ``new_v_ptr``): the queries are rotated (after Qwen3's norm with ``NORM``)
+    here, and the partition that holds the newest position rotates its key, writes it and the
+    value to their cache slot and attends to them from registers; the cache loop stops short
+    of the newest key, which no program reads from the cache.
 
     Everything up to the first tile's keys and values (with ``SPLIT_K``) is read before waiting
     for the kernel ahead (``triton_overlap``): at a few sequences a partition is often one tile.
-    Of that, the kernel ahead (``rotate_and_store_kv``) writes only the newest key and value,
-    read again after the wait.
+    Without ``ROTATE`` the kernel ahead (``rotate_and_store_kv``) writes the newest key and
+    value, read again after the wait; with it, the kernel ahead writes nothing in the cache.
     """
     row, kv_head = tl.program_id(0) // KV_HEADS, tl.program_id(0) % KV_HEADS
     if HAS_ORDER:
@@ -145,9 +181,11 @@ def _decode_kernel(
     seq_len = tl.load(seq_lens_ptr + seq)
     partition_len = tl.cdiv(tl.cdiv(seq_len, tl.num_programs(1)), BLOCK_N) * BLOCK_N
     key_begin = split * partition_len
-    key_end = tl.maximum(tl.minimum(key_begin + partition_len, seq_len), key_begin)
+    newest = seq_len - 1
+    cached_end = newest if ROTATE else seq_len  # keys read from the cache end here
+    key_end = tl.maximum(tl.minimum(key_begin + partition_len, cached_end), key_begin)
     whole_tiles_end = key_begin + (key_end - key_begin) // BLOCK_N * BLOCK_N
-    query_pos = tl.zeros([BLOCK_M], dtype=tl.int32) + seq_len - 1
+    query_pos = tl.zeros([BLOCK_M], dtype=tl.int32) + newest
     block_table_ptr = block_tables_ptr + seq * stride_table
     rows = tl.arange(0, BLOCK_M)  # the group's query heads, padded to a tile of at least 16 rows
     heads = kv_head * GROUP + rows
@@ -161,19 +199,47 @@ def _decode_kernel(
         k, v, first_offsets = _load_kv_tile(
             k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, first_keys, first_in_range,
             stride_block, stride_slot, stride_head, BLOCK_SIZE, HEAD_DIM)
+    if ROTATE:
+        position = tl.load(positions_ptr + seq)
+        angles = dims % (HEAD_DIM // 2)
+        cos = tl.load(cos_sin_ptr + position * stride_cos_sin + angles)
+        sin = tl.load(cos_sin_ptr + position * stride_cos_sin + HEAD_DIM // 2 + angles)
     wait_for_previous(OVERLAP)
 
-    if SPLIT_K:
-        newest = (first_keys == seq_len - 1)[:, None]
-        k = tl.where(newest, tl.load(k_cache_ptr + first_offsets, mask=newest, other=0.0), k)
-        v = tl.where(newest, tl.load(v_cache_ptr + first_offsets, mask=newest, other=0.0), v)
-    q_offsets = seq * stride_qb + heads[:, None] * stride_qh + dims[None, :]
-    q = tl.load(q_ptr + q_offsets, mask=row_mask[:, None], other=0.0)
-
+    if SPLIT_K and not ROTATE:
+        is_newest = (first_keys == newest)[:, None]
+        k = tl.where(is_newest, tl.load(k_cache_ptr + first_offsets, mask=is_newest, other=0.0), k)
+        v = tl.where(is_newest, tl.load(v_cache_ptr + first_offsets, mask=is_newest, other=0.0), v)
     # A finite starting max keeps empty partitions (and seq_len 0 padding rows) free of NaN.
     row_max = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    if ROTATE:
+        q = _rotated_heads(q_ptr + seq * stride_qb + heads * stride_qh, row_mask,
+                           q_norm_weight_ptr, cos, sin, norm_eps, HEAD_DIM, NORM)
+        one_row = tl.arange(0, 1)
+        new_k = _rotated_heads(new_k_ptr + seq * stride_kb + kv_head * stride_kh + one_row,
+                               one_row == 0, k_norm_weight_ptr, cos, sin, norm_eps, HEAD_DIM, NORM)
+        new_v = tl.load(new_v_ptr + seq * stride_vb + kv_head * stride_vh + dims[None, :])
+        holds_newest = (key_begin <= newest) & (newest < key_begin + partition_len)
+        slot = tl.load(slot_mapping_ptr + seq).to(tl.int64)
+        cache_row = ((slot // BLOCK_SIZE) * stride_block + (slot % BLOCK_SIZE) * stride_slot
+                     + kv_head * stride_head)
+        written = holds_newest & (slot >= 0)
+        store_mask = written & (dims < HEAD_DIM)[None, :]
+        tl.store(k_cache_ptr + cache_row + dims[None, :], new_k.to(k_cache_ptr.dtype.element_ty),
+                 mask=store_mask)
+        tl.store(v_cache_ptr + cache_row + dims[None, :], new_v.to(v_cache_ptr.dtype.element_ty),
+                 mask=store_mask)
+        # The newest key first: its score is the row's max so far, its weight exp2(0) = 1.
+        new_score = tl.sum(q.to(tl.float32) * new_k.to(tl.float32), 1) * qk_scale
+        row_max = tl.where(holds_newest, new_score, row_max)
+        row_sum = tl.where(holds_newest, 1.0, row_sum)
+        acc = tl.where(holds_newest, acc + new_v.to(tl.float32), acc)
+    else:
+        q_offsets = seq * stride_qb + heads[:, None] * stride_qh + dims[None, :]
+        q = tl.load(q_ptr + q_offsets, mask=row_mask[:, None], other=0.0)
+
     if SPLIT_K:
         acc, row_sum, row_max = _attend_tile(acc, row_sum, row_max, q, k, v,
                                              first_in_range[None, :], qk_scale, True)
@@ -285,6 +351,20 @@ def _prefill_kernel(
 # Host side
 
 
+class NewTokens(NamedTuple):
+    """The projection's keys and values of a decode step's tokens and what rotating and storing
+    them takes: the arguments of ``rotate_and_store_kv`` but the queries and the caches."""
+
+    k: torch.Tensor  # [B, Hkv, D], contiguous heads (a view of the qkv projection)
+    v: torch.Tensor
+    positions: torch.Tensor  # [B]
+    slot_mapping: torch.Tensor  # [B]; a negative slot is not written
+    cos_sin_cache: torch.Tensor
+    q_norm_weight: torch.Tensor | None = None
+    k_norm_weight: torch.Tensor | None = None
+    norm_eps: float = 1e-6
+
+
 def decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -303,23 +383,58 @@ def decode_attention(
     no more than the block table has tiles of keys); by default ``decode_num_splits`` picks it.
     A padding row with ``seq_len == 0`` yields zeros.
     """
+    return _decode(q, k_cache, v_cache, seq_lens, block_tables, scale, order, num_splits, None)
+
+
+def rotary_decode_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    order: torch.Tensor | None = None,
+    q_norm_weight: torch.Tensor | None = None,
+    k_norm_weight: torch.Tensor | None = None,
+    norm_eps: float = 1e-6,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """``rotate_and_store_kv`` of a decode step's tokens, then ``decode_attention`` of the
+    rotated queries, in one kernel (one fewer a layer, and the queries never written). Every
+    program rotates its group's queries after its wait, so with split-K each partition would
+    redo it: ``triton_ops.rotary_decode_attention`` takes this one for whole contexts only.
+
+    Each sequence's newest position (``seq_lens - 1``) must be its token's: the kernel attends
+    to the token's own rotated key and value from registers, and reads only the older keys from
+    the cache, so no sequence of the batch may read another's newest slot (in a decode step
+    none does: a block is shared only once full).
+    """
+    new = NewTokens(k, v, positions, slot_mapping, cos_sin_cache, q_norm_weight, k_norm_weight,
+                    norm_eps)
+    check_cache_layout(k_cache, v_cache, k, v, cos_sin_cache)
+    assert k.stride(1) == v.stride(1) == q.shape[2], "each token's heads must be contiguous"
+    return _decode(q, k_cache, v_cache, seq_lens, block_tables, scale, order, num_splits, new)
+
+
+def _decode(q, k_cache, v_cache, seq_lens, block_tables, scale, order, num_splits,
+            new: NewTokens | None) -> torch.Tensor:
     batch_size, num_heads, head_dim = q.shape
     check_cache_layout(k_cache, v_cache, q)
     out = torch.empty(batch_size, num_heads, head_dim, dtype=q.dtype, device=q.device)
     if batch_size == 0:
         return out
-    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
-    max_context = block_tables.shape[1] * block_size
-    if num_splits is None:
-        sms = num_sms(q.device, elsewhere=132)  # an H100's, so the interpreter splits alike
-        num_splits = decode_num_splits(batch_size, num_kv_heads, max_context, sms)
-    num_splits = max(1, min(num_splits, -(-max_context // DECODE_BLOCK_N)))
+    num_splits = decode_partition_count(q, k_cache, block_tables, num_splits)
     if num_splits == 1:  # the one partition writes the output itself
         _launch_decode(q, k_cache, v_cache, seq_lens, block_tables, order, scale, 1, out,
-                       (out, out, out))
+                       (out, out, out), new)
         return out
     partial_out, partial_max, partial_sum = decode_partitions(
-        q, k_cache, v_cache, seq_lens, block_tables, scale, num_splits, order)
+        q, k_cache, v_cache, seq_lens, block_tables, scale, num_splits, order, new)
     _decode_merge_kernel[(batch_size, num_heads)](
         partial_out, partial_max, partial_sum, out, out.stride(0), out.stride(1), num_splits,
         HEAD_DIM=head_dim, SPLITS=triton.next_power_of_2(num_splits),
@@ -328,9 +443,21 @@ def decode_attention(
     return out
 
 
+def decode_partition_count(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor,
+                           num_splits: int | None = None) -> int:
+    """The context partitions a decode launch of ``q [B, H, D]`` takes: ``num_splits`` if given
+    (no more than the block table has tiles of keys), else ``decode_num_splits``'."""
+    max_context = block_tables.shape[1] * k_cache.shape[1]
+    if num_splits is None:
+        sms = num_sms(q.device, elsewhere=132)  # an H100's, so the interpreter splits alike
+        num_splits = decode_num_splits(q.shape[0], k_cache.shape[2], max_context, sms)
+    return max(1, min(num_splits, -(-max_context // DECODE_BLOCK_N)))
+
+
 def decode_partitions(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
                       num_splits: int, order: torch.Tensor | None = None,
+                      new: NewTokens | None = None,
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Split-K's first half: each partition's unnormalised output ``[B, H, splits, D]``, row
     max and row sum ``[B, H, splits]`` (base 2, float32), which the merge kernel combines."""
@@ -341,27 +468,37 @@ def decode_partitions(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     partial_out = torch.empty(*shape, head_dim, dtype=torch.float32, device=q.device)
     partials = (partial_out, partial_max, partial_sum)
     _launch_decode(q, k_cache, v_cache, seq_lens, block_tables, order, scale, num_splits,
-                   partial_out, partials)
+                   partial_out, partials, new)
     return partials
 
 
 def _launch_decode(q, k_cache, v_cache, seq_lens, block_tables, order, scale, num_splits, out,
-                   partials) -> None:
+                   partials, new: NewTokens | None) -> None:
     """One program per (row x kv head, partition), ``DECODE_BLOCK_N`` keys a tile and
     ``DECODE_STAGES`` tiles in flight: on the H100, with the kv heads first, 64-key tiles two
     deep match or beat 128-key tiles three deep from 4 to 256 sequences."""
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
+    if new is None:  # placeholders, never read
+        rotation = (q, q, seq_lens, seq_lens, q, q, q, 0, 0, 0, 0, 0, 0.0)
+        norm = False
+    else:
+        norm = new.q_norm_weight is not None
+        rotation = (new.k, new.v, new.positions, new.slot_mapping, new.cos_sin_cache,
+                    new.q_norm_weight if norm else q, new.k_norm_weight if norm else q,
+                    new.k.stride(0), new.k.stride(1), new.v.stride(0), new.v.stride(1),
+                    new.cos_sin_cache.stride(0), new.norm_eps)
     _decode_kernel[(q.shape[0] * num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, *partials, seq_lens, block_tables,
         seq_lens if order is None else order,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        scale * LOG2_E,
+        scale * LOG2_E, *rotation,
         KV_HEADS=num_kv_heads, GROUP=group, BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=q.shape[2],
         BLOCK_M=max(16, triton.next_power_of_2(group)),
         BLOCK_N=DECODE_BLOCK_N, SPLIT_K=num_splits > 1, HAS_ORDER=order is not None,
-        num_warps=4, num_stages=DECODE_STAGES, **triton_overlap.launch_options(q.device),
+        ROTATE=new is not None, NORM=norm, num_warps=4, num_stages=DECODE_STAGES,
+        **triton_overlap.launch_options(q.device),
     )
 
 

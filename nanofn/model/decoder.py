@@ -133,14 +133,12 @@ class Attention(nn.Module):
         q = q.view(-1, qkv_proj.num_heads, self.head_dim)
         k = k.view(-1, qkv_proj.num_kv_heads, self.head_dim)
         v = v.view(-1, qkv_proj.num_kv_heads, self.head_dim)
-        q = self.rotary(positions, q, k, v, k_cache, v_cache, batch.slot_mapping, self.q_norm,
-                        self.k_norm)
         if batch.decode_only:
-            out = self.kernels.decode_attention(
-                q, k_cache, v_cache, batch.seq_lens, batch.block_tables, self.scale,
-                order=batch.decode_order,
-            )
+            out = self.rotary.decode_attention(positions, q, k, v, k_cache, v_cache, batch,
+                                               self.scale, self.q_norm, self.k_norm)
         else:
+            q = self.rotary(positions, q, k, v, k_cache, v_cache, batch.slot_mapping, self.q_norm,
+                            self.k_norm)
             out = self.kernels.prefill_attention(
                 q,
                 k_cache,

@@ -9,6 +9,7 @@ from torch import nn
 
 from nanofn.kernels import KernelBackend, build_cos_sin_cache
 from nanofn.kernels.partial_sums import PartialSums
+from nanofn.model.batch import AttentionBatch
 from nanofn.model.parallel import load_replicated
 
 
@@ -59,7 +60,32 @@ class RotaryEmbedding(nn.Module):
         """Rotated ``q [T, H, D]``; ``k [T, Hkv, D]`` rotated and ``v`` go to their cache slots
         (``slot_mapping``). With ``q_norm`` and ``k_norm`` (Qwen3) each head is RMS-normalised
         first, in the same kernel."""
-        norm = {} if q_norm is None else dict(q_norm_weight=q_norm.weight,
-                                              k_norm_weight=k_norm.weight, norm_eps=q_norm.eps)
         return self.kernels.rotate_and_store_kv(q, k, v, positions, self.cos_sin_cache, k_cache,
-                                                v_cache, slot_mapping, **norm)
+                                                v_cache, slot_mapping, **_norms(q_norm, k_norm))
+
+    def decode_attention(
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        batch: AttentionBatch,
+        scale: float,
+        q_norm: RMSNorm | None = None,
+        k_norm: RMSNorm | None = None,
+    ) -> torch.Tensor:
+        """A decode step's attention ``[B, H, D]``: what ``forward`` does, then attention over
+        the cache (``rotary_decode_attention``: one kernel where the backend can fuse them)."""
+        return self.kernels.rotary_decode_attention(
+            q, k, v, positions, self.cos_sin_cache, k_cache, v_cache, batch.slot_mapping,
+            batch.seq_lens, batch.block_tables, scale, order=batch.decode_order,
+            **_norms(q_norm, k_norm))
+
+
+def _norms(q_norm: RMSNorm | None, k_norm: RMSNorm | None) -> dict[str, Any]:
+    """The norm arguments of the rotary kernels: Qwen3's per-head norms, or none."""
+    if q_norm is None:
+        return {}
+    return dict(q_norm_weight=q_norm.weight, k_norm_weight=k_norm.weight, norm_eps=q_norm.eps)

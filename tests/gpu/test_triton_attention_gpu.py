@@ -100,6 +100,46 @@ def test_decode_attention_replays_from_a_cuda_graph(num_splits):
     assert_relative_error_below(out, reference.decode_attention(*upcast(*args[:-1]), SCALE))
 
 
+@pytest.mark.parametrize("batch", DECODE_BATCHES)
+@pytest.mark.parametrize("num_splits", [None, 1, 8], ids=["heuristic", "one-partition", "split-k-8"])
+def test_rotary_decode_attention_matches_reference(batch, num_splits):
+    """Qwen3's per-head norms, the rotary embedding, the KV store and attention in one kernel
+    against the float32 references of the three; the cache slots written as the reference's."""
+    from nanofn.kernels import build_cos_sin_cache
+    from nanofn.kernels.rotary import rotary_decode_attention as reference_rotary_decode
+
+    seq_lens = DECODE_BATCHES[batch]
+    cache = PagedCache(seq_lens, seed=10)
+    rows = len(seq_lens)
+    generator = torch.Generator(device="cuda").manual_seed(11)
+    sizes = [NUM_HEADS * HEAD_DIM, NUM_KV_HEADS * HEAD_DIM, NUM_KV_HEADS * HEAD_DIM]
+    qkv = torch.randn(rows, sum(sizes), generator=generator, device="cuda").to(DTYPE)
+    q, k, v = (t.view(rows, -1, HEAD_DIM) for t in qkv.split(sizes, dim=-1))
+    positions = (cache.seq_lens - 1).clamp(min=0).long()
+    newest_blocks = cache.block_tables.gather(1, (positions // BLOCK_SIZE).view(-1, 1).int())
+    slots = newest_blocks.view(-1).long() * BLOCK_SIZE + positions % BLOCK_SIZE
+    slots = torch.where(cache.seq_lens > 0, slots, -1)
+    cos_sin = build_cos_sin_cache(HEAD_DIM, 32768, 1e6, device="cuda")
+    norms = [(1 + torch.randn(HEAD_DIM, generator=generator, device="cuda") / 4).to(DTYPE)
+             for _ in range(2)]
+    caches = [cache.k_cache.float(), cache.v_cache.float()]
+
+    out = triton_attention.rotary_decode_attention(
+        q, k, v, positions, cos_sin, cache.k_cache, cache.v_cache, slots, cache.seq_lens,
+        cache.block_tables, SCALE, None, *norms, 1e-6, num_splits=num_splits)
+
+    expected = reference_rotary_decode(*upcast(q, k, v), positions, cos_sin, *caches, slots,
+                                       cache.seq_lens, cache.block_tables, SCALE, None,
+                                       *upcast(*norms), 1e-6)
+    assert out.isfinite().all()
+    context_rows = [i for i, n in enumerate(seq_lens) if n > 0]
+    assert_relative_error_below(out[context_rows], expected[context_rows])
+    written = slots[slots >= 0]
+    for ours, theirs in zip((cache.k_cache, cache.v_cache), caches):
+        flat_ours, flat_theirs = ours.flatten(0, 1)[written], theirs.flatten(0, 1)[written]
+        assert_relative_error_below(flat_ours, flat_theirs)
+
+
 # (query_len, seq_len): whole prompts, chunks after a cached prefix, decodes batched with prefills.
 PREFILL_SEQUENCES = [(2048, 2048), (1024, 3072), (1, 1500), (300, 300), (17, 1000), (2000, 2100), (1, 1)]
 

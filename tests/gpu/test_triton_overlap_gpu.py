@@ -4,6 +4,8 @@ engine, where the tokens are those of kernels launched one after another."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -74,24 +76,17 @@ def test_decode_attention_reads_the_newest_key_the_kernel_ahead_wrote(num_splits
     and value each time (the newest key weighs most), the output is the float32 reference's.
     Context lengths put the newest key in a first tile (of the context or of a partition) and
     past it."""
-    from nanofn.kernels import apply_rotary, build_cos_sin_cache
+    from nanofn.kernels import apply_rotary
     from nanofn.kernels.attention import decode_attention as reference_attention
     from nanofn.kernels.triton_attention import decode_attention
     from nanofn.kernels.triton_ops import rotate_and_store_kv
 
-    heads, kv_heads, dim, block_size, blocks_each = 16, 8, 128, 16, 24
+    heads, kv_heads, dim = 16, 8, 128
     seq_lens = torch.tensor([300, 100, 64, 1, 129], dtype=torch.int32, device="cuda")
     batch = len(seq_lens)
     g = torch.Generator(device="cuda").manual_seed(0)
-    k_cache = torch.randn(batch * blocks_each, block_size, kv_heads, dim, generator=g,
-                          device="cuda")
-    v_cache = torch.randn(k_cache.shape, generator=g, device="cuda")
-    block_tables = torch.randperm(len(k_cache), generator=g, device="cuda").view(batch, blocks_each)
-    block_tables = block_tables.to(torch.int32)
-    positions = (seq_lens - 1).long()
-    newest_blocks = block_tables.gather(1, (positions // block_size).view(-1, 1).int()).view(-1)
-    slot_mapping = newest_blocks.long() * block_size + positions % block_size
-    cos_sin = build_cos_sin_cache(dim, 512, 10000.0, None).cuda()
+    k_cache, v_cache, block_tables, positions, slot_mapping, cos_sin = paged_decode_inputs(
+        seq_lens, kv_heads, dim, g)
     q, k, v = (torch.empty(batch, n, dim, device="cuda") for n in (heads, kv_heads, kv_heads))
 
     def step():
@@ -118,3 +113,68 @@ def test_decode_attention_reads_the_newest_key_the_kernel_ahead_wrote(num_splits
         # the cache holds this replay's newest key and value (the rotary kernel wrote them); an
         # output computed from the last replay's is O(1) away from it
         torch.testing.assert_close(out, expected, rtol=1e-3, atol=1e-3)
+
+
+def paged_decode_inputs(seq_lens, kv_heads, dim, generator, block_size=16, blocks_each=24):
+    """Random caches whose shuffled blocks hold the sequences, each sequence's newest position
+    and its cache slot, and rotary angles: ``(k_cache, v_cache, block_tables, positions,
+    slot_mapping, cos_sin)``."""
+    from nanofn.kernels import build_cos_sin_cache
+
+    batch = len(seq_lens)
+    k_cache = torch.randn(batch * blocks_each, block_size, kv_heads, dim, generator=generator,
+                          device="cuda")
+    v_cache = torch.randn(k_cache.shape, generator=generator, device="cuda")
+    block_tables = torch.randperm(len(k_cache), generator=generator, device="cuda")
+    block_tables = block_tables.view(batch, blocks_each).to(torch.int32)
+    positions = (seq_lens - 1).long()
+    newest_blocks = block_tables.gather(1, (positions // block_size).view(-1, 1).int()).view(-1)
+    slot_mapping = newest_blocks.long() * block_size + positions % block_size
+    cos_sin = build_cos_sin_cache(dim, 512, 10000.0, None).cuda()
+    return k_cache, v_cache, block_tables, positions, slot_mapping, cos_sin
+
+
+@pytest.mark.parametrize("num_splits", [1, 4, 16])
+def test_rotary_decode_attention_reads_the_projection_the_kernel_ahead_wrote(num_splits):
+    """The projection (a GEMV at 4 rows) then the rotary decode attention, replayed from a graph
+    with a new input each time: the output and the newest keys and values in the cache are the
+    float32 references' of this replay's projection. The contexts put the newest key first in
+    its tile, alone, on a tile's last key and past a tile."""
+    from nanofn.kernels import linear
+    from nanofn.kernels.rotary import rotary_decode_attention as reference_rotary_decode
+    from nanofn.kernels.triton_attention import rotary_decode_attention
+    from nanofn.kernels.triton_ops import linear as triton_linear
+
+    heads, kv_heads, dim, hidden = 16, 8, 128, 256
+    seq_lens = torch.tensor([129, 1, 64, 300], dtype=torch.int32, device="cuda")
+    batch = len(seq_lens)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    k_cache, v_cache, block_tables, positions, slot_mapping, cos_sin = paged_decode_inputs(
+        seq_lens, kv_heads, dim, g)
+    weight = torch.randn((heads + 2 * kv_heads) * dim, hidden, generator=g, device="cuda") / hidden**0.5
+    norms = [1 + torch.randn(dim, generator=g, device="cuda") / 4 for _ in range(2)]
+    x = torch.empty(batch, hidden, device="cuda")
+    sizes = [heads * dim, kv_heads * dim, kv_heads * dim]
+
+    def step(project, attend, caches):
+        q, k, v = (t.view(batch, -1, dim) for t in project(x, weight).split(sizes, dim=-1))
+        return attend(q, k, v, positions, cos_sin, *caches, slot_mapping, seq_lens, block_tables,
+                      dim**-0.5, None, *norms, 1e-6)
+
+    triton_step = lambda: step(triton_linear, functools.partial(  # noqa: E731
+        rotary_decode_attention, num_splits=num_splits), (k_cache, v_cache))
+    x.copy_(torch.randn(x.shape, generator=g, device="cuda"))
+    triton_step()  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = triton_step()
+    for seed in range(2, 6):
+        x.copy_(torch.randn(x.shape, generator=torch.Generator(device="cuda").manual_seed(seed),
+                            device="cuda"))
+        caches = (k_cache.clone(), v_cache.clone())
+        expected = step(linear, reference_rotary_decode, caches)
+        graph.replay()
+        torch.testing.assert_close(out, expected, rtol=1e-3, atol=1e-3)
+        for ours, theirs in zip((k_cache, v_cache), caches):
+            torch.testing.assert_close(ours.flatten(0, 1)[slot_mapping],
+                                       theirs.flatten(0, 1)[slot_mapping], rtol=1e-3, atol=1e-3)
