@@ -2,7 +2,8 @@
 
 Layouts and semantics are those of the torch references in ``nanofn.kernels.attention``. (The
 keys and values reach the cache through ``triton_ops.rotate_and_store_kv``, with the rotary
-embedding.)
+embedding, or, in ``rotary_decode_attention``, through the decode kernel itself, which then
+rotates the queries too.)
 
 - ``decode_attention``: one program per (kv head, sequence), whose tile rows are the query heads
   of that kv head's GQA group, so each K/V tile is read once per group. The kv heads vary
