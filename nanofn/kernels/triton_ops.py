@@ -44,7 +44,6 @@ import nanofn.kernels.triton_gemm as triton_gemm
 import nanofn.kernels.triton_gemv as triton_gemv
 from nanofn.kernels.triton_gemv import silu_times_up
 from nanofn.kernels import KernelBackend
-from nanofn.kernels.device import num_sms
 from nanofn.kernels.linear import norm_then_linear
 from nanofn.kernels.partial_sums import PartialSums, added_up
 
@@ -57,7 +56,6 @@ SILU_BLOCK = 1024  # columns per silu_and_mul program
 # of 4 sequences takes 1.36 ms on the GEMVs against 1.54 ms on cuBLAS, of 8 2.16 against 1.64
 # (benchmarks/profile_decode.py --batch B --gemv-max-rows R).
 GEMV_MAX_ROWS = 4
-FUSED_ROTARY_PROGRAMS_PER_SM = 5  # the fused rotary decode kernel's programs an SM holds at once
 # Token counts up to which the GEMMs of triton_gemm.py may run, each further bounded by its
 # config's rows (the measured ranges: see there), cuBLAS above. Measured on the H100: the
 # split-K one with the norm after it at 8-256 rows 4.9-6.9 us (o_proj) and 5.7-8.4 us
@@ -398,25 +396,19 @@ def rotary_decode_attention(
     k_norm_weight: torch.Tensor | None = None,
     norm_eps: float = 1e-6,
 ) -> torch.Tensor:
-    """``nanofn.kernels.rotary.rotary_decode_attention``: one kernel where the programs attend
-    to whole contexts and all fit on the GPU at once (on the H100, 33-82 sequences of 8 kv
-    heads); otherwise the rotary kernel, then decode attention. Where contexts are split (a few
-    sequences), each partition of the fused kernel would rotate its queries again on its path
-    (the single request measured 17% slower so). Where the programs come in several waves,
-    each wave's programs rotate before they stream the cache: at 256 sequences the decode step
-    took 6.98 against 6.83 ms, at 64 sequences 2.49 against 2.55."""
+    """``nanofn.kernels.rotary.rotary_decode_attention``: one kernel where
+    ``triton_attention.rotary_fits_one_wave`` says it pays, else the rotary kernel, then
+    decode attention."""
     norms = (q_norm_weight, k_norm_weight, norm_eps)
-    programs = q.shape[0] * k_cache.shape[2]
-    one_wave = FUSED_ROTARY_PROGRAMS_PER_SM * num_sms(q.device, elsewhere=132)
-    whole_contexts = triton_attention.decode_partition_count(q, k_cache, block_tables) == 1
-    if whole_contexts and programs <= one_wave:
+    num_splits = triton_attention.decode_partition_count(q, k_cache, block_tables)
+    if triton_attention.rotary_fits_one_wave(q, k_cache, num_splits):
         return triton_attention.rotary_decode_attention(
             q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, seq_lens,
-            block_tables, scale, order, *norms, num_splits=1)
+            block_tables, scale, order, *norms, num_splits=num_splits)
     q = rotate_and_store_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
                             *norms)
     return triton_attention.decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale,
-                                             order)
+                                             order, num_splits)
 
 
 TRITON_KERNELS = KernelBackend(
