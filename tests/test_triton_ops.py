@@ -102,15 +102,14 @@ def test_rotate_and_store_kv_matches_reference(interpreter, dtype, num_heads, nu
     assert torch.equal(v_cache, expected_v)
 
 
-@pytest.mark.parametrize("batch, fused", [(1, False), (32, False), (33, True), (82, True),
-                                          (83, False), (256, False)])
-def test_rotary_decode_attention_is_one_kernel_for_one_wave_of_whole_contexts(monkeypatch, batch,
-                                                                              fused):
-    """Where the contexts are split (a few sequences, here up to 32 over 8 kv heads and 132
-    SMs), every partition of the fused kernel would rotate its queries again, and where its
-    programs come in more than one wave (5 an SM: above 82 sequences) every wave would rotate
-    before reading the cache: the rotary kernel goes first there; the fused kernel takes the
-    rest."""
+@pytest.mark.parametrize("batch, fused", [(1, False), (2, True), (32, True), (33, True),
+                                          (82, True), (83, False), (256, False)])
+def test_rotary_decode_attention_is_one_kernel_but_for_one_sequence_or_several_waves(
+        monkeypatch, batch, fused):
+    """The fused kernel takes split contexts (a few sequences, here up to 32 over 8 kv heads and
+    132 SMs) but one sequence's, where rotating in every partition costs more than the rotary
+    kernel, and whole contexts up to one wave of programs (5 an SM: 82 sequences), above which
+    every wave would rotate before reading the cache: the rotary kernel goes first there."""
     import nanofn.kernels.triton_attention as triton_attention
 
     calls = []

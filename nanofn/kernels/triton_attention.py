@@ -49,7 +49,7 @@ PREFILL_BLOCK_N = 64  # keys per prefill tile
 MIN_PARTITION_KEYS = 256  # block-table keys per split-K partition, at least (caps the count)
 PROGRAMS_PER_SM = 2  # decode splits the context until the grid has this many programs per SM
 # Whole-context decode programs an SM holds at once (96 registers a thread on SM 9.0): the
-# rotary embedding is fused in up to one such wave (``rotary_fits_one_wave``).
+# rotary embedding is fused for whole contexts up to one such wave (``fuses_rotary``).
 RESIDENT_DECODE_PROGRAMS_PER_SM = 5
 
 
@@ -119,26 +119,54 @@ def _attend_keys(
 
 
 @triton.jit
-def _rotated_heads(heads_ptr, mask, norm_weight_ptr, cos, sin, eps,
-                   HEAD_DIM: tl.constexpr, NORM: tl.constexpr):
-    """The heads at ``heads_ptr`` (``[R]`` pointers to contiguous heads; zeros where not
-    ``mask``) as an ``[R, HEAD_DIM]`` tile, RMS-normalised first with ``NORM``, then rotated by
-    the angles ``cos``, ``sin`` (``[HEAD_DIM]``, each half's angles repeated), rounded where
-    ``rotate_and_store_kv`` rounds. Each element is rotated with its partner in the other half."""
+def _partner_dims(HEAD_DIM: tl.constexpr):
+    """Each dimension's partner in the rotation: the same place in the other half."""
     half: tl.constexpr = HEAD_DIM // 2
+    return tl.max_contiguous(tl.multiple_of((tl.arange(0, HEAD_DIM) + half) % HEAD_DIM, half), half)
+
+
+@triton.jit
+def _heads_and_partners(heads_ptr, mask, HEAD_DIM: tl.constexpr):
+    """The heads at ``heads_ptr`` (``[R]`` pointers to contiguous heads; zeros where not
+    ``mask``) as an ``[R, HEAD_DIM]`` tile, and the same tile with each half's elements in the
+    other half's place: the loads ``_rotated_heads`` needs, issued together."""
     dims = tl.arange(0, HEAD_DIM)
-    partner_dims = (dims + half) % HEAD_DIM
-    dtype = heads_ptr.dtype.element_ty
-    x = tl.load(heads_ptr[:, None] + dims[None, :], mask=mask[:, None], other=0.0).to(tl.float32)
-    partner = tl.load(heads_ptr[:, None] + partner_dims[None, :], mask=mask[:, None],
-                      other=0.0).to(tl.float32)
+    x = tl.load(heads_ptr[:, None] + dims[None, :], mask=mask[:, None], other=0.0)
+    partner = tl.load(heads_ptr[:, None] + _partner_dims(HEAD_DIM)[None, :], mask=mask[:, None],
+                      other=0.0)
+    return x, partner
+
+
+@triton.jit
+def _norm_weights(norm_weight_ptr, HEAD_DIM: tl.constexpr, NORM: tl.constexpr):
+    """A per-head norm's weights ``[1, HEAD_DIM]`` and their partners' (float32; ones without
+    ``NORM``)."""
+    if NORM:
+        dims = tl.arange(0, HEAD_DIM)
+        weight = tl.load(norm_weight_ptr + dims).to(tl.float32)[None, :]
+        partner_weight = tl.load(norm_weight_ptr + _partner_dims(HEAD_DIM)).to(tl.float32)[None, :]
+    else:
+        weight = tl.full([1, HEAD_DIM], 1.0, tl.float32)
+        partner_weight = weight
+    return weight, partner_weight
+
+
+@triton.jit
+def _rotated_heads(x, partner, weight, partner_weight, cos, sin, eps,
+                   HEAD_DIM: tl.constexpr, NORM: tl.constexpr):
+    """Heads ``x`` and their ``partner`` tile (``_heads_and_partners``), RMS-normalised first
+    with ``NORM`` (``_norm_weights``), then rotated by the angles ``cos``, ``sin``
+    (``[HEAD_DIM]``, each half's angles repeated), rounded where ``rotate_and_store_kv``
+    rounds. Each element is rotated with its partner in the other half."""
+    half: tl.constexpr = HEAD_DIM // 2
+    dtype = x.dtype
+    x = x.to(tl.float32)
+    partner = partner.to(tl.float32)
     if NORM:
         inv_rms = tl.rsqrt(tl.sum(x * x, 1) / HEAD_DIM + eps)[:, None]
-        weight = tl.load(norm_weight_ptr + dims).to(tl.float32)[None, :]
-        partner_weight = tl.load(norm_weight_ptr + partner_dims).to(tl.float32)[None, :]
         x = (weight * (x * inv_rms).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
         partner = (partner_weight * (partner * inv_rms).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-    first_half = (dims < half)[None, :]
+    first_half = (tl.arange(0, HEAD_DIM) < half)[None, :]
     rotated = tl.where(first_half, x * cos[None, :] - partner * sin[None, :],
                        x * cos[None, :] + partner * sin[None, :])
     return rotated.to(dtype)
@@ -208,6 +236,10 @@ def _decode_kernel(
         angles = dims % (HEAD_DIM // 2)
         cos = tl.load(cos_sin_ptr + position * stride_cos_sin + angles)
         sin = tl.load(cos_sin_ptr + position * stride_cos_sin + HEAD_DIM // 2 + angles)
+        q_weight, q_partner_weight = _norm_weights(q_norm_weight_ptr, HEAD_DIM, NORM)
+        k_weight, k_partner_weight = _norm_weights(k_norm_weight_ptr, HEAD_DIM, NORM)
+        slot = tl.load(slot_mapping_ptr + seq).to(tl.int64)
+        holds_newest = (key_begin <= newest) & (newest < key_begin + partition_len)
     wait_for_previous(OVERLAP)
 
     if SPLIT_K and not ROTATE:
@@ -219,14 +251,20 @@ def _decode_kernel(
     row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     if ROTATE:
-        q = _rotated_heads(q_ptr + seq * stride_qb + heads * stride_qh, row_mask,
-                           q_norm_weight_ptr, cos, sin, norm_eps, HEAD_DIM, NORM)
+        # Every load of the projection's heads first, so that their latencies overlap; only
+        # the partition that holds the newest position needs the key and value.
+        q, q_partner = _heads_and_partners(q_ptr + seq * stride_qb + heads * stride_qh, row_mask,
+                                           HEAD_DIM)
         one_row = tl.arange(0, 1)
-        new_k = _rotated_heads(new_k_ptr + seq * stride_kb + kv_head * stride_kh + one_row,
-                               one_row == 0, k_norm_weight_ptr, cos, sin, norm_eps, HEAD_DIM, NORM)
-        new_v = tl.load(new_v_ptr + seq * stride_vb + kv_head * stride_vh + dims[None, :])
-        holds_newest = (key_begin <= newest) & (newest < key_begin + partition_len)
-        slot = tl.load(slot_mapping_ptr + seq).to(tl.int64)
+        new_k, new_k_partner = _heads_and_partners(
+            new_k_ptr + seq * stride_kb + kv_head * stride_kh + one_row,
+            (one_row == 0) & holds_newest, HEAD_DIM)
+        new_v = tl.load(new_v_ptr + seq * stride_vb + kv_head * stride_vh + dims[None, :],
+                        mask=holds_newest, other=0.0)
+        q = _rotated_heads(q, q_partner, q_weight, q_partner_weight, cos, sin, norm_eps,
+                           HEAD_DIM, NORM)
+        new_k = _rotated_heads(new_k, new_k_partner, k_weight, k_partner_weight, cos, sin,
+                               norm_eps, HEAD_DIM, NORM)
         cache_row = ((slot // BLOCK_SIZE) * stride_block + (slot % BLOCK_SIZE) * stride_slot
                      + kv_head * stride_head)
         written = holds_newest & (slot >= 0)
@@ -410,8 +448,8 @@ def rotary_decode_attention(
 ) -> torch.Tensor:
     """``rotate_and_store_kv`` of a decode step's tokens, then ``decode_attention`` of the
     rotated queries, in one kernel (one fewer a layer, and the queries never written). Every
-    program rotates its group's queries after its wait, so with split-K each partition would
-    redo it: ``triton_ops.rotary_decode_attention`` takes this one for whole contexts only.
+    program rotates its group's queries after its wait, so with split-K each partition redoes
+    it: ``fuses_rotary`` says where this kernel pays.
 
     Each sequence's newest position (``seq_lens - 1``) must be its token's: the kernel attends
     to the token's own rotated key and value from registers, and reads only the older keys from
@@ -458,16 +496,20 @@ def decode_partition_count(q: torch.Tensor, k_cache: torch.Tensor, block_tables:
     return max(1, min(num_splits, -(-max_context // DECODE_BLOCK_N)))
 
 
-def rotary_fits_one_wave(q: torch.Tensor, k_cache: torch.Tensor, num_splits: int) -> bool:
+def fuses_rotary(q: torch.Tensor, k_cache: torch.Tensor, num_splits: int) -> bool:
     """Whether ``rotary_decode_attention`` beats the rotary kernel then ``decode_attention``
-    for a decode launch of ``q [B, H, D]`` in ``num_splits`` partitions: only for whole contexts
-    whose programs all fit on the GPU at once (on the H100, 33-82 sequences of 8 kv heads).
-    Where contexts are split, each partition would rotate its queries again on its path (the
-    single request measured 17% slower so); where the programs come in several waves, each
-    wave rotates before it streams the cache (at 256 sequences the decode step took 6.98
-    against 6.83 ms; at 64, 2.49 against 2.55)."""
+    for a decode launch of ``q [B, H, D]`` in ``num_splits`` partitions (on the H100):
+
+    - split contexts (up to 32 sequences of 8 kv heads): for more than one sequence. Every
+      partition rotates its queries again, which at one sequence cost more than the rotary
+      kernel (0.84 against 0.80 ms a step) and at 4-16 saved 4-6% of the step;
+    - whole contexts: where all the programs fit on the GPU at once (33-82 sequences). Where
+      they come in several waves, each wave rotates before it streams the cache (at 256
+      sequences the step took 6.98 against 6.83 ms)."""
+    if num_splits > 1:
+        return q.shape[0] > 1
     one_wave = RESIDENT_DECODE_PROGRAMS_PER_SM * num_sms(q.device, elsewhere=132)
-    return num_splits == 1 and q.shape[0] * k_cache.shape[2] <= one_wave
+    return q.shape[0] * k_cache.shape[2] <= one_wave
 
 
 def decode_partitions(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

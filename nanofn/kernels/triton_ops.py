@@ -397,11 +397,11 @@ def rotary_decode_attention(
     norm_eps: float = 1e-6,
 ) -> torch.Tensor:
     """``nanofn.kernels.rotary.rotary_decode_attention``: one kernel where
-    ``triton_attention.rotary_fits_one_wave`` says it pays, else the rotary kernel, then
+    ``triton_attention.fuses_rotary`` says it pays, else the rotary kernel, then
     decode attention."""
     norms = (q_norm_weight, k_norm_weight, norm_eps)
     num_splits = triton_attention.decode_partition_count(q, k_cache, block_tables)
-    if triton_attention.rotary_fits_one_wave(q, k_cache, num_splits):
+    if triton_attention.fuses_rotary(q, k_cache, num_splits):
         return triton_attention.rotary_decode_attention(
             q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, seq_lens,
             block_tables, scale, order, *norms, num_splits=num_splits)
