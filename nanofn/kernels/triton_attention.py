@@ -119,6 +119,14 @@ def _attend_keys(
 
 
 @triton.jit
+def head_norm_scaled(x, inv_rms, weight, dtype: tl.constexpr):
+    """``weight * x * inv_rms`` (float32 in and out) rounded to ``dtype`` where ``rms_norm``
+    rounds: the normed value, then its product with the weight. Qwen3's per-head norm, shared
+    by the rotary kernel (``triton_ops``) and the fused decode kernel."""
+    return (weight * (x * inv_rms).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+
+
+@triton.jit
 def _partner_dims(HEAD_DIM: tl.constexpr):
     """Each dimension's partner in the rotation: the same place in the other half."""
     half: tl.constexpr = HEAD_DIM // 2
@@ -164,8 +172,8 @@ def _rotated_heads(x, partner, weight, partner_weight, cos, sin, eps,
     partner = partner.to(tl.float32)
     if NORM:
         inv_rms = tl.rsqrt(tl.sum(x * x, 1) / HEAD_DIM + eps)[:, None]
-        x = (weight * (x * inv_rms).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-        partner = (partner_weight * (partner * inv_rms).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        x = head_norm_scaled(x, inv_rms, weight, dtype)
+        partner = head_norm_scaled(partner, inv_rms, partner_weight, dtype)
     first_half = (tl.arange(0, HEAD_DIM) < half)[None, :]
     rotated = tl.where(first_half, x * cos[None, :] - partner * sin[None, :],
                        x * cos[None, :] + partner * sin[None, :])
@@ -270,11 +278,10 @@ def _decode_kernel(
         cache_row = ((slot // BLOCK_SIZE) * stride_block + (slot % BLOCK_SIZE) * stride_slot
                      + kv_head * stride_head)
         written = holds_newest & (slot >= 0)
-        store_mask = written & (dims < HEAD_DIM)[None, :]
         tl.store(k_cache_ptr + cache_row + dims[None, :], new_k.to(k_cache_ptr.dtype.element_ty),
-                 mask=store_mask)
+                 mask=written)
         tl.store(v_cache_ptr + cache_row + dims[None, :], new_v.to(v_cache_ptr.dtype.element_ty),
-                 mask=store_mask)
+                 mask=written)
         # The newest key first: its score is the row's max so far, its weight exp2(0) = 1.
         new_score = tl.sum(q.to(tl.float32) * new_k.to(tl.float32), 1) * qk_scale
         row_max = tl.where(holds_newest, new_score, row_max)

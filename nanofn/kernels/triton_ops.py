@@ -43,6 +43,7 @@ from nanofn.kernels.triton_overlap import wait_for_previous
 import nanofn.kernels.triton_gemm as triton_gemm
 import nanofn.kernels.triton_gemv as triton_gemv
 from nanofn.kernels.triton_gemv import silu_times_up
+from nanofn.kernels.triton_attention import head_norm_scaled
 from nanofn.kernels import KernelBackend
 from nanofn.kernels.linear import norm_then_linear
 from nanofn.kernels.partial_sums import PartialSums, added_up
@@ -123,9 +124,8 @@ def _rotate_heads(
         inv_rms = tl.rsqrt(mean_square + eps)[:, None]
         first_weight = tl.load(norm_weight_ptr + dims).to(tl.float32)
         second_weight = tl.load(norm_weight_ptr + HALF_DIM + dims).to(tl.float32)
-        # Rounded where rms_norm rounds: the normed head, then its product with the weight.
-        first = (first_weight * (first * inv_rms).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-        second = (second_weight * (second * inv_rms).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        first = head_norm_scaled(first, inv_rms, first_weight, dtype)
+        second = head_norm_scaled(second, inv_rms, second_weight, dtype)
     out_dtype = out_row_ptr.dtype.element_ty
     out_first_half = out_row_ptr + heads * out_stride_head + dims
     store_mask = mask & valid
