@@ -46,6 +46,10 @@ DECODE_BLOCK_N = 64  # keys per decode tile
 DECODE_STAGES = 2  # tiles in flight a decode program: fewer buffers, more programs per SM
 PREFILL_BLOCK_M = 128  # rows per prefill query tile: (queries of one sequence) x (heads of one group)
 PREFILL_BLOCK_N = 64  # keys per prefill tile
+# Registers a prefill thread may use at head_dim 128 (8 warps): two programs an SM, so that
+# one's softmax runs under the other's matrix products (174 uncapped: one program an SM,
+# 25-35% slower on the H100; a few bytes spill).
+PREFILL_MAX_REGISTERS = 128
 MIN_PARTITION_KEYS = 256  # block-table keys per split-K partition, at least (caps the count)
 PROGRAMS_PER_SM = 2  # decode splits the context until the grid has this many programs per SM
 # Whole-context decode programs an SM holds at once (96 registers a thread on SM 9.0): the
@@ -61,31 +65,43 @@ RESIDENT_DECODE_PROGRAMS_PER_SM = 5
 def _load_kv_tile(
     k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, keys, in_range,
     stride_block, stride_slot, stride_head, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    MASKED: tl.constexpr,
 ):
-    """The keys and values ``[len(keys), HEAD_DIM]`` at positions ``keys`` (zeros out of
-    ``in_range``), gathered row by row through the block table, and their offsets in the cache."""
+    """The keys and values ``[len(keys), HEAD_DIM]`` at positions ``keys``, gathered row by row
+    through the block table, and their offsets in the cache. With ``MASKED``, zeros out of
+    ``in_range``; without it every key must be in range (a whole tile): no masks to build."""
     dims = tl.arange(0, HEAD_DIM)
-    blocks = tl.load(block_table_ptr + keys // BLOCK_SIZE, mask=in_range, other=0).to(tl.int64)
+    if MASKED:
+        blocks = tl.load(block_table_ptr + keys // BLOCK_SIZE, mask=in_range, other=0).to(tl.int64)
+    else:
+        blocks = tl.load(block_table_ptr + keys // BLOCK_SIZE).to(tl.int64)
     rows = blocks * stride_block + (keys % BLOCK_SIZE) * stride_slot + kv_head * stride_head
     offsets = rows[:, None] + dims[None, :]
-    k = tl.load(k_cache_ptr + offsets, mask=in_range[:, None], other=0.0)
-    v = tl.load(v_cache_ptr + offsets, mask=in_range[:, None], other=0.0)
+    if MASKED:
+        k = tl.load(k_cache_ptr + offsets, mask=in_range[:, None], other=0.0)
+        v = tl.load(v_cache_ptr + offsets, mask=in_range[:, None], other=0.0)
+    else:
+        k = tl.load(k_cache_ptr + offsets)
+        v = tl.load(v_cache_ptr + offsets)
     return k, v, offsets
 
 
 @triton.jit
 def _attend_tile(acc, row_sum, row_max, q, k, v, visible, qk_scale, MASKED: tl.constexpr):
     """Online-softmax update of ``acc``, ``row_sum``, ``row_max`` with one tile of keys and
-    values; with ``MASKED`` row ``r`` sees key ``n`` only where ``visible[r, n]``."""
+    values; with ``MASKED`` row ``r`` sees key ``n`` only where ``visible[r, n]``.
+
+    ``row_max`` is in scaled units; the scale is applied to the row's max and then inside the
+    exponent's argument (one fused multiply-add a score), not to every score first."""
     if k.dtype == tl.float32:  # a float32 model gets float32 products, not TF32's 10 bits
-        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+        scores = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
-        scores = tl.dot(q, tl.trans(k)) * qk_scale
+        scores = tl.dot(q, tl.trans(k))
     if MASKED:
         scores = tl.where(visible, scores, float("-inf"))
-    new_max = tl.maximum(row_max, tl.max(scores, 1))
+    new_max = tl.maximum(row_max, tl.max(scores, 1) * qk_scale)
     correction = tl.exp2(row_max - new_max)
-    probs = tl.exp2(scores - new_max[:, None])
+    probs = tl.exp2(scores * qk_scale - new_max[:, None])
     row_sum = row_sum * correction + tl.sum(probs, 1)
     if v.dtype == tl.float32:
         acc = acc * correction[:, None] + tl.dot(probs, v, input_precision="ieee")
@@ -104,14 +120,15 @@ def _attend_keys(
     """``_attend_tile`` over keys ``key_begin .. key_end - 1``, ``BLOCK_N`` at a time.
 
     Without ``MASKED`` every key in the range must be visible to every row: the caller passes
-    only whole tiles before the causal diagonal, which then skip building a mask. With it, row
-    ``r`` sees key ``n`` when ``n <= query_pos[r]`` and ``n < key_end``.
+    only whole tiles before the causal diagonal, which then build no masks, for their loads
+    either. With it, row ``r`` sees key ``n`` when ``n <= query_pos[r]`` and ``n < key_end``.
     """
     for tile_begin in range(key_begin, key_end, BLOCK_N):
         keys = tile_begin + tl.arange(0, BLOCK_N)
         in_range = keys < key_end
         k, v, _ = _load_kv_tile(k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, keys, in_range,
-                                stride_block, stride_slot, stride_head, BLOCK_SIZE, HEAD_DIM)
+                                stride_block, stride_slot, stride_head, BLOCK_SIZE, HEAD_DIM,
+                                MASKED)
         visible = (keys[None, :] <= query_pos[:, None]) & in_range[None, :]
         acc, row_sum, row_max = _attend_tile(acc, row_sum, row_max, q, k, v, visible, qk_scale,
                                              MASKED)
@@ -240,7 +257,7 @@ def _decode_kernel(
         first_in_range = first_keys < key_end
         k, v, first_offsets = _load_kv_tile(
             k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, first_keys, first_in_range,
-            stride_block, stride_slot, stride_head, BLOCK_SIZE, HEAD_DIM)
+            stride_block, stride_slot, stride_head, BLOCK_SIZE, HEAD_DIM, True)
     if ROTATE:
         position = tl.load(positions_ptr + seq)
         angles = dims % (HEAD_DIM // 2)
@@ -621,6 +638,7 @@ def prefill_attention(
         KV_HEADS=num_kv_heads, GROUP=group, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=PREFILL_BLOCK_N,
         num_warps=8 if head_dim >= 128 else 4,
+        maxnreg=PREFILL_MAX_REGISTERS if head_dim == 128 else None,
     )
     return out
 
