@@ -117,7 +117,7 @@ def test_the_prefill_graphs_inputs_are_the_eager_inputs():
     from nanofn.kernels.triton_attention import prefill_tile_map
     from nanofn.runner.prefill_graphs import (PREFILL_GRAPH_SEQS, SAMPLE_ROW, SAMPLING_SLOT,
                                               InputLayout, fill_prefill_inputs,
-                                              graph_prefill_inputs)
+                                              graph_prefill_inputs, tiles_for)
 
     eager, graph = SlotTables(8, 4, CPU), SlotTables(8, 4, CPU)
     for tables in (eager, graph):
@@ -126,11 +126,11 @@ def test_the_prefill_graphs_inputs_are_the_eager_inputs():
             seq("c", 1, 0, range(7), [8], sample=False)]
     plan = plan_of(1, seqs, started(seqs[0], seqs[2]))
     expected = prepare_inputs(plan, BS, eager, CPU)
-    layout = InputLayout(max_tokens=64, max_entries=PREFILL_GRAPH_SEQS * 4, block_q=8)
+    layout = InputLayout(max_tokens=64, max_entries=PREFILL_GRAPH_SEQS * 4, min_block_q=4)
     flat = np.zeros(layout.size, np.int32)
-    fill_prefill_inputs(flat, layout, plan, spare_slot=8)
+    fill_prefill_inputs(flat, layout, plan, spare_slot=8, block_q=8)
     views = layout.views(torch.from_numpy(flat))
-    ids, positions, batch = graph_prefill_inputs(views, graph, BS, 32, layout.tiles_for(32))
+    ids, positions, batch = graph_prefill_inputs(views, graph, BS, 32, tiles_for(32, 8))
     t, n = plan.num_tokens, len(seqs)
     assert ids[:t].tolist() == expected.input_ids.tolist()
     assert 77 in ids[:t].tolist()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -224,6 +225,44 @@ def test_prefill_attention_matches_reference(interpreter, dtype, group, block_si
     torch.testing.assert_close(out, reference.prefill_attention(*args), **TOLERANCES[dtype])
 
 
+def prefill_attention_on(sms, *args):
+    """``prefill_attention(*args)`` tiled as on a GPU of ``sms`` SMs."""
+    with mock.patch.object(triton_attention, "prefill_sms", lambda device: sms):
+        return triton_attention.prefill_attention(*args)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("group", [1, 2, 3, 4])
+def test_prefill_attention_in_tiles_for_a_small_step_matches_reference(interpreter, dtype, group):
+    """The same sequences as a GPU of 132 SMs tiles them: 64-row tiles (a step this small
+    would leave its SMs idle in 128-row ones)."""
+    num_kv_heads, head_dim = 2, 16
+    query_lens, seq_lens = zip(*PREFILL_SEQUENCES)
+    assert triton_attention.prefill_block_m(num_kv_heads * group, num_kv_heads, sum(query_lens), 132) == 64
+    cache = PagedCache(seq_lens, 16, num_kv_heads, head_dim, dtype, seed=9)
+    q = random_queries(sum(query_lens), num_kv_heads * group, head_dim, dtype, seed=10)
+    query_start = torch.tensor([0, *itertools.accumulate(query_lens)], dtype=torch.int32)
+    args = (q, cache.k_cache, cache.v_cache, query_start, cache.seq_lens, cache.block_tables,
+            query_lens, seq_lens, head_dim**-0.5)
+
+    out = interpreter(prefill_attention_on, 132, *args)
+
+    torch.testing.assert_close(out, reference.prefill_attention(*args), **TOLERANCES[dtype])
+
+
+def test_prefill_tiles_are_smaller_only_for_steps_that_would_leave_sms_idle():
+    """Qwen3-0.6B's heads (16 over 8 kv heads) on 132 SMs: 128-row tiles (64 queries) from
+    2,113 tokens on, where they make more than two programs an SM; a group of 8 keeps 16
+    queries in a 128-row tile and 8 in a 64-row one."""
+    assert triton_attention.prefill_block_m(16, 8, 512, 132) == 64
+    assert triton_attention.prefill_block_m(16, 8, 2_112, 132) == 64  # 33 x 8 = 264 programs
+    assert triton_attention.prefill_block_m(16, 8, 2_113, 132) == 128
+    assert triton_attention.prefill_block_m(16, 8, 16_384, 132) == 128
+    assert triton_attention.prefill_block_q(64, 8, 256, 132) == 8
+    assert triton_attention.prefill_block_q(64, 8, 16_384, 132) == 16
+    assert triton_attention.prefill_block_m(16, 8, 512, 16) == 128  # a GPU of 16 SMs
+
+
 def test_prefill_attention_with_a_padded_tile_map_as_a_cuda_graph_gives_it(interpreter):
     """A CUDA graph's work map: the step's tiles, then tiles of sequence -1 that do nothing;
     the queries are followed by padding rows that no tile reads."""
@@ -233,7 +272,8 @@ def test_prefill_attention_with_a_padded_tile_map_as_a_cuda_graph_gives_it(inter
     num_tokens = sum(query_lens)
     q = random_queries(num_tokens + 20, num_kv_heads * group, head_dim, torch.float32, seed=8)
     query_start = torch.tensor([0, *itertools.accumulate(query_lens)], dtype=torch.int32)
-    block_q = triton_attention.prefill_block_q(num_kv_heads * group, num_kv_heads)
+    block_q = triton_attention.prefill_block_q(num_kv_heads * group, num_kv_heads, len(q),
+                                               triton_attention.prefill_sms(q.device))
     work = triton_attention.prefill_tile_map(query_lens, seq_lens, block_q)
     tiles = torch.from_numpy(np.concatenate([work, np.tile([[-1, 0]], (9, 1))]).astype(np.int32))
     args = (cache.k_cache, cache.v_cache, query_start, cache.seq_lens, cache.block_tables,

@@ -15,6 +15,7 @@ import triton.knobs
 
 from nanofn.kernels import (triton_attention, triton_decode_inputs, triton_gemm, triton_gemv,
                             triton_ops, triton_sampling)
+from test_triton_attention import prefill_attention_on
 from triton_interpreter import compiler_process
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE, VOCAB, BLOCK = 1024, 16, 8, 128, 3072, 151936, 16
@@ -90,7 +91,8 @@ def new_tokens(tokens):
 @pytest.mark.parametrize("batch, splits, ordered", [(256, 1, True), (1, 8, False), (4, 3, True)])
 def test_attention_kernels_compile(compile_for_h100, batch, splits, ordered):
     """Decode (one partition, split-K and its merge, rows in an order or not; with the rotary
-    embedding and KV store, with and without the per-head norms) and prefill."""
+    embedding and KV store, with and without the per-head norms) and prefill (both tile
+    sizes)."""
     caches = empty(64, BLOCK, KV_HEADS, HEAD_DIM), empty(64, BLOCK, KV_HEADS, HEAD_DIM)
     seq_lens = torch.ones(batch, dtype=torch.int32)
     tables = torch.zeros(batch, 256, dtype=torch.int32)
@@ -103,9 +105,10 @@ def test_attention_kernels_compile(compile_for_h100, batch, splits, ordered):
                          *caches, slots, seq_lens, tables, HEAD_DIM**-0.5, order, *norms, 1e-6,
                          splits)
     query_lens = (5,) * batch
-    compile_for_h100(triton_attention.prefill_attention, empty(5 * batch, HEADS, HEAD_DIM), *caches,
-                     torch.arange(0, 5 * batch + 1, 5, dtype=torch.int32), seq_lens * 5, tables,
-                     query_lens, query_lens, HEAD_DIM**-0.5)
+    for sms in (1, 132):  # 128-row tiles, and the 64-row ones of a step that 132 SMs find small
+        compile_for_h100(prefill_attention_on, sms, empty(5 * batch, HEADS, HEAD_DIM), *caches,
+                         torch.arange(0, 5 * batch + 1, 5, dtype=torch.int32), seq_lens * 5,
+                         tables, query_lens, query_lens, HEAD_DIM**-0.5)
 
 
 def prefill_registers(*args) -> int:

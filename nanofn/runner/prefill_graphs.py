@@ -14,7 +14,8 @@ token count (``prefill_graph_tokens``), at most ``PREFILL_GRAPH_SEQS`` sequences
 - prefill attention's work map (``triton_attention.prefill_tile_map``), which the eager path
   builds from host tuples, is an input too, padded with tiles of sequence -1 that return at
   once: a sequence of ``n`` queries has at most ``n / block_q + 1`` tiles, so a graph of ``T``
-  tokens needs ``T / block_q + PREFILL_GRAPH_SEQS`` at most.
+  tokens needs ``T / block_q + PREFILL_GRAPH_SEQS`` at most (``block_q``, the queries a tile,
+  is the graph's: ``triton_attention.prefill_block_q`` of its ``T``).
 
 The host lays all of it into one pinned int32 buffer and copies it once; the graph resolves
 pending tokens, writes the table entries, gathers the tables and computes the cache slots, as
@@ -27,7 +28,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from nanofn.kernels.triton_attention import prefill_block_q, prefill_tile_map
+from nanofn.kernels.triton_attention import prefill_block_q, prefill_sms, prefill_tile_map
 from nanofn.model.batch import AttentionBatch
 from nanofn.runner.cuda_graphs import StagedInputs, capture
 from nanofn.runner.inputs import SlotTables, cache_slots
@@ -45,21 +46,23 @@ def prefill_graph_tokens(max_num_batched_tokens: int) -> list[int]:
     return sizes + [top]
 
 
+def tiles_for(num_tokens: int, block_q: int) -> int:
+    """The most tiles of ``block_q`` queries that a graph of ``num_tokens`` token rows holds."""
+    return -(-num_tokens // block_q) + PREFILL_GRAPH_SEQS
+
+
 class InputLayout:
     """Where each input lives in the flat int32 buffer: token fields ``[3, T]`` (ids,
     positions, sequence index), sequence fields ``[5, S + 1]`` (slot, context length, query
     start, sample row, sampling slot), entry fields ``[3, E]`` (slot, column, block) and the
-    tile map ``[N, 2]``."""
+    tile map ``[N, 2]``, long enough for tiles of ``min_block_q`` queries or more."""
 
-    def __init__(self, max_tokens: int, max_entries: int, block_q: int):
-        self.max_tokens, self.max_entries, self.block_q = max_tokens, max_entries, block_q
-        self.max_tiles = self.tiles_for(max_tokens)
+    def __init__(self, max_tokens: int, max_entries: int, min_block_q: int):
+        self.max_tokens, self.max_entries = max_tokens, max_entries
+        self.max_tiles = tiles_for(max_tokens, min_block_q)
         t, s, e = max_tokens, PREFILL_GRAPH_SEQS + 1, max_entries
         self.sizes = (3 * t, 5 * s, 3 * e, 2 * self.max_tiles)
         self.size = sum(self.sizes)
-
-    def tiles_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_q) + PREFILL_GRAPH_SEQS
 
     def views(self, flat):
         """``(tokens, seqs, entries, tiles)`` views of a flat buffer (numpy or torch)."""
@@ -75,9 +78,10 @@ ENTRY_SLOT, ENTRY_COLUMN, ENTRY_BLOCK = range(3)
 
 
 def fill_prefill_inputs(flat: np.ndarray, layout: InputLayout, plan: BatchPlan,
-                        spare_slot: int) -> None:
+                        spare_slot: int, block_q: int) -> None:
     """Lay a plan (at most ``PREFILL_GRAPH_SEQS`` sequences, ``layout.max_tokens`` tokens and
-    ``layout.max_entries`` entries) into ``flat``, the rest as padding."""
+    ``layout.max_entries`` entries) into ``flat``, the rest as padding; the tile map in tiles
+    of ``block_q`` queries."""
     tokens, seqs, entries, tiles = layout.views(flat)
     counts, starts, slots = plan.num_scheduled, plan.start_pos, plan.slots
     n, t, u = len(counts), plan.num_tokens, len(plan.block_entries)
@@ -104,7 +108,7 @@ def fill_prefill_inputs(flat: np.ndarray, layout: InputLayout, plan: BatchPlan,
     entries[ENTRY_SLOT, :u] = slots[block_entries[:, 0]]
     entries[ENTRY_COLUMN, :u] = block_entries[:, 1]
     entries[ENTRY_BLOCK, :u] = block_entries[:, 2]
-    work = prefill_tile_map(counts.tolist(), (starts + counts).tolist(), layout.block_q)
+    work = prefill_tile_map(counts.tolist(), (starts + counts).tolist(), block_q)
     tiles[:len(work)] = work
     tiles[len(work):] = (-1, 0)
 
@@ -144,14 +148,16 @@ class PrefillGraphs:
         self.sizes = prefill_graph_tokens(max_num_batched_tokens)
         self.tables, self.block_size = tables, block_size
         self.spare_slot = tables.table.shape[0] - 1
+        self.block_q = {size: prefill_block_q(num_heads, num_kv_heads, size, prefill_sms(device))
+                        for size in self.sizes}  # (each graph's attention tiles its own size)
         self.layout = InputLayout(self.sizes[-1], PREFILL_GRAPH_SEQS * tables.table.shape[1],
-                                  prefill_block_q(num_heads, num_kv_heads))
+                                  min(self.block_q.values()))
         self.staged = StagedInputs((self.layout.size,), device, STAGING_BUFFERS)
         self.hidden = torch.zeros(self.sizes[-1], hidden_size, dtype=kv_cache.dtype,
                                   device=device)
         padding = self.staged.host[0]
-        fill_prefill_inputs(padding.numpy(), self.layout, empty_plan(0),
-                            self.spare_slot)  # all padding, for the warm-up and the capture
+        fill_prefill_inputs(padding.numpy(), self.layout, empty_plan(0), self.spare_slot,
+                            self.block_q[self.sizes[-1]])  # all padding: warm-up, capture
         self.staged.buffer.copy_(padding)
         views = self.layout.views(self.staged.buffer)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -163,7 +169,7 @@ class PrefillGraphs:
         torch.cuda.synchronize(device)
 
     def _forward_for(self, model, kv_cache: torch.Tensor, views, size: int):
-        num_tiles = self.layout.tiles_for(size)
+        num_tiles = tiles_for(size, self.block_q[size])
 
         def run() -> None:
             ids, positions, batch = graph_prefill_inputs(views, self.tables, self.block_size,
@@ -183,7 +189,7 @@ class PrefillGraphs:
         ``T`` tokens), the rows to sample and their slots."""
         size = next(size for size in self.sizes if size >= plan.num_tokens)
         with self.staged.filling() as flat:
-            fill_prefill_inputs(flat, self.layout, plan, self.spare_slot)
+            fill_prefill_inputs(flat, self.layout, plan, self.spare_slot, self.block_q[size])
         self.graphs[size].replay()
         seqs, s = self.views[1], len(plan.sampling_seq_ids)
         return (self.hidden[:plan.num_tokens], seqs[SAMPLE_ROW, :s].long(),

@@ -145,12 +145,20 @@ PREFILL_SEQUENCES = [(2048, 2048), (1024, 3072), (1, 1500), (300, 300), (17, 100
 
 
 @pytest.mark.parametrize("num_heads, num_kv_heads", [(16, 8), (28, 4)], ids=["group-2", "group-7"])
-def test_prefill_attention_matches_reference(num_heads, num_kv_heads):
+@pytest.mark.parametrize("small_tiles", [False, True])
+def test_prefill_attention_matches_reference(num_heads, num_kv_heads, small_tiles, monkeypatch):
+    """This step takes 128-row tiles; ``small_tiles`` has it tiled as a small step's, as if
+    the GPU had so many SMs that it found the step small (64 rows)."""
     query_lens, seq_lens = zip(*PREFILL_SEQUENCES)
+    if small_tiles:
+        monkeypatch.setattr(triton_attention, "prefill_sms", lambda device: 100_000)
     cache = PagedCache(seq_lens, num_kv_heads, seed=10)
     q = random_queries(sum(query_lens), num_heads, seed=11)
     query_start = torch.tensor([0, *itertools.accumulate(query_lens)], dtype=torch.int32, device="cuda")
     args = (q, cache.k_cache, cache.v_cache, query_start, cache.seq_lens, cache.block_tables)
+    rows = triton_attention.prefill_block_m(num_heads, num_kv_heads, len(q),
+                                            triton_attention.prefill_sms(q.device))
+    assert rows == (64 if small_tiles else 128)
 
     out = triton_attention.prefill_attention(*args, query_lens, seq_lens, SCALE)
 
@@ -189,7 +197,10 @@ def test_decode_attention_of_more_sequences_than_a_grid_axis_holds(num_splits):
 def test_prefill_attention_of_more_tiles_than_a_grid_axis_holds():
     """4,100 prompts of 256 tokens in tiles of 16 queries (8 heads a kv head): 65,600 tiles."""
     num_seqs, query_len, num_heads = 4_100, 256, 8
-    assert num_seqs * query_len // triton_attention.prefill_block_q(num_heads, 1) > 65_535
+    num_tokens = num_seqs * query_len
+    sms = triton_attention.prefill_sms(torch.device("cuda"))
+    block_q = triton_attention.prefill_block_q(num_heads, 1, num_tokens, sms)
+    assert num_tokens // block_q > 65_535
     k_cache, v_cache, blocks = small_cache(num_seqs * query_len // BLOCK_SIZE, 1, seed=17)
     query_lens = seq_lens = (query_len,) * num_seqs
     q = torch.randn(num_seqs * query_len, num_heads, SMALL_HEAD_DIM, device="cuda").to(DTYPE)
