@@ -19,7 +19,8 @@ rotates the queries too.)
   of the kernel.
 - ``prefill_attention``: flash attention, one program per (query tile, kv head), the kv heads
   fastest along the grid's one axis. A tile's rows are ``BLOCK_M // group`` queries times the
-  group's heads, again reading K/V once per group.
+  group's heads, again reading K/V once per group: 128 rows, at two programs an SM, or 64 for
+  a step too small to fill the GPU with those (``prefill_block_m``).
 
 Key tiles are gathered row by row through the block table, so a tile may span several cache
 blocks. Softmax runs in float32 and in base 2: scores are pre-multiplied by log2(e). Grids
@@ -679,7 +680,8 @@ def prefill_block_m(num_heads: int, num_kv_heads: int, num_tokens: int, sms: int
     for one prompt of 512-2,048 tokens, two of 512-1,024 and four of 512 (up to 256 programs of
     128 rows); 128-row tiles 14-17% less for four prompts of 1,024 and eight of 512 (512)."""
     group = num_heads // num_kv_heads
-    large, small = (max(rows, triton.next_power_of_2(group)) for rows in (PREFILL_ROWS, PREFILL_SMALL_ROWS))
+    large = max(PREFILL_ROWS, triton.next_power_of_2(group))
+    small = max(PREFILL_SMALL_ROWS, triton.next_power_of_2(group))
     programs = -(-num_tokens // (large // group)) * num_kv_heads
     return small if programs <= 2 * sms else large
 
