@@ -1,8 +1,9 @@
 """Prefill attention through flash-attn-4 (FlashAttention in the CuTe DSL), and ``FLASH_KERNELS``.
 
-Measured on the H100 (issue 9): flash-attn-4's paged prefill is 1.5-2x the Triton kernel's,
-while the Triton decode kernel beats flash-attn-4's. So ``FLASH_KERNELS`` is ``TRITON_KERNELS``
-with prefill attention replaced; decode stays on Triton.
+Measured on the H100 (issue 9): flash-attn-4's paged prefill is 1.02-1.35x as fast as the Triton
+kernel's (1.5-2x before the Triton kernel ran two programs an SM), while the Triton decode kernel
+beats flash-attn-4's. So ``FLASH_KERNELS`` is ``TRITON_KERNELS`` with prefill attention replaced
+for large steps; decode stays on Triton.
 
 The paged cache is read in place: ``[num_blocks, block_size, Hkv, D]`` is flash-attn-4's
 ``(num_pages, page_size, h_k, d)`` and the block tables are its ``page_table``. Pages of any size
@@ -15,7 +16,7 @@ Two kinds of prefill steps stay on Triton:
 - CUDA-graph steps (``tiles`` given): their host tuples describe the capture, not the step,
   while flash-attn-4 sizes its grid from the host's maximum lengths;
 - eager steps with less attention work than ``MIN_FLASH_WORK``: flash-attn-4's Python interface
-  costs 115-250 us of host time per call (Triton's launch 50-70 us), more than it saves on the
+  costs 160-570 us of host time per call (Triton's launch 80-120 us), more than it saves on the
   device there. (It does replay from a CUDA graph: the device times of the benchmark in
   tests/gpu/test_flash_attention_gpu.py are taken so.)
 
@@ -36,10 +37,12 @@ import nanofn.kernels.attention as reference
 import nanofn.kernels.triton_attention as triton_attention
 from nanofn.kernels.triton_ops import TRITON_KERNELS
 
-# Query-key pairs (per head, causal) from which an eager step runs on flash-attn-4: 8 prompts of
-# 1,024 tokens. Measured on the H100 per call (layer): there it saves 52 us of device time (100
-# against 152) for ~140 us more host time; at 1 x 2,048 it saves 16 us for ~65 us more.
-MIN_FLASH_WORK = 1 << 22
+# Query-key pairs (per head, causal) from which an eager step runs on flash-attn-4: 4 prompts of
+# 4,096 tokens. Measured on the H100 per call (layer): there it saves 99 us of device time (535
+# against 634); at 8 x 1,024 (2^22 pairs, the standard workload's prefill steps) 12 us (100
+# against 112) for 40-140 us more host time, and the workload ran 6.43-6.48 s with it there
+# against 6.40-6.41 s without (prefill steps 0.383-0.386 against 0.336-0.339 s of device time).
+MIN_FLASH_WORK = 1 << 25
 SELF_CHECK_TOLERANCE = 2e-2  # relative error against the float32 reference, in bf16/fp16
 
 
