@@ -11,21 +11,18 @@ cap (one program an SM), and 64-row tiles.
 
 from __future__ import annotations
 
-import itertools
 import random
 import sys
 from contextlib import contextmanager
 from pathlib import Path
 from unittest import mock
 
-import torch
 import triton.testing
 
 from nanofn.kernels import triton_attention
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "gpu"))
-from test_triton_attention_gpu import (HEAD_DIM, NUM_HEADS, SCALE, PagedCache,  # noqa: E402
-                                       random_queries)
+from test_triton_attention_gpu import causal_flops, whole_prompts  # noqa: E402
 
 
 def shapes() -> dict[str, tuple[int, ...]]:
@@ -55,12 +52,8 @@ def main() -> None:
     variants = ("engine", "128 rows", "128 rows, uncapped", "64 rows")
     print(f"{'shape':>28} " + " ".join(f"{v:>19}" for v in variants) + "   (us; TFLOP/s of the engine's)")
     for round, (name, lens) in enumerate([next(iter(shapes().items())), *shapes().items()]):
-        cache = PagedCache(lens, seed=3, extra_blocks=0)
-        q = random_queries(sum(lens), seed=4)
-        query_start = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device="cuda")
-        args = (q, cache.k_cache, cache.v_cache, query_start, cache.seq_lens, cache.block_tables,
-                lens, lens, SCALE)
-        flops = sum(4 * n * (n + 1) // 2 * NUM_HEADS * HEAD_DIM for n in lens)
+        args = whole_prompts(lens, seed=3)
+        flops = causal_flops(lens)
         times = []
         for variant in variants:
             with tiles(variant):

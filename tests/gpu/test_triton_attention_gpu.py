@@ -244,16 +244,27 @@ def benchmark() -> None:
             lambda: triton_attention.decode_attention(*decode_args), return_mode="median")
         print(f"decode 1 x {context} in a 4096-key table (graph): triton {graph_ms * 1e3:.1f} us")
 
-    query_lens = seq_lens = (1024,) * 8
-    cache = PagedCache(seq_lens, seed=16, extra_blocks=0)
-    q = random_queries(sum(query_lens), seed=17)
-    query_start = torch.tensor([0, *itertools.accumulate(query_lens)], dtype=torch.int32, device="cuda")
-    prefill_args = (q, cache.k_cache, cache.v_cache, query_start, cache.seq_lens, cache.block_tables,
-                    query_lens, seq_lens, SCALE)
-    causal_flops = sum(4 * n * (n + 1) // 2 * NUM_HEADS * HEAD_DIM for n in query_lens)
-    _report("prefill 8 x 1024", causal_flops / 1e12, "TFLOP/s",
+    prompt_lens = (1024,) * 8
+    prefill_args = whole_prompts(prompt_lens, seed=16)
+    _report("prefill 8 x 1024", causal_flops(prompt_lens) / 1e12, "TFLOP/s",
             lambda: triton_attention.prefill_attention(*prefill_args),
             lambda: reference.prefill_attention(*prefill_args))
+
+
+def whole_prompts(prompt_lens, seed):
+    """``prefill_attention``'s arguments for whole prompts of these lengths (nothing cached
+    before them), their keys and values in a random cache."""
+    cache = PagedCache(prompt_lens, seed=seed, extra_blocks=0)
+    q = random_queries(sum(prompt_lens), seed=seed + 1)
+    query_start = torch.tensor([0, *itertools.accumulate(prompt_lens)], dtype=torch.int32,
+                               device="cuda")
+    return (q, cache.k_cache, cache.v_cache, query_start, cache.seq_lens, cache.block_tables,
+            tuple(prompt_lens), tuple(prompt_lens), SCALE)
+
+
+def causal_flops(prompt_lens) -> int:
+    """Floating-point operations of causal attention over whole prompts (Qwen3-0.6B's heads)."""
+    return sum(4 * n * (n + 1) // 2 * NUM_HEADS * HEAD_DIM for n in prompt_lens)
 
 
 def _report(name, work, unit, triton_call, torch_call) -> None:
