@@ -180,7 +180,6 @@ class ModelRunner:
         """The logits of the sampling sequences, ``[S, vocab]`` float32, followed by those of
         the positions ``plan.prompt_logprobs`` asks about (every rank runs this; rank 0
         samples)."""
-        self._start(plan.started)
         if self.graphs is not None and self.graphs.fits(plan):
             hidden, sample_rows, self._sampling_slots = self.graphs.forward(plan)
         elif self.prefill_graphs is not None and self.prefill_graphs.fits(plan):
@@ -191,6 +190,9 @@ class ModelRunner:
                 self._work_start = self.timeline.mark()  # step's work starts with its layers)
             self._sampling_slots, sample_rows = inputs.sampling_slots, inputs.sample_rows
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.batch, self.kv_cache)
+        # The starting sequences' sampling parameters, once the model's work is queued: only
+        # sampling reads them, so the device need not wait for their copies to start.
+        self._start(plan.started)
         if plan.prompt_logprobs:
             extra = to_device(prompt_logprob_rows(plan), self.device)
             hidden = hidden[torch.cat([sample_rows, extra])]

@@ -63,11 +63,12 @@ class InputLayout:
         t, s, e = max_tokens, PREFILL_GRAPH_SEQS + 1, max_entries
         self.sizes = (3 * t, 5 * s, 3 * e, 2 * self.max_tiles)
         self.size = sum(self.sizes)
+        self._ends = np.cumsum(self.sizes).tolist()
 
     def views(self, flat):
         """``(tokens, seqs, entries, tiles)`` views of a flat buffer (numpy or torch)."""
         t, s, e = self.max_tokens, PREFILL_GRAPH_SEQS + 1, self.max_entries
-        a, b, c, _ = np.cumsum(self.sizes).tolist()
+        a, b, c, _ = self._ends
         return (flat[:a].reshape(3, t), flat[a:b].reshape(5, s), flat[b:c].reshape(3, e),
                 flat[c:].reshape(self.max_tiles, 2))
 

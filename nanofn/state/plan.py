@@ -169,9 +169,12 @@ def plan_of(step: int, seqs: Sequence[ScheduledSeq], started: Sequence[SeqStart]
 
 
 def empty_plan(step: int) -> BatchPlan:
-    none = np.zeros(0, np.int64)
-    return BatchPlan(step, (), none, none.copy(), none.copy(), np.zeros(0, bool), none.copy(),
-                     np.zeros((0, 3), np.int64), 0)
+    return BatchPlan(step, (), _NONE, _NONE, _NONE, _NO_SAMPLES, _NONE, _NO_ENTRIES, 0)
+
+
+# An empty plan's arrays, shared (read-only) by every empty plan.
+_NONE, _NO_SAMPLES, _NO_ENTRIES = (_frozen(np.zeros(shape, dtype)) for shape, dtype in
+                                   ((0, np.int64), (0, bool), ((0, 3), np.int64)))
 
 
 def plan_digest(plan: BatchPlan) -> str:

@@ -44,6 +44,8 @@ from nanofn.state.store import HASHES, TABLES, TOKENS, SeqStore
 
 NO_ENTRIES = np.zeros((0, 3), np.int64)
 NO_ENTRIES.flags.writeable = False
+NO_COUNTS = np.zeros(0, np.int64)
+NO_COUNTS.flags.writeable = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +65,8 @@ def schedule(state: EngineState) -> tuple[EngineState, BatchPlan]:
     batch, pool = state.batch, PoolChanges(state.pool)
     cols = thawed(batch.cols)
     counts = wanted_counts(cols, c)
+    if not state.waiting and not counts.any():  # nothing to compute: the state stays
+        return state, empty_plan(state.step)
     grow = np.maximum(blocks_for(cols[:, NUM_COMPUTED] + counts, c.block_size)
                       - cols[:, NUM_BLOCKS], 0)
     if int(grow.sum()) <= pool.num_free:
@@ -138,6 +142,8 @@ def ready(cols: np.ndarray) -> np.ndarray:
 
 def wanted_counts(cols: np.ndarray, c: SchedulerConfig) -> np.ndarray:
     """Each ready sequence's uncomputed tokens, as far as the token budget goes in batch order."""
+    if not len(cols):  # (an idle engine's first step: its arrays would cost more than nothing)
+        return NO_COUNTS
     wanted = (cols[:, NUM_TOKENS] + cols[:, NUM_PENDING] - cols[:, NUM_COMPUTED]) * ready(cols)
     if wanted.sum() <= c.max_num_batched_tokens:
         return wanted
@@ -424,17 +430,21 @@ def _block_entries(cols: np.ndarray, grow: np.ndarray, blocks: list[int],
     if not blocks and not admissions:
         return NO_ENTRIES
     grown = np.flatnonzero(grow)
-    counts = grow[grown]
     if not admissions and len(blocks) == len(grown):  # a decode step: one block each
         return entry_rows(index_in_plan[grown], cols[grown, NUM_BLOCKS] - 1, blocks)
-    first = np.repeat(cols[grown, NUM_BLOCKS] - counts, counts)
-    running = entry_rows(np.repeat(index_in_plan[grown], counts), first + _counting_up(counts),
-                         blocks)
-    lengths = np.array([len(a.blocks) for a in admissions], np.int64)
-    admitted = entry_rows(np.repeat(index_in_plan[num_running:], lengths), _counting_up(lengths),
-                          np.fromiter(itertools.chain.from_iterable(a.blocks for a in admissions),
-                                      np.int64, int(lengths.sum())))
-    return np.concatenate([running, admitted])
+    parts = []
+    if len(grown):
+        counts = grow[grown]
+        first = np.repeat(cols[grown, NUM_BLOCKS] - counts, counts)
+        parts.append(entry_rows(np.repeat(index_in_plan[grown], counts),
+                                first + _counting_up(counts), blocks))
+    if admissions:
+        lengths = np.array([len(a.blocks) for a in admissions], np.int64)
+        parts.append(entry_rows(
+            np.repeat(index_in_plan[num_running:], lengths), _counting_up(lengths),
+            np.fromiter(itertools.chain.from_iterable(a.blocks for a in admissions), np.int64,
+                        int(lengths.sum()))))
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
 def entry_rows(plan_indices: np.ndarray, columns: np.ndarray, blocks) -> np.ndarray:
