@@ -518,3 +518,19 @@ def test_an_eager_steps_device_interval_opens_after_its_inputs_are_laid_out(tiny
     assert len(intervals) >= 3  # a prefill, then decode steps
     for opening in intervals:
         assert calls[opening] == "mark" and calls[opening - 1] == "prepare"
+
+
+def test_a_step_queues_the_model_before_recording_the_new_sequences_sampling_parameters(
+        llm, monkeypatch):
+    """Only sampling reads a starting sequence's parameters; the runner records them (their
+    copies to the device included) once the model's work is queued, so that a prefill does not
+    wait for them to start."""
+    runner = llm.engine.loop.runner
+    calls = []
+    model_forward, start = runner.model.forward, runner._start
+    monkeypatch.setattr(runner.model, "forward",
+                        lambda *a, **k: (calls.append("model"), model_forward(*a, **k))[1])
+    monkeypatch.setattr(runner, "_start",
+                        lambda started: (calls.append("start"), start(started))[1])
+    llm.generate(["order"], SamplingParams(max_tokens=1), use_tqdm=False)
+    assert calls == ["model", "start"]

@@ -281,6 +281,24 @@ def test_deliveries_must_match_the_plan_they_belong_to():
         step(start(config()), Events(sampled=()))
 
 
+def test_a_schedule_with_nothing_to_compute_keeps_the_state():
+    """Nobody waits and no running sequence can be scheduled (an idle engine; a prompt whose
+    last token is in flight): the schedule is the state itself and an empty plan, the same
+    as laying it out in full would give (the state unchanged), at a fraction of the cost."""
+    from nanofn.state.scheduler import schedule
+
+    idle = start(config())
+    kept, plan = schedule(idle)
+    assert kept is idle and plan.is_empty
+    one_token = replace(GREEDY, max_tokens=1)
+    state, plan = step(idle, Events(new_seqs=(request("a", [1, 2, 3], one_token),)))
+    assert not plan.is_empty
+    kept, plan = schedule(state)  # its last token is pending: it waits for it
+    assert kept is state and plan.is_empty and plan.step == state.step
+    waiting = step(state, Events(new_seqs=(request("b", [4, 5]),)))[1]
+    assert [s.seq_id for s in waiting.seqs] == ["b"]  # one waiting: the full schedule
+
+
 def test_a_runner_one_step_ahead_gets_plans_with_pending_tokens():
     """Tokens delivered one plan late: the next plan computes the pending token in place
     (PENDING_TOKEN), and finishing by length never schedules beyond the last token."""
