@@ -147,9 +147,12 @@ class ModelRunner:
 
     def _samples_in_graph(self, plan: BatchPlan, sampling_slots: np.ndarray) -> bool:
         """Whether a decode graph can sample this plan: every sampling row plain (see
-        ``DecodeGraphs``)."""
+        ``DecodeGraphs``). A sequence that starts with the plan (a one-token prompt fits a
+        decode graph) is judged by its own parameters: its slot still holds the last
+        occupant's until ``_start``."""
         return (self.slot_temperature is not None and not plan.banned and not plan.histories
                 and not plan.prompt_logprobs and self.graphs.fits(plan)
+                and all(samples_plainly(s.params) for s in plan.started)
                 and bool(self.slot_params.plain[sampling_slots].all()))
 
     def _start(self, started: tuple[SeqStart, ...]) -> None:
@@ -362,6 +365,14 @@ def _prefill_plan(lens: list[int], blocks_per_seq: int) -> BatchPlan:
     return plan_of(0, seqs, [SeqStart(i, f"profile-{i}", params, n) for i, n in enumerate(lens)])
 
 
+def samples_plainly(p: SamplingParams) -> bool:
+    """Whether a CUDA graph can sample a sequence of these parameters (see ``DecodeGraphs``):
+    temperature alone shapes its draw, and nothing but the token comes back."""
+    return (p.seed is None and p.logprobs is None and not p.has_penalties
+            and not p.shapes_logits and p.structured_outputs is None
+            and (p.greedy or (p.min_p == 0 and p.top_k <= 0 and p.top_p >= 1)))
+
+
 class SlotParams:
     """Per slot, on the host: the sampling parameters of the sequence holding it, set by the
     plan that starts it; each step gathers the sampling rows' with a few array operations."""
@@ -387,10 +398,7 @@ class SlotParams:
                                  p.seed is not None)
             self.seeds[s.slot] = (p.seed or 0) & 0xFFFF_FFFF_FFFF_FFFF
             self.num_prompt[s.slot] = s.num_prompt_tokens
-            self.plain[s.slot] = (p.seed is None and p.logprobs is None and not p.has_penalties
-                                  and not p.shapes_logits and p.structured_outputs is None
-                                  and (p.greedy or (p.min_p == 0 and p.top_k <= 0
-                                                    and p.top_p >= 1)))
+            self.plain[s.slot] = samples_plainly(p)
             if p.shapes_logits:
                 self.shaping[s.slot] = p
             else:

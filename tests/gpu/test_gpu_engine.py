@@ -136,6 +136,32 @@ def test_decode_graphs_sample_as_the_eager_sampler_does(float32_prompts, monkeyp
     assert not replays  # a row with top_p or logprobs in every step: the eager sampler draws
 
 
+def test_a_one_token_prompt_is_sampled_by_its_own_parameters_in_a_reused_slot(float32_prompts):
+    """A one-token prompt's first step fits a decode graph, and its slot holds the last
+    occupant's parameters until the step starts it: a greedy request, then one asking for
+    logprobs (and one with a seed) in the slot it left, must come back as in an eager run,
+    logprobs of every token included."""
+    model_dir, _ = float32_prompts
+    base = dict(max_tokens=3, ignore_eos=True)
+    requests = [SamplingParams(temperature=0, **base), SamplingParams(temperature=0.8, logprobs=2,
+                                                                      **base),
+                SamplingParams(temperature=0, **base), SamplingParams(temperature=0.8, seed=3,
+                                                                      **base)]
+
+    def one_by_one(**options):
+        with LLM(str(model_dir), dtype="float32", gpu_memory_utilization=0.3, max_model_len=512,
+                 seed=7, **options) as llm:
+            outs = [llm.generate([{"prompt_token_ids": [5 + i]}], params, use_tqdm=False)[0]
+                    for i, params in enumerate(requests)]
+            return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+
+    graphs, eager = one_by_one(), one_by_one(enforce_eager=True)
+    assert [tokens for tokens, _ in graphs] == [tokens for tokens, _ in eager]
+    logprobs = graphs[1][1]
+    assert logprobs is not None and len(logprobs) == 3 and all(len(entry) >= 2 for entry in logprobs)
+    assert [sorted(entry) for entry in logprobs] == [sorted(entry) for entry in eager[1][1]]
+
+
 def test_shaped_logits_bad_words_and_prompt_logprobs_leave_the_graph_sampler(float32_prompts,
                                                                              monkeypatch):
     """Rows with a logit bias, allowed tokens, bad words or prompt logprobs are not plain: the
