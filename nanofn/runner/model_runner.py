@@ -126,6 +126,7 @@ class ModelRunner:
         tokens stay on the device for the next plan's ``PENDING_TOKEN``s; ``wait()`` on the
         result brings them to the host."""
         self._work_start = self.timeline.mark() if self.timeline is not None else None
+        self.slot_params.start(plan.started)  # first: the choice of sampler reads them
         sampling_slots = plan.slots[plan.sample]
         if token_bitmask is None and self._samples_in_graph(plan, sampling_slots):
             self._start(plan.started)
@@ -147,21 +148,15 @@ class ModelRunner:
 
     def _samples_in_graph(self, plan: BatchPlan, sampling_slots: np.ndarray) -> bool:
         """Whether a decode graph can sample this plan: every sampling row plain (see
-        ``DecodeGraphs``). A sequence that starts with the plan (a one-token prompt fits a
-        decode graph) is judged by its own parameters: its slot still holds the last
-        occupant's until ``_start``."""
+        ``DecodeGraphs``)."""
         return (self.slot_temperature is not None and not plan.banned and not plan.histories
                 and not plan.prompt_logprobs and self.graphs.fits(plan)
-                and all(samples_plainly(s.params) for s in plan.started)
                 and bool(self.slot_params.plain[sampling_slots].all()))
 
     def _start(self, started: tuple[SeqStart, ...]) -> None:
-        """Record the sampling parameters of the sequences that start (and their temperatures
-        on the device, for the sampling graphs)."""
-        if not started:
-            return
-        self.slot_params.start(started)
-        if self.slot_temperature is not None:
+        """The starting sequences' temperatures to the device, for the sampling graphs (their
+        parameters on the host are recorded at the launch's start)."""
+        if started and self.slot_temperature is not None:
             slots = np.array([s.slot for s in started], np.int64)
             temperatures = self.slot_params.floats[slots, SlotParams.TEMPERATURE]
             self.slot_temperature[to_device(slots, self.device)] = to_device(temperatures,
@@ -193,8 +188,8 @@ class ModelRunner:
                 self._work_start = self.timeline.mark()  # step's work starts with its layers)
             self._sampling_slots, sample_rows = inputs.sampling_slots, inputs.sample_rows
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.batch, self.kv_cache)
-        # The starting sequences' sampling parameters, once the model's work is queued: only
-        # sampling reads them, so the device need not wait for their copies to start.
+        # The starting sequences' temperatures, once the model's work is queued: only the
+        # sampling graphs read them, so the device need not wait for their copies to start.
         self._start(plan.started)
         if plan.prompt_logprobs:
             extra = to_device(prompt_logprob_rows(plan), self.device)
@@ -365,14 +360,6 @@ def _prefill_plan(lens: list[int], blocks_per_seq: int) -> BatchPlan:
     return plan_of(0, seqs, [SeqStart(i, f"profile-{i}", params, n) for i, n in enumerate(lens)])
 
 
-def samples_plainly(p: SamplingParams) -> bool:
-    """Whether a CUDA graph can sample a sequence of these parameters (see ``DecodeGraphs``):
-    temperature alone shapes its draw, and nothing but the token comes back."""
-    return (p.seed is None and p.logprobs is None and not p.has_penalties
-            and not p.shapes_logits and p.structured_outputs is None
-            and (p.greedy or (p.min_p == 0 and p.top_k <= 0 and p.top_p >= 1)))
-
-
 class SlotParams:
     """Per slot, on the host: the sampling parameters of the sequence holding it, set by the
     plan that starts it; each step gathers the sampling rows' with a few array operations."""
@@ -398,7 +385,10 @@ class SlotParams:
                                  p.seed is not None)
             self.seeds[s.slot] = (p.seed or 0) & 0xFFFF_FFFF_FFFF_FFFF
             self.num_prompt[s.slot] = s.num_prompt_tokens
-            self.plain[s.slot] = samples_plainly(p)
+            self.plain[s.slot] = (p.seed is None and p.logprobs is None and not p.has_penalties
+                                  and not p.shapes_logits and p.structured_outputs is None
+                                  and (p.greedy or (p.min_p == 0 and p.top_k <= 0
+                                                    and p.top_p >= 1)))
             if p.shapes_logits:
                 self.shaping[s.slot] = p
             else:

@@ -62,11 +62,12 @@ class Admission:
 
 def schedule(state: EngineState) -> tuple[EngineState, BatchPlan]:
     c = state.config
-    batch, pool = state.batch, PoolChanges(state.pool)
+    batch = state.batch
     cols = thawed(batch.cols)
     counts = wanted_counts(cols, c)
     if not state.waiting and not counts.any():  # nothing to compute: the state stays
         return state, empty_plan(state.step)
+    pool = PoolChanges(state.pool)
     grow = np.maximum(blocks_for(cols[:, NUM_COMPUTED] + counts, c.block_size)
                       - cols[:, NUM_BLOCKS], 0)
     if int(grow.sum()) <= pool.num_free:
@@ -295,7 +296,7 @@ def _plan(step: int, store: SeqStore, key: object, cols: np.ndarray, counts: np.
     the blocks they fill in the prefix cache, and lay the plan out. Returns the new batch, the
     plan, and the serials of the sampling sequences."""
     starts = cols[:, NUM_COMPUTED].copy()
-    everyone = bool(counts.all())
+    everyone = len(counts) > 0 and bool(counts.all())  # (all() of nothing is true)
     scheduled = slice(None) if everyone else np.flatnonzero(counts)
     if not everyone and not len(scheduled):
         return RunningBatch(frozen(cols), specs, ids, store, key), empty_plan(step), None
