@@ -301,10 +301,10 @@ def test_a_token_without_text_still_gets_a_chunk():
     (ids the tokenizer does not know, a held-back partial character): clients time tokens by
     chunks, and logprobs travel with them."""
     from nanofn.engine.outputs import CompletionOutput, Logprob, RequestOutput
-    from nanofn.server.app import _Shape
+    from nanofn.server.shapes import Shape
     from nanofn.state import SamplingParams
 
-    shape = _Shape("cmpl-1", 0, "m", chat=False, params=SamplingParams(logprobs=0), body={},
+    shape = Shape("cmpl-1", 0, "m", chat=False, params=SamplingParams(logprobs=0), body={},
                    decode=str)
     sent: dict = {}
 
