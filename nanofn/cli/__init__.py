@@ -636,7 +636,18 @@ def _step_line(state: EngineState, plan: BatchPlan) -> str:
         parts.append("preempted " + " ".join(state.preempted))
     if state.finished:
         parts.append("finished " + " ".join(seq.seq_id for seq in state.finished))
+    if plan.state_restores or plan.state_saves:
+        parts.append(_state_copies(plan))
     return " | ".join(parts)
+
+
+def _state_copies(plan: BatchPlan) -> str:
+    """A hybrid plan's recurrent-state copies: ``restore SAVED->WORKING`` before the step,
+    ``save ID@TOKENS->SLOT`` after it."""
+    restores = [f"restore {src}->{dst}" for src, dst in plan.state_restores]
+    ends = plan.start_pos + plan.num_scheduled
+    saves = [f"save {plan.seq_ids[i]}@{ends[i]}->{slot}" for i, slot in plan.state_saves]
+    return " ".join(restores + saves)
 
 
 def _scheduled(s: ScheduledSeq) -> str:
@@ -657,6 +668,8 @@ def _print_state(state: EngineState, plan: BatchPlan, num_steps: int) -> None:
           f"{len(pool.by_hash)} in the prefix cache")
     print(f"  cached free, first evicted first: {_short(list(pool.cached_free()))}")
     print(f"  reference counts of owned blocks (block:count): {_short(owned)}")
+    if state.states is not None:
+        _print_state_slots(state)
     f = figures(state)
     print(f"figures: KV usage {f.kv_cache_usage:.1%} ({f.kv_blocks_used} of {f.kv_blocks_total} "
           f"blocks), prefix cache hit rate {f.prefix_cache_hit_rate:.1%}, preemptions "
@@ -668,6 +681,18 @@ def _print_state(state: EngineState, plan: BatchPlan, num_steps: int) -> None:
     for s in entries:
         tokens = ["pending" if t == PENDING_TOKEN else t for t in s.token_ids]
         print(f"  {_scheduled(s)} tokens {_short(tokens)} blocks {_short(tables[s.seq_id])}")
+    if plan.state_restores or plan.state_saves:
+        print(f"  recurrent states: {_state_copies(plan)}")
+
+
+def _print_state_slots(state: EngineState) -> None:
+    states = state.states
+    working = {seq.seq_id: seq.state_slot for seq in state.running}
+    print(f"state slots: {states.num_slots} slots, {states.num_working} working, "
+          f"{states.num_saved} saved, {states.num_free} free")
+    print(f"  working (sequence:slot): {_short([f'{i}:{s}' for i, s in working.items()])}")
+    print("  saved (slot:tokens), first evicted first: "
+          + _short([f"{entry.slot}:{entry.num_tokens}" for _, entry in states.saved_by_age()]))
 
 
 def _describe_seq(seq: Seq) -> str:
@@ -678,7 +703,8 @@ def _describe_seq(seq: Seq) -> str:
     return (f"  {seq.seq_id}: {status}, {seq.num_tokens} tokens ({seq.num_prompt_tokens} prompt "
             f"+ {seq.num_output_tokens} output){pending}, arrived at step "
             f"{seq.spec.arrival_step}, computed {seq.num_computed}, cached at "
-            f"admission {seq.num_cached_tokens}, preemptions {seq.num_preemptions}\n"
+            f"admission {seq.num_cached_tokens}, preemptions {seq.num_preemptions}"
+            f"{f', state slot {seq.state_slot}' if seq.state_slot >= 0 else ''}\n"
             f"      blocks {_short(seq.block_table)}\n"
             f"      tokens {_short(seq.token_ids)}")
 

@@ -31,6 +31,9 @@ class EngineOptions:
     trace: str | None = None  # a path: record this run's trace there
     kv_cache_memory_bytes: int | None = None  # default: from gpu_memory_utilization (GPU), 4 GiB (CPU)
     num_kv_blocks: int | None = None  # an exact KV cache size, for tests and debugging
+    # A hybrid model's recurrent-state slots (working and saved states), for tests and
+    # debugging; default: from the memory left beside the KV cache (see the runner)
+    num_state_slots: int | None = None
     device: str = "auto"  # "cuda" when there is a GPU, else "cpu"
     kernel_backend: str = "auto"  # on CUDA "flash" where it runs, else "triton"; on CPU "torch"
     async_scheduling: bool = True  # schedule the next step while the device runs this one
@@ -96,7 +99,8 @@ def _problems(o: EngineOptions):
         value = getattr(o, name)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             yield f"{name} must be a positive integer, got {value!r}"
-    for name in ("max_model_len", "kv_cache_memory_bytes", "num_kv_blocks", "cpu_threads"):
+    for name in ("max_model_len", "kv_cache_memory_bytes", "num_kv_blocks", "num_state_slots",
+                 "cpu_threads"):
         value = getattr(o, name)
         if value is not None and (not isinstance(value, int) or value < 1):
             yield f"{name} must be a positive integer or None, got {value!r}"
