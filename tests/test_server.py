@@ -1,12 +1,13 @@
 """``nanofn serve`` as a subprocess on 127.0.0.1, driven with the real ``openai`` client (and
 httpx where the client hides the HTTP): completions and chat, streamed and not, n > 1, stop
 strings, logprobs, usage, errors, disconnects, and a bounded load with cancellations; scoring
-(echo with logprobs, max_tokens=0)."""
+(echo with logprobs, max_tokens=0) and lm-eval's local-completions model against the server."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import random
 import re
@@ -16,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -205,9 +207,11 @@ def test_logprobs(client):
         assert listed == (t.logprob >= best[1])
 
 
-# --- scoring: echo with logprobs, max_tokens=0 ----------------------------------------------
+# --- scoring: echo with logprobs, max_tokens=0, lm-eval --------------------------------------
 
 SCORED = "The quick brown fox jumps"
+REPO = Path(__file__).resolve().parent.parent
+LM_EVAL_TASKS = ["nanofn_choice", "nanofn_perplexity", "nanofn_generate"]
 
 
 @pytest.fixture(scope="module")
@@ -221,7 +225,7 @@ def llm(tiny_qwen3):
 
 @pytest.fixture(scope="module")
 def encode(tiny_qwen3):
-    """Text to token ids, without special tokens."""
+    """Text to token ids as lm-eval's Hugging Face backend makes them."""
     import transformers
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_qwen3)
@@ -347,6 +351,59 @@ def test_logprobs_of_tokens_a_grammar_masks_are_finite(client):
                                           max_tokens=3, logprobs=True, top_logprobs=5,
                                           extra_body=constraint)
     assert -9999.0 in [t.logprob for t in chat.choices[0].logprobs.content[0].top_logprobs]
+
+
+def test_lm_eval_scores_through_the_server(server, llm, encode, tiny_qwen3, monkeypatch):
+    """lm-eval's ``local-completions`` model on the tasks in tests/lm_eval_tasks: its
+    loglikelihoods (and is_greedy), rolling loglikelihoods and generations are those of LLM."""
+    lm_eval = pytest.importorskip("lm_eval")
+    from lm_eval.tasks import TaskManager
+
+    from nanofn import SamplingParams
+
+    monkeypatch.chdir(REPO)  # the task files name their data file from the repository root
+    model_args = dict(model="tiny", base_url=f"{server}/v1/completions", tokenizer=str(tiny_qwen3),
+                      tokenizer_backend="huggingface", max_length=256, max_retries=1,
+                      header={"Authorization": f"Bearer {API_KEY}"})
+    tasks = TaskManager(include_path=str(REPO / "tests" / "lm_eval_tasks"),
+                        include_defaults=False)
+    evaluated = lm_eval.simple_evaluate(model="local-completions", model_args=model_args,
+                                        tasks=LM_EVAL_TASKS, task_manager=tasks,
+                                        log_samples=True)
+    samples, results = evaluated["samples"], evaluated["results"]
+    correct = []
+    for sample in samples["nanofn_choice"]:
+        scores = []
+        for (context, continuation), [(loglikelihood, is_greedy)] in zip(sample["arguments"],
+                                                                         sample["resps"]):
+            context_ids = encode(context)
+            tokens = context_ids + encode(context + continuation)[len(context_ids):]
+            entries = prompt_logprobs(llm, tokens)[len(context_ids):]
+            targets = tokens[len(context_ids):]
+            assert loglikelihood == pytest.approx(
+                sum(e[t].logprob for t, e in zip(targets, entries)), abs=1e-4)
+            assert is_greedy == all(e[t].rank == 1 for t, e in zip(targets, entries))
+            scores.append(loglikelihood)
+        correct.append(scores.index(max(scores)) == sample["target"])
+    assert results["nanofn_choice"]["acc,none"] == pytest.approx(sum(correct) / len(correct))
+    tokenizer = llm.get_tokenizer()  # lm-eval's prefix token: BOS, or else EOS
+    prefix = [tokenizer.eos_token_id if tokenizer.bos_token_id is None else tokenizer.bos_token_id]
+    total, num_bytes = 0.0, 0
+    for sample in samples["nanofn_perplexity"]:
+        [(text,)], [[loglikelihood]] = sample["arguments"], sample["resps"]
+        tokens = prefix + encode(text)
+        entries = prompt_logprobs(llm, tokens)[1:]
+        assert loglikelihood == pytest.approx(
+            sum(e[t].logprob for t, e in zip(tokens[1:], entries)), abs=1e-3)
+        total, num_bytes = total + loglikelihood, num_bytes + len(text.encode())
+    assert results["nanofn_perplexity"]["byte_perplexity,none"] == pytest.approx(
+        math.exp(-total / num_bytes))
+    for sample in samples["nanofn_generate"]:
+        [(context, options)], [[text]] = sample["arguments"], sample["resps"]
+        params = SamplingParams(temperature=0, max_tokens=options["max_gen_toks"],
+                                stop=[*options["until"], "<|endoftext|>"])
+        (out,) = llm.generate({"prompt_token_ids": encode(context)}, params, use_tqdm=False)
+        assert text == out.outputs[0].text
 
 
 def test_vllm_request_fields_and_stop_reason(server, client):
