@@ -100,6 +100,8 @@ def sampling_params(body: dict, chat: bool,
     elif max_tokens is None:
         max_tokens = default_max_tokens
     fields["max_tokens"] = max_tokens
+    if not chat:
+        fields.update(_echo_fields(body, max_tokens))
     if body.get("logit_bias") is not None:
         fields["logit_bias"] = _logit_bias(body["logit_bias"])
     stop = body.get("stop")
@@ -115,6 +117,31 @@ def sampling_params(body: dict, chat: bool,
         return SamplingParams(**fields)
     except (TypeError, ValueError) as error:
         raise APIError(400, str(error), param=param_of(str(error))) from None
+
+
+def scores_prompt_only(body: dict) -> bool:
+    """Whether a completion only scores its prompt: ``echo`` with ``max_tokens=0``."""
+    return body.get("echo") is True and _is_token(body.get("max_tokens")) and \
+        body["max_tokens"] == 0
+
+
+def _echo_fields(body: dict, max_tokens: Any) -> dict[str, Any]:
+    """What ``echo`` changes in a completion's sampling parameters. Its ``logprobs`` cover the
+    prompt too, so the engine computes ``prompt_logprobs`` (unless the body sets them); with
+    ``max_tokens=0`` (scoring, as lm-eval does) the engine samples one token that the response
+    leaves out, as in vLLM. Without ``echo``, ``max_tokens=0`` is an error."""
+    echo = body.get("echo")
+    if echo is not None and not isinstance(echo, bool):
+        raise APIError(400, f"echo must be a boolean, got {echo!r}", param="echo")
+    if _is_token(max_tokens) and max_tokens == 0 and not echo:
+        raise APIError(400, "max_tokens must be >= 1; max_tokens=0 (no tokens generated, the "
+                            "prompt scored) needs echo=true", param="max_tokens")
+    fields: dict[str, Any] = {}
+    if scores_prompt_only(body):
+        fields["max_tokens"] = 1
+    if echo and body.get("logprobs") is not None and body.get("prompt_logprobs") is None:
+        fields["prompt_logprobs"] = body["logprobs"]
+    return fields
 
 
 def param_of(message: str) -> str | None:
