@@ -220,7 +220,10 @@ def test_ctrl_c_is_one_line_and_exit_code_130(tiny_qwen3, capsys, monkeypatch):
 
     monkeypatch.setattr(LLM, "generate", interrupt)
     for command in ("generate", "bench"):
-        code, _, err = run(capsys, command, str(tiny_qwen3), *SMALL_ENGINE)
+        try:
+            code, _, err = run(capsys, command, str(tiny_qwen3), *SMALL_ENGINE)
+        except KeyboardInterrupt:
+            pytest.fail(f"Ctrl-C in {command} escaped main")
         assert code == 130 and err == f"nanofn {command}: interrupted\n"
 
 
