@@ -202,3 +202,26 @@ def test_the_trace_walkthrough_prints_what_the_readme_shows(home, tmp_path, monk
             capsys.readouterr()
     assert main(["replay", "walk.jsonl", "--check"]) == 0
     assert capsys.readouterr().out == "trace OK: 55 steps\n"
+
+
+# --- benchmarks/ ----------------------------------------------------------------------------
+
+def test_the_benchmark_scripts_are_listed_and_every_path_to_one_exists():
+    """benchmarks/README.md names every script at the top of benchmarks/, RESULTS.md's
+    "Experiments" section every one in experiments/, and each path to a script written in the
+    repository's documents, code and tests is where it says."""
+    benchmarks = ROOT / "benchmarks"
+    scripts = {path.name for path in benchmarks.iterdir() if path.suffix in (".py", ".sh")}
+    named = set(re.findall(r"`(\w+\.(?:py|sh))`", (benchmarks / "README.md").read_text()))
+    assert named == scripts
+    results = (benchmarks / "RESULTS.md").read_text()
+    experiments = results.split("\n## Experiments (`benchmarks/experiments/`)\n", 1)[1]
+    described = set(re.findall(r"^- `(\w+\.py)`: ", experiments.split("\n## ", 1)[0], re.M))
+    assert described == {path.name for path in (benchmarks / "experiments").glob("*.py")}
+    documents = [ROOT / "README.md", *ROOT.glob("docs/**/*.md"), *benchmarks.rglob("*.md"),
+                 *benchmarks.rglob("*.sh"), *benchmarks.rglob("*.py"),
+                 *(path for folder in ("nanofn", "tests", "properties")
+                   for path in (ROOT / folder).rglob("*.py"))]
+    for document in documents:
+        for path in re.findall(r"benchmarks/[a-z0-9_/]+\.(?:py|sh)", document.read_text()):
+            assert (ROOT / path).is_file(), f"{document.relative_to(ROOT)} names {path}"
