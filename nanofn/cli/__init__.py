@@ -1,9 +1,10 @@
-"""The ``nanofn`` command: ``generate`` text, ``bench`` throughput, ``replay`` a trace, ``diff``
-two traces.
+"""The ``nanofn`` command: ``generate`` text, ``serve`` the OpenAI API, ``bench`` throughput,
+``replay`` a trace, ``diff`` two traces.
 
 Problems with what the user asked for (a bad flag value, a missing model folder, an unreadable
-trace) are reported in one line on stderr with exit code 2. torch is imported only by the
-subcommands that run a model, so ``--help`` and ``replay`` start fast.
+trace) are reported in one line on stderr with exit code 2, a mistyped flag or command with the
+closest one; Ctrl-C in one line with exit code 130. torch is imported only by the subcommands
+that run a model, so ``--help`` and ``replay`` start fast.
 """
 
 from __future__ import annotations
@@ -24,9 +25,9 @@ from nanofn.cli.bench import (CPU_SHARED_PREFIX_SIZES, CPU_SIZES, KNOWN_DEVICE_R
                               SHARED_PREFIX_SIZES, STANDARD_SIZES, ModelDims, Workload,
                               describe_sizes, device_rates, floor, format_seconds, measure,
                               shared_prefix_workload, standard_workload)
+from nanofn.model.tiny import DEMO_MODEL, demo_model, random_weights_model
 from nanofn.state import (EngineState, SamplingParams, Seq, Trace, TraceError, diff_traces,
                           figures, read_trace, replay, run_series)
-from nanofn.model.tiny import DEMO_MODEL, demo_model, random_weights_model
 from nanofn.state.plan import PENDING_TOKEN, BatchPlan, ScheduledSeq
 
 DEFAULT_PROMPTS = ["Hello, my name is", "The capital of France is"]
