@@ -42,6 +42,7 @@ def section(title: str) -> str:
 def test_ci_runs_the_readme_commands_verbatim():
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
     commands = code_blocks(section("Two commands"))
+    assert "takes about 20 minutes on a 2-core machine" in " ".join(section("Two commands").split())
     assert len(commands) == 2
     demo, tests = commands
     assert "nanofn generate" in demo and "pytest" in tests
