@@ -21,8 +21,8 @@ import time
 from collections import defaultdict
 
 from nanofn import LLM
-from nanofn.cli import random_weights_model
 from nanofn.cli.bench import standard_workload
+from nanofn.model.tiny import random_weights_model
 from nanofn.runner.sampler import DeviceSample
 from nanofn.runner.timeline import DeviceTimeline
 import nanofn.engine.loop as loop_module

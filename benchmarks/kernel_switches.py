@@ -27,7 +27,7 @@ def add_model_and_switches(parser: argparse.ArgumentParser) -> None:
 def model_with_switches(args: argparse.Namespace) -> str:
     """Apply the switches ``args`` asks for; returns the model's folder (a random-weight
     checkpoint is built once)."""
-    from nanofn.cli import random_weights_model
+    from nanofn.model.tiny import random_weights_model
     from nanofn.kernels.triton_ops import with_triton_gemm_max_rows
 
     if args.no_gemv:

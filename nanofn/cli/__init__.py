@@ -1,41 +1,45 @@
-"""The ``nanofn`` command: ``generate`` text, ``bench`` throughput, ``replay`` a trace, ``diff``
-two traces.
+"""The ``nanofn`` command: ``generate`` text, ``serve`` the OpenAI API, ``bench`` throughput,
+``replay`` a trace, ``diff`` two traces.
 
 Problems with what the user asked for (a bad flag value, a missing model folder, an unreadable
-trace) are reported in one line on stderr with exit code 2. torch is imported only by the
-subcommands that run a model, so ``--help`` and ``replay`` start fast.
+trace) are reported in one line on stderr with exit code 2, a mistyped flag or command with the
+closest one; Ctrl-C in one line with exit code 130. torch is imported only by the subcommands
+that run a model, so ``--help`` and ``replay`` start fast.
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
-import os
-import shutil
 import sys
-import tempfile
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, fields, replace
 from pathlib import Path
 from typing import Any
 
+from nanofn import __version__
 from nanofn.engine.options import EngineOptions
 from nanofn.cli.bench import (CPU_SHARED_PREFIX_SIZES, CPU_SIZES, KNOWN_DEVICE_RATES,
                               SHARED_PREFIX_SIZES, STANDARD_SIZES, ModelDims, Workload,
                               describe_sizes, device_rates, floor, format_seconds, measure,
                               shared_prefix_workload, standard_workload)
+from nanofn.model.tiny import DEMO_MODEL, demo_model, random_weights_model
 from nanofn.state import (EngineState, SamplingParams, Seq, Trace, TraceError, diff_traces,
                           figures, read_trace, replay, run_series)
 from nanofn.state.plan import PENDING_TOKEN, BatchPlan, ScheduledSeq
 
-DEMO_MODEL = "demo-qwen3"
 DEFAULT_PROMPTS = ["Hello, my name is", "The capital of France is"]
 SHOWN_ITEMS = 12  # a longer list of tokens or blocks is shortened to its ends
 
 # EngineOptions field -> argparse settings; a flag the user leaves out is None and not passed,
 # so that LLM keeps its own default.
 ENGINE_FLAGS: dict[str, dict[str, Any]] = {
+    "tokenizer": dict(metavar="FOLDER", help="a tokenizer folder other than the model's"),
+    "seed": dict(type=int, metavar="N",
+                 help="the engine's seed, of the sampling of requests without a seed of their "
+                      "own (default: {default})"),
     "max_model_len": dict(type=int, metavar="N",
                           help="longest prompt + output (default: the model's "
                                "max_position_embeddings)"),
@@ -79,7 +83,8 @@ ENGINE_FLAGS: dict[str, dict[str, Any]] = {
                              "size under 1024, such as the demo; else torch's, one per core)"),
 }
 
-# SamplingParams field -> argparse settings, as for ENGINE_FLAGS.
+# SamplingParams field -> argparse settings, as for ENGINE_FLAGS ("dest" where the field's name
+# is an engine flag's too).
 SAMPLING_FLAGS: dict[str, dict[str, Any]] = {
     "max_tokens": dict(type=int, metavar="N", help="most tokens to generate (default: {default})"),
     "temperature": dict(type=float, metavar="T", help="0 is greedy (default: {default})"),
@@ -89,7 +94,10 @@ SAMPLING_FLAGS: dict[str, dict[str, Any]] = {
                                              "all (default: {default})"),
     "min_p": dict(type=float, metavar="P", help="drop tokens less likely than P times the "
                                                "likeliest (default: {default})"),
-    "seed": dict(type=int, metavar="N", help="seed of this request's sampling"),
+    # --seed is the engine's, as in vLLM
+    "seed": dict(flag="--sampling-seed", dest="sampling_seed", type=int, metavar="N",
+                 help="each prompt's own sampling seed: its tokens do not depend on what else "
+                      "runs (default: none, the engine's --seed)"),
     "n": dict(type=int, metavar="N", help="outputs per prompt (default: {default})"),
     "stop": dict(flag="--stop", action="append", metavar="TEXT",
                  help="stop when the output contains TEXT (repeatable)"),
@@ -121,22 +129,57 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
-    except SystemExit as e:  # --help, or a malformed command line (argparse said why)
+    except SystemExit as e:  # --help, --version, or a malformed command line (argparse said why)
         return int(e.code or 0)
     try:
         return args.run(args)
     except UsageError as e:
         print(f"nanofn {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: the work in flight was settled on the way out
+        print(f"nanofn {args.command}: interrupted", file=sys.stderr)
+        return 130  # 128 + SIGINT, as a shell reports a command that Ctrl-C stopped
     except BrokenPipeError:  # the reader went away (``nanofn replay t.jsonl | head``)
         sys.stderr.close()
         return 0
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse's parser, with the closest valid word offered for a mistyped one ("did you
+    mean --max-tokens?"): a command, a choice or a flag.
+
+    A subcommand's parser reports its unknown flags itself, with its own usage: argparse would
+    hand them back to the top level, whose usage says nothing about them.
+    """
+
+    def parse_known_args(self, args: Sequence[str] | None = None,
+                         namespace: argparse.Namespace | None = None,
+                         ) -> tuple[argparse.Namespace, list[str]]:
+        parsed, unknown = super().parse_known_args(args, namespace)
+        if unknown:
+            flags = [word.split("=", 1)[0] for word in unknown if word.startswith("-")]
+            hint = _did_you_mean(flags[0], self._option_string_actions) if flags else ""
+            self.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
+        return parsed, unknown
+
+    def _check_value(self, action: argparse.Action, value: Any) -> None:
+        try:
+            super()._check_value(action, value)
+        except argparse.ArgumentError as e:  # not one of the choices
+            hint = _did_you_mean(str(value), map(str, action.choices))
+            raise argparse.ArgumentError(action, e.message + hint) from None
+
+
+def _did_you_mean(word: str, choices: Iterable[str]) -> str:
+    closest = difflib.get_close_matches(word, list(choices), n=1)
+    return f"; did you mean {closest[0]}?" if closest else ""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="nanofn", description="nanofn: an LLM inference engine with a pure, replayable "
                                    "scheduling core.")
+    parser.add_argument("--version", action="version", version=f"nanofn {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_generate(commands)
     _add_serve(commands)
@@ -151,20 +194,22 @@ def build_parser() -> argparse.ArgumentParser:
 def add_flags(parser: argparse.ArgumentParser, title: str, flags: dict[str, dict[str, Any]],
               fields_of: type) -> None:
     """Add a group of flags named after the fields of ``fields_of`` they set
-    (``--max-model-len`` sets ``max_model_len``); they default to None, meaning "not given".
-    A help text's ``{default}`` shows the field's default, read from ``fields_of``."""
+    (``--max-model-len`` sets ``max_model_len``), unless their settings name another ``flag``
+    (and ``dest``); they default to None, meaning "not given". A help text's ``{default}``
+    shows the field's default, read from ``fields_of``."""
     defaults = {f.name: f.default for f in fields(fields_of)}
     group = parser.add_argument_group(title)
     for name, settings in flags.items():
-        settings = dict(settings)
+        settings = {"dest": name, **settings}
         flag = settings.pop("flag", "--" + name.replace("_", "-"))
         settings["help"] = settings["help"].replace("{default}", str(defaults[name]))
-        group.add_argument(flag, dest=name, default=None, **settings)
+        group.add_argument(flag, default=None, **settings)
 
 
 def given(args: argparse.Namespace, flags: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """The flags of ``flags`` that the user gave, by field name."""
-    return {name: getattr(args, name) for name in flags if getattr(args, name) is not None}
+    values = {name: getattr(args, settings.get("dest", name)) for name, settings in flags.items()}
+    return {name: value for name, value in values.items() if value is not None}
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -194,41 +239,11 @@ def _user_errors() -> Iterator[None]:
         raise UsageError(str(e)) from e
 
 
-# --- models in the cache folder -------------------------------------------------------------
+# --- the demo model -------------------------------------------------------------------------
 
-def cache_dir() -> Path:
-    """``$NANOFN_CACHE``, else ``~/.cache/nanofn``."""
-    return Path(os.environ.get("NANOFN_CACHE") or Path.home() / ".cache" / "nanofn")
-
-
-def cached_checkpoint(name: str, build: Callable[[Path], object]) -> Path:
-    """``<cache>/<name>``, made by ``build(folder)`` on first use.
-
-    It is built in a temporary folder and renamed into place, so a folder under that name is
-    always complete, even when a build is interrupted or two processes build at once.
-    """
-    final = cache_dir() / name
-    if final.is_dir():
-        return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    print(f"nanofn: building {final} (once)", file=sys.stderr)
-    staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=final.parent))
-    staging.chmod(0o755)  # mkdtemp's folder is private; the cache is not
-    try:
-        build(staging)
-        os.rename(staging, final)
-    except OSError:
-        if not final.is_dir():  # else another process got there first: use its folder
-            raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return final
-
-
-def demo_model() -> Path:
-    from nanofn.model.tiny import make_tiny_checkpoint
-
-    path = cached_checkpoint(DEMO_MODEL, lambda folder: make_tiny_checkpoint(folder, "qwen3"))
+def announced_demo_model() -> Path:
+    """The built-in demo model's folder, with a word on what it is and how to run a real one."""
+    path = demo_model()
     print(f"nanofn: no MODEL given, so using the built-in demo model {path}.\n"
           f"  It has RANDOM weights: its text is gibberish by design. It shows the whole pipeline\n"
           f"  running (tokenizer, scheduler, paged KV cache, model, sampler, detokenizer).\n"
@@ -282,12 +297,13 @@ def run_serve(args: argparse.Namespace) -> int:
     from nanofn.server.app import build_app
     from nanofn.server.async_engine import AsyncLLM
 
-    model = args.model or str(demo_model())
-    server_class = _uvicorn_server()
+    model = args.model or str(announced_demo_model())
+    served_name = args.served_model_name or args.model or DEMO_MODEL
+    server_class = _uvicorn_server(served_name)
     with _user_errors():
         llm = AsyncLLM(model, **engine_kwargs(args))
     try:
-        app = build_app(llm, args.served_model_name or args.model or DEMO_MODEL, args.api_key)
+        app = build_app(llm, served_name, args.api_key)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                                 timeout_graceful_shutdown=30)
         server_class(config).run()
@@ -296,13 +312,22 @@ def run_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _uvicorn_server() -> type:
+def _uvicorn_server(served_name: str) -> type:
     import uvicorn
 
     class Server(uvicorn.Server):
         """uvicorn stops taking connections on SIGINT or SIGTERM and lets the requests in
         flight finish (or their clients go); then it raises the signal again, which would
         kill the process before the engine closes. Here ``serve`` returns, and exits 0."""
+
+        async def startup(self, sockets: list | None = None) -> None:
+            """Say where the server listens once it does (the engine is up by then)."""
+            await super().startup(sockets)
+            if self.started:
+                host = self.config.host
+                port = self.servers[0].sockets[0].getsockname()[1]  # the one taken for --port 0
+                print(f"serving {served_name} at http://{f'[{host}]' if ':' in host else host}:"
+                      f"{port}", file=sys.stderr, flush=True)
 
         @contextmanager
         def capture_signals(self) -> Iterator[None]:
@@ -315,7 +340,7 @@ def _uvicorn_server() -> type:
 
 def run_generate(args: argparse.Namespace) -> int:
     sampling_params(args)  # a bad flag is reported before the model loads
-    llm = load_llm(args.model or demo_model(), args)
+    llm = load_llm(args.model or announced_demo_model(), args)
     prompts = args.prompt or DEFAULT_PROMPTS
     with llm, _user_errors():
         # what the flags leave unset comes from the model's generation config, as in vLLM
@@ -421,7 +446,7 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.profile and device == "cpu":
         raise UsageError("--profile measures a GPU's busy time: it needs a CUDA device")
     model = (args.model or (random_weights_model(args.random_weights) if args.random_weights
-                            else demo_model()))
+                            else announced_demo_model()))
     llm = load_llm(model, args)
     engine = llm.engine
     sizes = _workload_sizes(args, device)
@@ -501,13 +526,6 @@ def _device_name(device: str) -> str:
 
 def _percent(x: float) -> str:
     return f"{x:.1%}" if x >= 0.01 else f"{100 * x:.2g}%"
-
-
-def random_weights_model(preset: str) -> Path:
-    from nanofn.model.tiny import make_random_checkpoint
-
-    return cached_checkpoint(f"random-{preset}",
-                             lambda folder: make_random_checkpoint(folder, preset))
 
 
 # --- replay ---------------------------------------------------------------------------------

@@ -61,8 +61,8 @@ GEMV_MAX_ROWS = 4
 # config's rows (the measured ranges: see there), cuBLAS above. Measured on the H100: the
 # split-K one with the norm after it at 8-256 rows 4.9-6.9 us (o_proj) and 5.7-8.4 us
 # (down_proj) against 7.0-8.2 and 8.1-10.0 us for cuBLAS and the norm
-# (benchmarks/decode_gemm.py); K in one range 5.3-5.4 (qkv_proj) and 6.2-6.7 us (gate_up_proj)
-# against cuBLAS's 5.6-5.7 and 7.1-7.2 at 16-64 rows.
+# (benchmarks/experiments/decode_gemm.py); K in one range 5.3-5.4 (qkv_proj) and 6.2-6.7 us
+# (gate_up_proj) against cuBLAS's 5.6-5.7 and 7.1-7.2 at 16-64 rows.
 TRITON_GEMM_MAX_ROWS = max(triton_gemm.MAX_ROWS, triton_gemm.WHOLE_MAX_ROWS)
 
 

@@ -1,5 +1,6 @@
-"""Random-weight Hugging Face checkpoints: tiny ones for tests and the CLI's built-in demo model,
-and ones in the shape of a real model (``make_random_checkpoint``) for benchmarks.
+"""Random-weight Hugging Face checkpoints: tiny ones for tests and the built-in demo model
+(``demo_model``), and ones in the shape of a real model (``make_random_checkpoint``) for
+benchmarks.
 
 A checkpoint here is a real Hugging Face folder (``config.json``, ``generation_config.json``,
 safetensors weights, a byte-level BPE tokenizer with a ChatML chat template) that both
@@ -15,13 +16,18 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterator
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
 
+DEMO_MODEL = "demo-qwen3"  # the demo model's folder in the cache, and its name in the API
 EOS_TOKEN = "<|endoftext|>"
 SPECIAL_TOKENS = [EOS_TOKEN, "<|im_start|>", "<|im_end|>"]
 TOKENIZER_VOCAB_SIZE = 384
@@ -191,6 +197,47 @@ def make_random_checkpoint(path: str | Path, preset: str = "qwen3-0.6b", *,
     config.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+def cache_dir() -> Path:
+    """``$NANOFN_CACHE``, else ``~/.cache/nanofn``."""
+    return Path(os.environ.get("NANOFN_CACHE") or Path.home() / ".cache" / "nanofn")
+
+
+def cached_checkpoint(name: str, build: Callable[[Path], object]) -> Path:
+    """``<cache>/<name>``, made by ``build(folder)`` on first use.
+
+    It is built in a temporary folder and renamed into place, so a folder under that name is
+    always complete, even when a build is interrupted or two processes build at once.
+    """
+    final = cache_dir() / name
+    if final.is_dir():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    print(f"nanofn: building {final} (once)", file=sys.stderr)
+    staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=final.parent))
+    staging.chmod(0o755)  # mkdtemp's folder is private; the cache is not
+    try:
+        build(staging)
+        os.rename(staging, final)
+    except OSError:
+        if not final.is_dir():  # else another process got there first: use its folder
+            raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return final
+
+
+def demo_model() -> Path:
+    """The folder of the built-in demo model (a tiny Qwen3 with random weights: its text is
+    gibberish), built into the cache folder on first use: ``LLM(nanofn.demo_model())``."""
+    return cached_checkpoint(DEMO_MODEL, lambda folder: make_tiny_checkpoint(folder, "qwen3"))
+
+
+def random_weights_model(preset: str) -> Path:
+    """The folder of a random-weight checkpoint of ``preset``'s shape, built on first use."""
+    return cached_checkpoint(f"random-{preset}",
+                             lambda folder: make_random_checkpoint(folder, preset))
 
 
 def _qwen3_weight_shapes(c: Any) -> dict[str, tuple[int, ...]]:

@@ -14,6 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from nanofn import __version__
 from nanofn.engine.outputs import RequestOutput
 from nanofn.server.async_engine import AsyncLLM, EngineDead
 from nanofn.server.metrics import Metrics
@@ -22,7 +23,7 @@ from nanofn.server.requests import (APIError, chat_prompt, completion_prompts, p
 from nanofn.server.shapes import Shape, sse
 from nanofn.state import InvalidRequest
 
-VERSION = "0.1.0"
+VERSION = __version__  # pyproject.toml's, for /version
 
 
 def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None) -> FastAPI:
