@@ -22,7 +22,8 @@ WEATHER = {"type": "function", "function": {
     "parameters": {"type": "object", "properties": {
         "city": {"type": "string"}, "days": {"type": "integer"}, "metric": {"type": "boolean"},
         "hours": {"type": "array", "items": {"type": "integer"}}, "ratio": {"type": "number"},
-        "code": {"type": "string"}, "note": {"type": ["string", "null"]}}}}}
+        "code": {"type": "string"}, "note": {"type": ["string", "null"]}, "when": {},
+        "count": {"type": "integer"}}}}}
 TIME = {"type": "function", "function": {"name": "get_time"}}
 TOOLS = [WEATHER, TIME]
 
@@ -33,10 +34,11 @@ XML_CALLS = ("Sure.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nPari
              "<parameter=days>\n3\n</parameter>\n<parameter=metric>\nTrue\n</parameter>\n"
              "<parameter=hours>\n[1, 2]\n</parameter>\n<parameter=ratio>\n0.5\n</parameter>\n"
              "<parameter=code>\n007\n</parameter>\n<parameter=note>\nnull\n</parameter>\n"
-             "<parameter=extra>\n12\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n"
+             "<parameter=extra>\n12\n</parameter>\n<parameter=when>\nNaN\n</parameter>\n"
+             "<parameter=count>\n2.5\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n"
              "<function=get_time>\n</function>\n</tool_call>")
 XML_ARGUMENTS = {"city": "Paris", "days": 3, "metric": True, "hours": [1, 2], "ratio": 0.5,
-                 "code": "007", "note": None, "extra": "12"}
+                 "code": "007", "note": None, "extra": "12", "when": "NaN", "count": "2.5"}
 
 
 def hermes(reasoning: Qwen3ReasoningParser | None = None) -> ChatOutput:

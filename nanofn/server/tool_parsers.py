@@ -230,8 +230,8 @@ def _typed(value: str, schema: Any) -> Any:
         return number
     if "boolean" in kinds and text.lower() in ("true", "false"):
         return text.lower() == "true"
-    if "string" not in kinds and (read := _loads(text)) is not None:
-        return read  # an object, an array, or a type the schema leaves open
+    if kinds & {"object", "array", None} and (read := _loads(text)) is not None:
+        return read  # an object, an array, or a value of a type the schema leaves open
     return value
 
 
@@ -246,11 +246,15 @@ def _number(text: str) -> int | float | None:
 
 
 def _loads(text: str) -> Any:
-    """The JSON value of ``text``, or None if it is not JSON."""
+    """The JSON value of ``text``, or None if it is not JSON (NaN and Infinity are not)."""
     try:
-        return json.loads(text)
+        return json.loads(text, parse_constant=_not_json)
     except ValueError:
         return None
+
+
+def _not_json(constant: str) -> None:
+    raise ValueError(f"{constant} is not JSON")
 
 
 # --- JSON text as it streams -------------------------------------------------------------------
