@@ -306,3 +306,21 @@ def test_a_stream_sends_reasoning_content_names_and_arguments_as_they_come():
     deltas = [output.delta(0, XML_CALLS[:end], None)[0] for end in range(upto + 1)]
     calls = [c for d in deltas for c in d.get("tool_calls", [])]
     assert "".join(c["function"]["arguments"] for c in calls) == '{"city": "Paris", "days": 3'
+
+
+@pytest.mark.parametrize("body, prompt, constrained, thinks_first", [
+    ({}, "<|im_start|>assistant\n", False, True),
+    ({}, "<|im_start|>assistant\n<think>\n", False, True),
+    ({}, "<|im_start|>assistant\n<think>\n\n</think>\n\n", False, False),  # the template's off
+    ({"chat_template_kwargs": {"enable_thinking": False}}, "assistant\n", False, False),
+    ({}, "<|im_start|>assistant\n", True, False),  # a grammar writes the output from its start
+])
+def test_where_a_request_output_starts(body, prompt, constrained, thinks_first):
+    from nanofn.state import SamplingParams
+
+    params = SamplingParams(structured_outputs={"regex": "a"} if constrained else None)
+    output = ChatOutput.for_request(body, prompt, params, ChatOptions(reasoning_parser="qwen3"),
+                                    ToolChoice())
+    assert output.reasoning.thinks_first is thinks_first
+    plain = ChatOutput.for_request(body, prompt, params, ChatOptions(), ToolChoice())
+    assert plain.reasoning is None
