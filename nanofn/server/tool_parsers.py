@@ -22,9 +22,8 @@ from typing import Any, Protocol
 
 TOOL_CALL_START, TOOL_CALL_END = "<tool_call>", "</tool_call>"
 _SPACE = re.compile(r"\s*")
-_SCALAR = re.compile(r'[^\s,\]}"]*')
 _INTEGER = re.compile(r"-?[0-9]+")
-_JSON_SPECIAL = re.compile(r'[\\"{}\[\]]')
+_JSON = json.JSONDecoder()
 _FUNCTION = re.compile(r"\s*<function=([^>\n]+)>")
 _PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
 _FUNCTION_END = "</function>"
@@ -265,31 +264,12 @@ def _skip_space(text: str, i: int) -> int:
 
 def _value_end(text: str, start: int) -> int | None:
     """Where the JSON value that begins at ``text[start]`` ends, or None if the text ends first
-    (or it is not JSON: the caller reads no further)."""
-    if text[start] not in '{["':
-        end = _SCALAR.match(text, start).end()
-        return end if start < end < len(text) else None
-    depth, in_string, escaped = 0, False, -1
-    for match in _JSON_SPECIAL.finditer(text, start):
-        i, char = match.start(), match.group()
-        if i == escaped:
-            continue
-        if in_string:
-            if char == "\\":
-                escaped = i + 1
-            elif char == '"':
-                in_string = False
-                if depth == 0:
-                    return i + 1
-        elif char == '"':
-            in_string = True
-        elif char in "{[":
-            depth += 1
-        else:
-            depth -= 1
-            if depth == 0:
-                return i + 1
-    return None
+    (a number at its end may go on) or it is not JSON (the caller reads no further)."""
+    try:
+        _, end = _JSON.raw_decode(text, start)
+    except ValueError:
+        return None
+    return None if end == len(text) and text[start] not in '{["' else end
 
 
 def _members(text: str, start: int) -> Iterator[tuple[str, int, int | None]]:
