@@ -101,9 +101,9 @@ class ChatOutput:
     def message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
         """A choice's whole message and its finish reason."""
         reasoning, content, calls = self._parse(text, final=True)
+        if calls or self.reasoning:  # what is left may be nothing: null, as OpenAI's
+            content = content or None
         message: dict[str, Any] = {"role": "assistant", "content": content}
-        if calls or self.reasoning:
-            message["content"] = content or None
         if self.reasoning:
             message["reasoning_content"] = message["reasoning"] = reasoning or None
         if calls:
@@ -150,8 +150,8 @@ class ChatOutput:
         return {"index": index, "function": {"arguments": new}} if new else None
 
     def _finish_reason(self, reason: str | None, called: bool) -> str | None:
-        """vLLM's (and OpenAI's): "tool_calls" when the output's calls end it, but for a named
-        function's."""
+        """vLLM's (and OpenAI's): "tool_calls" when calls end the output, except a named
+        function's ("stop")."""
         return "tool_calls" if called and reason == "stop" and not self.tools.named else reason
 
 
