@@ -34,13 +34,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model) -> tuple[subprocess.Popen, str]:
-    """``nanofn serve MODEL`` on a free port, once its /health answers: (process, url)."""
+def start_server(model, *flags: str) -> tuple[subprocess.Popen, str]:
+    """``nanofn serve MODEL`` on a free port, once its /health answers: (process, url).
+    ``flags`` come last (a flag given twice takes its last value)."""
     port = free_port()
     process = subprocess.Popen(
         [sys.executable, "-m", "nanofn", "serve", str(model), "--port", str(port),
          "--api-key", API_KEY, "--served-model-name", "tiny", "--max-model-len", "256",
-         "--num-kv-blocks", "64", "--max-num-seqs", "16"],
+         "--num-kv-blocks", "64", "--max-num-seqs", "16", *flags],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120

@@ -67,6 +67,9 @@ ENGINE_FLAGS: dict[str, dict[str, Any]] = {
                                   help="KV cache size in bytes (default: from "
                                        "--gpu-memory-utilization on a GPU, 4 GiB on a CPU)"),
     "num_kv_blocks": dict(type=int, metavar="N", help="exact number of KV cache blocks"),
+    "num_state_slots": dict(type=int, metavar="N",
+                            help="exact number of a hybrid model's recurrent-state slots "
+                                 "(running sequences' states and saved prefix states)"),
     "async_scheduling": dict(flag="--no-async-scheduling", action="store_const", const=False,
                              help="schedule each step only after the previous one's tokens "
                                   "are known (simpler traces, slower)"),
@@ -287,8 +290,41 @@ def _add_serve(commands: Any) -> None:
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/ requests")
     p.add_argument("--served-model-name", metavar="NAME",
                    help="the model's name in the API (default: MODEL as given)")
+    _add_chat_flags(p.add_argument_group("chat completions (vLLM's flags)"))
     add_flags(p, "engine options", ENGINE_FLAGS, EngineOptions)
     p.set_defaults(run=run_serve)
+
+
+def _add_chat_flags(group: Any) -> None:
+    from nanofn.server.reasoning import REASONING_PARSERS
+    from nanofn.server.tool_parsers import TOOL_PARSERS
+
+    group.add_argument("--chat-template", metavar="TEMPLATE",
+                       help="a Jinja chat template (a file, or the template itself) for chat "
+                            "completions and /tokenize, instead of the tokenizer's")
+    group.add_argument("--default-chat-template-kwargs", metavar="JSON", type=_json_object,
+                       default={}, help="template arguments for every chat request, under its "
+                                        "own chat_template_kwargs, e.g. "
+                                        "'{\"enable_thinking\": false}'")
+    group.add_argument("--reasoning-parser", choices=list(REASONING_PARSERS),
+                       help="move the thinking block out of the content into "
+                            "reasoning_content (and reasoning)")
+    group.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help='read the tool calls the model chooses to make (tool_choice="auto",'
+                            " the default with tools); needs --tool-call-parser")
+    group.add_argument("--tool-call-parser", choices=list(TOOL_PARSERS),
+                       help="the model's tool-call format: hermes (Qwen3), qwen3_xml or "
+                            "qwen3_coder (Qwen3-Coder, Qwen3.5)")
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"not JSON: {error}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -296,14 +332,21 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from nanofn.server.app import build_app
     from nanofn.server.async_engine import AsyncLLM
+    from nanofn.server.chat_output import ChatOptions, load_chat_template
 
+    with _user_errors():  # before the model loads
+        chat_options = ChatOptions(
+            chat_template=args.chat_template and load_chat_template(args.chat_template),
+            default_chat_template_kwargs=args.default_chat_template_kwargs,
+            reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
+            enable_auto_tool_choice=args.enable_auto_tool_choice)
     model = args.model or str(announced_demo_model())
     served_name = args.served_model_name or args.model or DEMO_MODEL
     server_class = _uvicorn_server(served_name)
     with _user_errors():
         llm = AsyncLLM(model, **engine_kwargs(args))
     try:
-        app = build_app(llm, served_name, args.api_key)
+        app = build_app(llm, served_name, args.api_key, chat_options)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                                 timeout_graceful_shutdown=30)
         server_class(config).run()

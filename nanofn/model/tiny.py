@@ -33,8 +33,22 @@ SPECIAL_TOKENS = [EOS_TOKEN, "<|im_start|>", "<|im_end|>"]
 TOKENIZER_VOCAB_SIZE = 384
 EXTRA_MODEL_VOCAB = 16  # the model's vocabulary is larger than the tokenizer's, as in Qwen
 CHAT_TEMPLATE = (
+    # Qwen's tool use in brief: the tools in a system turn, an assistant's calls as <tool_call>
+    # blocks of JSON, tool results as user turns of <tool_response> blocks.
+    "{%- if tools %}{{- '<|im_start|>system\\n# Tools\\n\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nCall a function with <tool_call>\\n{\"name\": <function-name>, "
+    "\"arguments\": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}{%- endif %}"
     "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- if message['role'] == 'tool' %}"
+    "{{- '<|im_start|>user\\n<tool_response>\\n' + message['content'] + "
+    "'\\n</tool_response><|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] }}"
+    "{%- for call in message['tool_calls'] or [] %}"
+    "{%- if message['content'] or not loop.first %}{{- '\\n' }}{%- endif %}"
+    "{{- '<tool_call>\\n{\"name\": \"' + call['function']['name'] + '\", \"arguments\": ' + "
+    "(call['function']['arguments'] | tojson) + '}\\n</tool_call>' }}"
+    "{%- endfor %}{{- '<|im_end|>\\n' }}{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
     # Qwen3's switch: chat_template_kwargs={"enable_thinking": False} closes the thinking block.

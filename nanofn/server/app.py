@@ -17,17 +17,21 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from nanofn import __version__
 from nanofn.engine.outputs import RequestOutput
 from nanofn.server.async_engine import AsyncLLM, EngineDead
+from nanofn.server.chat_output import ChatOptions, ChatOutput
 from nanofn.server.metrics import Metrics
 from nanofn.server.requests import (APIError, chat_prompt, completion_prompts, param_of,
                                     sampling_params, stream_options)
 from nanofn.server.shapes import Shape, sse
+from nanofn.server.tools import request_tools, tool_choice
 from nanofn.state import InvalidRequest
 
 VERSION = __version__  # pyproject.toml's, for /version
 
 
-def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None) -> FastAPI:
+def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None,
+              chat_options: ChatOptions | None = None) -> FastAPI:
     app = FastAPI(title="nanofn", version=VERSION)
+    chat_options = chat_options or ChatOptions()
     metrics = Metrics(llm)
 
     @app.exception_handler(APIError)
@@ -65,7 +69,7 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None) -> Fas
     async def tokenize(request: Request) -> dict:
         body = await _body(request)
         if "messages" in body:
-            prompt = chat_prompt(llm.tokenizer, body)
+            prompt = chat_prompt(llm.tokenizer, body, chat_options, request_tools(body))
             tokens = prompt["prompt_token_ids"]
         elif isinstance(body.get("prompt"), str):
             tokens = llm.tokenizer.encode(body["prompt"],
@@ -96,9 +100,14 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None) -> Fas
         authorize(request)
         body = await _body(request)
         _check_model(body, model_name)
-        prompt = chat_prompt(llm.tokenizer, body)
-        params = sampling_params(body, chat=True, defaults=llm.generation_defaults)
-        return await _respond(llm, metrics, body, model_name, [prompt], params, chat=True)
+        tools = request_tools(body)
+        prompt = chat_prompt(llm.tokenizer, body, chat_options, tools)
+        choice = tool_choice(body, tools, chat_options.auto_tool_parser)
+        params = sampling_params(body, chat=True, defaults=llm.generation_defaults,
+                                 tool_constraint=choice.constraint)
+        output = ChatOutput.for_request(body, prompt["prompt"], params, chat_options, choice)
+        return await _respond(llm, metrics, body, model_name, [prompt], params, chat=True,
+                              chat_output=output)
 
     return app
 
@@ -124,7 +133,8 @@ def _check_model(body: dict, model_name: str) -> None:
 # --- running requests ------------------------------------------------------------------------
 
 async def _respond(llm: AsyncLLM, metrics: Metrics, body: dict, model_name: str,
-                   prompts: list, params, chat: bool) -> Response:
+                   prompts: list, params, chat: bool,
+                   chat_output: ChatOutput | None = None) -> Response:
     prefix = "chatcmpl" if chat else "cmpl"
     response_id = f"{prefix}-{secrets.token_hex(12)}"
     created = int(time.time())
@@ -137,7 +147,8 @@ async def _respond(llm: AsyncLLM, metrics: Metrics, body: dict, model_name: str,
         raise APIError(400, str(error), param=param_of(str(error))) from None
     except EngineDead as error:
         raise APIError(503, str(error), "server_error") from None
-    shape = Shape(response_id, created, model_name, chat, params, body, llm.tokenizer.decode)
+    shape = Shape(response_id, created, model_name, chat, params, body, llm.tokenizer.decode,
+                  chat_output)
     if body.get("stream", False):
         include_usage = stream_options(body)
         return StreamingResponse(_events(shape, streams, firsts, include_usage),

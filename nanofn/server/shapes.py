@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from nanofn.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from nanofn.server.chat_output import ChatOutput
 from nanofn.server.requests import scores_prompt_only
 from nanofn.state import SamplingParams
 
@@ -34,8 +35,10 @@ class Shape:
     """OpenAI's response shapes for one call."""
 
     def __init__(self, response_id: str, created: int, model: str, chat: bool,
-                 params: SamplingParams, body: dict, decode: Callable[[list[int]], str]):
+                 params: SamplingParams, body: dict, decode: Callable[[list[int]], str],
+                 chat_output: ChatOutput | None = None):
         self.id, self.created, self.model, self.chat = response_id, created, model, chat
+        self.chat_output = chat_output or ChatOutput()  # a chat's messages: reasoning, tools
         self.n = params.n
         self.echo = bool(body.get("echo", False)) and not chat
         self.prompt_only = self.echo and scores_prompt_only(body)  # its one token is dropped
@@ -60,7 +63,8 @@ class Shape:
                                           "finish_reason": _finish_reason(c.finish_reason),
                                           "stop_reason": c.stop_reason}
                 if self.chat:
-                    choice["message"] = {"role": "assistant", "content": text}
+                    choice["message"], choice["finish_reason"] = self.chat_output.message(
+                        text, choice["finish_reason"])
                 else:
                     choice["text"] = text
                     choice["prompt_logprobs"] = _prompt_logprobs(final)
@@ -94,7 +98,8 @@ class Shape:
                                       "logprobs": self._logprobs(output, c, echoed, progress),
                                       "finish_reason": _finish_reason(c.finish_reason)}
             if self.chat:
-                choice["delta"] = {"content": text}
+                choice["delta"], choice["finish_reason"] = self.chat_output.delta(
+                    c.index, c.text, choice["finish_reason"])
             else:
                 choice["text"] = text
             progress.text, progress.tokens = len(c.text), len(c.token_ids)
