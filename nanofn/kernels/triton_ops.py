@@ -44,7 +44,7 @@ import nanofn.kernels.triton_gemm as triton_gemm
 import nanofn.kernels.triton_gemv as triton_gemv
 from nanofn.kernels.triton_gemv import silu_times_up
 from nanofn.kernels.triton_attention import head_norm_scaled
-from nanofn.kernels import KernelBackend
+from nanofn.kernels import LINEAR_ATTENTION_REFERENCES, KernelBackend
 from nanofn.kernels.linear import norm_then_linear
 from nanofn.kernels.partial_sums import PartialSums, added_up
 
@@ -418,4 +418,5 @@ TRITON_KERNELS = KernelBackend(
     rms_norm=rms_norm,
     linear=linear,
     rms_norm_linear=rms_norm_linear,
+    **LINEAR_ATTENTION_REFERENCES,
 )
