@@ -1,4 +1,5 @@
-"""The kernels of Qwen3.5's linear-attention layers against transformers' torch functions."""
+"""The kernels of Qwen3.5 (its linear-attention layers, its partial rotary embedding) against
+transformers' torch functions."""
 
 from __future__ import annotations
 
@@ -6,10 +7,14 @@ import itertools
 
 import pytest
 import torch
+import transformers
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
-from nanofn.kernels import (causal_conv1d, causal_conv1d_update, gated_delta_rule,
-                            gated_delta_rule_update, rms_norm_gated)
+import nanofn.kernels.triton_attention as triton_attention
+import nanofn.kernels.triton_ops as triton_ops
+from nanofn.kernels import (apply_rotary, build_cos_sin_cache, causal_conv1d,
+                            causal_conv1d_update, gated_delta_rule, gated_delta_rule_update,
+                            rms_norm_gated)
 
 # --- the kernels against transformers' torch functions ----------------------------------------
 
@@ -127,3 +132,36 @@ def test_rms_norm_gated_matches_transformers_bit_for_bit(dtype):
 
     with torch.no_grad():
         assert torch.equal(rms_norm_gated(x, gate, reference.weight, 1e-6), reference(x, gate))
+
+
+def test_partial_rotary_matches_transformers_multimodal_rotary_on_text():
+    config = transformers.Qwen3_5TextConfig(
+        hidden_size=64, num_attention_heads=4, head_dim=32, max_position_embeddings=256,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                         "mrope_section": [2, 1, 1]})
+    generator = torch.Generator().manual_seed(15)
+    q, k = torch.randn(2, 20, 4, 32, generator=generator)
+    positions = torch.randint(0, 256, (20,), generator=generator)
+
+    cache = build_cos_sin_cache(8, 256, 10000.0)  # a quarter of head_dim 32
+    q_rotated, k_rotated = apply_rotary(q, k, positions, cache)
+
+    cos, sin = hf.Qwen3_5TextRotaryEmbedding(config)(q, positions[None])
+    q_expected, k_expected = hf.apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                                     cos, sin)
+    torch.testing.assert_close(q_rotated, q_expected[0].transpose(0, 1))
+    torch.testing.assert_close(k_rotated, k_expected[0].transpose(0, 1))
+    assert torch.equal(q_rotated[..., 8:], q[..., 8:])
+
+
+def test_triton_rotary_kernels_refuse_a_partial_rotary_table():
+    """They turn whole heads: given Qwen3.5's quarter-head table they raise, before any launch,
+    rather than misread it."""
+    q, k, v = torch.zeros(1, 4, 32), torch.zeros(1, 2, 32), torch.zeros(1, 2, 32)
+    k_cache = v_cache = torch.zeros(2, 4, 2, 32)
+    cache, slots = build_cos_sin_cache(8, 16, 10000.0), torch.zeros(1, dtype=torch.int64)
+    with pytest.raises(NotImplementedError, match="rotary dim 8 of head_dim 32"):
+        triton_ops.rotate_and_store_kv(q, k, v, slots, cache, k_cache, v_cache, slots)
+    with pytest.raises(NotImplementedError, match="rotary dim 8 of head_dim 32"):
+        triton_attention.rotary_decode_attention(q, k, v, slots, cache, k_cache, v_cache, slots,
+                                                 slots + 1, slots[None], 1.0)

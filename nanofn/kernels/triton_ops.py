@@ -250,6 +250,7 @@ def rotate_and_store_kv(
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
+    triton_attention.check_full_rotary(head_dim, cos_sin_cache)
     triton_attention.check_cache_layout(k_cache, v_cache, q, k, v, cos_sin_cache)
     norm = q_norm_weight is not None
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
