@@ -66,13 +66,34 @@ _LLAMA3_ROPE = {
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 256,
 }
-# arch -> (transformers config class name, config settings)
+# Qwen3.5: three Gated DeltaNet layers to one of (gated) full attention, GQA, a rotary embedding
+# on a quarter of each head (the multimodal rotary, whose sections are equal on text).
+_QWEN3_5_TEXT = {
+    **_COMMON,
+    "num_hidden_layers": 4,
+    "head_dim": 32,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_conv_kernel_dim": 4,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                        "mrope_section": [2, 1, 1], "mrope_interleaved": True},
+}
+_TINY_VISION = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, patch_size=4,
+                    out_hidden_size=64, num_position_embeddings=16)
+# arch -> (transformers config class name, config settings); a config with a ``text_config``
+# is a vision-language model's, whose language model the other settings describe.
 ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3": ("Qwen3Config", {**_COMMON, **_HEAD_DIM}),
     "qwen2": ("Qwen2Config", dict(_COMMON)),
     "llama": ("LlamaConfig", {**_COMMON, **_HEAD_DIM}),
     "llama3": ("LlamaConfig", {**_COMMON, **_HEAD_DIM, "rope_parameters": _LLAMA3_ROPE}),
     "mistral": ("MistralConfig", {**_COMMON, **_HEAD_DIM, "sliding_window": 4096}),
+    "qwen3_5": ("Qwen3_5TextConfig", _QWEN3_5_TEXT),  # saved as Qwen3_5ForCausalLM
+    # The same language model in a Qwen3_5ForConditionalGeneration checkpoint: its names
+    # (model.language_model.*), a vision tower and multi-token-prediction weights (mtp.*).
+    "qwen3_5-vl": ("Qwen3_5Config", {"text_config": _QWEN3_5_TEXT, "vision_config": _TINY_VISION}),
 }
 
 # What the released Qwen3 models share.
@@ -117,7 +138,8 @@ def make_tiny_checkpoint(
     """Write a random-weight checkpoint of ``arch`` (one of ``ARCHS``) into ``path``; return it.
 
     The same arguments always give the same files. ``num_shards > 1`` splits the weights into
-    that many files with a ``model.safetensors.index.json``.
+    that many files with a ``model.safetensors.index.json``. For a vision-language arch,
+    ``config_overrides`` go to its language model's config.
     """
     import torch
     import transformers
@@ -128,24 +150,33 @@ def make_tiny_checkpoint(
     tokenizer = _make_tokenizer()
     eos_token_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
     config_class, settings = ARCHS[arch]
-    config = getattr(transformers, config_class)(
-        **{
-            **settings,
-            "vocab_size": len(tokenizer) + EXTRA_MODEL_VOCAB,
-            "tie_word_embeddings": tie_word_embeddings,
-            "eos_token_id": eos_token_id,
-            "pad_token_id": eos_token_id,
-            "bos_token_id": None,
-            **config_overrides,
-        }
-    )
+    language = {
+        **settings.get("text_config", settings),
+        "vocab_size": len(tokenizer) + EXTRA_MODEL_VOCAB,
+        "tie_word_embeddings": tie_word_embeddings,
+        "eos_token_id": eos_token_id,
+        "pad_token_id": eos_token_id,
+        "bos_token_id": None,
+        **config_overrides,
+    }
+    multimodal = "text_config" in settings
+    if multimodal:
+        config = getattr(transformers, config_class)(
+            **{**settings, "text_config": language, "tie_word_embeddings": tie_word_embeddings})
+    else:
+        config = getattr(transformers, config_class)(**language)
+    auto_class = (transformers.AutoModelForImageTextToText if multimodal
+                  else transformers.AutoModelForCausalLM)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = transformers.AutoModelForCausalLM.from_config(config)
-        _perturb_norms_and_biases(model, config.initializer_range)
+        model = auto_class.from_config(config)
+        _perturb_norms_and_biases(model, config.get_text_config().initializer_range)
+        _tune_linear_attention(model)
     with _quiet_progress_bars(transformers):
         model.to(getattr(torch, dtype)).save_pretrained(path)
     tokenizer.save_pretrained(path)
+    if multimodal:
+        _add_mtp_weights(path, config.get_text_config(), seed)
     if num_shards > 1:
         _reshard(path, num_shards)
     return path
@@ -240,6 +271,44 @@ def _perturb_norms_and_biases(model: torch.nn.Module, std: float) -> None:
                 param.normal_(0.0, std)
             elif "norm" in name:
                 param.uniform_(0.5, 1.5)
+
+
+def _tune_linear_attention(model: torch.nn.Module) -> None:
+    """Qwen3.5's weights where the common draw would mislead: its zero-centred norms (which
+    scale by ``1 + w``, initialised to 0) moved back around 0, and decays that keep some memory.
+
+    The decay of a linear-attention head is ``exp(-exp(A_log) * softplus(a + dt_bias))``. With
+    transformers' ``A = exp(A_log)`` up to 16 and ``a`` drawn as large as the other projections'
+    outputs, most heads would forget everything at every token, leaving a test of the state
+    nothing to check: ``A`` is drawn in [0.01, 0.1] and ``in_proj_a`` smaller, for decays of
+    about 0.86 to 0.997 a token (the first of 20 tokens still sways the greedy output).
+    """
+    import torch
+
+    with torch.no_grad():
+        for module in model.modules():
+            kind = type(module).__name__
+            if kind == "Qwen3_5RMSNorm":
+                module.weight.sub_(1.0)
+            elif kind == "Qwen3_5GatedDeltaNet":
+                module.A_log.copy_(torch.empty_like(module.A_log).uniform_(0.01, 0.1).log())
+                module.in_proj_a.weight.mul_(0.05)
+
+
+def _add_mtp_weights(path: Path, text_config: Any, seed: int) -> None:
+    """Two multi-token-prediction tensors, as Qwen3.5's checkpoints carry (``mtp.*``), which
+    neither transformers nor nanofn's forward uses."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    generator = torch.Generator().manual_seed(seed)
+    hidden = text_config.hidden_size
+    weights = path / "model.safetensors"
+    tensors = load_file(weights)
+    dtype = tensors["model.language_model.embed_tokens.weight"].dtype
+    tensors["mtp.fc.weight"] = torch.randn(hidden, 2 * hidden, generator=generator).to(dtype)
+    tensors["mtp.norm.weight"] = torch.randn(hidden, generator=generator).to(dtype)
+    save_file(tensors, weights, metadata={"format": "pt"})
 
 
 def _make_tokenizer():
