@@ -20,7 +20,9 @@ from nanofn.kernels import (apply_rotary, build_cos_sin_cache, causal_conv1d,
                             causal_conv1d_update, gated_delta_rule, gated_delta_rule_update,
                             rms_norm_gated)
 from nanofn.model import AttentionBatch, RecurrentState, build_model, load_weights, model_shape
+from nanofn.model.config import rotary_dim
 from nanofn.model.parallel import QKVParallelLinear
+from nanofn.model.tiny import PRESETS, make_random_checkpoint
 
 # --- the model against transformers -----------------------------------------------------------
 
@@ -249,6 +251,29 @@ def test_model_shape_counts_the_full_attention_layers_and_sizes_the_state_slots(
     states = RecurrentState.zeros(one.recurrent, 5, torch.bfloat16, "cpu")
     assert (states.conv.dtype, states.ssm.dtype) == (torch.bfloat16, torch.float32)
     assert model_shape(AutoConfig.from_pretrained(tiny_checkpoint("qwen3"))).recurrent is None
+
+
+def test_the_9b_shape_reads_its_text_config():
+    config = transformers.Qwen3_5Config(**PRESETS["qwen3.5-9b-shape"])
+    shape = model_shape(config, tp_size=2)
+    assert (shape.num_layers, shape.num_kv_heads, shape.head_dim) == (8, 2, 256)
+    assert shape.recurrent.conv_shape(1) == (1, 24, (2 * 8 + 16) * 128, 3)
+    assert shape.recurrent.ssm_shape(1) == (1, 24, 16, 128, 128)
+    assert rotary_dim(config) == 64
+    config.text_config.mamba_ssm_dtype = "bfloat16"
+    assert model_shape(config).recurrent.ssm_dtype == torch.bfloat16
+
+
+def test_a_random_qwen3_5_checkpoint_loads_in_nanofn_and_transformers(tmp_path):
+    path = make_random_checkpoint(tmp_path / "random", "qwen3.5-tiny", dtype="float32", seed=1)
+    reference, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True)
+    assert not any(info.values()), info  # no missing, unexpected or mismatched weights
+    config = AutoConfig.from_pretrained(path)
+    model = build_model(config, dtype="float32", device="cpu")
+    load_weights(model, path)
+    prompt = random_prompt(12, seed=10)
+    _, expected = greedy_reference(reference.eval(), prompt, 0)
+    assert_logits_close(HybridRun(model, config).step({"a": prompt})["a"], expected)
 
 
 def test_two_ranks_of_a_linear_attention_layer_add_up_to_one(tiny_checkpoint, monkeypatch):
