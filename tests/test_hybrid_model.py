@@ -16,6 +16,7 @@ from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
 import nanofn.kernels.triton_attention as triton_attention
 import nanofn.kernels.triton_ops as triton_ops
+from nanofn.cli.bench import ModelDims
 from nanofn.kernels import (apply_rotary, build_cos_sin_cache, causal_conv1d,
                             causal_conv1d_update, gated_delta_rule, gated_delta_rule_update,
                             rms_norm_gated)
@@ -262,6 +263,14 @@ def test_the_9b_shape_reads_its_text_config():
     assert rotary_dim(config) == 64
     config.text_config.mamba_ssm_dtype = "bfloat16"
     assert model_shape(config).recurrent.ssm_dtype == torch.bfloat16
+
+
+def test_the_bench_reads_a_vision_language_config_s_language_model():
+    dims = ModelDims.from_config(transformers.Qwen3_5Config(**PRESETS["qwen3.5-9b-shape"]).to_dict())
+    assert (dims.num_layers, dims.hidden_size, dims.intermediate_size, dims.vocab_size) == (
+        32, 4096, 12288, 248320)
+    assert (dims.num_heads, dims.num_kv_heads, dims.head_dim) == (16, 4, 256)
+    assert not dims.tie_word_embeddings
 
 
 def test_a_random_qwen3_5_checkpoint_loads_in_nanofn_and_transformers(tmp_path):
