@@ -493,7 +493,7 @@ def run_bench(args: argparse.Namespace) -> int:
     llm = load_llm(model, args)
     engine = llm.engine
     sizes = _workload_sizes(args, device)
-    workload = _workload(sizes, engine.hf_config.vocab_size)
+    workload = _workload(sizes, engine.text_config.vocab_size)
     timeline = None
     if args.profile:
         from nanofn.runner.timeline import DeviceTimeline

@@ -127,7 +127,10 @@ class ModelDims:
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> ModelDims:
-        """From a Hugging Face ``config.json`` (as a dict)."""
+        """From a Hugging Face ``config.json`` (as a dict); a vision-language model's from its
+        ``text_config``, but for the embeddings' tying, which the model's own config says."""
+        tie_word_embeddings = config.get("tie_word_embeddings", False)
+        config = config.get("text_config") or config
         heads = config["num_attention_heads"]
         return cls(
             num_layers=config["num_hidden_layers"],
@@ -137,7 +140,7 @@ class ModelDims:
             num_kv_heads=config.get("num_key_value_heads") or heads,
             head_dim=config.get("head_dim") or config["hidden_size"] // heads,
             vocab_size=config["vocab_size"],
-            tie_word_embeddings=config.get("tie_word_embeddings", False),
+            tie_word_embeddings=tie_word_embeddings,
         )
 
     @property
@@ -253,7 +256,7 @@ def measure(llm: Any, workload: Workload, timeline: Any = None) -> Measurement:
     also the device's busy time during it. The warm-up runs prompts of the workload's sizes
     (a step's worth of prefill) and some decoding, so that compilation and first-use
     allocations stay out of the measurement, as engines warm up before serving."""
-    vocab_size = llm.engine.hf_config.vocab_size
+    vocab_size = llm.engine.text_config.vocab_size
     warmup = [[t % vocab_size for t in prompt] for prompt in workload.prompts[:WARMUP_PROMPTS]]
     llm.generate(warmup, SamplingParams(max_tokens=16, ignore_eos=True), use_tqdm=False)
     llm.reset_prefix_cache()  # the measured run finds none of the warm-up's prompts cached

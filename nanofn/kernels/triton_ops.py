@@ -44,7 +44,7 @@ import nanofn.kernels.triton_gemm as triton_gemm
 import nanofn.kernels.triton_gemv as triton_gemv
 from nanofn.kernels.triton_gemv import silu_times_up
 from nanofn.kernels.triton_attention import head_norm_scaled
-from nanofn.kernels import KernelBackend
+from nanofn.kernels import LINEAR_ATTENTION_REFERENCES, KernelBackend
 from nanofn.kernels.linear import norm_then_linear
 from nanofn.kernels.partial_sums import PartialSums, added_up
 
@@ -250,6 +250,7 @@ def rotate_and_store_kv(
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
+    triton_attention.check_full_rotary(head_dim, cos_sin_cache)
     triton_attention.check_cache_layout(k_cache, v_cache, q, k, v, cos_sin_cache)
     norm = q_norm_weight is not None
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -418,4 +419,5 @@ TRITON_KERNELS = KernelBackend(
     rms_norm=rms_norm,
     linear=linear,
     rms_norm_linear=rms_norm_linear,
+    **LINEAR_ATTENTION_REFERENCES,
 )

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from nanofn.kernels import TORCH_KERNELS, KernelBackend
 from nanofn.model import ModelShape, build_model, load_weights, model_shape, resolve_dtype
+from nanofn.model.config import text_config
 from nanofn.runner.cuda_graphs import DecodeGraphs
 from nanofn.runner.inputs import SlotTables, prepare_inputs
 from nanofn.runner.sampler import DeviceSample, Sampler, SamplingRows, to_device
@@ -80,8 +81,9 @@ class ModelRunner:
             torch.set_num_threads(config.cpu_threads)
         self.dtype = resolve_dtype(hf_config, config.dtype)
         self.shape = model_shape(hf_config, config.tp_size)
+        text = text_config(hf_config)  # a vision-language config's language model, else the same
         self.kernels = choose_kernels(config, self.dtype, self.shape,
-                                      hf_config.num_attention_heads // config.tp_size)
+                                      text.num_attention_heads // config.tp_size)
         self.model = build_model(hf_config, dtype=self.dtype, device=config.device,
                                  tp_rank=config.tp_rank, tp_size=config.tp_size,
                                  max_model_len=config.max_model_len, kernels=self.kernels)
@@ -110,13 +112,13 @@ class ModelRunner:
                 self.slot_temperature = torch.zeros(config.max_num_seqs + 1, device=self.device)
             self.graphs = DecodeGraphs(self.model, self.kv_cache, self.slot_tables,
                                        min(config.max_num_seqs, 512), config.block_size,
-                                       hf_config.hidden_size, self.slot_temperature)
+                                       text.hidden_size, self.slot_temperature)
             from nanofn.runner.prefill_graphs import PrefillGraphs  # (imports Triton)
 
             qkv_proj = self.model.model.layers[0].self_attn.qkv_proj  # this rank's heads
             self.prefill_graphs = PrefillGraphs(
                 self.model, self.kv_cache, self.slot_tables, config.max_num_batched_tokens,
-                config.block_size, hf_config.hidden_size, qkv_proj.num_heads,
+                config.block_size, text.hidden_size, qkv_proj.num_heads,
                 qkv_proj.num_kv_heads)
 
     @torch.inference_mode()
