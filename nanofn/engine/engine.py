@@ -115,7 +115,8 @@ class Engine:
             if self._trace is not None:
                 self._trace.close()
             raise
-        state = initial_state(self.scheduler_config, self.runner.num_blocks)
+        state = initial_state(self.scheduler_config, self.runner.num_blocks,
+                              self.runner.num_state_slots)
         self.grammars = Grammars(self.tokenizer, self.text_config.vocab_size, self.eos_token_ids)
         self.loop = EngineLoop(state, self.runner, async_scheduling=options.async_scheduling,
                                trace=self._trace, trace_meta={
@@ -557,6 +558,7 @@ def _runner_config(options: EngineOptions, model_dir: Path, max_model_len: int,
         gpu_memory_utilization=options.gpu_memory_utilization,
         kv_cache_memory_bytes=options.kv_cache_memory_bytes,
         num_kv_blocks=options.num_kv_blocks,
+        num_state_slots=options.num_state_slots,
         seed=options.seed,
         enforce_eager=options.enforce_eager,
         kernel_backend=options.kernel_backend,
