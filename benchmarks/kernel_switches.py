@@ -41,6 +41,12 @@ def model_with_switches(args: argparse.Namespace) -> str:
     return str(args.model or random_weights_model(args.random_weights))
 
 
+def load_options(args: argparse.Namespace) -> dict[str, str]:
+    """``LLM`` options for the model ``model_with_switches`` gives: random weights (a preset's
+    config alone) are made on the device."""
+    return {} if args.model else {"load_format": "dummy"}
+
+
 def projections_on_cublas() -> None:
     """Every projection on cuBLAS (the Triton GEMVs of nanofn/kernels/triton_gemv.py off)."""
     gemv_up_to(0)

@@ -17,11 +17,13 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from transformers import AutoConfig
 
 import nanofn
 from nanofn import LLM, EngineOptions, SamplingParams
 from nanofn.cli.bench import ModelDims, floor, shared_prefix_workload, standard_workload
 from nanofn.cli import ENGINE_FLAGS, build_parser, engine_kwargs, main, sampling_params
+from nanofn.model import build_model
 from nanofn.model.tiny import PRESETS, _qwen3_weight_shapes, make_random_checkpoint
 
 SMALL_ENGINE = ["--num-kv-blocks", "64", "--max-model-len", "256"]
@@ -281,13 +283,39 @@ def test_bench_profile_refuses_tensor_parallelism_before_loading(tmp_path, capsy
     assert code == 2 and "--profile needs --tensor-parallel-size 1" in err
 
 
-def test_bench_builds_a_random_weight_model_into_the_cache(tmp_path, monkeypatch, capsys):
+def test_bench_random_weights_come_from_a_config_in_the_cache(tmp_path, monkeypatch, capsys):
+    """The preset's config (and the tokenizer) are written once; the weights are drawn on the
+    device (load_format dummy), none written."""
     monkeypatch.setenv("NANOFN_CACHE", str(tmp_path))
     code, out, err = run(capsys, "bench", "--random-weights", "qwen3-tiny", "--num-seqs", "2",
                          "--max-input-len", "20", "--max-output-len", "4", "--num-kv-blocks",
                          "300")
+    folder = tmp_path / "config-qwen3-tiny"
     assert code == 0 and "building" in err
-    assert f"model: {tmp_path / 'random-qwen3-tiny'} (2 layers" in out and "bfloat16" in out
+    assert f"model: {folder} (2 layers" in out and "bfloat16" in out
+    assert (folder / "config.json").is_file() and not list(folder.glob("*.safetensors"))
+
+
+def test_dummy_weights_are_drawn_for_every_parameter(tiny_checkpoint):
+    """load_format dummy: a model from its config alone, every parameter written (matrices
+    random, norms 1, a linear layer's A_log 0), the same for the same seed."""
+    from nanofn.model.loader import init_dummy_weights
+
+    config = AutoConfig.from_pretrained(tiny_checkpoint("qwen3_5"))
+    models = []
+    for _ in range(2):
+        model = build_model(config, dtype="float32", device="cpu")
+        for param in model.parameters():
+            param.data.fill_(float("nan"))
+        init_dummy_weights(model, seed=3)
+        models.append(dict(model.named_parameters()))
+    for name, param in models[0].items():
+        assert not param.isnan().any(), name
+        assert torch.equal(param, models[1][name])
+        if param.dim() > 1:
+            assert 0.01 < param.std() < 0.03, name
+    assert (models[0]["model.norm.weight"] == 1).all()
+    assert all((p == 0).all() for n, p in models[0].items() if n.endswith("A_log"))
 
 
 def test_bench_takes_a_model_or_random_weights_not_both(tiny_qwen3, capsys):
@@ -320,6 +348,22 @@ def test_the_floor_reproduces_roofline_py_for_qwen3_0_6b():
     slower = floor(QWEN3_0_6B, [len(p) for p in w.prompts], w.max_tokens, bandwidth_gbps=1514,
                    tflops=406.5)
     assert slower.seconds == pytest.approx(2 * f.seconds)
+
+
+def test_a_hybrid_model_s_floor_counts_its_state_bytes_and_its_attention_layers_alone():
+    """Qwen3.5-9B's shape: 8 full-attention layers keep K/V; each of 24 linear-attention
+    layers keeps a 32 x 128 x 128 float32 state and 3 past inputs of 8192 channels (bf16) per
+    sequence, which every decode step reads and writes. One request decoding, memory-bound:
+    each step moves the weights, its K/V and its state twice."""
+    dims = ModelDims.from_config(PRESETS["qwen3.5-9b-shape"])
+    assert (dims.num_attention_layers, dims.num_linear_layers) == (8, 24)
+    assert dims.state_bytes == 24 * (32 * 128 * 128 * 4 + 8192 * 3 * 2)
+    f = floor(dims, [512], [513])
+    kv_per_token = 8 * 2 * 4 * 256 * 2
+    weight_bytes = 2 * (dims.body_params + dims.lm_head_params)
+    steps = [(weight_bytes + kv_per_token * (512 + s) + 2 * dims.state_bytes) / 3028e9
+             for s in range(1, 513)]
+    assert f.decode_s == pytest.approx(sum(steps), rel=1e-9)
 
 
 def test_the_shared_prefix_workload_and_its_floor():

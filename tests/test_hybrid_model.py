@@ -15,7 +15,6 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageText
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
 import nanofn.kernels.triton_attention as triton_attention
-import nanofn.kernels.triton_ops as triton_ops
 from nanofn.cli.bench import ModelDims
 from nanofn.kernels import (apply_rotary, build_cos_sin_cache, causal_conv1d,
                             causal_conv1d_update, gated_delta_rule, gated_delta_rule_update,
@@ -468,14 +467,13 @@ def test_partial_rotary_matches_transformers_multimodal_rotary_on_text():
     assert torch.equal(q_rotated[..., 8:], q[..., 8:])
 
 
-def test_triton_rotary_kernels_refuse_a_partial_rotary_table():
-    """They turn whole heads: given Qwen3.5's quarter-head table they raise, before any launch,
-    rather than misread it."""
+def test_the_fused_triton_rotary_decode_kernel_refuses_a_partial_rotary_table():
+    """It turns whole heads: given Qwen3.5's quarter-head table it raises, before any launch,
+    rather than misread it (the backend's ``rotary_decode_attention`` takes the rotary kernel,
+    which turns part of a head, then decode attention)."""
     q, k, v = torch.zeros(1, 4, 32), torch.zeros(1, 2, 32), torch.zeros(1, 2, 32)
     k_cache = v_cache = torch.zeros(2, 4, 2, 32)
     cache, slots = build_cos_sin_cache(8, 16, 10000.0), torch.zeros(1, dtype=torch.int64)
-    with pytest.raises(NotImplementedError, match="rotary dim 8 of head_dim 32"):
-        triton_ops.rotate_and_store_kv(q, k, v, slots, cache, k_cache, v_cache, slots)
     with pytest.raises(NotImplementedError, match="rotary dim 8 of head_dim 32"):
         triton_attention.rotary_decode_attention(q, k, v, slots, cache, k_cache, v_cache, slots,
                                                  slots + 1, slots[None], 1.0)

@@ -41,7 +41,7 @@ def main() -> None:
     model = make_tiny_checkpoint(tempfile.mkdtemp(), "qwen3", max_position_embeddings=4096)
     llm = LLM(str(model), max_model_len=4096, num_kv_blocks=9600, max_num_seqs=256,
               enforce_eager=True)
-    vocab = llm.engine.hf_config.vocab_size
+    vocab = llm.engine.text_config.vocab_size
     make = shared_prefix_workload if args.workload == "shared-prefix" else standard_workload
     workload = make(vocab_size=vocab)
     runner = llm.engine.loop.runner = _TimedRunner(InstantRunner(vocab))

@@ -67,6 +67,10 @@ ENGINE_FLAGS: dict[str, dict[str, Any]] = {
                                   help="KV cache size in bytes (default: from "
                                        "--gpu-memory-utilization on a GPU, 4 GiB on a CPU)"),
     "num_kv_blocks": dict(type=int, metavar="N", help="exact number of KV cache blocks"),
+    "load_format": dict(choices=["auto", "safetensors", "dummy"],
+                        help="auto: the checkpoint's safetensors; dummy: random weights made on "
+                             "the device from config.json alone, for benchmarks (default: "
+                             "{default})"),
     "num_state_slots": dict(type=int, metavar="N",
                             help="exact number of a hybrid model's recurrent-state slots "
                                  "(running sequences' states and saved prefix states)"),
@@ -429,8 +433,9 @@ def _add_bench(commands: Any) -> None:
                        help="a local Hugging Face model folder (default: the built-in demo "
                             "model)")
     model.add_argument("--random-weights", choices=list(PRESETS), metavar="PRESET",
-                       help=f"a random-weight checkpoint of this shape, built once into the "
-                            f"cache folder (choices: {', '.join(PRESETS)})")
+                       help=f"random weights in this shape, made on the device from a config "
+                            f"(--load-format dummy) that is written once into the cache folder "
+                            f"(choices: {', '.join(PRESETS)})")
     for name, meaning in (("num_seqs", "number of requests"),
                           ("max_input_len", "prompt lengths are U(100, N), or U(1, N) below 100"),
                           ("max_output_len", "output lengths are U(100, N), or U(1, N) below 100")):
@@ -490,6 +495,8 @@ def run_bench(args: argparse.Namespace) -> int:
         raise UsageError("--profile measures a GPU's busy time: it needs a CUDA device")
     model = (args.model or (random_weights_model(args.random_weights) if args.random_weights
                             else announced_demo_model()))
+    if args.random_weights and args.load_format is None:
+        args.load_format = "dummy"
     llm = load_llm(model, args)
     engine = llm.engine
     sizes = _workload_sizes(args, device)

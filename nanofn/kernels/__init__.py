@@ -51,15 +51,6 @@ class KernelBackend:
     rms_norm_gated: Callable[..., torch.Tensor]
 
 
-# The linear-attention kernels have only their torch references so far: every backend uses them.
-LINEAR_ATTENTION_REFERENCES = dict(
-    causal_conv1d=causal_conv1d,
-    causal_conv1d_update=causal_conv1d_update,
-    gated_delta_rule=gated_delta_rule,
-    gated_delta_rule_update=gated_delta_rule_update,
-    rms_norm_gated=rms_norm_gated,
-)
-
 TORCH_KERNELS = KernelBackend(
     rotate_and_store_kv=rotate_and_store_kv,
     prefill_attention=prefill_attention,
@@ -67,7 +58,11 @@ TORCH_KERNELS = KernelBackend(
     rms_norm=rms_norm,
     linear=linear,
     rms_norm_linear=rms_norm_linear,
-    **LINEAR_ATTENTION_REFERENCES,
+    causal_conv1d=causal_conv1d,
+    causal_conv1d_update=causal_conv1d_update,
+    gated_delta_rule=gated_delta_rule,
+    gated_delta_rule_update=gated_delta_rule_update,
+    rms_norm_gated=rms_norm_gated,
 )
 
 __all__ = [

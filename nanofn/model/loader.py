@@ -92,6 +92,24 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
+DUMMY_WEIGHT_STD = 0.02  # as make_random_checkpoint's: the logits keep a sane spread
+
+
+@torch.no_grad()
+def init_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
+    """vLLM's ``load_format="dummy"``: every weight drawn where it lies, from the config alone,
+    no checkpoint read (a 9B model in milliseconds, where writing one takes minutes). Matrices
+    are normal with std ``DUMMY_WEIGHT_STD``; vectors are norms that scale by 1 (zero-centred
+    ones already folded to ``1 + w``), a linear-attention head's ``dt_bias`` of 1, ``A_log`` and
+    biases of 0. The text a model so filled writes is noise: it is for benchmarks."""
+    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    for name, param in model.named_parameters():
+        if param.dim() > 1:
+            param.normal_(0.0, DUMMY_WEIGHT_STD, generator=generator)
+        else:
+            param.fill_(0.0 if name.endswith(("A_log", "bias")) else 1.0)
+
+
 def load_weights(model: CausalLM, model_dir: str | Path) -> None:
     """Copy this rank's shard of every checkpoint tensor in ``model_dir`` into ``model``.
 

@@ -239,9 +239,10 @@ def make_tiny_checkpoint(
 
 
 def make_random_checkpoint(path: str | Path, preset: str = "qwen3-0.6b", *,
-                           dtype: str = "bfloat16", seed: int = 0) -> Path:
+                           dtype: str = "bfloat16", seed: int = 0, weights: bool = True) -> Path:
     """Write a checkpoint with the config of ``preset`` (one of ``PRESETS``) and random weights
-    into ``path``; return it. For benchmarks: the text it generates is noise.
+    into ``path`` (without ``weights``: the config and tokenizer alone, for
+    ``load_format="dummy"``); return it. For benchmarks: the text it generates is noise.
 
     Weights (normal, std 0.02; norms scaling by 1) go straight to safetensors without building
     a transformers model, so that 0.6B parameters take seconds. The tokenizer is the
@@ -271,13 +272,14 @@ def make_random_checkpoint(path: str | Path, preset: str = "qwen3-0.6b", *,
         shapes = _qwen3_weight_shapes(config)
     generator = torch.Generator().manual_seed(seed)
     tensors = {}
-    for name, shape in shapes.items():
+    for name, shape in shapes.items() if weights else ():
         tensor = torch.empty(shape, dtype=getattr(torch, dtype))
         if len(shape) == 1:
             tensors[name] = tensor.fill_(_vector_value(name, zero_centred_norms=qwen3_5))
         else:
             tensors[name] = tensor.normal_(0.0, RANDOM_WEIGHT_STD, generator=generator)
-    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    if weights:
+        save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
     config.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
@@ -319,9 +321,10 @@ def demo_model() -> Path:
 
 
 def random_weights_model(preset: str) -> Path:
-    """The folder of a random-weight checkpoint of ``preset``'s shape, built on first use."""
-    return cached_checkpoint(f"random-{preset}",
-                             lambda folder: make_random_checkpoint(folder, preset))
+    """The folder of ``preset``'s config and the tiny tokenizer, built on first use: a model to
+    run with ``load_format="dummy"``, whose weights are drawn on the device."""
+    return cached_checkpoint(f"config-{preset}",
+                             lambda folder: make_random_checkpoint(folder, preset, weights=False))
 
 
 def _qwen3_weight_shapes(c: Any) -> dict[str, tuple[int, ...]]:

@@ -15,6 +15,7 @@ from nanofn.kernels import TORCH_KERNELS, KernelBackend
 from nanofn.model import ModelShape, build_model, load_weights, model_shape, resolve_dtype
 from nanofn.model.batch import RecurrentState
 from nanofn.model.config import text_config
+from nanofn.model.loader import init_dummy_weights
 from nanofn.runner.cuda_graphs import DecodeGraphs
 from nanofn.runner.inputs import ModelInputs, SlotTables, prepare_inputs
 from nanofn.runner.sampler import DeviceSample, Sampler, SamplingRows, to_device
@@ -43,13 +44,14 @@ class RunnerConfig:
     gpu_memory_utilization: float
     kv_cache_memory_bytes: int | None  # overrides the memory-based sizing
     num_kv_blocks: int | None  # overrides everything
-    num_state_slots: int | None  # a hybrid model's recurrent-state slots; None: from memory
     seed: int | None
     enforce_eager: bool  # no CUDA graphs
     kernel_backend: str
     tp_size: int
     tp_rank: int = 0
     cpu_threads: int | None = None  # torch's threads on a CPU; None: torch's (and on a GPU)
+    num_state_slots: int | None = None  # a hybrid model's recurrent-state slots; None: from memory
+    load_format: str = "auto"  # "dummy": random weights from the config (``init_dummy_weights``)
 
     @property
     def max_blocks_per_seq(self) -> int:
@@ -89,7 +91,10 @@ class ModelRunner:
         self.model = build_model(hf_config, dtype=self.dtype, device=config.device,
                                  tp_rank=config.tp_rank, tp_size=config.tp_size,
                                  max_model_len=config.max_model_len, kernels=self.kernels)
-        load_weights(self.model, config.model_dir)
+        if config.load_format == "dummy":
+            init_dummy_weights(self.model, config.seed or 0)
+        else:
+            load_weights(self.model, config.model_dir)
         self.sampler = Sampler(config.seed, config.device)
         self.num_blocks, self.num_state_slots = self._decide_cache_sizes()
         if config.tp_size > 1:  # every rank must hold the same blocks: take the smallest
@@ -101,10 +106,14 @@ class ModelRunner:
         self.kv_cache = torch.zeros(self.shape.kv_cache_shape(self.num_blocks, config.block_size),
                                     dtype=self.dtype, device=config.device)
         hybrid = self.shape.recurrent is not None
-        self.states = (RecurrentState.zeros(self.shape.recurrent, self.num_state_slots,
+        # (a hybrid model's states have one slot more, the spare runner slot's: a decode
+        # graph's padding rows update it, and nothing reads it)
+        self.states = (RecurrentState.zeros(self.shape.recurrent, self.num_state_slots + 1,
                                             self.dtype, config.device) if hybrid else None)
         self.slot_tables = SlotTables(config.max_num_seqs, config.max_blocks_per_seq, self.device,
                                       hybrid)
+        if hybrid:
+            self.slot_tables.state_slot[-1] = self.num_state_slots
         self.slot_params = SlotParams(config.max_num_seqs)
         self._state_slot_of = np.full(config.max_num_seqs, -1, np.int64)  # by runner slot
         self._sampling_slots = torch.zeros(0, dtype=torch.int64, device=self.device)
@@ -116,12 +125,15 @@ class ModelRunner:
         # Plain sampling in the graphs too, where one rank samples with Triton.
         self.slot_temperature = None
         if (self.device.type == "cuda" and not config.enforce_eager
-                and self.kernels is not TORCH_KERNELS and not hybrid):
+                and self.kernels is not TORCH_KERNELS):
             if config.tp_size == 1 and self.sampler.use_triton:
                 self.slot_temperature = torch.zeros(config.max_num_seqs + 1, device=self.device)
             self.graphs = DecodeGraphs(self.model, self.kv_cache, self.slot_tables,
                                        min(config.max_num_seqs, 512), config.block_size,
-                                       text.hidden_size, self.slot_temperature)
+                                       text.hidden_size, self.slot_temperature, self.states)
+        # A prefill graph fixes a step's layout; the linear layers' chunked delta rule lays
+        # out its chunks on the host (flash-linear-attention): hybrid prompts run eagerly.
+        if self.graphs is not None and not hybrid:
             from nanofn.runner.prefill_graphs import PrefillGraphs  # (imports Triton)
 
             qkv_proj = self.model.model.layers[0].self_attn.qkv_proj  # this rank's heads
@@ -321,7 +333,7 @@ def cache_sizes(config: RunnerConfig, budget: int | None, block_bytes: int,
             slots = max(1, min(2 * config.max_num_seqs, within))
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks, slots
-    blocks = (budget - (slots or 0) * state_bytes) // block_bytes
+    blocks = (budget - (slots + 1 if slots else 0) * state_bytes) // block_bytes  # (+ the spare)
     if config.device.type != "cuda" and config.kv_cache_memory_bytes is None:
         blocks = min(blocks, config.max_num_seqs * config.max_blocks_per_seq)
     return max(int(blocks), 0), slots

@@ -1,0 +1,236 @@
+"""Triton kernels of a Gated DeltaNet layer's recurrent parts, with the signatures and contracts
+of the torch references in ``causal_conv.py`` and ``delta_rule.py``: the short causal
+convolution (a prompt chunk, and the decode step's update in place) and the delta rule's decode
+step, in place in the state slots. A prompt chunk's delta rule is flash-linear-attention's
+chunked kernel (``fla_delta_rule``), the states gathered from their slots and scattered back.
+
+Every kernel reads and writes the states through their strides, so one layer of a
+``RecurrentState`` (a strided view) is updated where it lies; a sequence whose
+``has_initial_state`` is False starts from zeros, whatever its slot holds.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+
+import torch
+import triton
+import triton.language as tl
+
+from nanofn.kernels.delta_rule import L2_NORM_EPS, gated_delta_rule
+
+
+# --- the short convolution ---------------------------------------------------------------------
+
+@triton.jit
+def _conv_kernel(x_ptr, weight_ptr, states_ptr, out_ptr, seq_of_token_ptr, starts_ptr,
+                 slots_ptr, initial_ptr, num_tokens, channels,
+                 x_stride, out_stride, state_slot_stride, state_channel_stride,
+                 state_tap_stride, WIDTH: tl.constexpr, BLOCK_T: tl.constexpr,
+                 BLOCK_C: tl.constexpr):
+    """``silu(conv(x))`` of ``BLOCK_T`` tokens by ``BLOCK_C`` channels of a flattened batch;
+    a tap before its sequence's first new token reads the sequence's conv state (or zero)."""
+    tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    channels_ = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    token_ok = tokens < num_tokens
+    channel_ok = channels_ < channels
+    seq = tl.load(seq_of_token_ptr + tokens, mask=token_ok, other=0)
+    start = tl.load(starts_ptr + seq, mask=token_ok, other=0)
+    slot = tl.load(slots_ptr + seq, mask=token_ok, other=0).to(tl.int64)
+    initial = tl.load(initial_ptr + seq, mask=token_ok, other=0) != 0
+    acc = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
+    for tap in tl.static_range(WIDTH + 1):
+        source = tokens - WIDTH + tap  # the input this tap reads
+        weight = tl.load(weight_ptr + channels_ * (WIDTH + 1) + tap, mask=channel_ok,
+                         other=0.0).to(tl.float32)
+        inside = source >= start
+        from_x = tl.load(x_ptr + source[:, None] * x_stride + channels_[None, :],
+                         mask=(token_ok & inside)[:, None] & channel_ok[None, :], other=0.0)
+        state_tap = WIDTH + (source - start)  # where an earlier input lies in the state
+        from_state = tl.load(
+            states_ptr + slot[:, None] * state_slot_stride
+            + channels_[None, :] * state_channel_stride + state_tap[:, None] * state_tap_stride,
+            mask=(token_ok & ~inside & initial)[:, None] & channel_ok[None, :], other=0.0)
+        acc += (from_x.to(tl.float32) + from_state.to(tl.float32)) * weight[None, :]
+    out = acc / (1.0 + tl.exp(-acc))
+    tl.store(out_ptr + tokens[:, None] * out_stride + channels_[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=token_ok[:, None] & channel_ok[None, :])
+
+
+@triton.jit
+def _conv_state_kernel(x_ptr, states_ptr, starts_ptr, ends_ptr, slots_ptr, initial_ptr, channels,
+                       x_stride, state_slot_stride, state_channel_stride, state_tap_stride,
+                       WIDTH: tl.constexpr, WIDTH_P2: tl.constexpr, BLOCK_C: tl.constexpr):
+    """A sequence's new conv state: the last ``WIDTH`` of its earlier and new inputs."""
+    seq = tl.program_id(0)
+    channels_ = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    channel_ok = channels_ < channels
+    start, end = tl.load(starts_ptr + seq), tl.load(ends_ptr + seq)
+    slot = tl.load(slots_ptr + seq).to(tl.int64)
+    initial = tl.load(initial_ptr + seq) != 0
+    taps = tl.arange(0, WIDTH_P2)
+    tap_ok = taps < WIDTH
+    source = end - WIDTH + taps  # as a token row; before ``start``: an old state tap
+    inside = source >= start
+    from_x = tl.load(x_ptr + source[:, None] * x_stride + channels_[None, :],
+                     mask=(tap_ok & inside)[:, None] & channel_ok[None, :], other=0.0)
+    base = states_ptr + slot * state_slot_stride + channels_[None, :] * state_channel_stride
+    old_tap = WIDTH + source - start
+    from_state = tl.load(base + old_tap[:, None] * state_tap_stride,
+                         mask=(tap_ok & ~inside)[:, None] & channel_ok[None, :] & initial,
+                         other=0.0)
+    new = tl.where(inside[:, None], from_x.to(tl.float32), from_state.to(tl.float32))
+    tl.debug_barrier()  # every old tap is read before one is written
+    tl.store(base + taps[:, None] * state_tap_stride, new.to(states_ptr.dtype.element_ty),
+             mask=tap_ok[:, None] & channel_ok[None, :])
+
+
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_states: torch.Tensor,
+                  query_start: torch.Tensor, state_slots: torch.Tensor,
+                  has_initial_state: torch.Tensor) -> torch.Tensor:
+    """``causal_conv.causal_conv1d``."""
+    num_tokens, channels = x.shape
+    width = weight.shape[1] - 1
+    num_seqs = state_slots.shape[0]
+    starts, ends = query_start[:-1].contiguous(), query_start[1:].contiguous()
+    seq_of_token = torch.searchsorted(ends.long(), torch.arange(num_tokens, device=x.device),
+                                      right=True)
+    initial = has_initial_state.to(torch.int8)
+    out = torch.empty_like(x)
+    block_t, block_c = 32, 64
+    _conv_kernel[(triton.cdiv(num_tokens, block_t), triton.cdiv(channels, block_c))](
+        x, weight, conv_states, out, seq_of_token, starts, state_slots, initial, num_tokens,
+        channels, x.stride(0), out.stride(0), *conv_states.stride(), WIDTH=width,
+        BLOCK_T=block_t, BLOCK_C=block_c)
+    _conv_state_kernel[(num_seqs, triton.cdiv(channels, block_c))](
+        x, conv_states, starts, ends, state_slots, initial, channels, x.stride(0),
+        *conv_states.stride(), WIDTH=width, WIDTH_P2=triton.next_power_of_2(width),
+        BLOCK_C=block_c)
+    return out
+
+
+@triton.jit
+def _conv_update_kernel(x_ptr, weight_ptr, states_ptr, out_ptr, slots_ptr, initial_ptr, channels,
+                        x_stride, out_stride, state_slot_stride, state_channel_stride,
+                        state_tap_stride, WIDTH: tl.constexpr, BLOCK_C: tl.constexpr):
+    """One new input of a sequence: its output, and its conv state shifted in place."""
+    seq = tl.program_id(0)
+    channels_ = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    ok = channels_ < channels
+    slot = tl.load(slots_ptr + seq).to(tl.int64)
+    initial = tl.load(initial_ptr + seq) != 0
+    base = states_ptr + slot * state_slot_stride + channels_ * state_channel_stride
+    x = tl.load(x_ptr + seq * x_stride + channels_, mask=ok, other=0.0)
+    acc = x.to(tl.float32) * tl.load(weight_ptr + channels_ * (WIDTH + 1) + WIDTH, mask=ok,
+                                     other=0.0).to(tl.float32)
+    for tap in tl.static_range(WIDTH):  # (tap 0 drops out of the shifted state)
+        held = tl.load(base + tap * state_tap_stride, mask=ok & initial, other=0.0)
+        acc += held.to(tl.float32) * tl.load(weight_ptr + channels_ * (WIDTH + 1) + tap,
+                                             mask=ok, other=0.0).to(tl.float32)
+        if tap > 0:
+            tl.store(base + (tap - 1) * state_tap_stride, held, mask=ok)
+    tl.store(base + (WIDTH - 1) * state_tap_stride, x.to(states_ptr.dtype.element_ty), mask=ok)
+    out = acc / (1.0 + tl.exp(-acc))
+    tl.store(out_ptr + seq * out_stride + channels_, out.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, conv_states: torch.Tensor,
+                         state_slots: torch.Tensor,
+                         has_initial_state: torch.Tensor) -> torch.Tensor:
+    """``causal_conv.causal_conv1d_update``."""
+    num_seqs, channels = x.shape
+    out = torch.empty_like(x)
+    block_c = 128
+    _conv_update_kernel[(num_seqs, triton.cdiv(channels, block_c))](
+        x, weight, conv_states, out, state_slots, has_initial_state.to(torch.int8), channels,
+        x.stride(0), out.stride(0), *conv_states.stride(), WIDTH=weight.shape[1] - 1,
+        BLOCK_C=block_c)
+    return out
+
+
+# --- the delta rule's decode step ------------------------------------------------------------
+
+@triton.jit
+def _delta_rule_update_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, states_ptr, out_ptr,
+                              slots_ptr, initial_ptr, q_stride_b, q_stride_h, k_stride_b,
+                              k_stride_h, v_stride_b, v_stride_h, gb_stride_b, out_stride_b,
+                              out_stride_h, state_slot_stride, state_head_stride,
+                              state_k_stride, state_v_stride, eps, scale,
+                              GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                              BLOCK_V: tl.constexpr):
+    """One token of sequence ``program_id(0)``, value head ``program_id(1)``, values
+    ``program_id(2) * BLOCK_V ...``: the state tile ``[DK, BLOCK_V]`` decayed, written, read,
+    and stored back in place."""
+    seq, head = tl.program_id(0), tl.program_id(1)
+    values = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+    keys = tl.arange(0, DK)
+    value_ok = values < DV
+    key_head = head // GROUP
+    q = tl.load(q_ptr + seq * q_stride_b + key_head * q_stride_h + keys).to(tl.float32)
+    k = tl.load(k_ptr + seq * k_stride_b + key_head * k_stride_h + keys).to(tl.float32)
+    q = q * tl.rsqrt(tl.sum(q * q) + eps) * scale
+    k = k * tl.rsqrt(tl.sum(k * k) + eps)
+    v = tl.load(v_ptr + seq * v_stride_b + head * v_stride_h + values, mask=value_ok,
+                other=0.0).to(tl.float32)
+    decay = tl.exp(tl.load(g_ptr + seq * gb_stride_b + head).to(tl.float32))
+    beta = tl.load(beta_ptr + seq * gb_stride_b + head).to(tl.float32)
+    slot = tl.load(slots_ptr + seq).to(tl.int64)
+    initial = tl.load(initial_ptr + seq) != 0
+    tile = (states_ptr + slot * state_slot_stride + head * state_head_stride
+            + keys[:, None] * state_k_stride + values[None, :] * state_v_stride)
+    state = tl.load(tile, mask=value_ok[None, :] & initial, other=0.0).to(tl.float32) * decay
+    predicted = tl.sum(state * k[:, None], axis=0)
+    state += k[:, None] * ((v - predicted) * beta)[None, :]
+    out = tl.sum(state * q[:, None], axis=0)
+    tl.store(tile, state.to(states_ptr.dtype.element_ty), mask=value_ok[None, :])
+    tl.store(out_ptr + seq * out_stride_b + head * out_stride_h + values,
+             out.to(out_ptr.dtype.element_ty), mask=value_ok)
+
+
+def gated_delta_rule_update(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                            beta: torch.Tensor, ssm_states: torch.Tensor,
+                            state_slots: torch.Tensor,
+                            has_initial_state: torch.Tensor) -> torch.Tensor:
+    """``delta_rule.gated_delta_rule_update``."""
+    num_seqs, num_v_heads, dv = v.shape
+    dk = q.shape[-1]
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError("the delta rule's kernel reads rows of q, k and v with unit stride")
+    g, beta = g.contiguous(), beta.contiguous()
+    out = torch.empty(num_seqs, num_v_heads, dv, dtype=v.dtype, device=v.device)
+    block_v = min(32, triton.next_power_of_2(dv))
+    _delta_rule_update_kernel[(num_seqs, num_v_heads, triton.cdiv(dv, block_v))](
+        q, k, v, g, beta, ssm_states, out, state_slots, has_initial_state.to(torch.int8),
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        g.stride(0), out.stride(0), out.stride(1), *ssm_states.stride(), L2_NORM_EPS,
+        dk ** -0.5, GROUP=num_v_heads // q.shape[1], DK=dk, DV=dv, BLOCK_V=block_v)
+    return out
+
+
+# --- a prompt chunk's delta rule: flash-linear-attention's chunked kernel ----------------------
+
+def chunked_delta_rule() -> Callable[..., torch.Tensor]:
+    """A prompt chunk's delta rule: flash-linear-attention's where it is installed (fla-core,
+    ``pip install "nanofn[hybrid]"``), else the torch reference (token by token: slow)."""
+    return fla_delta_rule if importlib.util.find_spec("fla") is not None else gated_delta_rule
+
+
+def fla_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                   beta: torch.Tensor, ssm_states: torch.Tensor, query_start: torch.Tensor,
+                   state_slots: torch.Tensor, has_initial_state: torch.Tensor,
+                   query_lens_host: tuple[int, ...]) -> torch.Tensor:
+    """``delta_rule.gated_delta_rule`` through flash-linear-attention's chunked kernel (varlen,
+    with initial and final states): the sequences' states are gathered from their slots (zeros
+    where there is none) and the final ones written back."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    held = ssm_states[state_slots]
+    initial = torch.where(has_initial_state.view(-1, 1, 1, 1), held.float(),
+                          torch.zeros((), device=held.device))
+    out, final = chunk_gated_delta_rule(
+        q[None], k[None], v[None], g[None].float(), beta[None].float(),
+        initial_state=initial, output_final_state=True, use_qk_l2norm_in_kernel=True,
+        cu_seqlens=query_start.long())
+    ssm_states[state_slots] = final.to(ssm_states.dtype)
+    return out[0].to(v.dtype)
