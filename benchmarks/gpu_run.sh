@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: the GPU test suite, then the benchmarks, logs under $OUT and a
 # short table last; the logs come back as $OUT/logs-MODE.tgz. Usage: bash benchmarks/gpu_run.sh
-# [tests|bench|all|kernels|serve|tp|baseline] (default: all;
+# [tests|bench|all|kernels|serve|tp|hybrid|hybrid-bench|hybrid-prefix|baseline] (default: all;
 # baseline: the torch reference attention, eager, for comparison)
 # Expects the wheels of ../shared/tools/gpu-wheels.sh in .whl/ (pyrsistent is missing there),
 # and flash-attn-4 in /tmp/fa4site if it is to be tested and measured (benchmarks/fa4_install.sh);
@@ -84,6 +84,19 @@ if [ "$what" = serve ]; then  # needs fastapi, uvicorn, prometheus_client, opena
     --concurrency 64 --prompt-len 512 --max-tokens 256 --json "$OUT/serve.json" \
     | tee "$OUT/serve.txt"
   kill -TERM $server; wait $server
+fi
+if [ "$what" = hybrid ] || [ "$what" = hybrid-bench ]; then  # Qwen3.5 (needs fla-core, einops)
+  if [ "$what" = hybrid ]; then
+    timeout 300 python3 -m pytest tests/gpu/test_hybrid_gpu.py -q -rs 2>&1 \
+      | tee "$OUT/gpu_hybrid_tests.log" | tail -15
+  fi
+  single qwen3.5-9b --random-weights qwen3.5-9b-shape
+  bench qwen3.5-9b --random-weights qwen3.5-9b-shape --profile
+fi
+if [ "$what" = hybrid-prefix ]; then  # the shared-prefix workload, prefix caching on and off
+  bench qwen3.5-9b-shared-prefix --random-weights qwen3.5-9b-shape --workload shared-prefix
+  bench qwen3.5-9b-shared-prefix-off --random-weights qwen3.5-9b-shape --workload shared-prefix \
+    --no-prefix-caching
 fi
 if [ "$what" = baseline ]; then
   single torch-eager --kernel-backend=torch --enforce-eager=true

@@ -12,6 +12,7 @@ Every kernel reads and writes the states through their strides, so one layer of 
 from __future__ import annotations
 
 import importlib.util
+import itertools
 from collections.abc import Callable
 
 import torch
@@ -228,9 +229,10 @@ def fla_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
     held = ssm_states[state_slots]
     initial = torch.where(has_initial_state.view(-1, 1, 1, 1), held.float(),
                           torch.zeros((), device=held.device))
+    ends = list(itertools.accumulate(query_lens_host, initial=0))  # (no wait for the device's)
     out, final = chunk_gated_delta_rule(
-        q[None], k[None], v[None], g[None].float(), beta[None].float(),
+        q[None], k[None], v[None], g[None].float(), beta[None].to(v.dtype),
         initial_state=initial, output_final_state=True, use_qk_l2norm_in_kernel=True,
-        cu_seqlens=query_start.long())
+        cu_seqlens=query_start.long(), cu_seqlens_cpu=torch.tensor(ends))
     ssm_states[state_slots] = final.to(ssm_states.dtype)
     return out[0].to(v.dtype)

@@ -297,7 +297,8 @@ class ModelRunner:
         scratch = torch.zeros(self.shape.kv_cache_shape(num_seqs * blocks_per_seq, c.block_size),
                               dtype=self.dtype, device=self.device)
         hybrid = self.shape.recurrent is not None
-        states = (RecurrentState.zeros(self.shape.recurrent, num_seqs, self.dtype, self.device)
+        # (every sequence starts from zeros in one scratch slot: their states are not kept)
+        states = (RecurrentState.zeros(self.shape.recurrent, 1, self.dtype, self.device)
                   if hybrid else None)
         tables = SlotTables(num_seqs, blocks_per_seq, self.device, hybrid)
         inputs = prepare_inputs(_prefill_plan(lens, blocks_per_seq), c.block_size, tables,
@@ -442,7 +443,8 @@ def _prefill_plan(lens: list[int], blocks_per_seq: int) -> BatchPlan:
     seqs = [ScheduledSeq(f"profile-{i}", i, (0,) * n, 0, True,
                          tuple((col, i * blocks_per_seq + col) for col in range(blocks_per_seq)))
             for i, n in enumerate(lens)]
-    return plan_of(0, seqs, [SeqStart(i, f"profile-{i}", params, n) for i, n in enumerate(lens)])
+    return plan_of(0, seqs, [SeqStart(i, f"profile-{i}", params, n, state_slot=0)
+                             for i, n in enumerate(lens)])
 
 
 class SlotParams:
