@@ -352,12 +352,16 @@ def test_the_floor_reproduces_roofline_py_for_qwen3_0_6b():
 
 def test_a_hybrid_model_s_floor_counts_its_state_bytes_and_its_attention_layers_alone():
     """Qwen3.5-9B's shape: 8 full-attention layers keep K/V; each of 24 linear-attention
-    layers keeps a 32 x 128 x 128 float32 state and 3 past inputs of 8192 channels (bf16) per
-    sequence, which every decode step reads and writes. One request decoding, memory-bound:
-    each step moves the weights, its K/V and its state twice."""
+    layers keeps a 32 x 128 x 128 state (bf16: its config names no mamba_ssm_dtype) and 3
+    past inputs of 8192 channels (bf16) per sequence, which every decode step reads and
+    writes. One request decoding, memory-bound: each step moves the weights, its K/V and its
+    state twice."""
     dims = ModelDims.from_config(PRESETS["qwen3.5-9b-shape"])
     assert (dims.num_attention_layers, dims.num_linear_layers) == (8, 24)
-    assert dims.state_bytes == 24 * (32 * 128 * 128 * 4 + 8192 * 3 * 2)
+    assert dims.state_bytes == 24 * (32 * 128 * 128 * 2 + 8192 * 3 * 2)
+    float32_text = {**PRESETS["qwen3.5-9b-shape"]["text_config"], "mamba_ssm_dtype": "float32"}
+    assert ModelDims.from_config({"text_config": float32_text}).state_bytes == 24 * (
+        32 * 128 * 128 * 4 + 8192 * 3 * 2)
     f = floor(dims, [512], [513])
     kv_per_token = 8 * 2 * 4 * 256 * 2
     weight_bytes = 2 * (dims.body_params + dims.lm_head_params)

@@ -260,8 +260,9 @@ def test_the_9b_shape_reads_its_text_config():
     assert shape.recurrent.conv_shape(1) == (1, 24, (2 * 8 + 16) * 128, 3)
     assert shape.recurrent.ssm_shape(1) == (1, 24, 16, 128, 128)
     assert rotary_dim(config) == 64
-    config.text_config.mamba_ssm_dtype = "bfloat16"
-    assert model_shape(config).recurrent.ssm_dtype == torch.bfloat16
+    assert model_shape(config).recurrent.ssm_dtype is None  # the model's, as vLLM's "auto"
+    config.text_config.mamba_ssm_dtype = "float32"  # as Qwen3.5's checkpoints say
+    assert model_shape(config).recurrent.ssm_dtype == torch.float32
 
 
 def test_the_bench_reads_a_vision_language_config_s_language_model():

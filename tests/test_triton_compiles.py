@@ -192,3 +192,14 @@ def test_hybrid_kernels_compile(compile_for_h100, tokens):
     compile_for_h100(linear.gated_delta_rule_update, q.view(seqs, 16, 128), k.view(seqs, 16, 128),
                      v.view(seqs, 32, 128), empty(seqs, 32, dtype=torch.float32),
                      empty(seqs, 32), ssm, state_slots, initial)
+    mixed = empty(tokens, 2 * 16 * 128 + 32 * 128)
+    q, k, v = mixed.split([16 * 128, 16 * 128, 32 * 128], dim=-1)
+    compile_for_h100(linear.recurrent_delta_rule, q.view(tokens, 16, 128),
+                     k.view(tokens, 16, 128), v.view(tokens, 32, 128),
+                     empty(tokens, 32, dtype=torch.float32), empty(tokens, 32), ssm, query_start,
+                     state_slots, initial)
+    ab = empty(tokens, 64)
+    compile_for_h100(linear.delta_rule_gates, ab[:, :32], ab[:, 32:],
+                     empty(32, dtype=torch.float32), empty(32, dtype=torch.float32))
+    z = empty(tokens, 2 * 32 * 128)[:, 32 * 128:].view(tokens, 32, 128)
+    compile_for_h100(linear.rms_norm_gated, empty(tokens, 32, 128), z, empty(128), 1e-6)

@@ -10,7 +10,8 @@ import torch
 
 import nanofn.kernels.triton_linear_attention as triton_linear_attention
 from nanofn.kernels.causal_conv import causal_conv1d, causal_conv1d_update
-from nanofn.kernels.delta_rule import gated_delta_rule_update
+from nanofn.kernels.delta_rule import delta_rule_gates, gated_delta_rule, gated_delta_rule_update
+from nanofn.kernels.norm import rms_norm_gated
 
 TOLERANCES = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.float16: dict(atol=2e-3, rtol=2e-3)}
 SLOTS = torch.tensor([3, 0, 5])  # the batch's sequences' slots, out of order
@@ -95,3 +96,48 @@ def test_gated_delta_rule_update_matches_reference(interpreter, dtype, dv):
 
     torch.testing.assert_close(out, expected, **TOLERANCES[dtype])
     torch.testing.assert_close(states, expected_states, equal_nan=True, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_the_recurrent_delta_rule_over_a_batch_of_chunks_matches_reference(interpreter, dtype):
+    """Prompt chunks of 1, 5 and 20 tokens, each sequence's state carried token to token."""
+    generator = torch.Generator().manual_seed(3)
+    lengths, hk, hv, dk, dv = [1, 5, 20], 2, 4, 16, 48
+    t = sum(lengths)
+    q, k = (torch.randn(t, hk, dk, generator=generator).to(dtype) for _ in range(2))
+    v = torch.randn(t, hv, dv, generator=generator).to(dtype)
+    g = -torch.rand(t, hv, generator=generator)
+    beta = torch.rand(t, hv, generator=generator)
+    query_start = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    states = slot_states((hv, dk, dv), torch.float32, generator)
+    expected_states = states.clone()
+    expected = gated_delta_rule(q, k, v, g, beta, layer_of(expected_states), query_start, SLOTS,
+                                INITIAL, tuple(lengths))
+
+    out, states = interpreter(delta_and_states, triton_linear_attention.recurrent_delta_rule,
+                              q, k, v, g, beta, states, query_start, SLOTS, INITIAL)
+
+    torch.testing.assert_close(out, expected, **TOLERANCES[dtype])
+    torch.testing.assert_close(states, expected_states, equal_nan=True, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_the_gates_and_the_gated_norm_match_their_references(interpreter, dtype):
+    """The gates from strided views of the projection (``a`` and ``b`` for 6 value heads, as
+    the model splits them), large ``a`` included (softplus's linear side); the gated norm of
+    heads of 32 with a strided gate."""
+    generator = torch.Generator().manual_seed(4)
+    projected = (torch.randn(9, 40, generator=generator) * 4).to(dtype)
+    projected[0, 28] = 30.0
+    a, b = projected[:, 28:34], projected[:, 34:40]
+    a_log, dt_bias = torch.randn(6, generator=generator), torch.randn(6, generator=generator)
+    g, beta = interpreter(triton_linear_attention.delta_rule_gates, a, b, a_log, dt_bias)
+    expected_g, expected_beta = delta_rule_gates(a, b, a_log, dt_bias)
+    torch.testing.assert_close(g, expected_g, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(beta, expected_beta, **TOLERANCES[dtype])
+
+    x = torch.randn(9, 3, 32, generator=generator).to(dtype)
+    gate = torch.randn(9, 100, generator=generator).to(dtype)[:, 4:100].view(9, 3, 32)
+    weight = (torch.rand(32, generator=generator) + 0.5).to(dtype)
+    out = interpreter(triton_linear_attention.rms_norm_gated, x, gate, weight, 1e-6)
+    torch.testing.assert_close(out, rms_norm_gated(x, gate, weight, 1e-6), **TOLERANCES[dtype])

@@ -134,7 +134,9 @@ class ModelDims:
     linear_value_dim: int = 0
     conv_kernel: int = 0
     gated_attention: bool = False
-    state_bytes_per_value: int = 4  # the delta rule's state (float32 in Qwen3.5)
+    # the delta rule's state: float32 where the config's mamba_ssm_dtype says so (Qwen3.5's
+    # checkpoints), else the model's bf16 (as vLLM's "auto")
+    state_bytes_per_value: int = 2
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> ModelDims:
@@ -150,8 +152,7 @@ class ModelDims:
             linear_key_dim=config["linear_key_head_dim"],
             linear_value_dim=config["linear_value_head_dim"],
             conv_kernel=config["linear_conv_kernel_dim"], gated_attention=True,
-            state_bytes_per_value=4 if config.get("mamba_ssm_dtype", "float32") == "float32"
-            else 2)
+            state_bytes_per_value=4 if config.get("mamba_ssm_dtype") == "float32" else 2)
         return cls(
             num_layers=config["num_hidden_layers"],
             hidden_size=config["hidden_size"],

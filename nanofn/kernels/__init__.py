@@ -15,7 +15,7 @@ import torch
 from nanofn.kernels.activation import silu_and_mul
 from nanofn.kernels.attention import decode_attention, prefill_attention, store_kv
 from nanofn.kernels.causal_conv import causal_conv1d, causal_conv1d_update
-from nanofn.kernels.delta_rule import gated_delta_rule, gated_delta_rule_update
+from nanofn.kernels.delta_rule import delta_rule_gates, gated_delta_rule, gated_delta_rule_update
 from nanofn.kernels.linear import linear, rms_norm_linear
 from nanofn.kernels.norm import rms_norm, rms_norm_gated
 from nanofn.kernels.partial_sums import PartialSums
@@ -46,6 +46,7 @@ class KernelBackend:
     # step's sequences, and over one token a sequence (a decode step); the gated output norm.
     causal_conv1d: Callable[..., torch.Tensor]
     causal_conv1d_update: Callable[..., torch.Tensor]
+    delta_rule_gates: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     gated_delta_rule: Callable[..., torch.Tensor]
     gated_delta_rule_update: Callable[..., torch.Tensor]
     rms_norm_gated: Callable[..., torch.Tensor]
@@ -60,6 +61,7 @@ TORCH_KERNELS = KernelBackend(
     rms_norm_linear=rms_norm_linear,
     causal_conv1d=causal_conv1d,
     causal_conv1d_update=causal_conv1d_update,
+    delta_rule_gates=delta_rule_gates,
     gated_delta_rule=gated_delta_rule,
     gated_delta_rule_update=gated_delta_rule_update,
     rms_norm_gated=rms_norm_gated,

@@ -18,10 +18,20 @@ would take whole chunks of a sequence at a time (flash-linear-attention's chunke
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from nanofn.kernels.causal_conv import read_states
 
 L2_NORM_EPS = 1e-6  # flash-linear-attention's and transformers'
+
+
+def delta_rule_gates(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor,
+                     dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's per value head decay, in log space, ``g = -exp(A_log) * softplus(a +
+    dt_bias)`` (float32), and write strength ``beta = sigmoid(b)`` (in ``b``'s dtype), from the
+    ``a`` and ``b`` projections ``[T, Hv]`` (as transformers computes them)."""
+    g = -a_log.float().exp() * F.softplus(a.float() + dt_bias)
+    return g, torch.sigmoid(b)
 
 
 def gated_delta_rule(

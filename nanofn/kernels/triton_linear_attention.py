@@ -97,15 +97,14 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_states: torch.Tens
     starts, ends = query_start[:-1].contiguous(), query_start[1:].contiguous()
     seq_of_token = torch.searchsorted(ends.long(), torch.arange(num_tokens, device=x.device),
                                       right=True)
-    initial = has_initial_state.to(torch.int8)
     out = torch.empty_like(x)
     block_t, block_c = 32, 64
     _conv_kernel[(triton.cdiv(num_tokens, block_t), triton.cdiv(channels, block_c))](
-        x, weight, conv_states, out, seq_of_token, starts, state_slots, initial, num_tokens,
+        x, weight, conv_states, out, seq_of_token, starts, state_slots, has_initial_state, num_tokens,
         channels, x.stride(0), out.stride(0), *conv_states.stride(), WIDTH=width,
         BLOCK_T=block_t, BLOCK_C=block_c)
     _conv_state_kernel[(num_seqs, triton.cdiv(channels, block_c))](
-        x, conv_states, starts, ends, state_slots, initial, channels, x.stride(0),
+        x, conv_states, starts, ends, state_slots, has_initial_state, channels, x.stride(0),
         *conv_states.stride(), WIDTH=width, WIDTH_P2=triton.next_power_of_2(width),
         BLOCK_C=block_c)
     return out
@@ -144,69 +143,162 @@ def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, conv_states: tor
     out = torch.empty_like(x)
     block_c = 128
     _conv_update_kernel[(num_seqs, triton.cdiv(channels, block_c))](
-        x, weight, conv_states, out, state_slots, has_initial_state.to(torch.int8), channels,
+        x, weight, conv_states, out, state_slots, has_initial_state, channels,
         x.stride(0), out.stride(0), *conv_states.stride(), WIDTH=weight.shape[1] - 1,
         BLOCK_C=block_c)
     return out
 
 
-# --- the delta rule's decode step ------------------------------------------------------------
+# --- the delta rule's gates and the gated output norm ------------------------------------------
 
 @triton.jit
-def _delta_rule_update_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, states_ptr, out_ptr,
-                              slots_ptr, initial_ptr, q_stride_b, q_stride_h, k_stride_b,
-                              k_stride_h, v_stride_b, v_stride_h, gb_stride_b, out_stride_b,
-                              out_stride_h, state_slot_stride, state_head_stride,
-                              state_k_stride, state_v_stride, eps, scale,
-                              GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                              BLOCK_V: tl.constexpr):
-    """One token of sequence ``program_id(0)``, value head ``program_id(1)``, values
-    ``program_id(2) * BLOCK_V ...``: the state tile ``[DK, BLOCK_V]`` decayed, written, read,
-    and stored back in place."""
+def _gates_kernel(a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, g_ptr, beta_ptr, a_stride, b_stride,
+                  num_heads, HEADS: tl.constexpr):
+    """Token ``program_id(0)``'s decay (log space) and write strength of every value head."""
+    token = tl.program_id(0)
+    heads = tl.arange(0, HEADS)
+    ok = heads < num_heads
+    a = tl.load(a_ptr + token * a_stride + heads, mask=ok, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + token * b_stride + heads, mask=ok, other=0.0).to(tl.float32)
+    x = a + tl.load(dt_bias_ptr + heads, mask=ok, other=0.0).to(tl.float32)
+    softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))  # (torch's threshold)
+    g = -tl.exp(tl.load(a_log_ptr + heads, mask=ok, other=0.0).to(tl.float32)) * softplus
+    tl.store(g_ptr + token * num_heads + heads, g, mask=ok)
+    beta = 1.0 / (1.0 + tl.exp(-b))
+    tl.store(beta_ptr + token * num_heads + heads, beta.to(beta_ptr.dtype.element_ty), mask=ok)
+
+
+def delta_rule_gates(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor,
+                     dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``delta_rule.delta_rule_gates``, in one launch."""
+    num_tokens, num_heads = a.shape
+    g = torch.empty(num_tokens, num_heads, dtype=torch.float32, device=a.device)
+    beta = torch.empty(num_tokens, num_heads, dtype=b.dtype, device=b.device)
+    if num_tokens:
+        _gates_kernel[(num_tokens,)](a, b, a_log, dt_bias, g, beta, a.stride(0), b.stride(0),
+                                     num_heads, HEADS=triton.next_power_of_2(num_heads))
+    return g, beta
+
+
+@triton.jit
+def _norm_gated_kernel(x_ptr, gate_ptr, weight_ptr, out_ptr, x_stride_t, x_stride_h,
+                       gate_stride_t, gate_stride_h, num_heads, eps, SIZE: tl.constexpr):
+    """Token ``program_id(0)``, head ``program_id(1)``: ``rms_norm(x) * weight`` rounded to
+    x's dtype, times ``silu(gate)``."""
+    token, head = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    cols = tl.arange(0, SIZE)
+    x = tl.load(x_ptr + token * x_stride_t + head * x_stride_h + cols).to(tl.float32)
+    dtype = x_ptr.dtype.element_ty
+    normed = (x * tl.rsqrt(tl.sum(x * x) / SIZE + eps)).to(dtype).to(tl.float32)
+    weighted = (normed * tl.load(weight_ptr + cols).to(tl.float32)).to(dtype).to(tl.float32)
+    gate = tl.load(gate_ptr + token * gate_stride_t + head * gate_stride_h + cols)
+    gate = gate.to(tl.float32)
+    out = weighted * gate / (1.0 + tl.exp(-gate))
+    tl.store(out_ptr + (token * num_heads + head) * SIZE + cols,
+             out.to(out_ptr.dtype.element_ty))
+
+
+def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
+                   eps: float) -> torch.Tensor:
+    """``norm.rms_norm_gated`` of ``x`` and ``gate`` ``[T, H, D]`` (a Gated DeltaNet's value
+    heads; ``gate`` may be a strided view), a head a program."""
+    num_tokens, num_heads, size = x.shape
+    if size & (size - 1) or x.stride(-1) != 1 or gate.stride(-1) != 1:
+        raise ValueError("the gated norm's kernel takes heads of a power-of-two size, with "
+                         "unit stride")
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if num_tokens:
+        _norm_gated_kernel[(num_tokens, num_heads)](
+            x, gate, weight, out, x.stride(0), x.stride(1), gate.stride(0), gate.stride(1),
+            num_heads, eps, SIZE=size)
+    return out
+
+
+# --- the delta rule, token by token ----------------------------------------------------------
+
+@triton.jit
+def _delta_rule_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, states_ptr, out_ptr,
+                       query_start_ptr, slots_ptr, initial_ptr, q_stride_t, q_stride_h,
+                       k_stride_t, k_stride_h, v_stride_t, v_stride_h, gb_stride_t,
+                       out_stride_t, out_stride_h, state_slot_stride, state_head_stride,
+                       state_k_stride, state_v_stride, eps, scale, GROUP: tl.constexpr,
+                       DK: tl.constexpr, DV: tl.constexpr, BLOCK_V: tl.constexpr,
+                       ONE_TOKEN: tl.constexpr):
+    """Sequence ``program_id(0)``'s new tokens, one after another, for value head
+    ``program_id(1)`` and values ``program_id(2) * BLOCK_V ...``: its state tile ``[DK,
+    BLOCK_V]`` stays in registers from the first token to the last, then goes back to its slot.
+    ``ONE_TOKEN``: the decode step, token ``program_id(0)`` (``query_start`` is not read)."""
     seq, head = tl.program_id(0), tl.program_id(1)
     values = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
     keys = tl.arange(0, DK)
     value_ok = values < DV
     key_head = head // GROUP
-    q = tl.load(q_ptr + seq * q_stride_b + key_head * q_stride_h + keys).to(tl.float32)
-    k = tl.load(k_ptr + seq * k_stride_b + key_head * k_stride_h + keys).to(tl.float32)
-    q = q * tl.rsqrt(tl.sum(q * q) + eps) * scale
-    k = k * tl.rsqrt(tl.sum(k * k) + eps)
-    v = tl.load(v_ptr + seq * v_stride_b + head * v_stride_h + values, mask=value_ok,
-                other=0.0).to(tl.float32)
-    decay = tl.exp(tl.load(g_ptr + seq * gb_stride_b + head).to(tl.float32))
-    beta = tl.load(beta_ptr + seq * gb_stride_b + head).to(tl.float32)
+    if ONE_TOKEN:
+        start = seq.to(tl.int64)
+        end = start + 1
+    else:
+        start = tl.load(query_start_ptr + seq).to(tl.int64)
+        end = tl.load(query_start_ptr + seq + 1).to(tl.int64)
     slot = tl.load(slots_ptr + seq).to(tl.int64)
     initial = tl.load(initial_ptr + seq) != 0
     tile = (states_ptr + slot * state_slot_stride + head * state_head_stride
             + keys[:, None] * state_k_stride + values[None, :] * state_v_stride)
-    state = tl.load(tile, mask=value_ok[None, :] & initial, other=0.0).to(tl.float32) * decay
-    predicted = tl.sum(state * k[:, None], axis=0)
-    state += k[:, None] * ((v - predicted) * beta)[None, :]
-    out = tl.sum(state * q[:, None], axis=0)
+    state = tl.load(tile, mask=value_ok[None, :] & initial, other=0.0).to(tl.float32)
+    for token in range(start, end):
+        q = tl.load(q_ptr + token * q_stride_t + key_head * q_stride_h + keys).to(tl.float32)
+        k = tl.load(k_ptr + token * k_stride_t + key_head * k_stride_h + keys).to(tl.float32)
+        v = tl.load(v_ptr + token * v_stride_t + head * v_stride_h + values, mask=value_ok,
+                    other=0.0).to(tl.float32)
+        decay = tl.exp(tl.load(g_ptr + token * gb_stride_t + head).to(tl.float32))
+        beta = tl.load(beta_ptr + token * gb_stride_t + head).to(tl.float32)
+        q = q * tl.rsqrt(tl.sum(q * q) + eps) * scale
+        k = k * tl.rsqrt(tl.sum(k * k) + eps)
+        state = state * decay
+        predicted = tl.sum(state * k[:, None], axis=0)
+        state += k[:, None] * ((v - predicted) * beta)[None, :]
+        out = tl.sum(state * q[:, None], axis=0)
+        tl.store(out_ptr + token * out_stride_t + head * out_stride_h + values,
+                 out.to(out_ptr.dtype.element_ty), mask=value_ok)
     tl.store(tile, state.to(states_ptr.dtype.element_ty), mask=value_ok[None, :])
-    tl.store(out_ptr + seq * out_stride_b + head * out_stride_h + values,
-             out.to(out_ptr.dtype.element_ty), mask=value_ok)
+
+
+def recurrent_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                         beta: torch.Tensor, ssm_states: torch.Tensor, query_start: torch.Tensor,
+                         state_slots: torch.Tensor, has_initial_state: torch.Tensor,
+                         query_lens_host: tuple[int, ...] = ()) -> torch.Tensor:
+    """``delta_rule.gated_delta_rule``, each sequence's tokens one after another in one
+    program per (sequence, value head, value block): one launch, in place in the slots."""
+    return _delta_rule(q, k, v, g, beta, ssm_states, query_start, state_slots,
+                       has_initial_state)
+
+
+def _delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                beta: torch.Tensor, ssm_states: torch.Tensor, query_start: torch.Tensor | None,
+                state_slots: torch.Tensor, has_initial_state: torch.Tensor) -> torch.Tensor:
+    """``_delta_rule_kernel``'s launch; without ``query_start``, one token a sequence."""
+    num_tokens, num_v_heads, dv = v.shape
+    dk = q.shape[-1]
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError("the delta rule's kernel reads rows of q, k and v with unit stride")
+    g, beta = g.contiguous(), beta.contiguous()
+    out = torch.empty(num_tokens, num_v_heads, dv, dtype=v.dtype, device=v.device)
+    block_v = min(32, triton.next_power_of_2(dv))
+    one_token = query_start is None
+    _delta_rule_kernel[(len(state_slots), num_v_heads, triton.cdiv(dv, block_v))](
+        q, k, v, g, beta, ssm_states, out, state_slots if one_token else query_start,
+        state_slots, has_initial_state, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        v.stride(0), v.stride(1), g.stride(0), out.stride(0), out.stride(1),
+        *ssm_states.stride(), L2_NORM_EPS, dk ** -0.5, GROUP=num_v_heads // q.shape[1], DK=dk,
+        DV=dv, BLOCK_V=block_v, ONE_TOKEN=one_token)
+    return out
 
 
 def gated_delta_rule_update(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                             beta: torch.Tensor, ssm_states: torch.Tensor,
                             state_slots: torch.Tensor,
                             has_initial_state: torch.Tensor) -> torch.Tensor:
-    """``delta_rule.gated_delta_rule_update``."""
-    num_seqs, num_v_heads, dv = v.shape
-    dk = q.shape[-1]
-    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
-        raise ValueError("the delta rule's kernel reads rows of q, k and v with unit stride")
-    g, beta = g.contiguous(), beta.contiguous()
-    out = torch.empty(num_seqs, num_v_heads, dv, dtype=v.dtype, device=v.device)
-    block_v = min(32, triton.next_power_of_2(dv))
-    _delta_rule_update_kernel[(num_seqs, num_v_heads, triton.cdiv(dv, block_v))](
-        q, k, v, g, beta, ssm_states, out, state_slots, has_initial_state.to(torch.int8),
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        g.stride(0), out.stride(0), out.stride(1), *ssm_states.stride(), L2_NORM_EPS,
-        dk ** -0.5, GROUP=num_v_heads // q.shape[1], DK=dk, DV=dv, BLOCK_V=block_v)
-    return out
+    """``delta_rule.gated_delta_rule_update``: the decode step, each sequence's one token."""
+    return _delta_rule(q, k, v, g, beta, ssm_states, None, state_slots, has_initial_state)
 
 
 # --- a prompt chunk's delta rule: flash-linear-attention's chunked kernel ----------------------

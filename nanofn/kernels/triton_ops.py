@@ -44,7 +44,7 @@ import nanofn.kernels.triton_gemm as triton_gemm
 import nanofn.kernels.triton_gemv as triton_gemv
 from nanofn.kernels.triton_gemv import silu_times_up
 from nanofn.kernels.triton_attention import head_norm_scaled
-from nanofn.kernels import KernelBackend, rms_norm_gated
+from nanofn.kernels import KernelBackend
 from nanofn.kernels import triton_linear_attention as linear_attention
 from nanofn.kernels.linear import norm_then_linear
 from nanofn.kernels.partial_sums import PartialSums, added_up
@@ -443,7 +443,8 @@ TRITON_KERNELS = KernelBackend(
     rms_norm_linear=rms_norm_linear,
     causal_conv1d=linear_attention.causal_conv1d,
     causal_conv1d_update=linear_attention.causal_conv1d_update,
+    delta_rule_gates=linear_attention.delta_rule_gates,
     gated_delta_rule=linear_attention.chunked_delta_rule(),
     gated_delta_rule_update=linear_attention.gated_delta_rule_update,
-    rms_norm_gated=rms_norm_gated,
+    rms_norm_gated=linear_attention.rms_norm_gated,
 )

@@ -67,4 +67,5 @@ class RecurrentState:
               device: torch.device | str) -> RecurrentState:
         """``num_slots`` zeroed slots of ``shape``, the conv state in ``dtype`` (the model's)."""
         return cls(conv=torch.zeros(shape.conv_shape(num_slots), dtype=dtype, device=device),
-                   ssm=torch.zeros(shape.ssm_shape(num_slots), dtype=shape.ssm_dtype, device=device))
+                   ssm=torch.zeros(shape.ssm_shape(num_slots), dtype=shape.ssm_dtype or dtype,
+                                   device=device))

@@ -37,7 +37,8 @@ class RecurrentShape:
     num_v_heads: int  # value heads on this rank
     k_head_dim: int
     v_head_dim: int
-    ssm_dtype: torch.dtype  # the delta rule's state; the conv state is in the model's dtype
+    # the delta rule's state (None: the model's dtype, as the conv state's)
+    ssm_dtype: torch.dtype | None
 
     def conv_shape(self, num_slots: int) -> tuple[int, ...]:
         """``[num_slots, num_linear_layers, conv_dim, conv_width]``."""
@@ -51,7 +52,7 @@ class RecurrentShape:
     def slot_bytes(self, dtype: torch.dtype) -> int:
         """Bytes one slot takes on this rank, with the conv state in ``dtype`` (the model's)."""
         conv = math.prod(self.conv_shape(1)) * dtype.itemsize
-        return conv + math.prod(self.ssm_shape(1)) * self.ssm_dtype.itemsize
+        return conv + math.prod(self.ssm_shape(1)) * (self.ssm_dtype or dtype).itemsize
 
 
 @dataclass(frozen=True)
@@ -107,9 +108,12 @@ def recurrent_shape(hf_config: Any, tp_size: int) -> RecurrentShape:
     )
 
 
-def ssm_dtype(hf_config: Any) -> torch.dtype:
-    """The delta-rule state's dtype: the config's ``mamba_ssm_dtype``, else float32."""
-    name = getattr(text_config(hf_config), "mamba_ssm_dtype", None) or "float32"
+def ssm_dtype(hf_config: Any) -> torch.dtype | None:
+    """The delta-rule state's dtype: the config's ``mamba_ssm_dtype`` (Qwen3.5's checkpoints say
+    float32), else None, the model's dtype (as vLLM's ``mamba_ssm_cache_dtype="auto"``)."""
+    name = getattr(text_config(hf_config), "mamba_ssm_dtype", None)
+    if name is None:
+        return None
     if name not in STATE_DTYPES:
         raise ValueError(f"unsupported mamba_ssm_dtype {name!r}; supported: {', '.join(STATE_DTYPES)}")
     return STATE_DTYPES[name]

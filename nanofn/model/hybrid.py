@@ -17,7 +17,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from nanofn.kernels import KernelBackend
@@ -97,8 +96,7 @@ class GatedDeltaNet(nn.Module):
         q = q.view(num_tokens, self.num_k_heads, self.k_head_dim)
         k = k.view(num_tokens, self.num_k_heads, self.k_head_dim)
         v = v.view(num_tokens, self.num_v_heads, self.v_head_dim)
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-        beta = torch.sigmoid(b)
+        g, beta = kernels.delta_rule_gates(a, b, self.A_log, self.dt_bias)
         if batch.decode_only:
             out = kernels.gated_delta_rule_update(q, k, v, g, beta, ssm_states, slots, resume)
         else:

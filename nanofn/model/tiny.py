@@ -97,6 +97,7 @@ _QWEN3_5_TEXT = {
     "linear_key_head_dim": 16,
     "linear_value_head_dim": 16,
     "linear_conv_kernel_dim": 4,
+    "mamba_ssm_dtype": "float32",  # as Qwen3.5's checkpoints
     "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
                         "mrope_section": [2, 1, 1], "mrope_interleaved": True},
 }
