@@ -45,11 +45,14 @@ def gated_delta_rule(
     state_slots: torch.Tensor,
     has_initial_state: torch.Tensor,
     query_lens_host: tuple[int, ...],
+    chunks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The delta rule over a flattened batch: sequence ``i``'s tokens are the rows
     ``query_start[i] : query_start[i + 1]`` of ``q, k [T, Hk, Dk]``, ``v [T, Hv, Dv]``,
     ``g, beta [T, Hv]``; its state is slot ``state_slots[i]``. Returns ``[T, Hv, Dv]`` in ``v``'s
-    dtype. ``query_lens_host`` are the same lengths on the host: they bound the loop."""
+    dtype. ``query_lens_host`` are the same lengths on the host: they bound the loop.
+    ``chunks``: a chunked kernel's chunk list, where a CUDA graph fixes it
+    (``AttentionBatch.linear_chunks``); this reference goes token by token."""
     num_tokens = v.shape[0]
     starts = query_start[:-1].long()
     lens = query_start[1:].long() - starts

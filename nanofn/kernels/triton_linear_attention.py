@@ -95,8 +95,9 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_states: torch.Tens
     width = weight.shape[1] - 1
     num_seqs = state_slots.shape[0]
     starts, ends = query_start[:-1].contiguous(), query_start[1:].contiguous()
+    # (rows past the last sequence's, a graph's padding, count as its: no read out of bounds)
     seq_of_token = torch.searchsorted(ends.long(), torch.arange(num_tokens, device=x.device),
-                                      right=True)
+                                      right=True).clamp_(max=num_seqs - 1)
     out = torch.empty_like(x)
     block_t, block_c = 32, 64
     _conv_kernel[(triton.cdiv(num_tokens, block_t), triton.cdiv(channels, block_c))](
@@ -265,7 +266,8 @@ def _delta_rule_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, states_ptr, out_ptr
 def recurrent_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                          beta: torch.Tensor, ssm_states: torch.Tensor, query_start: torch.Tensor,
                          state_slots: torch.Tensor, has_initial_state: torch.Tensor,
-                         query_lens_host: tuple[int, ...] = ()) -> torch.Tensor:
+                         query_lens_host: tuple[int, ...] = (),
+                         chunks: torch.Tensor | None = None) -> torch.Tensor:
     """``delta_rule.gated_delta_rule``, each sequence's tokens one after another in one
     program per (sequence, value head, value block): one launch, in place in the slots."""
     return _delta_rule(q, k, v, g, beta, ssm_states, query_start, state_slots,
@@ -309,22 +311,45 @@ def chunked_delta_rule() -> Callable[..., torch.Tensor]:
     return fla_delta_rule if importlib.util.find_spec("fla") is not None else gated_delta_rule
 
 
+FLA_CHUNK = 64  # the tokens of a chunk of flash-linear-attention's kernel
+
+
 def fla_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                    beta: torch.Tensor, ssm_states: torch.Tensor, query_start: torch.Tensor,
                    state_slots: torch.Tensor, has_initial_state: torch.Tensor,
-                   query_lens_host: tuple[int, ...]) -> torch.Tensor:
+                   query_lens_host: tuple[int, ...],
+                   chunks: torch.Tensor | None = None) -> torch.Tensor:
     """``delta_rule.gated_delta_rule`` through flash-linear-attention's chunked kernel (varlen,
     with initial and final states): the sequences' states are gathered from their slots (zeros
-    where there is none) and the final ones written back."""
+    where there is none) and the final ones written back.
+
+    Eagerly the kernel lists the chunks on the host, from the lengths; a CUDA graph gives them
+    (``chunks``, see ``prefill_chunks``), padded with chunks of one more sequence, empty, after
+    the batch's, where every program of the kernel returns at once."""
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
     held = ssm_states[state_slots]
     initial = torch.where(has_initial_state.view(-1, 1, 1, 1), held.float(),
                           torch.zeros((), device=held.device))
-    ends = list(itertools.accumulate(query_lens_host, initial=0))  # (no wait for the device's)
+    num_seqs = len(state_slots)
+    if chunks is None:
+        ends = list(itertools.accumulate(query_lens_host, initial=0))  # (no wait for the device)
+        cu_seqlens, options = query_start.long(), {"cu_seqlens_cpu": torch.tensor(ends)}
+    else:
+        cu_seqlens = torch.cat([query_start, query_start[-1:]]).long()  # + the empty sequence
+        initial = torch.cat([initial, initial.new_zeros(1, *initial.shape[1:])])
+        options = {"chunk_indices": chunks}
     out, final = chunk_gated_delta_rule(
         q[None], k[None], v[None], g[None].float(), beta[None].to(v.dtype),
         initial_state=initial, output_final_state=True, use_qk_l2norm_in_kernel=True,
-        cu_seqlens=query_start.long(), cu_seqlens_cpu=torch.tensor(ends))
-    ssm_states[state_slots] = final.to(ssm_states.dtype)
+        cu_seqlens=cu_seqlens, chunk_size=FLA_CHUNK, **options)
+    ssm_states[state_slots] = final[:num_seqs].to(ssm_states.dtype)
     return out[0].to(v.dtype)
+
+
+def prefill_chunks(query_lens: list[int], num_seqs: int, num_chunks: int) -> list[tuple[int, int]]:
+    """``fla_delta_rule``'s ``chunks`` for a graph of ``num_seqs`` sequences (the lengths'
+    first): each ``(sequence, chunk)``, then ``num_chunks`` in all with chunks of the empty
+    sequence ``num_seqs``."""
+    listed = [(s, c) for s, length in enumerate(query_lens) for c in range(-(-length // FLA_CHUNK))]
+    return listed + [(num_seqs, 0)] * (num_chunks - len(listed))

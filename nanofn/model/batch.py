@@ -43,6 +43,10 @@ class AttentionBatch:
     # first scheduled position is 0, which starts from zeros whatever the slot holds.
     state_slots: torch.Tensor | None = None
     has_initial_state: torch.Tensor | None = None
+    # A prefill graph's prompt chunks for the chunked delta rule ([C, 2]: sequence, chunk of
+    # 64 tokens; padded with chunks of an empty sequence past the batch's), which the eager
+    # path derives from ``query_lens_host``.
+    linear_chunks: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

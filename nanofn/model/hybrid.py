@@ -101,7 +101,7 @@ class GatedDeltaNet(nn.Module):
             out = kernels.gated_delta_rule_update(q, k, v, g, beta, ssm_states, slots, resume)
         else:
             out = kernels.gated_delta_rule(q, k, v, g, beta, ssm_states, batch.query_start, slots,
-                                           resume, batch.query_lens_host)
+                                           resume, batch.query_lens_host, batch.linear_chunks)
         z = z.view(num_tokens, self.num_v_heads, self.v_head_dim)
         out = kernels.rms_norm_gated(out, z, self.norm.weight, self.norm.eps)
         return self.out_proj(out.flatten(1), for_norm=True)

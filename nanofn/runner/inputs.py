@@ -72,20 +72,16 @@ def prepare_inputs(plan: BatchPlan, block_size: int, tables: SlotTables,
     pending = bool((plan.token_ids == PENDING_TOKEN).any())
 
     # One host-to-device copy for everything.
-    started_slots, started_states = _started_states(plan, tables)
     parts = (plan.token_ids, starts, counts, ends, seq_lens, (ends - 1)[plan.sample], slots,
-             slots[plan.sample], slots[entries[:, 0]], entries[:, 1], entries[:, 2],
-             started_slots, started_states)
+             slots[plan.sample], slots[entries[:, 0]], entries[:, 1], entries[:, 2])
     host = torch.from_numpy(np.concatenate(parts))
     if device.type == "cuda":
         host = host.pin_memory()
     (ids, starts_t, counts_t, ends_t, seq_lens_t, sample_rows, slots_t, sampling_slots,
-     entry_slots, entry_columns, entry_blocks, started_slots_t,
-     started_states_t) = host.to(device, non_blocking=True).split([len(part) for part in parts])
+     entry_slots, entry_columns, entry_blocks) = host.to(device, non_blocking=True).split(
+        [len(part) for part in parts])
     if len(entry_slots):
         tables.table[entry_slots, entry_columns] = entry_blocks.to(torch.int32)
-    if len(started_slots_t):
-        tables.state_slot[started_slots_t] = started_states_t
     if decode_only:
         seq_index = torch.arange(num_seqs, device=device)
         positions = starts_t
@@ -109,14 +105,3 @@ def prepare_inputs(plan: BatchPlan, block_size: int, tables: SlotTables,
             "state_slots": tables.state_slot[slots_t], "has_initial_state": starts_t > 0}),
     )
     return ModelInputs(ids, positions, batch, sample_rows, sampling_slots)
-
-
-_NO_STARTS = np.zeros(0, np.int64)
-
-
-def _started_states(plan: BatchPlan, tables: SlotTables) -> tuple[np.ndarray, np.ndarray]:
-    """The runner slots of a hybrid plan's starting sequences and their state slots."""
-    if tables.state_slot is None or not plan.started:
-        return _NO_STARTS, _NO_STARTS
-    return (np.array([s.slot for s in plan.started], np.int64),
-            np.array([s.state_slot for s in plan.started], np.int64))

@@ -131,16 +131,16 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self.model, self.kv_cache, self.slot_tables,
                                        min(config.max_num_seqs, 512), config.block_size,
                                        text.hidden_size, self.slot_temperature, self.states)
-        # A prefill graph fixes a step's layout; the linear layers' chunked delta rule lays
-        # out its chunks on the host (flash-linear-attention): hybrid prompts run eagerly.
-        if self.graphs is not None and not hybrid:
+        if self.graphs is not None:
             from nanofn.runner.prefill_graphs import PrefillGraphs  # (imports Triton)
 
-            qkv_proj = self.model.model.layers[0].self_attn.qkv_proj  # this rank's heads
+            attention = next(layer.self_attn for layer in self.model.model.layers
+                             if hasattr(layer, "self_attn"))  # (a hybrid's first is linear)
+            qkv_proj = attention.qkv_proj  # this rank's heads
             self.prefill_graphs = PrefillGraphs(
                 self.model, self.kv_cache, self.slot_tables, config.max_num_batched_tokens,
                 config.block_size, text.hidden_size, qkv_proj.num_heads,
-                qkv_proj.num_kv_heads)
+                qkv_proj.num_kv_heads, self.states)
 
     @torch.inference_mode()
     def launch(self, plan: BatchPlan, token_bitmask: TokenBitmask | None = None) -> DeviceSample:
@@ -150,17 +150,15 @@ class ModelRunner:
         result brings them to the host."""
         self._work_start = self.timeline.mark() if self.timeline is not None else None
         self.slot_params.start(plan.started)  # first: the choice of sampler reads them
-        for start in plan.started:
-            self._state_slot_of[start.slot] = start.state_slot
-        if plan.state_restores:
-            self._copy_states(plan.state_restores)
         sampling_slots = plan.slots[plan.sample]
         if token_bitmask is None and self._samples_in_graph(plan, sampling_slots):
             self._start(plan.started)
             greedy = not self.slot_params.floats[sampling_slots, SlotParams.TEMPERATURE].any()
             key_base = 0 if greedy else self.sampler.key_base()  # as the eager sampler draws
+            self._states_before(plan)
             sample = DeviceSample.start(self.graphs.sample(plan, key_base),
                                         len(plan.sampling_seq_ids))
+            self._states_after(plan)
         else:
             logits = self.forward(plan)
             num_sampling = len(plan.sampling_seq_ids)
@@ -169,11 +167,31 @@ class ModelRunner:
             self.keep_sampled_tokens(plan, sample.token_ids)
             if plan.prompt_logprobs:
                 sample.prompt_logprobs = prompt_logprobs(logits[num_sampling:], plan)
-        if plan.state_saves:
-            self._copy_states(self._saved_states(plan))
         if self._work_start is not None:
             self.timeline.add(self._work_start, _step_kind(plan))
         return sample
+
+    def _states_before(self, plan: BatchPlan) -> None:
+        """A hybrid model's state work before a plan's (every rank): the starting sequences'
+        state slots, and the saved states they start from copied in."""
+        if plan.started and self.states is not None:
+            self._start_states(plan.started)
+        if plan.state_restores:
+            self._copy_states(plan.state_restores)
+
+    def _states_after(self, plan: BatchPlan) -> None:
+        """A hybrid model's state work after a plan's: its saves."""
+        if plan.state_saves:
+            self._copy_states(self._saved_states(plan))
+
+    def _start_states(self, started: tuple[SeqStart, ...]) -> None:
+        """The starting sequences' state slots, by runner slot, on the host (for the saves)
+        and on the device (every path reads them there, graphs too)."""
+        slots = np.array([s.slot for s in started], np.int64)
+        states = np.array([s.state_slot for s in started], np.int64)
+        self._state_slot_of[slots] = states
+        self.slot_tables.state_slot[to_device(slots, self.device)] = to_device(states,
+                                                                             self.device)
 
     def _copy_states(self, pairs: tuple[tuple[int, int], ...] | list) -> None:
         """Copy recurrent states between slots: whole states, ``(from, to)`` pairs (the plan's
@@ -220,6 +238,7 @@ class ModelRunner:
         """The logits of the sampling sequences, ``[S, vocab]`` float32, followed by those of
         the positions ``plan.prompt_logprobs`` asks about (every rank runs this; rank 0
         samples)."""
+        self._states_before(plan)
         if self.graphs is not None and self.graphs.fits(plan):
             hidden, sample_rows, self._sampling_slots = self.graphs.forward(plan)
         elif self.prefill_graphs is not None and self.prefill_graphs.fits(plan):
@@ -230,6 +249,7 @@ class ModelRunner:
                 self._work_start = self.timeline.mark()  # step's work starts with its layers)
             self._sampling_slots, sample_rows = inputs.sampling_slots, inputs.sample_rows
             hidden = self._run_model(inputs, self.kv_cache, self.states)
+        self._states_after(plan)
         # The starting sequences' temperatures, once the model's work is queued: only the
         # sampling graphs read them, so the device need not wait for their copies to start.
         self._start(plan.started)
