@@ -22,7 +22,8 @@ from nanofn.state import SamplingParams
 DEFAULT_BANDWIDTH_GBPS = 3028.0  # H100 80GB HBM3, measured device-to-device copy
 DEFAULT_TFLOPS = 813.0  # H100 80GB HBM3, measured bf16 8192^3 matmul
 # device name (as torch.cuda.get_device_name gives it) -> measured (GB/s, TFLOP/s)
-KNOWN_DEVICE_RATES = {"NVIDIA H100 80GB HBM3": (DEFAULT_BANDWIDTH_GBPS, DEFAULT_TFLOPS)}
+KNOWN_DEVICE_RATES = {"NVIDIA H100 80GB HBM3": (DEFAULT_BANDWIDTH_GBPS, DEFAULT_TFLOPS),
+                      "NVIDIA H200": (4300.0, 788.0)}  # (the workplace's copy and matmul)
 # The workload's sizes: the standard one, and the default on a CPU, which runs it with the demo
 # model in seconds (the standard one would take hours there).
 STANDARD_SIZES = {"num_seqs": 256, "max_input_len": 1024, "max_output_len": 1024}
