@@ -320,3 +320,60 @@ def test_diff_and_replay_import_neither_torch_nor_matplotlib(roomy):
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             check=True, cwd=ROOT)
     assert result.stdout.strip() == "(0, 0) False False"
+
+
+# --- a hybrid model's traces: the state slots ------------------------------------------------
+
+@pytest.fixture(scope="module")
+def hybrid_trace(tiny_checkpoint, tmp_path_factory):
+    """``trace(name, *flags)``: a greedy run of the tiny Qwen3.5 on prompts behind one shared
+    prefix, one after another (the later ones start from the state saved where it ends)."""
+    folder = tmp_path_factory.mktemp("hybrid-traces")
+    model = tiny_checkpoint("qwen3_5")
+
+    def make(name: str, *flags: str) -> Path:
+        path = folder / f"{name}.jsonl"
+        if not path.exists():
+            argv = ["generate", str(model), "--max-model-len", "128", "--max-tokens", "8",
+                    "--ignore-eos", "--temperature", "0", "--max-num-seqs", "2",
+                    "--trace", str(path), *flags]
+            for question in QUESTIONS[:4]:
+                argv += ["--prompt", SHARED + question]
+            assert main(argv) == 0
+        return path
+
+    return make
+
+
+def test_a_hybrid_trace_shows_its_state_slots_step_by_step(hybrid_trace, capsys):
+    path = hybrid_trace("slots", "--num-state-slots", "6")
+    code, out, _ = run(capsys, "replay", str(path), "--check")
+    assert code == 0 and "trace OK" in out
+    code, out, _ = run(capsys, "replay", str(path))
+    lines = out.splitlines()
+    restoring = next(line for line in lines if "restore " in line)
+    saving = next(line for line in lines if " save " in line or "| save" in line)
+    step = int(re.match(r"step (\d+):", restoring).group(1))
+    code, out, _ = run(capsys, "replay", str(path), "--step", str(step))
+    assert code == 0
+    assert re.search(r"state slots: 6 slots, \d+ working, \d+ saved, \d+ free", out)
+    assert "saved (slot:tokens), first evicted first: [" in out
+    assert "recurrent states: restore " in out and ", state slot " in out
+    assert re.search(r"save \S+@\d+->\d+", saving)
+
+
+def test_a_hybrid_trace_diffs_and_plots_its_state_slots(hybrid_trace, tmp_path, capsys):
+    six, three = hybrid_trace("six", "--num-state-slots", "6"), hybrid_trace(
+        "three", "--num-state-slots", "3")
+    code, out, _ = run(capsys, "diff", str(six), str(three))
+    assert code == 1
+    assert re.search(r"num_state_slots: 6 in A, 3 in B", out)
+    assert "state slots" in out
+    series = run_series(replay(read_trace(six)))
+    assert series.num_state_slots == 6
+    assert all(w + s + f == 6 for w, s, f in zip(series.states_working, series.states_saved,
+                                                  series.states_free))
+    assert max(series.states_saved) > 0
+    picture = tmp_path / "run.png"
+    code, out, _ = run(capsys, "replay", str(six), "--plot", str(picture))
+    assert code == 0 and picture.stat().st_size > 0
