@@ -38,6 +38,12 @@ def test_the_vision_language_checkpoint_generates_as_transformers(tiny_checkpoin
     prompts = random_prompts([7, 30], seed=6)
     got, _ = nanofn_greedy(model_dir, prompts)
     assert got == transformers_greedy(model_dir, prompts)
+    with LLM(str(model_dir), num_kv_blocks=16, max_model_len=128) as llm:
+        with pytest.raises(ValueError, match="multi_modal_data .* not supported"):
+            llm.generate([{"prompt": "Describe it", "multi_modal_data": {"image": object()}}])
+        with pytest.raises(ValueError, match="text only"):
+            llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {
+                "url": "data:image/png;base64,"}}]}])
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False])

@@ -509,6 +509,10 @@ class Engine:
         if isinstance(prompt, str):
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, Mapping):
+            if prompt.get("multi_modal_data"):
+                raise InvalidRequest("multi_modal_data (images, video) is not supported: nanofn "
+                                     "takes text only (a vision-language checkpoint runs its "
+                                     "language model)")
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), _token_list(prompt["prompt_token_ids"])
             if "prompt" in prompt:
