@@ -110,8 +110,12 @@ def state_slots(shape, dtype):
     return states
 
 
-SLOTS = torch.tensor([3, 0, 5, 1], device="cuda")
-INITIAL = torch.tensor([True, False, True, True], device="cuda")
+SLOTS = [3, 0, 5, 1]  # the batch's sequences' slots, out of order
+INITIAL = [True, False, True, True]  # the second starts from zeros
+
+
+def slots_and_initial() -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.tensor(SLOTS, device="cuda"), torch.tensor(INITIAL, device="cuda")
 
 
 def query_start() -> torch.Tensor:
@@ -125,15 +129,16 @@ def test_the_convolution_kernels_match_their_references():
     weight = torch.randn(CHANNELS, WIDTH + 1, generator=g, device="cuda").bfloat16() * 0.5
     states = state_slots((CHANNELS, WIDTH), torch.bfloat16)
     expected_states = states.clone()
-    expected = causal_conv.causal_conv1d(x, weight, expected_states[:, 1], query_start(), SLOTS,
-                                         INITIAL)
-    got = linear.causal_conv1d(x, weight, states[:, 1], query_start(), SLOTS, INITIAL)
+    slots, initial = slots_and_initial()
+    expected = causal_conv.causal_conv1d(x, weight, expected_states[:, 1], query_start(), slots,
+                                         initial)
+    got = linear.causal_conv1d(x, weight, states[:, 1], query_start(), slots, initial)
     assert relative_error(got, expected) < 1e-2
     assert torch.equal(states.isnan(), expected_states.isnan())
     assert relative_error(states.nan_to_num(), expected_states.nan_to_num()) < 1e-2
     step = x[:4]
-    expected = causal_conv.causal_conv1d_update(step, weight, expected_states[:, 1], SLOTS, INITIAL)
-    got = linear.causal_conv1d_update(step, weight, states[:, 1], SLOTS, INITIAL)
+    expected = causal_conv.causal_conv1d_update(step, weight, expected_states[:, 1], slots, initial)
+    got = linear.causal_conv1d_update(step, weight, states[:, 1], slots, initial)
     assert relative_error(got, expected) < 1e-2
     assert relative_error(states.nan_to_num(), expected_states.nan_to_num()) < 1e-2
 
@@ -153,15 +158,16 @@ def test_the_delta_rule_kernels_match_their_references():
     nanofn's: outputs and the float32 states written back into their slots."""
     states = state_slots((V_HEADS, HEAD_DIM, HEAD_DIM), torch.float32) * 0.1
     expected_states = states.clone()
+    slots, initial = slots_and_initial()
     inputs = delta_inputs(sum(LENGTHS))
-    expected = delta_rule.gated_delta_rule(*inputs, expected_states[:, 1], query_start(), SLOTS,
-                                           INITIAL, tuple(LENGTHS))
-    got = linear.fla_delta_rule(*inputs, states[:, 1], query_start(), SLOTS, INITIAL,
+    expected = delta_rule.gated_delta_rule(*inputs, expected_states[:, 1], query_start(), slots,
+                                           initial, tuple(LENGTHS))
+    got = linear.fla_delta_rule(*inputs, states[:, 1], query_start(), slots, initial,
                                 tuple(LENGTHS))
     assert relative_error(got, expected) < 2e-2
     assert relative_error(states.nan_to_num(), expected_states.nan_to_num()) < 1e-2
     step = delta_inputs(4)
-    expected = delta_rule.gated_delta_rule_update(*step, expected_states[:, 1], SLOTS, INITIAL)
-    got = linear.gated_delta_rule_update(*step, states[:, 1], SLOTS, INITIAL)
+    expected = delta_rule.gated_delta_rule_update(*step, expected_states[:, 1], slots, initial)
+    got = linear.gated_delta_rule_update(*step, states[:, 1], slots, initial)
     assert relative_error(got, expected) < 1e-2
     assert relative_error(states.nan_to_num(), expected_states.nan_to_num()) < 1e-2
