@@ -10,46 +10,15 @@ import os
 import random
 import re
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 
 import httpx
 import pytest
+from server_helpers import (API_KEY, HEADERS, engine_pid_of, first_event, metric, needs_proc,
+                            start_server, wait_until_idle)
 
 openai = pytest.importorskip("openai")
-
-API_KEY = "test-key"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(model) -> tuple[subprocess.Popen, str]:
-    """``nanofn serve MODEL`` on a free port, once its /health answers: (process, url)."""
-    port = free_port()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "nanofn", "serve", str(model), "--port", str(port),
-         "--api-key", API_KEY, "--served-model-name", "tiny", "--max-model-len", "256",
-         "--num-kv-blocks", "64", "--max-num-seqs", "16"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"the server exited:\n{process.stdout.read()}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return process, url
-        except httpx.HTTPError:
-            time.sleep(0.3)
-    process.kill()
-    raise RuntimeError("the server did not start within 120 s")
 
 
 @pytest.fixture(scope="module")
@@ -63,24 +32,6 @@ def server(tiny_qwen3):
 @pytest.fixture(scope="module")
 def client(server):
     return openai.OpenAI(base_url=f"{server}/v1", api_key=API_KEY, max_retries=0)
-
-
-def metric(server: str, name: str) -> float:
-    text = httpx.get(f"{server}/metrics").text
-    match = re.search(rf"^{re.escape(name)} ([0-9.e+-]+)$", text, re.MULTILINE)
-    assert match, f"{name} not in /metrics"
-    return float(match.group(1))
-
-
-def wait_until_idle(server: str) -> None:
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        if (metric(server, "vllm:num_requests_running") == 0
-                and metric(server, "vllm:num_requests_waiting") == 0
-                and metric(server, "nanofn:kv_blocks_used") == 0):
-            return
-        time.sleep(0.2)
-    raise AssertionError("requests or KV blocks are still held")
 
 
 def test_models_health_version_tokenize_detokenize(server, client):
@@ -401,30 +352,8 @@ def test_a_slow_consumer_skips_to_the_newest_output(tiny_qwen3):
 
 # --- the engine's own process -------------------------------------------------------------------
 
-HEADERS = {"Authorization": f"Bearer {API_KEY}"}
 LONG_STREAM = {"model": "tiny", "prompt": "Go on", "max_tokens": 240, "stream": True,
                "ignore_eos": True}
-needs_proc = pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="reads /proc")
-
-
-def engine_pid_of(server_pid: int) -> int:
-    """The server's engine process: its child that multiprocessing spawned to run a target
-    (not multiprocessing's resource tracker)."""
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/stat") as f:
-                parent = int(f.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{entry.name}/cmdline", "rb") as f:
-                command = f.read()
-        except OSError:
-            continue
-        if parent == server_pid and b"spawn_main" in command:
-            return int(entry.name)
-    raise AssertionError(f"process {server_pid} has no engine process")
-
-
 def is_gone(pid: int) -> bool:
     """No such process, or only its exit status is left (a zombie)."""
     try:
@@ -439,10 +368,6 @@ def wait_until_gone(pid: int, seconds: float = 30) -> None:
     while not is_gone(pid):
         assert time.monotonic() < deadline, f"process {pid} is still running"
         time.sleep(0.1)
-
-
-def first_event(lines) -> str:
-    return next(line for line in lines if line.startswith("data:"))
 
 
 def test_a_bad_request_gets_its_400_while_another_streams_on(server):
