@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from nanofn.engine.options import EngineOptions
+from nanofn.server.limits import ServerLimits
 from nanofn.cli.bench import (CPU_SHARED_PREFIX_SIZES, CPU_SIZES, KNOWN_DEVICE_RATES,
                               SHARED_PREFIX_SIZES, STANDARD_SIZES, ModelDims, Workload,
                               describe_sizes, device_rates, floor, format_seconds, measure,
@@ -110,6 +111,26 @@ SAMPLING_FLAGS: dict[str, dict[str, Any]] = {
     "logprobs": dict(type=int, metavar="N", help="also compute the log-probabilities of the "
                                                 "N likeliest tokens, and print the output's"),
 }
+
+
+# ServerLimits field -> argparse settings, as for ENGINE_FLAGS.
+SERVER_FLAGS: dict[str, dict[str, Any]] = {
+    "max_n": dict(type=int, metavar="N",
+                  help="most sequences one request may start: n, times the prompts of a batched "
+                       "completion (default: {default})"),
+    "max_request_body_bytes": dict(type=int, metavar="BYTES",
+                                   help="a larger request body is refused (413) before it is "
+                                        "read (default: {default}, 32 MiB)"),
+    "max_chars_per_token": dict(type=int, metavar="N",
+                                help="a prompt of more than max_model_len x N characters is "
+                                     "refused without tokenizing it (default: {default})"),
+    "shutdown_timeout": dict(type=float, metavar="SECONDS",
+                             help="after SIGTERM, the requests in flight get this long to "
+                                  "finish; then each ends with a 503 (default: {default})"),
+}
+# After the shutdown's grace period, the time uvicorn gives the responses to be written before
+# it cancels them.
+SHUTDOWN_WRITE_S = 5.0
 
 
 class UsageError(Exception):
@@ -272,6 +293,7 @@ def _add_serve(commands: Any) -> None:
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/ requests")
     p.add_argument("--served-model-name", metavar="NAME",
                    help="the model's name in the API (default: MODEL as given)")
+    add_flags(p, "server limits", SERVER_FLAGS, ServerLimits)
     add_flags(p, "engine options", ENGINE_FLAGS, EngineOptions)
     p.set_defaults(run=run_serve)
 
@@ -282,15 +304,19 @@ def run_serve(args: argparse.Namespace) -> int:
     from nanofn.server.app import build_app
     from nanofn.server.async_engine import AsyncLLM
 
+    with _user_errors():
+        limits = ServerLimits(**given(args, SERVER_FLAGS))
     model = args.model or str(demo_model())
     server_class = _uvicorn_server()
     with _user_errors():
         llm = AsyncLLM(model, **engine_kwargs(args))
     try:
-        app = build_app(llm, args.served_model_name or args.model or DEMO_MODEL, args.api_key)
+        app = build_app(llm, args.served_model_name or args.model or DEMO_MODEL, args.api_key,
+                        limits)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
-                                timeout_graceful_shutdown=30)
-        server_class(config).run()
+                                timeout_graceful_shutdown=limits.shutdown_timeout
+                                + SHUTDOWN_WRITE_S)
+        server_class(config, app.state.shutdown.begin).run()
     finally:
         llm.close()
     return 0
@@ -302,7 +328,16 @@ def _uvicorn_server() -> type:
     class Server(uvicorn.Server):
         """uvicorn stops taking connections on SIGINT or SIGTERM and lets the requests in
         flight finish (or their clients go); then it raises the signal again, which would
-        kill the process before the engine closes. Here ``serve`` returns, and exits 0."""
+        kill the process before the engine closes. Here ``serve`` returns, and exits 0.
+        ``on_shutdown`` is called as the shutdown starts (the app's grace period)."""
+
+        def __init__(self, config: uvicorn.Config, on_shutdown: Callable[[], None]):
+            super().__init__(config)
+            self.on_shutdown = on_shutdown
+
+        async def shutdown(self, sockets: list | None = None) -> None:
+            self.on_shutdown()
+            await super().shutdown(sockets)
 
         @contextmanager
         def capture_signals(self) -> Iterator[None]:
