@@ -1,7 +1,8 @@
 """``nanofn serve`` against hostile and careless clients: each hostile request gets its status
 in OpenAI's error shape while a normal stream in flight beside it runs to its end; clients that
 leave abort their requests at once; SIGTERM's grace period ends in errors, not cut
-connections."""
+connections. Also the endpoints that real clients call besides completions: /v1/models/{id}
+and /v1/responses (through the real openai client)."""
 
 from __future__ import annotations
 
@@ -260,6 +261,69 @@ def test_clients_gone_mid_stream_abort_their_requests_at_once(server):
     assert metric(server, 'vllm:request_success_total{finished_reason="abort"}') == \
         abort_finishes + 4
     wait_until_idle(server)
+
+
+# --- endpoints -------------------------------------------------------------------------------
+
+def test_a_model_by_its_id(server, client):
+    model = client.models.retrieve("tiny")
+    assert model.id == "tiny" and model.object == "model"
+    for other in ("gpt-4o", "org/tiny"):
+        with pytest.raises(openai.NotFoundError) as error:
+            client.models.retrieve(other)
+        assert error.value.body["code"] == "model_not_found"
+    assert httpx.get(f"{server}/v1/models/tiny").status_code == 401  # the API key
+
+
+def test_responses_match_chat_completions(server, client):
+    """A response is the chat completion of its instructions and input, streamed or not."""
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Say something"}]
+    chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12,
+                                          temperature=0)
+    response = client.responses.create(model="tiny", instructions="Be brief.",
+                                       input="Say something", max_output_tokens=12,
+                                       temperature=0)
+    assert response.output_text == chat.choices[0].message.content
+    assert response.usage.input_tokens == chat.usage.prompt_tokens
+    assert response.usage.output_tokens == chat.usage.completion_tokens
+    assert response.usage.total_tokens == chat.usage.total_tokens
+    assert response.status == ("incomplete" if chat.choices[0].finish_reason == "length"
+                               else "completed")
+    parts = client.responses.create(
+        model="tiny", max_output_tokens=12, temperature=0,
+        input=[{"role": "developer", "content": "Be brief."},
+               {"type": "message", "role": "user",
+                "content": [{"type": "input_text", "text": "Say "},
+                            {"type": "input_text", "text": "something"}]}])
+    assert parts.output_text == response.output_text
+
+    events = list(client.responses.create(model="tiny", instructions="Be brief.",
+                                          input="Say something", max_output_tokens=12,
+                                          temperature=0, stream=True))
+    kinds = [event.type for event in events]
+    assert kinds[:4] == ["response.created", "response.in_progress",
+                         "response.output_item.added", "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done",
+                          "response.output_item.done", "response.completed"]
+    assert set(kinds[4:-4]) <= {"response.output_text.delta"}
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    deltas = "".join(event.delta for event in events if event.type.endswith(".delta"))
+    assert deltas == events[-4].text == response.output_text
+    assert events[-1].response.output_text == response.output_text
+    assert events[-1].response.usage.output_tokens == response.usage.output_tokens
+
+
+@pytest.mark.parametrize("body, param", [
+    ({}, "input"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+     "input"),
+    ({"input": "Hi", "max_output_tokens": 0}, "max_output_tokens"),
+    ({"input": "Hi", "temperature": -1}, "temperature"),
+    ({"input": "Hi", "previous_response_id": "resp_1"}, "previous_response_id"),
+])
+def test_a_bad_responses_request_is_400(server, body, param):
+    assert_error(post(server, "/v1/responses", json={"model": "tiny", **body}), 400, param)
 
 
 # --- shutdown --------------------------------------------------------------------------------

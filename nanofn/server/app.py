@@ -1,6 +1,6 @@
-"""The OpenAI-compatible HTTP API over an ``AsyncLLM``: completions and chat completions
-(streamed as server-sent events or not), models, health, version, tokenize, detokenize and
-Prometheus metrics under vLLM's names.
+"""The OpenAI-compatible HTTP API over an ``AsyncLLM``: completions, chat completions and
+responses (streamed as server-sent events or not), models, health, version, tokenize,
+detokenize and Prometheus metrics under vLLM's names.
 
 One request cannot jam the others: bodies, prompts and sequences are bounded (``ServerLimits``),
 prompts are tokenized in this process off its event loop (``PromptMaker``), and a client that
@@ -31,6 +31,8 @@ from nanofn.server.metrics import Metrics
 from nanofn.server.prompts import OFF_LOOP_BYTES, PromptMaker
 from nanofn.server.requests import (APIError, completion_prompts, param_of, sampling_params,
                                     stream_options)
+from nanofn.server.responses_api import (ResponseShape, chat_body, response_events,
+                                         responses_params)
 from nanofn.server.shapes import Shape, sse
 from nanofn.state import InvalidRequest, SamplingParams
 
@@ -82,6 +84,12 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None,
         authorize(request)
         return {"object": "list", "data": [model_card()]}
 
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, request: Request) -> dict:
+        authorize(request)
+        _check_model({"model": model_id}, model_name)
+        return model_card()
+
     @app.get("/metrics")
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
@@ -132,6 +140,21 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None,
         return await _answer_chunks(request, body, start([prompt], params), Shape(
             f"chatcmpl-{secrets.token_hex(12)}", int(time.time()), model_name, True, params,
             body, llm.tokenizer.decode))
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        authorize(request)
+        body, off_loop = await read(request)
+        _check_model(body, model_name)
+        conversation = chat_body(body)
+        params = responses_params(body, llm.generation_defaults)
+        prompt = await prompts.chat(conversation, params, off_loop, param="input")
+        shape = ResponseShape(int(time.time()), model_name, body, params)
+        call = start([prompt], params)
+        return await _answer(
+            request, call, bool(body.get("stream", False)), lambda finals: shape.whole(finals[0]),
+            lambda firsts: _ended(call, response_events(shape, firsts[0], call.streams[0]),
+                                  lambda error: [shape.error_event(error)]))
 
     return app
 
