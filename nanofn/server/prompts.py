@@ -32,6 +32,8 @@ T = TypeVar("T")
 
 
 class PromptMaker:
+    """The engine prompts of the API's requests, for one tokenizer and the server's limits."""
+
     def __init__(self, tokenizer: Any, max_model_len: int, limits: ServerLimits):
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
