@@ -178,6 +178,19 @@ def test_the_server_tokenizes_as_the_tokenizer_does(server, tiny_qwen3):
                                             b'"a\\ud800b"}'), 400, "prompt")
 
 
+def test_serve_shows_its_limits_and_refuses_a_bad_one_in_one_line(capsys):
+    from nanofn.cli import main
+
+    assert main(["serve", "--help"]) == 0
+    flat = " ".join(capsys.readouterr().out.split())
+    for flag, default in (("--max-n N", 128), ("--max-request-body-bytes BYTES", 33554432),
+                          ("--max-chars-per-token N", 32), ("--shutdown-timeout SECONDS", 30.0)):
+        assert f"(default: {default}" in flat.rsplit(flag, 1)[1].split(" --")[0]
+    assert main(["serve", "--max-n", "0"]) == 2
+    assert capsys.readouterr().err == "nanofn serve: error: max_n must be >= 1, got 0\n"
+    assert main(["serve", "--shutdown-timeout", "-1"]) == 2
+
+
 # --- malformed requests ----------------------------------------------------------------------
 
 def test_json_nested_too_deep_is_400(server):
