@@ -186,9 +186,11 @@ def test_serve_shows_its_limits_and_refuses_a_bad_one_in_one_line(capsys):
     for flag, default in (("--max-n N", 128), ("--max-request-body-bytes BYTES", 33554432),
                           ("--max-chars-per-token N", 32), ("--shutdown-timeout SECONDS", 30.0)):
         assert f"(default: {default}" in flat.rsplit(flag, 1)[1].split(" --")[0]
-    assert main(["serve", "--max-n", "0"]) == 2
+    # (a model that is not there: had the limit passed, serving it would fail on that)
+    assert main(["serve", "/no/such/model", "--max-n", "0"]) == 2
     assert capsys.readouterr().err == "nanofn serve: error: max_n must be >= 1, got 0\n"
-    assert main(["serve", "--shutdown-timeout", "-1"]) == 2
+    assert main(["serve", "/no/such/model", "--shutdown-timeout", "-1"]) == 2
+    assert "shutdown_timeout must be >= 0" in capsys.readouterr().err
 
 
 # --- malformed requests ----------------------------------------------------------------------
