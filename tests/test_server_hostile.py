@@ -351,27 +351,32 @@ def test_sigterm_gives_requests_their_time_then_ends_them_with_errors(tiny_qwen3
     error event and [DONE], and a long non-streamed request gets a 503; the server exits 0."""
     process, url = start_server(tiny_qwen3, (*FLAGS, "--shutdown-timeout", "1"))
     engine = engine_pid_of(process.pid)
-    whole: list[httpx.Response] = []
-    waiting = threading.Thread(target=lambda: whole.append(post(url, "/v1/completions",
-                                                                json=LONG)))
-    waiting.start()
-    wait_for(url, "vllm:num_requests_running", 1, 30)
-    with ExitStack() as streams:
-        long, short = (streams.enter_context(httpx.stream(
-            "POST", f"{url}/v1/completions", headers=HEADERS, timeout=60,
-            json={**LONG, "prompt": prompt, "max_tokens": max_tokens, "stream": True}
-        )).iter_lines() for prompt, max_tokens in ((["Go on", "Keep going"], 1000), ("Go", 20)))
-        first_event(long)
-        first_event(short)
+    try:
+        whole: list[httpx.Response] = []
+        waiting = threading.Thread(target=lambda: whole.append(post(url, "/v1/completions",
+                                                                    json=LONG)))
+        waiting.start()
+        wait_for(url, "vllm:num_requests_running", 1, 30)
+        with ExitStack() as streams:
+            long, short = (streams.enter_context(httpx.stream(
+                "POST", f"{url}/v1/completions", headers=HEADERS, timeout=60,
+                json={**LONG, "prompt": prompt, "max_tokens": max_tokens, "stream": True}
+            )).iter_lines() for prompt, max_tokens in ((["Go on", "Keep going"], 1000),
+                                                       ("Go", 20)))
+            first_event(long)
+            first_event(short)
+            process.terminate()
+            short_events = [line[6:] for line in short if line.startswith("data:")]
+            os.kill(engine, signal.SIGSTOP)  # the long requests cannot finish now
+            long_events = [line[6:] for line in long if line.startswith("data:")]
+        waiting.join(timeout=60)
+    finally:  # (a second SIGTERM changes nothing; it stops the server if the test failed)
+        os.kill(engine, signal.SIGCONT)
         process.terminate()
-        short_events = [line[6:] for line in short if line.startswith("data:")]
-        os.kill(engine, signal.SIGSTOP)  # the long requests cannot finish now
-        long_events = [line[6:] for line in long if line.startswith("data:")]
-    waiting.join(timeout=60)
-    os.kill(engine, signal.SIGCONT)
+        exit_code = process.wait(timeout=60)
     assert short_events[-1] == "[DONE]"
     assert json.loads(short_events[-2])["choices"][0]["finish_reason"] == "length"
     assert long_events[-1] == "[DONE]"
     assert json.loads(long_events[-2])["error"]["code"] == "shutdown"
     assert "--shutdown-timeout" in assert_error(whole[0], 503)
-    assert process.wait(timeout=60) == 0, process.stdout.read()
+    assert exit_code == 0, process.stdout.read()
