@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: the GPU test suite, then the benchmarks, logs under $OUT and a
 # short table last; the logs come back as $OUT/logs-MODE.tgz. Usage: bash benchmarks/gpu_run.sh
-# [tests|bench|all|kernels|serve|tp|baseline] (default: all;
+# [tests|bench|all|kernels|serve|tp|hybrid|hybrid-bench|hybrid-prefix|baseline] (default: all;
 # baseline: the torch reference attention, eager, for comparison)
 # Expects the wheels of ../shared/tools/gpu-wheels.sh in .whl/ (pyrsistent is missing there),
 # and flash-attn-4 in /tmp/fa4site if it is to be tested and measured (benchmarks/fa4_install.sh);
@@ -76,7 +76,7 @@ if [ "$what" = tp ]; then  # two GPUs: TP=2 parity, worker faults, TP=1 and TP=2
   nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader | tee -a "$OUT/tp_leftover.txt"
 fi
 if [ "$what" = serve ]; then  # needs fastapi, uvicorn, prometheus_client, openai wheels in .whl/
-  model=$(python3 -c "from nanofn.cli import random_weights_model as r; print(r('qwen3-0.6b'))")
+  model=$(python3 -c "from nanofn.model.tiny import random_weights_model as r; print(r('qwen3-0.6b'))")
   python3 -m nanofn serve "$model" --port 8011 --max-model-len 4096 > "$OUT/serve.log" 2>&1 &
   server=$!
   for _ in $(seq 1 240); do curl -sf localhost:8011/health > /dev/null && break; sleep 1; done
@@ -84,6 +84,19 @@ if [ "$what" = serve ]; then  # needs fastapi, uvicorn, prometheus_client, opena
     --concurrency 64 --prompt-len 512 --max-tokens 256 --json "$OUT/serve.json" \
     | tee "$OUT/serve.txt"
   kill -TERM $server; wait $server
+fi
+if [ "$what" = hybrid ] || [ "$what" = hybrid-bench ]; then  # Qwen3.5 (needs fla-core, einops)
+  if [ "$what" = hybrid ]; then
+    timeout 300 python3 -m pytest tests/gpu/test_hybrid_gpu.py -q -rs 2>&1 \
+      | tee "$OUT/gpu_hybrid_tests.log" | tail -15
+  fi
+  single qwen3.5-9b --random-weights qwen3.5-9b-shape
+  bench qwen3.5-9b --random-weights qwen3.5-9b-shape --profile
+fi
+if [ "$what" = hybrid-prefix ]; then  # the shared-prefix workload, prefix caching on and off
+  bench qwen3.5-9b-shared-prefix --random-weights qwen3.5-9b-shape --workload shared-prefix
+  bench qwen3.5-9b-shared-prefix-off --random-weights qwen3.5-9b-shape --workload shared-prefix \
+    --no-prefix-caching
 fi
 if [ "$what" = baseline ]; then
   single torch-eager --kernel-backend=torch --enforce-eager=true

@@ -53,7 +53,7 @@ def main() -> None:
     model = a.model or make_tiny_checkpoint(tempfile.mkdtemp(), "qwen3")
     engine = Engine(EngineOptions(model=str(model), max_model_len=1024,
                                   num_kv_blocks=a.num_seqs * 64, max_num_seqs=a.num_seqs))
-    engine.loop.runner = InstantRunner(engine.hf_config.vocab_size)
+    engine.loop.runner = InstantRunner(engine.text_config.vocab_size)
     params = SamplingParams(max_tokens=a.steps + 40, ignore_eos=True)
     rng = random.Random(1)
     for _ in range(a.num_seqs):

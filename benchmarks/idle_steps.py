@@ -21,8 +21,8 @@ import time
 from collections import defaultdict
 
 from nanofn import LLM
-from nanofn.cli import random_weights_model
 from nanofn.cli.bench import standard_workload
+from nanofn.model.tiny import random_weights_model
 from nanofn.runner.sampler import DeviceSample
 from nanofn.runner.timeline import DeviceTimeline
 import nanofn.engine.loop as loop_module
@@ -36,8 +36,9 @@ def main() -> None:
     ap.add_argument("--random-weights", default="qwen3-0.6b")
     ap.add_argument("--max-model-len", type=int, default=4096)
     a = ap.parse_args()
-    llm = LLM(str(random_weights_model(a.random_weights)), max_model_len=a.max_model_len)
-    workload = standard_workload(vocab_size=llm.engine.hf_config.vocab_size)
+    llm = LLM(str(random_weights_model(a.random_weights)), max_model_len=a.max_model_len,
+              load_format="dummy")
+    workload = standard_workload(vocab_size=llm.engine.text_config.vocab_size)
     llm.generate(workload.prompts[:64], workload.sampling_params()[:64], use_tqdm=False)  # warm up
 
     marks: list[dict[str, float]] = []  # per engine step

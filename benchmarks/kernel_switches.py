@@ -27,7 +27,7 @@ def add_model_and_switches(parser: argparse.ArgumentParser) -> None:
 def model_with_switches(args: argparse.Namespace) -> str:
     """Apply the switches ``args`` asks for; returns the model's folder (a random-weight
     checkpoint is built once)."""
-    from nanofn.cli import random_weights_model
+    from nanofn.model.tiny import random_weights_model
     from nanofn.kernels.triton_ops import with_triton_gemm_max_rows
 
     if args.no_gemv:
@@ -39,6 +39,12 @@ def model_with_switches(args: argparse.Namespace) -> str:
     if args.no_overlap:
         launches_in_sequence()
     return str(args.model or random_weights_model(args.random_weights))
+
+
+def load_options(args: argparse.Namespace) -> dict[str, str]:
+    """``LLM`` options for the model ``model_with_switches`` gives: random weights (a preset's
+    config alone) are made on the device."""
+    return {} if args.model else {"load_format": "dummy"}
 
 
 def projections_on_cublas() -> None:

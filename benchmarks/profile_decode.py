@@ -18,7 +18,8 @@ import torch
 from nanofn import LLM, SamplingParams
 from nanofn.engine.collector import fewer_gc_pauses
 
-from kernel_switches import add_model_and_switches, model_with_switches  # (benchmarks/)
+from kernel_switches import (add_model_and_switches, load_options,  # (benchmarks/)
+                             model_with_switches)
 
 
 def main() -> None:
@@ -32,7 +33,7 @@ def main() -> None:
     ap.add_argument("--timeline", action="store_true",
                     help="also each kernel's share of the device's critical path (see below)")
     args = ap.parse_args()
-    llm = LLM(model_with_switches(args), max_model_len=4096)
+    llm = LLM(model_with_switches(args), max_model_len=4096, **load_options(args))
     engine = llm.engine
     rng = random.Random(0)
     params = SamplingParams(temperature=0.6, max_tokens=1000, ignore_eos=True)

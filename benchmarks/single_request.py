@@ -23,7 +23,8 @@ from nanofn import LLM, SamplingParams
 from nanofn.cli.bench import ModelDims, floor
 from nanofn.engine.options import EngineOptions
 
-from kernel_switches import add_model_and_switches, model_with_switches  # (benchmarks/)
+from kernel_switches import (add_model_and_switches, load_options,  # (benchmarks/)
+                             model_with_switches)
 
 PROMPT_LEN, NEW_TOKENS, PREFILL_REPEATS = 512, 512, 5
 
@@ -36,8 +37,8 @@ def main() -> None:
     args, extra = ap.parse_known_args()
     options = {"max_model_len": 4096, **_options(extra)}
     model = model_with_switches(args)
-    llm = LLM(model, **options)
-    vocab = llm.engine.hf_config.vocab_size
+    llm = LLM(model, **options, **load_options(args))
+    vocab = llm.engine.text_config.vocab_size
     rng = random.Random(1)
     prompts = [[rng.randrange(min(vocab, 10000)) for _ in range(PROMPT_LEN)]
                for _ in range(2 + PREFILL_REPEATS)]

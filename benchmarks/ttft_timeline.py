@@ -20,7 +20,8 @@ import random
 import statistics
 import time
 
-from kernel_switches import add_model_and_switches, model_with_switches  # (benchmarks/)
+from kernel_switches import (add_model_and_switches, load_options,  # (benchmarks/)
+                             model_with_switches)
 from nanofn import LLM, SamplingParams
 from nanofn.model.tiny import make_tiny_checkpoint
 
@@ -33,16 +34,16 @@ def main() -> None:
     ap.add_argument("--instant", action="store_true", help="no model: tokens come back at once")
     args = ap.parse_args()
     if args.model or args.random_weights:
-        llm = LLM(model_with_switches(args), max_model_len=4096)
+        llm = LLM(model_with_switches(args), max_model_len=4096, **load_options(args))
     else:
         import tempfile
         llm = LLM(str(make_tiny_checkpoint(tempfile.mkdtemp(), "qwen3")))
     if args.instant:
         from host_overhead import InstantRunner
-        llm.engine.loop.runner = InstantRunner(llm.engine.hf_config.vocab_size)
+        llm.engine.loop.runner = InstantRunner(llm.engine.text_config.vocab_size)
     marks: list[tuple[str, float]] = []
     _mark_parts(llm, marks)
-    vocab = min(10000, llm.engine.hf_config.vocab_size)
+    vocab = min(10000, llm.engine.text_config.vocab_size)
     rng = random.Random(1)
     params = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0)
     runs = []

@@ -32,9 +32,9 @@ _real_preempt = scheduler.preempt
 _real_step = step
 
 
-def _spying_preempt(pool, batch, i, config):
+def _spying_preempt(pool, states, batch, i, config):
     free = pool.num_free
-    victim = _real_preempt(pool, batch, i, config)
+    victim = _real_preempt(pool, states, batch, i, config)
     preemptions.append((free, batch.seq(i), victim))
     return victim
 

@@ -25,13 +25,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model, flags: tuple[str, ...] = SMALL_ENGINE) -> tuple[subprocess.Popen, str]:
-    """``nanofn serve MODEL`` (as "tiny", with ``API_KEY``, and ``flags``) on a free port, once
-    its /health answers: (process, url)."""
+def start_server(model, *flags: str) -> tuple[subprocess.Popen, str]:
+    """``nanofn serve MODEL`` (as "tiny", with ``API_KEY`` and ``SMALL_ENGINE``) on a free
+    port, once its /health answers: (process, url). ``flags`` come last (a flag given twice
+    takes its last value)."""
     port = free_port()
     process = subprocess.Popen(
         [sys.executable, "-m", "nanofn", "serve", str(model), "--port", str(port),
-         "--api-key", API_KEY, "--served-model-name", "tiny", *flags],
+         "--api-key", API_KEY, "--served-model-name", "tiny", *SMALL_ENGINE, *flags],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120

@@ -1,20 +1,29 @@
-"""The ``nanofn`` command (generate, bench, replay), the benchmark workload and its floor, and
-random-weight checkpoints of a real model's shape."""
+"""The ``nanofn`` command (generate, bench, replay; serve's start in test_readme.py), its
+flags, errors, Ctrl-C and version, the benchmark workload and its floor, and random-weight
+checkpoints of a real model's shape."""
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import signal
 import subprocess
 import sys
+from dataclasses import fields
+from importlib import metadata
+from pathlib import Path
 
 import pytest
 import torch
 import transformers
+from transformers import AutoConfig
 
-from nanofn import LLM, SamplingParams
+import nanofn
+from nanofn import LLM, EngineOptions, SamplingParams
 from nanofn.cli.bench import ModelDims, floor, shared_prefix_workload, standard_workload
-from nanofn.cli import build_parser, engine_kwargs, main, sampling_params
+from nanofn.cli import ENGINE_FLAGS, build_parser, engine_kwargs, main, sampling_params
+from nanofn.model import build_model
 from nanofn.model.tiny import PRESETS, _qwen3_weight_shapes, make_random_checkpoint
 
 SMALL_ENGINE = ["--num-kv-blocks", "64", "--max-model-len", "256"]
@@ -74,18 +83,20 @@ def test_chat_mode_sends_prompts_through_the_chat_template(tiny_qwen3, llm, caps
 def test_flags_become_sampling_params_and_only_given_engine_options():
     args = build_parser().parse_args([
         "generate", "model", "--max-tokens", "7", "--temperature", "0.5", "--top-p", "0.9",
-        "--top-k", "5", "--min-p", "0.1", "--seed", "4", "--n", "2", "--stop", "a", "--stop",
+        "--top-k", "5", "--min-p", "0.1", "--sampling-seed", "4", "--n", "2", "--stop", "a",
+        "--stop",
         "b c", "--stop-token-id", "3", "--stop-token-id", "9", "--ignore-eos", "--min-tokens",
         "2", "--presence-penalty", "0.5", "--frequency-penalty", "-0.5",
         "--repetition-penalty", "1.2", "--logprobs", "3", "--dtype", "float32",
-        "--no-prefix-caching", "--enforce-eager", "--max-num-seqs", "4", "--trace", "t.jsonl"])
+        "--no-prefix-caching", "--enforce-eager", "--max-num-seqs", "4", "--trace", "t.jsonl",
+        "--seed", "9", "--tokenizer", "tok"])
     assert sampling_params(args) == SamplingParams(
         max_tokens=7, temperature=0.5, top_p=0.9, top_k=5, min_p=0.1, seed=4, n=2,
         stop=("a", "b c"), stop_token_ids=(3, 9), ignore_eos=True, min_tokens=2,
         presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.2, logprobs=3)
     assert engine_kwargs(args) == {"dtype": "float32", "enable_prefix_caching": False,
                                    "enforce_eager": True, "max_num_seqs": 4,
-                                   "trace": "t.jsonl"}
+                                   "trace": "t.jsonl", "seed": 9, "tokenizer": "tok"}
     defaults = build_parser().parse_args(["generate"])
     assert engine_kwargs(defaults) == {} and sampling_params(defaults) == SamplingParams()
 
@@ -104,6 +115,42 @@ def test_without_a_model_the_demo_is_built_once_and_announced(tmp_path, monkeypa
     monkeypatch.setattr("nanofn.model.tiny.make_tiny_checkpoint", no_rebuild)
     code, out2, err = run(capsys, "generate", "--max-tokens", "3", "--num-kv-blocks", "64")
     assert code == 0 and "RANDOM weights" in err and "building" not in err
+    assert nanofn.demo_model() == tmp_path / "demo-qwen3"  # its name in Python
+
+
+@pytest.mark.parametrize("command", ["generate", "serve", "bench"])
+def test_every_llm_option_is_a_flag(command):
+    assert set(ENGINE_FLAGS) == {f.name for f in fields(EngineOptions)} - {"model"}
+    args = build_parser().parse_args([command, "--tokenizer", "tok", "--seed", "7"])
+    assert engine_kwargs(args) == {"tokenizer": "tok", "seed": 7}
+
+
+def test_seed_is_the_engines_and_sampling_seed_each_prompts_own(tiny_qwen3, capsys):
+    """As in vLLM, --seed seeds the engine: the sampling of requests without a seed of their
+    own. --sampling-seed gives the request one, which the engine's does not change."""
+    def sampled(*flags: str) -> str:
+        code, out, _ = run(capsys, "generate", str(tiny_qwen3), "--prompt", "Paris",
+                           "--max-tokens", "8", "--temperature", "1", "--ignore-eos",
+                           *SMALL_ENGINE, *flags)
+        assert code == 0
+        return out
+
+    assert sampled("--seed", "1") == sampled("--seed", "1") != sampled("--seed", "2")
+    assert (sampled("--seed", "1", "--sampling-seed", "5")
+            == sampled("--seed", "2", "--sampling-seed", "5"))
+
+
+def test_a_tokenizer_folder_of_its_own(tiny_checkpoint_factory, tiny_qwen3, capsys):
+    """A model folder without a tokenizer runs with ``--tokenizer`` naming one elsewhere."""
+    folder = tiny_checkpoint_factory("qwen3")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (folder / name).unlink()
+    flags = ["--prompt", "Hello", *GREEDY_FLAGS, *SMALL_ENGINE]
+    code, _, err = run(capsys, "generate", str(folder), *flags)
+    assert code == 2 and "tokenizer" in err
+    code, out, _ = run(capsys, "generate", str(folder), "--tokenizer", str(tiny_qwen3), *flags)
+    assert code == 0
+    assert out == run(capsys, "generate", str(tiny_qwen3), *flags)[1]
 
 
 @pytest.mark.parametrize("flags, problem", [
@@ -130,6 +177,71 @@ def test_a_missing_model_folder_or_a_malformed_flag_exits_2(tmp_path, capsys):
     assert code == 2 and "nowhere" in err and "does not exist" in err and "Traceback" not in err
     code, _, err = run(capsys, "generate", "--max-tokens", "many")
     assert code == 2 and "argument --max-tokens: invalid int value: 'many'" in err
+
+
+@pytest.mark.parametrize("argv, usage, hint", [
+    (["generate", "m", "--max-tokenz", "5"], "usage: nanofn generate [-h]",
+     "nanofn generate: error: unrecognized arguments: --max-tokenz 5; did you mean "
+     "--max-tokens?"),
+    (["bench", "--num-seqz=4"], "usage: nanofn bench [-h]", "did you mean --num-seqs?"),
+    (["serve", "--prot", "80"], "usage: nanofn serve [-h]", "did you mean --port?"),
+    (["generate", "--dtype", "bfloat"], "usage: nanofn generate [-h]",
+     "did you mean bfloat16?"),
+    (["genrate", "--prompt", "Hi"], "usage: nanofn [-h] [--version] COMMAND",
+     "invalid choice: 'genrate'"),
+])
+def test_a_mistyped_flag_or_command_is_met_with_the_closest_one(capsys, argv, usage, hint):
+    code, out, err = run(capsys, *argv)
+    assert code == 2 and out == ""
+    assert err.startswith(usage) and hint in err, err
+    if argv[0] == "genrate":
+        assert err.endswith("; did you mean generate?\n")
+
+
+def test_the_version_is_pyprojects_from_one_source(capsys, monkeypatch):
+    tomllib = pytest.importorskip("tomllib")
+    pyproject = Path(__file__).parent.parent / "pyproject.toml"
+    declared = tomllib.loads(pyproject.read_text())["project"]["version"]
+    assert run(capsys, "--version") == (0, f"nanofn {declared}\n", "")
+    assert nanofn.__version__ == declared
+    from nanofn.server.app import VERSION  # what /version answers
+    assert VERSION == declared
+    monkeypatch.setattr(metadata, "version", lambda name: "9.9" if name == "nanofn" else None)
+    assert nanofn._version() == "9.9"  # the installed package's metadata is the source
+
+    def not_installed(name: str) -> str:
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(metadata, "version", not_installed)
+    assert nanofn._version() == declared  # a source tree reads pyproject.toml itself
+
+
+def test_ctrl_c_is_one_line_and_exit_code_130(tiny_qwen3, capsys, monkeypatch):
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(LLM, "generate", interrupt)
+    for command in ("generate", "bench"):
+        try:
+            code, _, err = run(capsys, command, str(tiny_qwen3), *SMALL_ENGINE)
+        except KeyboardInterrupt:
+            pytest.fail(f"Ctrl-C in {command} escaped main")
+        assert code == 130 and err == f"nanofn {command}: interrupted\n"
+
+
+def test_a_real_ctrl_c_stops_bench_in_one_line(tiny_qwen3):
+    """SIGINT to the process group, as a terminal sends it, in the middle of the workload."""
+    bench = subprocess.Popen([sys.executable, "-m", "nanofn", "bench", str(tiny_qwen3),
+                              "--num-seqs", "4000", "--max-model-len", "512"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             start_new_session=True)
+    try:
+        assert bench.stdout.readline().startswith("workload: 4000 requests")
+    finally:
+        os.killpg(bench.pid, signal.SIGINT)
+        out, err = bench.communicate(timeout=120)
+    assert bench.returncode == 130 and out == ""
+    assert err.endswith("nanofn bench: interrupted\n") and "Traceback" not in err, err
 
 
 # --- bench ----------------------------------------------------------------------------------
@@ -171,13 +283,39 @@ def test_bench_profile_refuses_tensor_parallelism_before_loading(tmp_path, capsy
     assert code == 2 and "--profile needs --tensor-parallel-size 1" in err
 
 
-def test_bench_builds_a_random_weight_model_into_the_cache(tmp_path, monkeypatch, capsys):
+def test_bench_random_weights_come_from_a_config_in_the_cache(tmp_path, monkeypatch, capsys):
+    """The preset's config (and the tokenizer) are written once; the weights are drawn on the
+    device (load_format dummy), none written."""
     monkeypatch.setenv("NANOFN_CACHE", str(tmp_path))
     code, out, err = run(capsys, "bench", "--random-weights", "qwen3-tiny", "--num-seqs", "2",
                          "--max-input-len", "20", "--max-output-len", "4", "--num-kv-blocks",
                          "300")
+    folder = tmp_path / "config-qwen3-tiny"
     assert code == 0 and "building" in err
-    assert f"model: {tmp_path / 'random-qwen3-tiny'} (2 layers" in out and "bfloat16" in out
+    assert f"model: {folder} (2 layers" in out and "bfloat16" in out
+    assert (folder / "config.json").is_file() and not list(folder.glob("*.safetensors"))
+
+
+def test_dummy_weights_are_drawn_for_every_parameter(tiny_checkpoint):
+    """load_format dummy: a model from its config alone, every parameter written (matrices
+    random, norms 1, a linear layer's A_log 0), the same for the same seed."""
+    from nanofn.model.loader import init_dummy_weights
+
+    config = AutoConfig.from_pretrained(tiny_checkpoint("qwen3_5"))
+    models = []
+    for _ in range(2):
+        model = build_model(config, dtype="float32", device="cpu")
+        for param in model.parameters():
+            param.data.fill_(float("nan"))
+        init_dummy_weights(model, seed=3)
+        models.append(dict(model.named_parameters()))
+    for name, param in models[0].items():
+        assert not param.isnan().any(), name
+        assert torch.equal(param, models[1][name])
+        if param.dim() > 1:
+            assert 0.01 < param.std() < 0.03, name
+    assert (models[0]["model.norm.weight"] == 1).all()
+    assert all((p == 0).all() for n, p in models[0].items() if n.endswith("A_log"))
 
 
 def test_bench_takes_a_model_or_random_weights_not_both(tiny_qwen3, capsys):
@@ -210,6 +348,26 @@ def test_the_floor_reproduces_roofline_py_for_qwen3_0_6b():
     slower = floor(QWEN3_0_6B, [len(p) for p in w.prompts], w.max_tokens, bandwidth_gbps=1514,
                    tflops=406.5)
     assert slower.seconds == pytest.approx(2 * f.seconds)
+
+
+def test_a_hybrid_model_s_floor_counts_its_state_bytes_and_its_attention_layers_alone():
+    """Qwen3.5-9B's shape: 8 full-attention layers keep K/V; each of 24 linear-attention
+    layers keeps a 32 x 128 x 128 state (bf16: its config names no mamba_ssm_dtype) and 3
+    past inputs of 8192 channels (bf16) per sequence, which every decode step reads and
+    writes. One request decoding, memory-bound: each step moves the weights, its K/V and its
+    state twice."""
+    dims = ModelDims.from_config(PRESETS["qwen3.5-9b-shape"])
+    assert (dims.num_attention_layers, dims.num_linear_layers) == (8, 24)
+    assert dims.state_bytes == 24 * (32 * 128 * 128 * 2 + 8192 * 3 * 2)
+    float32_text = {**PRESETS["qwen3.5-9b-shape"]["text_config"], "mamba_ssm_dtype": "float32"}
+    assert ModelDims.from_config({"text_config": float32_text}).state_bytes == 24 * (
+        32 * 128 * 128 * 4 + 8192 * 3 * 2)
+    f = floor(dims, [512], [513])
+    kv_per_token = 8 * 2 * 4 * 256 * 2
+    weight_bytes = 2 * (dims.body_params + dims.lm_head_params)
+    steps = [(weight_bytes + kv_per_token * (512 + s) + 2 * dims.state_bytes) / 3028e9
+             for s in range(1, 513)]
+    assert f.decode_s == pytest.approx(sum(steps), rel=1e-9)
 
 
 def test_the_shared_prefix_workload_and_its_floor():

@@ -1,25 +1,28 @@
 """``nanofn serve`` as a subprocess on 127.0.0.1, driven with the real ``openai`` client (and
 httpx where the client hides the HTTP): completions and chat, streamed and not, n > 1, stop
-strings, logprobs, usage, errors, disconnects, and a bounded load with cancellations."""
+strings, logprobs, usage, errors, disconnects, and a bounded load with cancellations; scoring
+(echo with logprobs, max_tokens=0) and lm-eval's local-completions model against the server."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import random
 import re
 import signal
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
+import torch
 from server_helpers import (API_KEY, HEADERS, engine_pid_of, first_event, metric, needs_proc,
                             start_server, wait_until_idle)
 
 openai = pytest.importorskip("openai")
-
 
 @pytest.fixture(scope="module")
 def server(tiny_qwen3):
@@ -127,20 +130,230 @@ def test_a_stop_string_ends_the_text_before_it(client):
 
 
 def test_logprobs(client):
+    """A completion's top_logprobs hold the sampled token and the k best (k + 1 entries at
+    most, as in vLLM); chat's hold exactly the k best, the sampled token being the entry."""
     out = client.completions.create(model="tiny", prompt="Hello", max_tokens=4, logprobs=2,
-                                    temperature=0)
+                                    temperature=1.5, seed=4)
     lp = out.choices[0].logprobs
     assert len(lp.token_logprobs) == 4 and all(v <= 0 for v in lp.token_logprobs)
-    assert all(len(top) == 2 for top in lp.top_logprobs)
+    for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert top[token] == value and 2 <= len(top) <= 3
+        assert len(top) == 2 or value < min(v for t, v in top.items() if t != token)
     sampled_only = client.completions.create(model="tiny", prompt="Hello", max_tokens=4,
-                                             logprobs=0, temperature=0).choices[0].logprobs
+                                             logprobs=0, temperature=1.5, seed=4)
+    sampled_only = sampled_only.choices[0].logprobs
     assert sampled_only.token_logprobs == lp.token_logprobs
-    assert all(top == {} for top in sampled_only.top_logprobs)
+    assert sampled_only.top_logprobs == [{t: v} for t, v in zip(lp.tokens, lp.token_logprobs)]
     chat = client.chat.completions.create(model="tiny", messages=[{"role": "user",
                                                                    "content": "x"}],
-                                          max_tokens=3, logprobs=True, top_logprobs=2)
+                                          max_tokens=6, logprobs=True, top_logprobs=2,
+                                          temperature=1.5, seed=4)
     content = chat.choices[0].logprobs.content
-    assert len(content) == 3 and all(len(t.top_logprobs) == 2 for t in content)
+    assert len(content) == 6 and all(len(t.top_logprobs) == 2 for t in content)
+    for t in content:
+        best = [top.logprob for top in t.top_logprobs]
+        assert best == sorted(best, reverse=True) and t.logprob <= best[0]
+        listed = any((top.token, top.logprob) == (t.token, t.logprob) for top in t.top_logprobs)
+        assert listed == (t.logprob >= best[1])
+
+
+# --- scoring: echo with logprobs, max_tokens=0, lm-eval --------------------------------------
+
+SCORED = "The quick brown fox jumps"
+REPO = Path(__file__).resolve().parent.parent
+LM_EVAL_TASKS = ["nanofn_choice", "nanofn_perplexity", "nanofn_generate"]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_qwen3):
+    """The reference for the server's logprobs: nanofn's own LLM on the same checkpoint."""
+    from nanofn import LLM
+
+    with LLM(str(tiny_qwen3), max_model_len=256, num_kv_blocks=64, seed=0) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def encode(tiny_qwen3):
+    """Text to token ids as lm-eval's Hugging Face backend makes them."""
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_qwen3)
+    return lambda text: tokenizer(text, add_special_tokens=False).input_ids
+
+
+def prompt_logprobs(llm, token_ids: list[int], k: int = 1) -> list:
+    from nanofn import SamplingParams
+
+    (out,) = llm.generate({"prompt_token_ids": token_ids},
+                          SamplingParams(max_tokens=1, prompt_logprobs=k), use_tqdm=False)
+    return out.prompt_logprobs
+
+
+def expected_top(entry: dict, token: int, k: int) -> dict:
+    """A completion's top_logprobs at a position: the k best and the position's token."""
+    return {lp.decoded_token: lp.logprob for t, lp in entry.items() if lp.rank <= k or t == token}
+
+
+def joined(chunks: list) -> dict:
+    """The logprobs of a streamed completion's chunks, end to end."""
+    fields = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+    return {f: [v for c in chunks if c.choices and c.choices[0].logprobs
+                for v in getattr(c.choices[0].logprobs, f)] for f in fields}
+
+
+def test_echo_with_logprobs_scores_the_prompt_then_the_generated_tokens(client, llm, encode,
+                                                                          tiny_qwen3):
+    import transformers
+
+    ids = encode(SCORED)
+    kwargs = dict(model="tiny", prompt=SCORED, max_tokens=3, logprobs=2, temperature=0)
+    (choice,) = client.completions.create(**kwargs, echo=True).choices
+    (generated,) = client.completions.create(**kwargs).choices
+    lp, n = choice.logprobs, len(ids)
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == n + 3
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    expected = prompt_logprobs(llm, ids, k=2)
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_qwen3, dtype=torch.float32)
+    with torch.no_grad():
+        reference = model(torch.tensor([ids])).logits[0].log_softmax(-1)
+    for position in range(1, n):
+        token, entry = ids[position], expected[position]
+        assert lp.tokens[position] == entry[token].decoded_token
+        assert lp.token_logprobs[position] == pytest.approx(entry[token].logprob, abs=1e-5)
+        assert lp.token_logprobs[position] == pytest.approx(
+            reference[position - 1, token].item(), abs=1e-4)
+        assert lp.top_logprobs[position] == pytest.approx(expected_top(entry, token, 2),
+                                                          abs=1e-5)
+    assert any(len(top) == 3 for top in lp.top_logprobs[1:n])  # a prompt token outside the top
+    assert "".join(lp.tokens[:n]) == SCORED and choice.text == SCORED + generated.text
+    assert lp.tokens[n:] == generated.logprobs.tokens
+    assert lp.token_logprobs[n:] == pytest.approx(generated.logprobs.token_logprobs, abs=1e-5)
+    for echoed, alone in zip(lp.top_logprobs[n:], generated.logprobs.top_logprobs):
+        assert echoed == pytest.approx(alone, abs=1e-5)
+    offsets = [0]
+    for token in lp.tokens[:-1]:
+        offsets.append(offsets[-1] + len(token))
+    assert lp.text_offset == offsets and lp.text_offset[n] == len(SCORED)
+    assert generated.logprobs.text_offset[0] == 0
+    vllm_field = choice.model_extra["prompt_logprobs"]
+    assert vllm_field[0] is None and all(
+        vllm_field[i][str(ids[i])]["logprob"] == lp.token_logprobs[i] for i in range(1, n))
+    streamed = list(client.completions.create(**kwargs, echo=True, stream=True))
+    assert streamed[0].choices[0].text.startswith(SCORED)
+    assert len(streamed[0].choices[0].logprobs.tokens) > n  # the prompt's come first
+    assert joined(streamed) == {"tokens": lp.tokens, "token_logprobs": lp.token_logprobs,
+                                "top_logprobs": lp.top_logprobs, "text_offset": lp.text_offset}
+
+
+def test_max_tokens_0_with_echo_scores_the_prompt_without_generating(server, client, encode):
+    ids = encode(SCORED)
+    scored = client.completions.create(model="tiny", prompt=SCORED, max_tokens=0, echo=True,
+                                       logprobs=1)
+    (choice,) = scored.choices
+    longer = client.completions.create(model="tiny", prompt=SCORED, max_tokens=2, echo=True,
+                                       logprobs=1, temperature=0).choices[0].logprobs
+    assert choice.text == SCORED and choice.finish_reason == "length"
+    assert choice.logprobs.tokens == longer.tokens[:len(ids)]
+    assert choice.logprobs.token_logprobs == pytest.approx(longer.token_logprobs[:len(ids)],
+                                                           abs=1e-5)
+    assert choice.logprobs.top_logprobs[0] is None
+    for alone, generating in zip(choice.logprobs.top_logprobs[1:], longer.top_logprobs[1:]):
+        assert alone == pytest.approx(generating, abs=1e-5)
+    assert (scored.usage.prompt_tokens, scored.usage.completion_tokens,
+            scored.usage.total_tokens) == (len(ids), 0, len(ids))
+    streamed = list(client.completions.create(model="tiny", prompt=SCORED, max_tokens=0,
+                                              echo=True, logprobs=1, stream=True,
+                                              stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == SCORED
+    assert joined(streamed)["token_logprobs"] == choice.logprobs.token_logprobs
+    assert streamed[-1].usage.completion_tokens == 0
+    batch = client.completions.create(model="tiny", prompt=[ids, ids[:3]], max_tokens=0,
+                                      echo=True, logprobs=1)
+    assert [len(c.logprobs.tokens) for c in batch.choices] == [len(ids), 3]
+    assert batch.choices[1].logprobs.token_logprobs == pytest.approx(
+        choice.logprobs.token_logprobs[:3], abs=1e-5)
+    plain = client.completions.create(model="tiny", prompt=SCORED, max_tokens=0, echo=True)
+    assert plain.choices[0].text == SCORED and plain.choices[0].logprobs is None
+    for extra in ({}, {"echo": False}):
+        with pytest.raises(openai.BadRequestError) as error:
+            client.completions.create(model="tiny", prompt=SCORED, max_tokens=0, **extra)
+        assert error.value.body["param"] == "max_tokens" and "echo" in error.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as error:
+        client.completions.create(model="tiny", prompt=SCORED, extra_body={"echo": "yes"})
+    assert error.value.body["param"] == "echo"
+    wait_until_idle(server)
+
+
+def test_logprobs_of_tokens_a_grammar_masks_are_finite(client):
+    """Tokens an output constraint rules out have logprob -inf, which JSON cannot hold: as in
+    vLLM they read -9999.0 (whole responses and streamed chunks alike)."""
+    pytest.importorskip("llguidance")
+    constraint = {"guided_choice": ["left", "right"]}
+    out = client.completions.create(model="tiny", prompt="Pick:", max_tokens=3, logprobs=5,
+                                    extra_body=constraint)
+    assert -9999.0 in out.choices[0].logprobs.top_logprobs[0].values()
+    chunks = list(client.completions.create(model="tiny", prompt="Pick:", max_tokens=3,
+                                            logprobs=5, extra_body=constraint, stream=True))
+    assert -9999.0 in joined(chunks)["top_logprobs"][0].values()
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user",
+                                                                   "content": "Pick"}],
+                                          max_tokens=3, logprobs=True, top_logprobs=5,
+                                          extra_body=constraint)
+    assert -9999.0 in [t.logprob for t in chat.choices[0].logprobs.content[0].top_logprobs]
+
+
+def test_lm_eval_scores_through_the_server(server, llm, encode, tiny_qwen3, monkeypatch):
+    """lm-eval's ``local-completions`` model on the tasks in tests/lm_eval_tasks: its
+    loglikelihoods (and is_greedy), rolling loglikelihoods and generations are those of LLM."""
+    lm_eval = pytest.importorskip("lm_eval")
+    from lm_eval.tasks import TaskManager
+
+    from nanofn import SamplingParams
+
+    monkeypatch.chdir(REPO)  # the task files name their data file from the repository root
+    model_args = dict(model="tiny", base_url=f"{server}/v1/completions", tokenizer=str(tiny_qwen3),
+                      tokenizer_backend="huggingface", max_length=256, max_retries=1,
+                      header={"Authorization": f"Bearer {API_KEY}"})
+    tasks = TaskManager(include_path=str(REPO / "tests" / "lm_eval_tasks"),
+                        include_defaults=False)
+    evaluated = lm_eval.simple_evaluate(model="local-completions", model_args=model_args,
+                                        tasks=LM_EVAL_TASKS, task_manager=tasks,
+                                        log_samples=True)
+    samples, results = evaluated["samples"], evaluated["results"]
+    correct = []
+    for sample in samples["nanofn_choice"]:
+        scores = []
+        for (context, continuation), [(loglikelihood, is_greedy)] in zip(sample["arguments"],
+                                                                         sample["resps"]):
+            context_ids = encode(context)
+            tokens = context_ids + encode(context + continuation)[len(context_ids):]
+            entries = prompt_logprobs(llm, tokens)[len(context_ids):]
+            targets = tokens[len(context_ids):]
+            assert loglikelihood == pytest.approx(
+                sum(e[t].logprob for t, e in zip(targets, entries)), abs=1e-4)
+            assert is_greedy == all(e[t].rank == 1 for t, e in zip(targets, entries))
+            scores.append(loglikelihood)
+        correct.append(scores.index(max(scores)) == sample["target"])
+    assert results["nanofn_choice"]["acc,none"] == pytest.approx(sum(correct) / len(correct))
+    tokenizer = llm.get_tokenizer()  # lm-eval's prefix token: BOS, or else EOS
+    prefix = [tokenizer.eos_token_id if tokenizer.bos_token_id is None else tokenizer.bos_token_id]
+    total, num_bytes = 0.0, 0
+    for sample in samples["nanofn_perplexity"]:
+        [(text,)], [[loglikelihood]] = sample["arguments"], sample["resps"]
+        tokens = prefix + encode(text)
+        entries = prompt_logprobs(llm, tokens)[1:]
+        assert loglikelihood == pytest.approx(
+            sum(e[t].logprob for t, e in zip(tokens[1:], entries)), abs=1e-3)
+        total, num_bytes = total + loglikelihood, num_bytes + len(text.encode())
+    assert results["nanofn_perplexity"]["byte_perplexity,none"] == pytest.approx(
+        math.exp(-total / num_bytes))
+    for sample in samples["nanofn_generate"]:
+        [(context, options)], [[text]] = sample["arguments"], sample["resps"]
+        params = SamplingParams(temperature=0, max_tokens=options["max_gen_toks"],
+                                stop=[*options["until"], "<|endoftext|>"])
+        (out,) = llm.generate({"prompt_token_ids": encode(context)}, params, use_tqdm=False)
+        assert text == out.outputs[0].text
 
 
 def test_vllm_request_fields_and_stop_reason(server, client):

@@ -33,7 +33,7 @@ ABORTED = 'nanofn:requests_aborted_total{reason="client_disconnected"}'
 
 @pytest.fixture(scope="module")
 def server(tiny_qwen3):
-    process, url = start_server(tiny_qwen3, FLAGS)
+    process, url = start_server(tiny_qwen3, *FLAGS)
     yield url
     process.terminate()
     assert process.wait(timeout=60) == 0, process.stdout.read()
@@ -349,7 +349,7 @@ def test_sigterm_gives_requests_their_time_then_ends_them_with_errors(tiny_qwen3
     """--shutdown-timeout 1: a short stream in flight at SIGTERM finishes normally; then the
     engine is frozen, and when the second is over a long stream (of two prompts) ends with an
     error event and [DONE], and a long non-streamed request gets a 503; the server exits 0."""
-    process, url = start_server(tiny_qwen3, (*FLAGS, "--shutdown-timeout", "1"))
+    process, url = start_server(tiny_qwen3, *FLAGS, "--shutdown-timeout", "1")
     engine = engine_pid_of(process.pid)
     try:
         whole: list[httpx.Response] = []

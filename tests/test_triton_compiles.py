@@ -159,3 +159,47 @@ def test_decode_input_kernels_compile(compile_for_h100, rows, width):
     compile_for_h100(triton_decode_inputs.decode_rows, field, field, field, field, field, field,
                      torch.zeros(rows + 1, width, dtype=torch.int32),
                      torch.zeros(rows + 1, dtype=torch.int64), BLOCK, -1)
+
+
+@pytest.mark.parametrize("tokens", [1, 300])
+def test_hybrid_kernels_compile(compile_for_h100, tokens):
+    """Qwen3.5-9B's shapes: the quarter-head rotary of its gated attention (16 heads, 4 KV
+    heads of 256), and its linear-attention layers' convolution (8192 channels, 3 taps of
+    state) and delta rule's decode step (16 key heads, 32 value heads of 128, float32 states)."""
+    from nanofn.kernels import triton_linear_attention as linear
+
+    head_dim, heads, kv_heads = 256, 16, 4
+    qkv = empty(tokens, (heads + 2 * kv_heads) * head_dim)
+    q, k, v = (t.view(tokens, -1, head_dim) for t in qkv.split(
+        [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1))
+    caches = empty(64, BLOCK, kv_heads, head_dim), empty(64, BLOCK, kv_heads, head_dim)
+    positions = slots = torch.zeros(tokens, dtype=torch.int64)
+    cos_sin = empty(4096, head_dim // 4, dtype=torch.float32)
+    compile_for_h100(triton_ops.rotate_and_store_kv, q, k, v, positions, cos_sin, *caches, slots,
+                     empty(head_dim), empty(head_dim))
+    channels, seqs = 8192, min(tokens, 4)
+    conv_states = empty(8, 24, channels, 3)[:, 1]
+    state_slots = torch.zeros(seqs, dtype=torch.int64)
+    initial = torch.ones(seqs, dtype=torch.bool)
+    query_start = torch.tensor([0, *range(tokens - seqs + 1, tokens + 1)], dtype=torch.int32)
+    compile_for_h100(linear.causal_conv1d, empty(tokens, channels), empty(channels, 4),
+                     conv_states, query_start, state_slots, initial)
+    compile_for_h100(linear.causal_conv1d_update, empty(seqs, channels), empty(channels, 4),
+                     conv_states, state_slots, initial)
+    ssm = empty(8, 24, 32, 128, 128, dtype=torch.float32)[:, 1]
+    mixed = empty(seqs, 2 * 16 * 128 + 32 * 128)
+    q, k, v = mixed.split([16 * 128, 16 * 128, 32 * 128], dim=-1)
+    compile_for_h100(linear.gated_delta_rule_update, q.view(seqs, 16, 128), k.view(seqs, 16, 128),
+                     v.view(seqs, 32, 128), empty(seqs, 32, dtype=torch.float32),
+                     empty(seqs, 32), ssm, state_slots, initial)
+    mixed = empty(tokens, 2 * 16 * 128 + 32 * 128)
+    q, k, v = mixed.split([16 * 128, 16 * 128, 32 * 128], dim=-1)
+    compile_for_h100(linear.recurrent_delta_rule, q.view(tokens, 16, 128),
+                     k.view(tokens, 16, 128), v.view(tokens, 32, 128),
+                     empty(tokens, 32, dtype=torch.float32), empty(tokens, 32), ssm, query_start,
+                     state_slots, initial)
+    ab = empty(tokens, 64)
+    compile_for_h100(linear.delta_rule_gates, ab[:, :32], ab[:, 32:],
+                     empty(32, dtype=torch.float32), empty(32, dtype=torch.float32))
+    z = empty(tokens, 2 * 32 * 128)[:, 32 * 128:].view(tokens, 32, 128)
+    compile_for_h100(linear.rms_norm_gated, empty(tokens, 32, 128), z, empty(128), 1e-6)

@@ -70,13 +70,15 @@ def rotate_store_and_return(q, k, v, positions, cache, k_cache, v_cache, slot_ma
     "num_heads, num_kv_heads, head_dim", [(4, 2, 16), (3, 1, 32), (16, 8, 128)], ids=["16", "32", "128"]
 )
 @pytest.mark.parametrize("qk_norm", [False, True], ids=["rotary", "qk-norm-and-rotary"])
+@pytest.mark.parametrize("rotary_part", [1, 4], ids=["whole-head", "quarter-head"])
 def test_rotate_and_store_kv_matches_reference(interpreter, dtype, num_heads, num_kv_heads,
-                                               head_dim, qk_norm):
+                                               head_dim, qk_norm, rotary_part):
     """Rotated queries returned; rotated keys and the values in their cache slots, padding
-    tokens (slot -1) written nowhere; the rest of the cache untouched."""
+    tokens (slot -1) written nowhere; the rest of the cache untouched. A quarter-head table
+    turns the heads' first quarter alone (Qwen3.5's partial rotary)."""
     generator = torch.Generator().manual_seed(head_dim)
     num_tokens, max_positions, block_size = 19, 2048, 16
-    cache = build_cos_sin_cache(head_dim, max_positions, 500000.0, LLAMA3_SCALING)
+    cache = build_cos_sin_cache(head_dim // rotary_part, max_positions, 500000.0, LLAMA3_SCALING)
     positions = torch.randint(0, max_positions, (num_tokens,), generator=generator)
     # q, k and v are views into the fused projection, as the model passes them.
     qkv = (torch.randn(num_tokens, num_heads + 2 * num_kv_heads, head_dim, generator=generator) * 3).to(dtype)

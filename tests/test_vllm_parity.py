@@ -85,7 +85,7 @@ def test_bad_new_fields_name_the_field_and_the_range(kwargs, message):
 
 
 def test_token_ids_outside_the_vocabulary_are_refused_and_the_engine_serves_on(llm):
-    vocab = llm.engine.hf_config.vocab_size
+    vocab = llm.engine.text_config.vocab_size
     for params in (SamplingParams(logit_bias={vocab: 1.0}),
                    SamplingParams(allowed_token_ids=[1, vocab + 5])):
         with pytest.raises(ValueError, match=rf"not in the vocabulary \[0, {vocab}\)"):

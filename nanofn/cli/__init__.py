@@ -1,42 +1,46 @@
-"""The ``nanofn`` command: ``generate`` text, ``bench`` throughput, ``replay`` a trace, ``diff``
-two traces.
+"""The ``nanofn`` command: ``generate`` text, ``serve`` the OpenAI API, ``bench`` throughput,
+``replay`` a trace, ``diff`` two traces.
 
 Problems with what the user asked for (a bad flag value, a missing model folder, an unreadable
-trace) are reported in one line on stderr with exit code 2. torch is imported only by the
-subcommands that run a model, so ``--help`` and ``replay`` start fast.
+trace) are reported in one line on stderr with exit code 2, a mistyped flag or command with the
+closest one; Ctrl-C in one line with exit code 130. torch is imported only by the subcommands
+that run a model, so ``--help`` and ``replay`` start fast.
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
-import os
-import shutil
 import sys
-import tempfile
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, fields, replace
 from pathlib import Path
 from typing import Any
 
+from nanofn import __version__
 from nanofn.engine.options import EngineOptions
 from nanofn.server.limits import ServerLimits
 from nanofn.cli.bench import (CPU_SHARED_PREFIX_SIZES, CPU_SIZES, KNOWN_DEVICE_RATES,
                               SHARED_PREFIX_SIZES, STANDARD_SIZES, ModelDims, Workload,
                               describe_sizes, device_rates, floor, format_seconds, measure,
                               shared_prefix_workload, standard_workload)
+from nanofn.model.tiny import DEMO_MODEL, demo_model, random_weights_model
 from nanofn.state import (EngineState, SamplingParams, Seq, Trace, TraceError, diff_traces,
                           figures, read_trace, replay, run_series)
 from nanofn.state.plan import PENDING_TOKEN, BatchPlan, ScheduledSeq
 
-DEMO_MODEL = "demo-qwen3"
 DEFAULT_PROMPTS = ["Hello, my name is", "The capital of France is"]
 SHOWN_ITEMS = 12  # a longer list of tokens or blocks is shortened to its ends
 
 # EngineOptions field -> argparse settings; a flag the user leaves out is None and not passed,
 # so that LLM keeps its own default.
 ENGINE_FLAGS: dict[str, dict[str, Any]] = {
+    "tokenizer": dict(metavar="FOLDER", help="a tokenizer folder other than the model's"),
+    "seed": dict(type=int, metavar="N",
+                 help="the engine's seed, of the sampling of requests without a seed of their "
+                      "own (default: {default})"),
     "max_model_len": dict(type=int, metavar="N",
                           help="longest prompt + output (default: the model's "
                                "max_position_embeddings)"),
@@ -64,6 +68,13 @@ ENGINE_FLAGS: dict[str, dict[str, Any]] = {
                                   help="KV cache size in bytes (default: from "
                                        "--gpu-memory-utilization on a GPU, 4 GiB on a CPU)"),
     "num_kv_blocks": dict(type=int, metavar="N", help="exact number of KV cache blocks"),
+    "load_format": dict(choices=["auto", "safetensors", "dummy"],
+                        help="auto: the checkpoint's safetensors; dummy: random weights made on "
+                             "the device from config.json alone, for benchmarks (default: "
+                             "{default})"),
+    "num_state_slots": dict(type=int, metavar="N",
+                            help="exact number of a hybrid model's recurrent-state slots "
+                                 "(running sequences' states and saved prefix states)"),
     "async_scheduling": dict(flag="--no-async-scheduling", action="store_const", const=False,
                              help="schedule each step only after the previous one's tokens "
                                   "are known (simpler traces, slower)"),
@@ -80,7 +91,8 @@ ENGINE_FLAGS: dict[str, dict[str, Any]] = {
                              "size under 1024, such as the demo; else torch's, one per core)"),
 }
 
-# SamplingParams field -> argparse settings, as for ENGINE_FLAGS.
+# SamplingParams field -> argparse settings, as for ENGINE_FLAGS ("dest" where the field's name
+# is an engine flag's too).
 SAMPLING_FLAGS: dict[str, dict[str, Any]] = {
     "max_tokens": dict(type=int, metavar="N", help="most tokens to generate (default: {default})"),
     "temperature": dict(type=float, metavar="T", help="0 is greedy (default: {default})"),
@@ -90,7 +102,10 @@ SAMPLING_FLAGS: dict[str, dict[str, Any]] = {
                                              "all (default: {default})"),
     "min_p": dict(type=float, metavar="P", help="drop tokens less likely than P times the "
                                                "likeliest (default: {default})"),
-    "seed": dict(type=int, metavar="N", help="seed of this request's sampling"),
+    # --seed is the engine's, as in vLLM
+    "seed": dict(flag="--sampling-seed", dest="sampling_seed", type=int, metavar="N",
+                 help="each prompt's own sampling seed: its tokens do not depend on what else "
+                      "runs (default: none, the engine's --seed)"),
     "n": dict(type=int, metavar="N", help="outputs per prompt (default: {default})"),
     "stop": dict(flag="--stop", action="append", metavar="TEXT",
                  help="stop when the output contains TEXT (repeatable)"),
@@ -142,22 +157,57 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
-    except SystemExit as e:  # --help, or a malformed command line (argparse said why)
+    except SystemExit as e:  # --help, --version, or a malformed command line (argparse said why)
         return int(e.code or 0)
     try:
         return args.run(args)
     except UsageError as e:
         print(f"nanofn {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: the work in flight was settled on the way out
+        print(f"nanofn {args.command}: interrupted", file=sys.stderr)
+        return 130  # 128 + SIGINT, as a shell reports a command that Ctrl-C stopped
     except BrokenPipeError:  # the reader went away (``nanofn replay t.jsonl | head``)
         sys.stderr.close()
         return 0
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse's parser, with the closest valid word offered for a mistyped one ("did you
+    mean --max-tokens?"): a command, a choice or a flag.
+
+    A subcommand's parser reports its unknown flags itself, with its own usage: argparse would
+    hand them back to the top level, whose usage says nothing about them.
+    """
+
+    def parse_known_args(self, args: Sequence[str] | None = None,
+                         namespace: argparse.Namespace | None = None,
+                         ) -> tuple[argparse.Namespace, list[str]]:
+        parsed, unknown = super().parse_known_args(args, namespace)
+        if unknown:
+            flags = [word.split("=", 1)[0] for word in unknown if word.startswith("-")]
+            hint = _did_you_mean(flags[0], self._option_string_actions) if flags else ""
+            self.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
+        return parsed, unknown
+
+    def _check_value(self, action: argparse.Action, value: Any) -> None:
+        try:
+            super()._check_value(action, value)
+        except argparse.ArgumentError as e:  # not one of the choices
+            hint = _did_you_mean(str(value), map(str, action.choices))
+            raise argparse.ArgumentError(action, e.message + hint) from None
+
+
+def _did_you_mean(word: str, choices: Iterable[str]) -> str:
+    closest = difflib.get_close_matches(word, list(choices), n=1)
+    return f"; did you mean {closest[0]}?" if closest else ""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="nanofn", description="nanofn: an LLM inference engine with a pure, replayable "
                                    "scheduling core.")
+    parser.add_argument("--version", action="version", version=f"nanofn {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_generate(commands)
     _add_serve(commands)
@@ -172,20 +222,22 @@ def build_parser() -> argparse.ArgumentParser:
 def add_flags(parser: argparse.ArgumentParser, title: str, flags: dict[str, dict[str, Any]],
               fields_of: type) -> None:
     """Add a group of flags named after the fields of ``fields_of`` they set
-    (``--max-model-len`` sets ``max_model_len``); they default to None, meaning "not given".
-    A help text's ``{default}`` shows the field's default, read from ``fields_of``."""
+    (``--max-model-len`` sets ``max_model_len``), unless their settings name another ``flag``
+    (and ``dest``); they default to None, meaning "not given". A help text's ``{default}``
+    shows the field's default, read from ``fields_of``."""
     defaults = {f.name: f.default for f in fields(fields_of)}
     group = parser.add_argument_group(title)
     for name, settings in flags.items():
-        settings = dict(settings)
+        settings = {"dest": name, **settings}
         flag = settings.pop("flag", "--" + name.replace("_", "-"))
         settings["help"] = settings["help"].replace("{default}", str(defaults[name]))
-        group.add_argument(flag, dest=name, default=None, **settings)
+        group.add_argument(flag, default=None, **settings)
 
 
 def given(args: argparse.Namespace, flags: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """The flags of ``flags`` that the user gave, by field name."""
-    return {name: getattr(args, name) for name in flags if getattr(args, name) is not None}
+    values = {name: getattr(args, settings.get("dest", name)) for name, settings in flags.items()}
+    return {name: value for name, value in values.items() if value is not None}
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -215,41 +267,11 @@ def _user_errors() -> Iterator[None]:
         raise UsageError(str(e)) from e
 
 
-# --- models in the cache folder -------------------------------------------------------------
+# --- the demo model -------------------------------------------------------------------------
 
-def cache_dir() -> Path:
-    """``$NANOFN_CACHE``, else ``~/.cache/nanofn``."""
-    return Path(os.environ.get("NANOFN_CACHE") or Path.home() / ".cache" / "nanofn")
-
-
-def cached_checkpoint(name: str, build: Callable[[Path], object]) -> Path:
-    """``<cache>/<name>``, made by ``build(folder)`` on first use.
-
-    It is built in a temporary folder and renamed into place, so a folder under that name is
-    always complete, even when a build is interrupted or two processes build at once.
-    """
-    final = cache_dir() / name
-    if final.is_dir():
-        return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    print(f"nanofn: building {final} (once)", file=sys.stderr)
-    staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=final.parent))
-    staging.chmod(0o755)  # mkdtemp's folder is private; the cache is not
-    try:
-        build(staging)
-        os.rename(staging, final)
-    except OSError:
-        if not final.is_dir():  # else another process got there first: use its folder
-            raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return final
-
-
-def demo_model() -> Path:
-    from nanofn.model.tiny import make_tiny_checkpoint
-
-    path = cached_checkpoint(DEMO_MODEL, lambda folder: make_tiny_checkpoint(folder, "qwen3"))
+def announced_demo_model() -> Path:
+    """The built-in demo model's folder, with a word on what it is and how to run a real one."""
+    path = demo_model()
     print(f"nanofn: no MODEL given, so using the built-in demo model {path}.\n"
           f"  It has RANDOM weights: its text is gibberish by design. It shows the whole pipeline\n"
           f"  running (tokenizer, scheduler, paged KV cache, model, sampler, detokenizer).\n"
@@ -293,9 +315,42 @@ def _add_serve(commands: Any) -> None:
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/ requests")
     p.add_argument("--served-model-name", metavar="NAME",
                    help="the model's name in the API (default: MODEL as given)")
+    _add_chat_flags(p.add_argument_group("chat completions (vLLM's flags)"))
     add_flags(p, "server limits", SERVER_FLAGS, ServerLimits)
     add_flags(p, "engine options", ENGINE_FLAGS, EngineOptions)
     p.set_defaults(run=run_serve)
+
+
+def _add_chat_flags(group: Any) -> None:
+    from nanofn.server.reasoning import REASONING_PARSERS
+    from nanofn.server.tool_parsers import TOOL_PARSERS
+
+    group.add_argument("--chat-template", metavar="TEMPLATE",
+                       help="a Jinja chat template (a file, or the template itself) for chat "
+                            "completions and /tokenize, instead of the tokenizer's")
+    group.add_argument("--default-chat-template-kwargs", metavar="JSON", type=_json_object,
+                       default={}, help="template arguments for every chat request, under its "
+                                        "own chat_template_kwargs, e.g. "
+                                        "'{\"enable_thinking\": false}'")
+    group.add_argument("--reasoning-parser", choices=list(REASONING_PARSERS),
+                       help="move the thinking block out of the content into "
+                            "reasoning_content (and reasoning)")
+    group.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help='read the tool calls the model chooses to make (tool_choice="auto",'
+                            " the default with tools); needs --tool-call-parser")
+    group.add_argument("--tool-call-parser", choices=list(TOOL_PARSERS),
+                       help="the model's tool-call format: hermes (Qwen3), qwen3_xml or "
+                            "qwen3_coder (Qwen3-Coder, Qwen3.5)")
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"not JSON: {error}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -303,16 +358,22 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from nanofn.server.app import build_app
     from nanofn.server.async_engine import AsyncLLM
+    from nanofn.server.chat_output import ChatOptions, load_chat_template
 
-    with _user_errors():
+    with _user_errors():  # before the model loads
         limits = ServerLimits(**given(args, SERVER_FLAGS))
-    model = args.model or str(demo_model())
-    server_class = _uvicorn_server()
+        chat_options = ChatOptions(
+            chat_template=args.chat_template and load_chat_template(args.chat_template),
+            default_chat_template_kwargs=args.default_chat_template_kwargs,
+            reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
+            enable_auto_tool_choice=args.enable_auto_tool_choice)
+    model = args.model or str(announced_demo_model())
+    served_name = args.served_model_name or args.model or DEMO_MODEL
+    server_class = _uvicorn_server(served_name)
     with _user_errors():
         llm = AsyncLLM(model, **engine_kwargs(args))
     try:
-        app = build_app(llm, args.served_model_name or args.model or DEMO_MODEL, args.api_key,
-                        limits)
+        app = build_app(llm, served_name, args.api_key, chat_options, limits)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                                 timeout_graceful_shutdown=limits.shutdown_timeout
                                 + SHUTDOWN_WRITE_S)
@@ -322,7 +383,7 @@ def run_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _uvicorn_server() -> type:
+def _uvicorn_server(served_name: str) -> type:
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -339,6 +400,15 @@ def _uvicorn_server() -> type:
             self.on_shutdown()
             await super().shutdown(sockets)
 
+        async def startup(self, sockets: list | None = None) -> None:
+            """Say where the server listens once it does (the engine is up by then)."""
+            await super().startup(sockets)
+            if self.started:
+                host = self.config.host
+                port = self.servers[0].sockets[0].getsockname()[1]  # the one taken for --port 0
+                print(f"serving {served_name} at http://{f'[{host}]' if ':' in host else host}:"
+                      f"{port}", file=sys.stderr, flush=True)
+
         @contextmanager
         def capture_signals(self) -> Iterator[None]:
             with super().capture_signals():
@@ -350,7 +420,7 @@ def _uvicorn_server() -> type:
 
 def run_generate(args: argparse.Namespace) -> int:
     sampling_params(args)  # a bad flag is reported before the model loads
-    llm = load_llm(args.model or demo_model(), args)
+    llm = load_llm(args.model or announced_demo_model(), args)
     prompts = args.prompt or DEFAULT_PROMPTS
     with llm, _user_errors():
         # what the flags leave unset comes from the model's generation config, as in vLLM
@@ -396,8 +466,9 @@ def _add_bench(commands: Any) -> None:
                        help="a local Hugging Face model folder (default: the built-in demo "
                             "model)")
     model.add_argument("--random-weights", choices=list(PRESETS), metavar="PRESET",
-                       help=f"a random-weight checkpoint of this shape, built once into the "
-                            f"cache folder (choices: {', '.join(PRESETS)})")
+                       help=f"random weights in this shape, made on the device from a config "
+                            f"(--load-format dummy) that is written once into the cache folder "
+                            f"(choices: {', '.join(PRESETS)})")
     for name, meaning in (("num_seqs", "number of requests"),
                           ("max_input_len", "prompt lengths are U(100, N), or U(1, N) below 100"),
                           ("max_output_len", "output lengths are U(100, N), or U(1, N) below 100")):
@@ -456,11 +527,13 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.profile and device == "cpu":
         raise UsageError("--profile measures a GPU's busy time: it needs a CUDA device")
     model = (args.model or (random_weights_model(args.random_weights) if args.random_weights
-                            else demo_model()))
+                            else announced_demo_model()))
+    if args.random_weights and args.load_format is None:
+        args.load_format = "dummy"
     llm = load_llm(model, args)
     engine = llm.engine
     sizes = _workload_sizes(args, device)
-    workload = _workload(sizes, engine.hf_config.vocab_size)
+    workload = _workload(sizes, engine.text_config.vocab_size)
     timeline = None
     if args.profile:
         from nanofn.runner.timeline import DeviceTimeline
@@ -536,13 +609,6 @@ def _device_name(device: str) -> str:
 
 def _percent(x: float) -> str:
     return f"{x:.1%}" if x >= 0.01 else f"{100 * x:.2g}%"
-
-
-def random_weights_model(preset: str) -> Path:
-    from nanofn.model.tiny import make_random_checkpoint
-
-    return cached_checkpoint(f"random-{preset}",
-                             lambda folder: make_random_checkpoint(folder, preset))
 
 
 # --- replay ---------------------------------------------------------------------------------
@@ -671,7 +737,18 @@ def _step_line(state: EngineState, plan: BatchPlan) -> str:
         parts.append("preempted " + " ".join(state.preempted))
     if state.finished:
         parts.append("finished " + " ".join(seq.seq_id for seq in state.finished))
+    if plan.state_restores or plan.state_saves:
+        parts.append(_state_copies(plan))
     return " | ".join(parts)
+
+
+def _state_copies(plan: BatchPlan) -> str:
+    """A hybrid plan's recurrent-state copies: ``restore SAVED->WORKING`` before the step,
+    ``save ID@TOKENS->SLOT`` after it."""
+    restores = [f"restore {src}->{dst}" for src, dst in plan.state_restores]
+    ends = plan.start_pos + plan.num_scheduled
+    saves = [f"save {plan.seq_ids[i]}@{ends[i]}->{slot}" for i, slot in plan.state_saves]
+    return " ".join(restores + saves)
 
 
 def _scheduled(s: ScheduledSeq) -> str:
@@ -692,6 +769,8 @@ def _print_state(state: EngineState, plan: BatchPlan, num_steps: int) -> None:
           f"{len(pool.by_hash)} in the prefix cache")
     print(f"  cached free, first evicted first: {_short(list(pool.cached_free()))}")
     print(f"  reference counts of owned blocks (block:count): {_short(owned)}")
+    if state.states is not None:
+        _print_state_slots(state)
     f = figures(state)
     print(f"figures: KV usage {f.kv_cache_usage:.1%} ({f.kv_blocks_used} of {f.kv_blocks_total} "
           f"blocks), prefix cache hit rate {f.prefix_cache_hit_rate:.1%}, preemptions "
@@ -703,6 +782,18 @@ def _print_state(state: EngineState, plan: BatchPlan, num_steps: int) -> None:
     for s in entries:
         tokens = ["pending" if t == PENDING_TOKEN else t for t in s.token_ids]
         print(f"  {_scheduled(s)} tokens {_short(tokens)} blocks {_short(tables[s.seq_id])}")
+    if plan.state_restores or plan.state_saves:
+        print(f"  recurrent states: {_state_copies(plan)}")
+
+
+def _print_state_slots(state: EngineState) -> None:
+    states = state.states
+    working = {seq.seq_id: seq.state_slot for seq in state.running}
+    print(f"state slots: {states.num_slots} slots, {states.num_working} working, "
+          f"{states.num_saved} saved, {states.num_free} free")
+    print(f"  working (sequence:slot): {_short([f'{i}:{s}' for i, s in working.items()])}")
+    print("  saved (slot:tokens), first evicted first: "
+          + _short([f"{entry.slot}:{entry.num_tokens}" for _, entry in states.saved_by_age()]))
 
 
 def _describe_seq(seq: Seq) -> str:
@@ -713,7 +804,8 @@ def _describe_seq(seq: Seq) -> str:
     return (f"  {seq.seq_id}: {status}, {seq.num_tokens} tokens ({seq.num_prompt_tokens} prompt "
             f"+ {seq.num_output_tokens} output){pending}, arrived at step "
             f"{seq.spec.arrival_step}, computed {seq.num_computed}, cached at "
-            f"admission {seq.num_cached_tokens}, preemptions {seq.num_preemptions}\n"
+            f"admission {seq.num_cached_tokens}, preemptions {seq.num_preemptions}"
+            f"{f', state slot {seq.state_slot}' if seq.state_slot >= 0 else ''}\n"
             f"      blocks {_short(seq.block_table)}\n"
             f"      tokens {_short(seq.token_ids)}")
 

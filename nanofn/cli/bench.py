@@ -114,7 +114,8 @@ def device_rates(device_name: str, bandwidth_gbps: float | None,
 
 @dataclass(frozen=True)
 class ModelDims:
-    """The sizes the floor depends on (attention and MLP matmuls, the LM head, the KV cache)."""
+    """The sizes the floor depends on (attention and MLP matmuls, the LM head, the KV cache;
+    for a hybrid model, its linear-attention layers and their recurrent states)."""
 
     num_layers: int
     hidden_size: int
@@ -124,11 +125,34 @@ class ModelDims:
     head_dim: int
     vocab_size: int
     tie_word_embeddings: bool
+    # A hybrid model's (Qwen3.5): its linear-attention (Gated DeltaNet) layers among
+    # ``num_layers``, their heads, and its full attention's output gate (q_proj twice as wide).
+    num_linear_layers: int = 0
+    linear_key_heads: int = 0
+    linear_value_heads: int = 0
+    linear_key_dim: int = 0
+    linear_value_dim: int = 0
+    conv_kernel: int = 0
+    gated_attention: bool = False
+    # the delta rule's state: float32 where the config's mamba_ssm_dtype says so (Qwen3.5's
+    # checkpoints), else the model's bf16 (as vLLM's "auto")
+    state_bytes_per_value: int = 2
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> ModelDims:
-        """From a Hugging Face ``config.json`` (as a dict)."""
+        """From a Hugging Face ``config.json`` (as a dict); a vision-language model's from its
+        ``text_config``, but for the embeddings' tying, which the model's own config says."""
+        tie_word_embeddings = config.get("tie_word_embeddings", False)
+        config = config.get("text_config") or config
         heads = config["num_attention_heads"]
+        linear = _num_linear_layers(config)
+        hybrid = {} if not linear else dict(
+            num_linear_layers=linear, linear_key_heads=config["linear_num_key_heads"],
+            linear_value_heads=config["linear_num_value_heads"],
+            linear_key_dim=config["linear_key_head_dim"],
+            linear_value_dim=config["linear_value_head_dim"],
+            conv_kernel=config["linear_conv_kernel_dim"], gated_attention=True,
+            state_bytes_per_value=4 if config.get("mamba_ssm_dtype") == "float32" else 2)
         return cls(
             num_layers=config["num_hidden_layers"],
             hidden_size=config["hidden_size"],
@@ -137,16 +161,46 @@ class ModelDims:
             num_kv_heads=config.get("num_key_value_heads") or heads,
             head_dim=config.get("head_dim") or config["hidden_size"] // heads,
             vocab_size=config["vocab_size"],
-            tie_word_embeddings=config.get("tie_word_embeddings", False),
+            tie_word_embeddings=tie_word_embeddings,
+            **hybrid,
         )
 
     @property
+    def num_attention_layers(self) -> int:
+        return self.num_layers - self.num_linear_layers
+
+    @property
     def body_params(self) -> int:
-        """Matmul weights of all decoder layers: q/k/v, o, and the gated MLP."""
+        """Matmul weights of all decoder layers: q/k/v (q with its gate, a hybrid model's), o,
+        or a linear-attention layer's projections (q/k/v, the output gate z, b, a, out), and
+        the gated MLP."""
         h, d = self.hidden_size, self.head_dim
-        per_layer = (h * (self.num_heads + 2 * self.num_kv_heads) * d + self.num_heads * d * h
-                     + 3 * h * self.intermediate_size)
-        return self.num_layers * per_layer
+        mlp = 3 * h * self.intermediate_size
+        q_heads = self.num_heads * (2 if self.gated_attention else 1)
+        attention = h * (q_heads + 2 * self.num_kv_heads) * d + self.num_heads * d * h
+        key_dim = self.linear_key_heads * self.linear_key_dim
+        value_dim = self.linear_value_heads * self.linear_value_dim
+        linear = h * (2 * key_dim + 2 * value_dim + 2 * self.linear_value_heads) + value_dim * h
+        return (self.num_attention_layers * (attention + mlp)
+                + self.num_linear_layers * (linear + mlp))
+
+    @property
+    def state_bytes(self) -> int:
+        """A sequence's recurrent state, every linear layer's (0 for a transformer): the delta
+        rule's (``state_bytes_per_value`` each), and the convolution's past inputs (bf16)."""
+        per_layer = (self.linear_value_heads * self.linear_key_dim * self.linear_value_dim
+                     * self.state_bytes_per_value
+                     + (2 * self.linear_key_heads * self.linear_key_dim
+                        + self.linear_value_heads * self.linear_value_dim)
+                     * (self.conv_kernel - 1) * 2)
+        return self.num_linear_layers * per_layer
+
+    @property
+    def state_flops_per_token(self) -> int:
+        """The delta rule's work for one token: decay, read, write and read again of each
+        value head's ``k x v`` state, in every linear layer."""
+        return (6 * self.num_linear_layers * self.linear_value_heads * self.linear_key_dim
+                * self.linear_value_dim)
 
     @property
     def lm_head_params(self) -> int:
@@ -158,6 +212,17 @@ class ModelDims:
         is stored but not read whole: a step gathers only its tokens' rows."""
         embedding = 0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size
         return self.body_params + self.lm_head_params + embedding
+
+
+def _num_linear_layers(config: Mapping[str, Any]) -> int:
+    """A hybrid config's linear-attention layers: as its ``layer_types`` say, or, where it has
+    linear-attention heads but no list, transformers' default (every fourth layer full)."""
+    if config.get("layer_types"):
+        return list(config["layer_types"]).count("linear_attention")
+    if "linear_num_value_heads" not in config:
+        return 0
+    interval = config.get("full_attention_interval", 4)
+    return sum(1 for i in range(config["num_hidden_layers"]) if (i + 1) % interval)
 
 
 @dataclass(frozen=True)
@@ -194,18 +259,23 @@ def floor(dims: ModelDims, prompt_lens: Sequence[int], output_lens: Sequence[int
     ``shared/tools/roofline.py``). The first output token of a request comes from its prefill; each later one from a decode
     step that runs every unfinished request at once. The first ``shared_prefix_len`` tokens of
     every prompt are the same: computed once, and their K/V read once per decode step.
+
+    A hybrid model's full-attention layers alone keep K/V; its linear-attention layers do a
+    fixed amount of work per token on a fixed-size state per sequence, which each decode step
+    reads and writes once for every running sequence.
     """
-    layers, heads, head_dim = dims.num_layers, dims.num_heads, dims.head_dim
+    layers, heads, head_dim = dims.num_attention_layers, dims.num_heads, dims.head_dim
     body, lm_head = dims.body_params, dims.lm_head_params
     weight_bytes = bytes_per_param * (body + lm_head)
     kv_bytes_per_token = layers * 2 * dims.num_kv_heads * head_dim * bytes_per_param
+    token_flops = 2 * body + dims.state_flops_per_token  # all but attention's and the LM head's
     bandwidth, peak = bandwidth_gbps * 1e9, tflops * 1e12
 
     def attention_flops(query_tokens: int, context: int) -> int:  # QK^T and PV
         return 4 * layers * heads * head_dim * context * query_tokens
 
     def causal_flops(n: int) -> float:  # matmuls and attention of a prompt's first n tokens
-        return 2 * body * n + 4 * layers * heads * head_dim * n * (n + 1) / 2
+        return token_flops * n + 4 * layers * heads * head_dim * n * (n + 1) / 2
 
     # a prompt's token i attends to i + 1 keys; the LM head runs on its last token only
     shared = shared_prefix_len
@@ -216,10 +286,11 @@ def floor(dims: ModelDims, prompt_lens: Sequence[int], output_lens: Sequence[int
         contexts = [n + s for n, o in zip(prompt_lens, output_lens) if s < o]
         if not contexts:
             break
-        flops = (len(contexts) * (2 * body + 2 * lm_head)
+        flops = (len(contexts) * (token_flops + 2 * lm_head)
                  + sum(attention_flops(1, c) for c in contexts))
-        step_bytes = weight_bytes + kv_bytes_per_token * (sum(contexts)
-                                                          - (len(contexts) - 1) * shared)
+        step_bytes = (weight_bytes + kv_bytes_per_token * (sum(contexts)
+                                                           - (len(contexts) - 1) * shared)
+                      + 2 * dims.state_bytes * len(contexts))
         decode_s += max(flops / peak, step_bytes / bandwidth)
     return Floor(prefill_flops / peak, decode_s, sum(output_lens))
 
@@ -253,7 +324,7 @@ def measure(llm: Any, workload: Workload, timeline: Any = None) -> Measurement:
     also the device's busy time during it. The warm-up runs prompts of the workload's sizes
     (a step's worth of prefill) and some decoding, so that compilation and first-use
     allocations stay out of the measurement, as engines warm up before serving."""
-    vocab_size = llm.engine.hf_config.vocab_size
+    vocab_size = llm.engine.text_config.vocab_size
     warmup = [[t % vocab_size for t in prompt] for prompt in workload.prompts[:WARMUP_PROMPTS]]
     llm.generate(warmup, SamplingParams(max_tokens=16, ignore_eos=True), use_tqdm=False)
     llm.reset_prefix_cache()  # the measured run finds none of the warm-up's prompts cached

@@ -18,7 +18,8 @@ from nanofn.state.trace_diff import StepDifference, TraceDiff
 
 MAX_COLUMN = 48  # a wider A value pushes its B value along rather than widening every row
 EVENT_NAMES = {"sampled": "delivered tokens", "new_seqs": "new requests", "aborts": "aborts",
-               "stop_hits": "stop-string hits", "dirty_blocks": "dirty blocks"}
+               "stop_hits": "stop-string hits", "dirty_blocks": "dirty blocks",
+               "dirty_states": "dirty state slots"}
 
 
 def describe_diff(diff: TraceDiff, num_steps: int) -> list[str]:
@@ -91,6 +92,8 @@ def _state_rows(a: EngineState, b: EngineState, named: set[str]) -> list[str]:
     rows = [row for seq_id in shown for row in _titled(
         f"seq {seq_id}", _seq_rows(seqs_a.get(seq_id), seqs_b.get(seq_id), False))]
     rows += _titled("block pool", _pool_rows(a, b))
+    if a.states is not None or b.states is not None:
+        rows += _titled("state slots", _state_slot_rows(a, b))
     lines = _columns(rows, indent=2, heading=True)
     same = len({**seqs_a, **seqs_b}) - len(shown)
     if same:
@@ -112,6 +115,8 @@ def _seq_rows(a: Seq | None, b: Seq | None, only_differing: bool) -> list[tuple[
     fields = [("status", _status), ("tokens", _counts), ("computed", lambda s: s.num_computed),
               ("blocks", lambda s: _short(s.block_table)),
               ("preemptions", lambda s: s.num_preemptions)]
+    if any(s is not None and s.state_slot >= 0 for s in (a, b)):  # a hybrid model's
+        fields.append(("state slot", lambda s: s.state_slot))
     rows = [(label, "absent" if a is None else str(show(a)),
              "absent" if b is None else str(show(b))) for label, show in fields]
     if a is not None and b is not None:
@@ -135,6 +140,22 @@ def _token_row(a: Sequence[int], b: Sequence[int]) -> tuple[str, str, str]:
         return "token ids", f"the same {len(a)}", f"the same {len(b)}"
     first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
     return f"token ids from {first}", _short(a[first:]), _short(b[first:])
+
+
+def _state_slot_rows(a: EngineState, b: EngineState) -> list[tuple[str, str, str]]:
+    def slots(state: EngineState) -> str:
+        states = state.states
+        if states is None:
+            return "none"
+        return f"{states.num_working} working, {states.num_saved} saved, {states.num_free} free"
+
+    def saved(state: EngineState) -> str:
+        if state.states is None:
+            return "none"
+        return _short([f"{entry.slot}:{entry.num_tokens}"
+                       for _, entry in state.states.saved_by_age()])
+
+    return [("slots", slots(a), slots(b)), ("saved (slot:tokens)", saved(a), saved(b))]
 
 
 def _pool_rows(a: EngineState, b: EngineState) -> list[tuple[str, str, str]]:

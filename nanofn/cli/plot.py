@@ -2,8 +2,9 @@
 
 Three panels share the step axis: sequences running and waiting; KV blocks owned, cached
 (free, but holding a prefix a later request can hit) and free; tokens scheduled, prefill and
-decode. Preemptions are red lines across every panel, prefix-cache hits green triangles over
-the token panel, labelled with the tokens they saved. Drawn with matplotlib's object API
+decode; and, for a hybrid model, a fourth: its recurrent-state slots, working, saved (prefix
+cache entries) and free. Preemptions are red lines across every panel, prefix-cache hits green
+triangles over the token panel, labelled with the tokens they saved. Drawn with matplotlib's object API
 (no pyplot, so no global figure state), rendered by the Agg backend.
 """
 
@@ -24,14 +25,18 @@ MAX_LABELLED_HITS = 12  # beyond this many, hits are marked without their token 
 
 def plot_run(series: RunSeries, path: str | Path, title: str) -> None:
     """Draw ``series`` into ``path``; its suffix picks the format (.png, .svg, .pdf)."""
-    figure = Figure(figsize=(10, 7.5), dpi=100, layout="constrained")
-    seqs, blocks, tokens = figure.subplots(3, 1, sharex=True)
+    hybrid = series.num_state_slots > 0
+    figure = Figure(figsize=(10, 9.5 if hybrid else 7.5), dpi=100, layout="constrained")
+    panels = figure.subplots(4 if hybrid else 3, 1, sharex=True)
+    seqs, blocks, tokens = panels[:3]
     steps = series.steps
     _draw_seqs(seqs, series)
     _draw_blocks(blocks, series)
     _draw_tokens(tokens, series)
+    if hybrid:
+        _draw_states(panels[3], series)
     preempted_at = [s for s, n in zip(steps, series.preemptions) if n]
-    for axes in (seqs, blocks, tokens):
+    for axes in panels:
         for i, step in enumerate(preempted_at):
             axes.axvline(step, color=PREEMPTION_COLOR, linewidth=1, alpha=0.8, zorder=4,
                          label="preemption" if i == 0 and axes is seqs else None)
@@ -39,8 +44,9 @@ def plot_run(series: RunSeries, path: str | Path, title: str) -> None:
         axes.margins(x=0.01)
         axes.yaxis.set_major_locator(MaxNLocator(integer=True))
         axes.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8, frameon=False)
-    tokens.set_xlabel("step")
-    figure.suptitle(f"{title}: {len(steps)} steps, {series.num_blocks} KV blocks, "
+    panels[-1].set_xlabel("step")
+    slots = f", {series.num_state_slots} state slots" if hybrid else ""
+    figure.suptitle(f"{title}: {len(steps)} steps, {series.num_blocks} KV blocks{slots}, "
                     f"{sum(series.preemptions)} preempted, {sum(series.cached_tokens)} prompt "
                     f"tokens from the prefix cache", fontsize=10)
     figure.savefig(path)
@@ -59,6 +65,14 @@ def _draw_blocks(axes, series: RunSeries) -> None:
                    colors=["#1f77b4", "#98df8a", "#e8e8e8"])
     axes.set_ylabel("KV blocks")
     axes.set_ylim(0, series.num_blocks)
+
+
+def _draw_states(axes, series: RunSeries) -> None:
+    axes.stackplot(series.steps, series.states_working, series.states_saved, series.states_free,
+                   labels=["working", "saved\n(prefix cache)", "free"], step="mid",
+                   colors=["#17becf", "#bcbd22", "#e8e8e8"])
+    axes.set_ylabel("state slots")
+    axes.set_ylim(0, series.num_state_slots)
 
 
 def _draw_tokens(axes, series: RunSeries) -> None:

@@ -92,16 +92,18 @@ class Engine:
         self.options = options
         model_dir = _model_dir(options.model)
         self.hf_config = AutoConfig.from_pretrained(model_dir)
+        # The language model's part (of a vision-language config: its text_config; else the same)
+        self.text_config = self.hf_config.get_text_config()
         self.tokenizer = load_tokenizer(options)
-        self.max_model_len = _max_model_len(self.hf_config, options.max_model_len)
-        self.eos_token_ids = _eos_token_ids(model_dir, self.hf_config, self.tokenizer)
+        self.max_model_len = _max_model_len(self.text_config, options.max_model_len)
+        self.eos_token_ids = _eos_token_ids(model_dir, self.text_config, self.tokenizer)
         # The sampling fields the generation config sets (vLLM's get_diff_sampling_param).
         self.generation_defaults = generation_defaults(options.generation_config, model_dir)
         # Checked now, before the costly part (weights, KV cache, CUDA graphs).
         self.scheduler_config = options.scheduler_config(self.max_model_len, self.eos_token_ids,
-                                                         self.hf_config.vocab_size)
+                                                         self.text_config.vocab_size)
         runner_config = _runner_config(options, model_dir, self.max_model_len,
-                                       self.hf_config.hidden_size)
+                                       self.text_config.hidden_size)
         check_kv_cache_size(self.hf_config, runner_config)
         self._trace: TextIO | None = (open(options.trace, "w", buffering=1) if options.trace
                                       else None)
@@ -113,8 +115,9 @@ class Engine:
             if self._trace is not None:
                 self._trace.close()
             raise
-        state = initial_state(self.scheduler_config, self.runner.num_blocks)
-        self.grammars = Grammars(self.tokenizer, self.hf_config.vocab_size, self.eos_token_ids)
+        state = initial_state(self.scheduler_config, self.runner.num_blocks,
+                              self.runner.num_state_slots)
+        self.grammars = Grammars(self.tokenizer, self.text_config.vocab_size, self.eos_token_ids)
         self.loop = EngineLoop(state, self.runner, async_scheduling=options.async_scheduling,
                                trace=self._trace, trace_meta={
                                    "model": str(model_dir), "dtype": str(self.runner.dtype),
@@ -555,6 +558,8 @@ def _runner_config(options: EngineOptions, model_dir: Path, max_model_len: int,
         gpu_memory_utilization=options.gpu_memory_utilization,
         kv_cache_memory_bytes=options.kv_cache_memory_bytes,
         num_kv_blocks=options.num_kv_blocks,
+        num_state_slots=options.num_state_slots,
+        load_format=options.load_format,
         seed=options.seed,
         enforce_eager=options.enforce_eager,
         kernel_backend=options.kernel_backend,

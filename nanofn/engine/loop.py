@@ -89,6 +89,7 @@ class EngineLoop:
         self._new: dict[str, NewSeq] = {}  # by id, in arrival order
         self._aborts: list[str] = []
         self._dirty: list[int] = []  # blocks a failed launch may have written
+        self._dirty_states: list[int] = []  # and recurrent-state slots
         # launched, not waited for: (launch index, plan, its tokens on their way)
         self._in_flight: deque[tuple[BatchPlan, Pending]] = deque()
         self.num_launched = 0
@@ -127,9 +128,12 @@ class EngineLoop:
         self._aborts.append(seq_id)
 
     def forget_cached_blocks(self) -> None:
-        """Drop every block from the prefix cache at the next step (as the blocks of a failed
-        launch are: the step's ``dirty_blocks`` events, which the trace records)."""
+        """Drop every block (and saved recurrent state) from the prefix cache at the next step
+        (as those of a failed launch are: the step's ``dirty_blocks`` and ``dirty_states``
+        events, which the trace records)."""
         self._dirty.extend(block for block, _ in self._state.pool.cached_blocks())
+        if self._state.states is not None:
+            self._dirty_states.extend(entry.slot for _, entry in self._state.states.saved.items())
 
     def has_work(self) -> bool:
         """Whether stepping would do anything: live or queued sequences, or tokens in flight."""
@@ -179,7 +183,8 @@ class EngineLoop:
             stop_hits = self._shown[1]
         events = Events(sampled=None if delivered is None else delivered.output.token_ids,
                         stop_hits=stop_hits, aborts=tuple(self._aborts),
-                        new_seqs=tuple(self._new.values()), dirty_blocks=tuple(self._dirty))
+                        new_seqs=tuple(self._new.values()), dirty_blocks=tuple(self._dirty),
+                        dirty_states=tuple(self._dirty_states))
         state, plan = step(self._state, events)
         interrupted = False
         if not plan.is_empty:
@@ -192,13 +197,14 @@ class EngineLoop:
             except BaseException:
                 self._aborts.extend(plan.seq_ids)
                 self._dirty.extend(plan.block_entries[:, 2].tolist())
+                self._dirty_states.extend(written_state_slots(plan))
                 raise
             self._in_flight.append((plan, pending))
             self.num_launched += 1
         # Committed: from here on, what an interruption leaves is finished by the next call.
         self._state, self._ready, self._shown = state, None, None
         self._num_delivered += delivered is not None
-        self._new, self._aborts, self._dirty = {}, [], []
+        self._new, self._aborts, self._dirty, self._dirty_states = {}, [], [], []
         self._untraced = (events, plan) if self._trace is not None else None
         self._launched_alone = not plan.is_empty and len(self._in_flight) == 1
         self._unreported = LoopStep(plan, delivered, state.finished)
@@ -219,6 +225,13 @@ class EngineLoop:
         output = pending.wait()
         self._in_flight.popleft()
         self._ready = Delivery(plan, output)
+
+
+def written_state_slots(plan: BatchPlan) -> list[int]:
+    """The recurrent-state slots a plan writes that a state before it may hold a saved state
+    in: the starting sequences' (a slot taken from an evicted saved state) and the saves'."""
+    return [s.state_slot for s in plan.started if s.state_slot >= 0] + [
+        slot for _, slot in plan.state_saves]
 
 
 class _Deferred:

@@ -10,6 +10,7 @@ from typing import Any
 from nanofn.state import SchedulerConfig
 
 KERNEL_BACKENDS = ("auto", "torch", "triton", "flash")
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
 SMALL_HIDDEN_SIZE = 1024  # narrower models run on one CPU thread by default
 
 
@@ -31,6 +32,11 @@ class EngineOptions:
     trace: str | None = None  # a path: record this run's trace there
     kv_cache_memory_bytes: int | None = None  # default: from gpu_memory_utilization (GPU), 4 GiB (CPU)
     num_kv_blocks: int | None = None  # an exact KV cache size, for tests and debugging
+    # "auto": the checkpoint's safetensors; "dummy": random weights from the config alone
+    load_format: str = "auto"
+    # A hybrid model's recurrent-state slots (working and saved states), for tests and
+    # debugging; default: from the memory left beside the KV cache (see the runner)
+    num_state_slots: int | None = None
     device: str = "auto"  # "cuda" when there is a GPU, else "cpu"
     kernel_backend: str = "auto"  # on CUDA "flash" where it runs, else "triton"; on CPU "torch"
     async_scheduling: bool = True  # schedule the next step while the device runs this one
@@ -96,10 +102,13 @@ def _problems(o: EngineOptions):
         value = getattr(o, name)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             yield f"{name} must be a positive integer, got {value!r}"
-    for name in ("max_model_len", "kv_cache_memory_bytes", "num_kv_blocks", "cpu_threads"):
+    for name in ("max_model_len", "kv_cache_memory_bytes", "num_kv_blocks", "num_state_slots",
+                 "cpu_threads"):
         value = getattr(o, name)
         if value is not None and (not isinstance(value, int) or value < 1):
             yield f"{name} must be a positive integer or None, got {value!r}"
+    if o.load_format not in LOAD_FORMATS:
+        yield f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {o.load_format!r}"
     if o.kernel_backend not in KERNEL_BACKENDS:
         yield (f"kernel_backend must be one of {', '.join(KERNEL_BACKENDS)}, "
                f"got {o.kernel_backend!r}")

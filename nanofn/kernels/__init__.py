@@ -14,8 +14,10 @@ import torch
 
 from nanofn.kernels.activation import silu_and_mul
 from nanofn.kernels.attention import decode_attention, prefill_attention, store_kv
+from nanofn.kernels.causal_conv import causal_conv1d, causal_conv1d_update
+from nanofn.kernels.delta_rule import delta_rule_gates, gated_delta_rule, gated_delta_rule_update
 from nanofn.kernels.linear import linear, rms_norm_linear
-from nanofn.kernels.norm import rms_norm
+from nanofn.kernels.norm import rms_norm, rms_norm_gated
 from nanofn.kernels.partial_sums import PartialSums
 from nanofn.kernels.rotary import (SUPPORTED_ROPE_TYPES, apply_rotary, build_cos_sin_cache,
                                    rotary_decode_attention, rotate_and_store_kv)
@@ -39,6 +41,15 @@ class KernelBackend:
     # in (see linear.py)
     linear: Callable[..., torch.Tensor]
     rms_norm_linear: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    # A hybrid model's linear-attention layers (Gated DeltaNet), reading and writing the state
+    # slots of a ``RecurrentState``: the causal convolution and the gated delta rule over a
+    # step's sequences, and over one token a sequence (a decode step); the gated output norm.
+    causal_conv1d: Callable[..., torch.Tensor]
+    causal_conv1d_update: Callable[..., torch.Tensor]
+    delta_rule_gates: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    gated_delta_rule: Callable[..., torch.Tensor]
+    gated_delta_rule_update: Callable[..., torch.Tensor]
+    rms_norm_gated: Callable[..., torch.Tensor]
 
 
 TORCH_KERNELS = KernelBackend(
@@ -48,6 +59,12 @@ TORCH_KERNELS = KernelBackend(
     rms_norm=rms_norm,
     linear=linear,
     rms_norm_linear=rms_norm_linear,
+    causal_conv1d=causal_conv1d,
+    causal_conv1d_update=causal_conv1d_update,
+    delta_rule_gates=delta_rule_gates,
+    gated_delta_rule=gated_delta_rule,
+    gated_delta_rule_update=gated_delta_rule_update,
+    rms_norm_gated=rms_norm_gated,
 )
 
 __all__ = [
@@ -57,10 +74,15 @@ __all__ = [
     "PartialSums",
     "apply_rotary",
     "build_cos_sin_cache",
+    "causal_conv1d",
+    "causal_conv1d_update",
     "decode_attention",
+    "gated_delta_rule",
+    "gated_delta_rule_update",
     "linear",
     "prefill_attention",
     "rms_norm",
+    "rms_norm_gated",
     "rms_norm_linear",
     "rotary_decode_attention",
     "rotate_and_store_kv",

@@ -1,8 +1,10 @@
-"""RMS normalisation with an optional fused residual add, plain-torch reference."""
+"""RMS normalisation with an optional fused residual add, and the gated RMS norm of a Gated
+DeltaNet layer's output, plain-torch references."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from nanofn.kernels.partial_sums import PartialSums, added_up
 
@@ -28,3 +30,11 @@ def rms_norm(
     normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     out = weight * normed.to(x.dtype)
     return out if residual is None else (out, x)
+
+
+def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
+                   eps: float) -> torch.Tensor:
+    """``rms_norm(x, weight) * silu(gate)`` over the last dimension (a Gated DeltaNet's output
+    heads, gated by its ``z`` projection). The weighted norm is rounded to ``x``'s dtype, then
+    gated in float32, as transformers' ``Qwen3_5RMSNormGated`` does."""
+    return (rms_norm(x, weight, eps) * F.silu(gate.float())).to(x.dtype)

@@ -1,6 +1,8 @@
 """Rotary position embeddings (neox-style rotate-half, as in Llama and Qwen), plain-torch reference.
 
-The cache holds one row per position: ``[cos | sin]``, each ``head_dim // 2`` wide, in float32.
+The cache holds one row per position: ``[cos | sin]``, each ``rotary_dim // 2`` wide, in float32.
+Its width is the rotary dimension: usually ``head_dim``; less for a partial rotary embedding
+(Qwen3.5 turns the first quarter of each head), whose other dims pass through unchanged.
 """
 
 from __future__ import annotations
@@ -18,18 +20,19 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
 def build_cos_sin_cache(
-    head_dim: int,
+    rotary_dim: int,
     max_positions: int,
     rope_theta: float,
     rope_scaling: Mapping[str, Any] | None = None,
     device: torch.device | str | None = None,
 ) -> torch.Tensor:
-    """The ``[max_positions, head_dim]`` float32 cos/sin table for positions ``0 .. max_positions-1``.
+    """The ``[max_positions, rotary_dim]`` float32 cos/sin table for positions
+    ``0 .. max_positions-1`` (``rotary_dim``: ``head_dim``, or its rotated part).
 
     ``rope_scaling`` is Hugging Face's dict (``rope_type`` or the older ``type`` key); ``None`` or
     type ``default`` means no scaling. Types other than those in ``SUPPORTED_ROPE_TYPES`` raise.
     """
-    inv_freq = _inverse_frequencies(head_dim, rope_theta, device)
+    inv_freq = _inverse_frequencies(rotary_dim, rope_theta, device)
     rope_type = _rope_type(rope_scaling)
     if rope_type == "linear":
         inv_freq = inv_freq / rope_scaling["factor"]
@@ -49,7 +52,8 @@ def apply_rotary(
     k_norm_weight: torch.Tensor | None = None,
     norm_eps: float = 1e-6,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate ``q [T, H, D]`` and ``k [T, Hkv, D]`` by the angles of ``positions [T]``.
+    """Rotate ``q [T, H, D]`` and ``k [T, Hkv, D]`` by the angles of ``positions [T]``: the
+    first ``cos_sin_cache.shape[-1]`` dims of each head, the others unchanged.
 
     With ``q_norm_weight`` and ``k_norm_weight`` (``[D]``, Qwen3's ``q_norm``/``k_norm``), each
     query and key head is first RMS-normalised over ``D`` exactly as ``rms_norm`` does; the
@@ -110,9 +114,10 @@ def rotary_decode_attention(
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    first, second = x.float().chunk(2, dim=-1)
+    rotary_dim = 2 * cos.shape[-1]
+    first, second = x[..., :rotary_dim].float().chunk(2, dim=-1)
     rotated = torch.cat([first * cos - second * sin, second * cos + first * sin], dim=-1)
-    return rotated.to(x.dtype)
+    return torch.cat([rotated.to(x.dtype), x[..., rotary_dim:]], dim=-1)
 
 
 def _rope_type(rope_scaling: Mapping[str, Any] | None) -> str:
@@ -126,9 +131,9 @@ def _rope_type(rope_scaling: Mapping[str, Any] | None) -> str:
     return rope_type
 
 
-def _inverse_frequencies(head_dim: int, rope_theta: float, device) -> torch.Tensor:
-    """``theta ** (-2i / head_dim)``, computed exactly as Hugging Face does (float32)."""
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
+def _inverse_frequencies(rotary_dim: int, rope_theta: float, device) -> torch.Tensor:
+    """``theta ** (-2i / rotary_dim)``, computed exactly as Hugging Face does (float32)."""
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64, device=device).float() / rotary_dim
     return 1.0 / (rope_theta**exponents)
 
 

@@ -486,6 +486,7 @@ def rotary_decode_attention(
     """
     new = NewTokens(k, v, positions, slot_mapping, cos_sin_cache, q_norm_weight, k_norm_weight,
                     norm_eps)
+    check_full_rotary(q.shape[-1], cos_sin_cache)
     check_cache_layout(k_cache, v_cache, k, v, cos_sin_cache)
     assert k.stride(1) == v.stride(1) == q.shape[2], "each token's heads must be contiguous"
     return _decode(q, k_cache, v_cache, seq_lens, block_tables, scale, order, num_splits, new)
@@ -695,6 +696,15 @@ def prefill_sms(device: torch.device) -> int:
     """The SM count that sizes prefill tiles: the device's, or one under Triton's interpreter
     (on the CPU tests take 128-row tiles but for steps of one or two of them)."""
     return num_sms(device, elsewhere=1)
+
+
+def check_full_rotary(head_dim: int, cos_sin_cache: torch.Tensor) -> None:
+    """The rotary kernels turn whole heads: a partial rotary table (narrower than the head,
+    Qwen3.5's) would be misread, so it is refused until they learn it."""
+    if cos_sin_cache.shape[-1] != head_dim:
+        raise NotImplementedError(
+            f"partial rotary embeddings (rotary dim {cos_sin_cache.shape[-1]} of head_dim "
+            f"{head_dim}) are not implemented in the Triton kernels; use kernel_backend='torch'")
 
 
 def check_cache_layout(k_cache: torch.Tensor, v_cache: torch.Tensor, *inputs: torch.Tensor) -> None:

@@ -11,7 +11,7 @@ a reduction. (Reducing inside the GEMM, the last program of a tile to arrive add
 sums behind a counter, measured 3.5-10 us slower on the H100: the arrival's fence and the
 dependent loads at the end of every tile.) On the H100, a projection and the norm after it:
 4.9-6.9 us (o_proj) and 5.7-8.4 us (down_proj) at 8-256 rows, against 7.0-8.2 and 8.1-10.0 us
-with cuBLAS (``benchmarks/decode_gemm.py``).
+with cuBLAS (``benchmarks/experiments/decode_gemm.py``).
 
 Program ``(tile of outputs, range of K, tile of rows)`` stores its sums to ``sums[range]``;
 ``rms_norm`` of ``triton_ops`` adds the ranges up in order.
@@ -75,8 +75,8 @@ def _partial_sums_kernel(
 
 
 # (most rows, rows a tile, outputs a tile, ranges of K): the best of a sweep on the H100 for
-# o_proj and down_proj together, each followed by its norm (benchmarks/decode_gemm.py; 128
-# columns a step, 4 warps, 4 stages)
+# o_proj and down_proj together, each followed by its norm
+# (benchmarks/experiments/decode_gemm.py; 128 columns a step, 4 warps, 4 stages)
 TILES = ((32, 16, 32, 4), (64, 64, 32, 4), (128, 64, 32, 2), (256, 64, 64, 2))
 MAX_ROWS = TILES[-1][0]
 MAX_K = 3072  # measured at K = 2,048 and 3,072 (Qwen3-0.6B); cuBLAS for wider K until measured

@@ -45,6 +45,7 @@ import nanofn.kernels.triton_gemv as triton_gemv
 from nanofn.kernels.triton_gemv import silu_times_up
 from nanofn.kernels.triton_attention import head_norm_scaled
 from nanofn.kernels import KernelBackend
+from nanofn.kernels import triton_linear_attention as linear_attention
 from nanofn.kernels.linear import norm_then_linear
 from nanofn.kernels.partial_sums import PartialSums, added_up
 
@@ -61,8 +62,8 @@ GEMV_MAX_ROWS = 4
 # config's rows (the measured ranges: see there), cuBLAS above. Measured on the H100: the
 # split-K one with the norm after it at 8-256 rows 4.9-6.9 us (o_proj) and 5.7-8.4 us
 # (down_proj) against 7.0-8.2 and 8.1-10.0 us for cuBLAS and the norm
-# (benchmarks/decode_gemm.py); K in one range 5.3-5.4 (qkv_proj) and 6.2-6.7 us (gate_up_proj)
-# against cuBLAS's 5.6-5.7 and 7.1-7.2 at 16-64 rows.
+# (benchmarks/experiments/decode_gemm.py); K in one range 5.3-5.4 (qkv_proj) and 6.2-6.7 us
+# (gate_up_proj) against cuBLAS's 5.6-5.7 and 7.1-7.2 at 16-64 rows.
 TRITON_GEMM_MAX_ROWS = max(triton_gemm.MAX_ROWS, triton_gemm.WHOLE_MAX_ROWS)
 
 
@@ -106,32 +107,49 @@ def _rms_norm_kernel(
 @triton.jit
 def _rotate_heads(
     x_row_ptr, stride_head, out_row_ptr, out_stride_head, norm_weight_ptr, cos, sin, num_heads,
-    eps, valid, HEADS: tl.constexpr, HALF_DIM: tl.constexpr, NORM: tl.constexpr,
+    eps, valid, HEADS: tl.constexpr, HALF_DIM: tl.constexpr, ROT_HALF: tl.constexpr,
+    NORM: tl.constexpr,
 ):
     """Rotate (with ``NORM``, first RMS-normalise) the ``num_heads`` heads of one token, read
     from ``x_row_ptr`` and written to ``out_row_ptr`` (heads ``stride_head`` and
     ``out_stride_head`` apart), rounded to x's dtype; nothing is written unless ``valid``.
-    ``cos`` and ``sin`` are the token's ``[1, HALF_DIM]`` angles."""
+    ``cos`` and ``sin`` are the token's ``[1, ROT_HALF]`` angles: the head's first
+    ``2 * ROT_HALF`` dims turn (rotate-half), the rest of its ``2 * HALF_DIM`` pass (Qwen3.5's
+    partial rotary), normalised with the whole head."""
     heads = tl.arange(0, HEADS)[:, None]
-    dims = tl.arange(0, HALF_DIM)[None, :]
+    dims = tl.arange(0, ROT_HALF)[None, :]
     mask = heads < num_heads
     dtype = x_row_ptr.dtype.element_ty
     first_half = x_row_ptr + heads * stride_head + dims
     first = tl.load(first_half, mask=mask, other=0.0).to(tl.float32)
-    second = tl.load(first_half + HALF_DIM, mask=mask, other=0.0).to(tl.float32)
+    second = tl.load(first_half + ROT_HALF, mask=mask, other=0.0).to(tl.float32)
+    out_dtype = out_row_ptr.dtype.element_ty
+    store_mask = mask & valid
+    if ROT_HALF < HALF_DIM:  # the dims that pass unturned
+        rest_dims = 2 * ROT_HALF + tl.arange(0, 2 * HALF_DIM)[None, :]
+        rest_mask = mask & (rest_dims < 2 * HALF_DIM)
+        rest = tl.load(x_row_ptr + heads * stride_head + rest_dims, mask=rest_mask,
+                       other=0.0).to(tl.float32)
     if NORM:
-        mean_square = (tl.sum(first * first, 1) + tl.sum(second * second, 1)) / (2 * HALF_DIM)
-        inv_rms = tl.rsqrt(mean_square + eps)[:, None]
+        square_sum = tl.sum(first * first, 1) + tl.sum(second * second, 1)
+        if ROT_HALF < HALF_DIM:
+            square_sum += tl.sum(rest * rest, 1)
+        inv_rms = tl.rsqrt(square_sum / (2 * HALF_DIM) + eps)[:, None]
         first_weight = tl.load(norm_weight_ptr + dims).to(tl.float32)
-        second_weight = tl.load(norm_weight_ptr + HALF_DIM + dims).to(tl.float32)
+        second_weight = tl.load(norm_weight_ptr + ROT_HALF + dims).to(tl.float32)
         first = head_norm_scaled(first, inv_rms, first_weight, dtype)
         second = head_norm_scaled(second, inv_rms, second_weight, dtype)
-    out_dtype = out_row_ptr.dtype.element_ty
+        if ROT_HALF < HALF_DIM:
+            rest_weight = tl.load(norm_weight_ptr + rest_dims, mask=rest_dims < 2 * HALF_DIM,
+                                  other=0.0).to(tl.float32)
+            rest = head_norm_scaled(rest, inv_rms, rest_weight, dtype)
     out_first_half = out_row_ptr + heads * out_stride_head + dims
-    store_mask = mask & valid
     tl.store(out_first_half, (first * cos - second * sin).to(dtype).to(out_dtype), mask=store_mask)
-    tl.store(out_first_half + HALF_DIM, (second * cos + first * sin).to(dtype).to(out_dtype),
+    tl.store(out_first_half + ROT_HALF, (second * cos + first * sin).to(dtype).to(out_dtype),
              mask=store_mask)
+    if ROT_HALF < HALF_DIM:
+        tl.store(out_row_ptr + heads * out_stride_head + rest_dims,
+                 rest.to(dtype).to(out_dtype), mask=rest_mask & valid)
 
 
 @triton.jit
@@ -141,7 +159,8 @@ def _rotate_and_store_kv_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_block, stride_slot, stride_head, stride_cos_sin, num_heads, num_kv_heads, eps,
     Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, NORM: tl.constexpr, OVERLAP: tl.constexpr,
+    ROT_HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr, NORM: tl.constexpr,
+    OVERLAP: tl.constexpr,
 ):
     """Program ``token``: its query heads rotated into ``q_out``, its key heads rotated and its
     value heads copied into its cache slot (none for a negative slot). Its position, slot and
@@ -149,18 +168,20 @@ def _rotate_and_store_kv_kernel(
     token = tl.program_id(0).to(tl.int64)
     position = tl.load(positions_ptr + token)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
-    dims = tl.arange(0, HALF_DIM)[None, :]
+    dims = tl.arange(0, ROT_HALF)[None, :]
     cos = tl.load(cos_sin_ptr + position * stride_cos_sin + dims)
-    sin = tl.load(cos_sin_ptr + position * stride_cos_sin + HALF_DIM + dims)
+    sin = tl.load(cos_sin_ptr + position * stride_cos_sin + ROT_HALF + dims)
     wait_for_previous(OVERLAP)
     _rotate_heads(
         q_ptr + token * stride_qt, stride_qh, q_out_ptr + token * num_heads * (2 * HALF_DIM),
-        2 * HALF_DIM, q_norm_weight_ptr, cos, sin, num_heads, eps, True, Q_HEADS, HALF_DIM, NORM,
+        2 * HALF_DIM, q_norm_weight_ptr, cos, sin, num_heads, eps, True, Q_HEADS, HALF_DIM,
+        ROT_HALF, NORM,
     )
     cache_row = (slot // BLOCK_SIZE) * stride_block + (slot % BLOCK_SIZE) * stride_slot
     _rotate_heads(
         k_ptr + token * stride_kt, stride_kh, k_cache_ptr + cache_row, stride_head,
-        k_norm_weight_ptr, cos, sin, num_kv_heads, eps, slot >= 0, KV_HEADS, HALF_DIM, NORM,
+        k_norm_weight_ptr, cos, sin, num_kv_heads, eps, slot >= 0, KV_HEADS, HALF_DIM,
+        ROT_HALF, NORM,
     )
     heads = tl.arange(0, KV_HEADS)[:, None]
     head_dims = tl.arange(0, 2 * HALF_DIM)[None, :]
@@ -261,7 +282,8 @@ def rotate_and_store_kv(
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), cos_sin_cache.stride(0),
             num_heads, num_kv_heads, norm_eps,
             Q_HEADS=triton.next_power_of_2(num_heads), KV_HEADS=triton.next_power_of_2(num_kv_heads),
-            HALF_DIM=head_dim // 2, BLOCK_SIZE=k_cache.shape[1], NORM=norm,
+            HALF_DIM=head_dim // 2, ROT_HALF=cos_sin_cache.shape[1] // 2,
+            BLOCK_SIZE=k_cache.shape[1], NORM=norm,
             **triton_overlap.launch_options(q.device),
         )
     return q_out
@@ -401,7 +423,8 @@ def rotary_decode_attention(
     decode attention."""
     norms = (q_norm_weight, k_norm_weight, norm_eps)
     num_splits = triton_attention.decode_partition_count(q, k_cache, block_tables)
-    if triton_attention.fuses_rotary(q, k_cache, num_splits):
+    full_rotary = cos_sin_cache.shape[1] == q.shape[-1]  # (the fused kernel turns whole heads)
+    if full_rotary and triton_attention.fuses_rotary(q, k_cache, num_splits):
         return triton_attention.rotary_decode_attention(
             q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, seq_lens,
             block_tables, scale, order, *norms, num_splits=num_splits)
@@ -418,4 +441,10 @@ TRITON_KERNELS = KernelBackend(
     rms_norm=rms_norm,
     linear=linear,
     rms_norm_linear=rms_norm_linear,
+    causal_conv1d=linear_attention.causal_conv1d,
+    causal_conv1d_update=linear_attention.causal_conv1d_update,
+    delta_rule_gates=linear_attention.delta_rule_gates,
+    gated_delta_rule=linear_attention.chunked_delta_rule(),
+    gated_delta_rule_update=linear_attention.gated_delta_rule_update,
+    rms_norm_gated=linear_attention.rms_norm_gated,
 )

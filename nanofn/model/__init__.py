@@ -9,6 +9,7 @@ from typing import Any
 
 _LAZY = {
     "AttentionBatch": "nanofn.model.batch",
+    "RecurrentState": "nanofn.model.batch",
     "ModelShape": "nanofn.model.config",
     "model_shape": "nanofn.model.config",
     "ARCHITECTURES": "nanofn.model.decoder",

@@ -1,10 +1,13 @@
-"""The per-step tensors every attention layer reads, passed explicitly through ``forward``."""
+"""The per-step tensors every attention layer reads, passed explicitly through ``forward``, and
+the recurrent state a hybrid model's linear-attention layers carry from step to step."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+
+from nanofn.model.config import RecurrentShape
 
 
 @dataclass(frozen=True)
@@ -35,7 +38,38 @@ class AttentionBatch:
     # Decode rows longest context first ([B] int32, a permutation): the order decode attention
     # takes them up in, a hint that does not change the result.
     decode_order: torch.Tensor | None = None
+    # Hybrid models only (see ``RecurrentState``): each sequence's state slot ([B] int64), and
+    # whether its linear layers resume from that slot ([B] bool): False for a sequence whose
+    # first scheduled position is 0, which starts from zeros whatever the slot holds.
+    state_slots: torch.Tensor | None = None
+    has_initial_state: torch.Tensor | None = None
+    # A prefill graph's prompt chunks for the chunked delta rule ([C, 2]: sequence, chunk of
+    # 64 tokens; padded with chunks of an empty sequence past the batch's), which the eager
+    # path derives from ``query_lens_host``.
+    linear_chunks: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens_host)
+
+
+@dataclass(frozen=True)
+class RecurrentState:
+    """A hybrid model's linear-attention state, in slots the runner hands out: one slot holds one
+    sequence's state for every linear layer, contiguous, so a whole state is one slice copy.
+
+    A step reads sequence ``i``'s state from slot ``AttentionBatch.state_slots[i]`` (or zeros,
+    where ``has_initial_state[i]`` is False) and writes the state after its last new token back
+    to the same slot, in place. Shapes are per rank (``nanofn.model.config.RecurrentShape``).
+    """
+
+    conv: torch.Tensor  # [num_slots, num_linear_layers, conv_dim, kernel_size - 1], model dtype
+    ssm: torch.Tensor  # [num_slots, num_linear_layers, num_v_heads, k_head_dim, v_head_dim]
+
+    @classmethod
+    def zeros(cls, shape: RecurrentShape, num_slots: int, dtype: torch.dtype,
+              device: torch.device | str) -> RecurrentState:
+        """``num_slots`` zeroed slots of ``shape``, the conv state in ``dtype`` (the model's)."""
+        return cls(conv=torch.zeros(shape.conv_shape(num_slots), dtype=dtype, device=device),
+                   ssm=torch.zeros(shape.ssm_shape(num_slots), dtype=shape.ssm_dtype or dtype,
+                                   device=device))

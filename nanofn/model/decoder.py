@@ -1,4 +1,5 @@
-"""One decoder-only transformer covering Qwen3, Qwen2/Qwen2.5, Llama 3.x and Mistral checkpoints.
+"""One decoder-only transformer covering Qwen3, Qwen2/Qwen2.5, Llama 3.x and Mistral checkpoints,
+and the attention layers of Qwen3.5 (whose other layers are in ``hybrid.py``).
 
 The architectures differ only in the switches of ``DecoderOptions``. Module and parameter names
 follow Hugging Face's, except the fused ``qkv_proj`` and ``gate_up_proj`` (see ``loader.py``).
@@ -22,7 +23,7 @@ from torch import nn
 from nanofn.kernels import KernelBackend
 from nanofn.kernels.partial_sums import PartialSums
 from nanofn.model.batch import AttentionBatch
-from nanofn.model.config import head_dim, num_kv_heads, rope_settings
+from nanofn.model.config import head_dim, num_kv_heads, rope_settings, rotary_dim, text_config
 from nanofn.model.layers import RMSNorm, RotaryEmbedding
 from nanofn.model.parallel import (
     MergedColumnParallelLinear,
@@ -41,6 +42,9 @@ class DecoderOptions:
     o_proj_bias: bool
     mlp_bias: bool
     qk_norm: bool  # RMS norm of each query and key head before the rotary embedding (Qwen3)
+    output_gate: bool = False  # attention output times sigmoid(a gate from q_proj) (Qwen3.5)
+    # Norms scaling by 1 + w (Qwen3.5): loaded as 1 + w (``parallel.load_zero_centred``)
+    zero_centred_norms: bool = False
 
 
 def _qwen3_options(hf_config: Any) -> DecoderOptions:
@@ -60,11 +64,22 @@ def _llama_options(hf_config: Any) -> DecoderOptions:
     )
 
 
+def _qwen3_5_options(hf_config: Any) -> DecoderOptions:
+    """Qwen3.5's full-attention layers; its linear-attention layers are ``hybrid.py``'s."""
+    bias = getattr(text_config(hf_config), "attention_bias", False)
+    return DecoderOptions(qkv_bias=bias, o_proj_bias=bias, mlp_bias=False, qk_norm=True,
+                          output_gate=True, zero_centred_norms=True)
+
+
+# Every architecture nanofn loads; those whose config has linear-attention layers are built as
+# hybrid models (``loader.build_model``).
 ARCHITECTURES: dict[str, Callable[[Any], DecoderOptions]] = {
     "Qwen3ForCausalLM": _qwen3_options,
     "Qwen2ForCausalLM": _qwen2_options,
     "LlamaForCausalLM": _llama_options,
     "MistralForCausalLM": _llama_options,
+    "Qwen3_5ForCausalLM": _qwen3_5_options,
+    "Qwen3_5ForConditionalGeneration": _qwen3_5_options,  # its language model; vision skipped
 }
 
 
@@ -91,6 +106,7 @@ class Attention(nn.Module):
         tp_size: int,
     ):
         super().__init__()
+        hf_config = text_config(hf_config)
         dim = head_dim(hf_config)
         self.qkv_proj = QKVParallelLinear(
             hf_config.hidden_size,
@@ -101,6 +117,7 @@ class Attention(nn.Module):
             tp_rank=tp_rank,
             tp_size=tp_size,
             kernels=kernels,
+            output_gate=options.output_gate,
         )
         self.o_proj = RowParallelLinear(
             hf_config.num_attention_heads * dim,
@@ -111,8 +128,11 @@ class Attention(nn.Module):
             kernels=kernels,
         )
         # Qwen3's per-head norms: weight holders here, applied inside the rotary kernel.
-        self.q_norm = RMSNorm(dim, hf_config.rms_norm_eps, kernels) if options.qk_norm else None
-        self.k_norm = RMSNorm(dim, hf_config.rms_norm_eps, kernels) if options.qk_norm else None
+        self.q_norm = self.k_norm = None
+        if options.qk_norm:
+            self.q_norm, self.k_norm = (RMSNorm(dim, hf_config.rms_norm_eps, kernels,
+                                                options.zero_centred_norms) for _ in range(2))
+        self.output_gate = options.output_gate
         self.rotary = rotary
         self.kernels = kernels
         self.head_dim = dim
@@ -127,9 +147,12 @@ class Attention(nn.Module):
         v_cache: torch.Tensor,
     ) -> torch.Tensor | PartialSums:
         """Attention of the tokens whose ``qkv_proj`` output is ``qkv`` (``DecoderLayer`` runs the
-        projection, with the norm before it), through ``o_proj``."""
+        projection, with the norm before it), through ``o_proj``; with the output gate, the
+        attention times ``sigmoid(gate)`` first."""
         qkv_proj = self.qkv_proj
         q, k, v = qkv.split([qkv_proj.q_size, qkv_proj.kv_size, qkv_proj.kv_size], dim=-1)
+        if self.output_gate:  # per head [query | gate]
+            q, gate = q.unflatten(-1, (qkv_proj.num_heads, 2 * self.head_dim)).chunk(2, dim=-1)
         q = q.view(-1, qkv_proj.num_heads, self.head_dim)
         k = k.view(-1, qkv_proj.num_kv_heads, self.head_dim)
         v = v.view(-1, qkv_proj.num_kv_heads, self.head_dim)
@@ -151,6 +174,8 @@ class Attention(nn.Module):
                 self.scale,
                 tiles=batch.prefill_tiles,
             )
+        if self.output_gate:
+            out = out * torch.sigmoid(gate)
         return self.o_proj(out.flatten(1), for_norm=True)
 
 
@@ -159,6 +184,7 @@ class MLP(nn.Module):
         self, hf_config: Any, options: DecoderOptions, kernels: KernelBackend, tp_rank: int, tp_size: int
     ):
         super().__init__()
+        hf_config = text_config(hf_config)
         hidden, intermediate = hf_config.hidden_size, hf_config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(
             hidden, [intermediate, intermediate], bias=options.mlp_bias, tp_rank=tp_rank, tp_size=tp_size,
@@ -188,8 +214,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Attention(hf_config, options, rotary, kernels, tp_rank, tp_size)
         self.mlp = MLP(hf_config, options, kernels, tp_rank, tp_size)
-        self.input_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, kernels)
-        self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, kernels)
+        self.input_layernorm, self.post_attention_layernorm = layer_norms(hf_config, options, kernels)
 
     def forward(
         self,
@@ -210,6 +235,20 @@ class DecoderLayer(nn.Module):
         return mlp(activated), residual
 
 
+def layer_norms(hf_config: Any, options: DecoderOptions,
+                kernels: KernelBackend) -> tuple[RMSNorm, RMSNorm]:
+    """A decoder layer's input and post-attention norms."""
+    config = text_config(hf_config)
+    return tuple(RMSNorm(config.hidden_size, config.rms_norm_eps, kernels, options.zero_centred_norms)
+                 for _ in range(2))
+
+
+def rotary_embedding(hf_config: Any, kernels: KernelBackend, max_positions: int) -> RotaryEmbedding:
+    """The rotary table every attention layer shares (of the rotated dims alone, where partial)."""
+    rope_theta, rope_scaling = rope_settings(hf_config)
+    return RotaryEmbedding(rotary_dim(hf_config), max_positions, rope_theta, rope_scaling, kernels)
+
+
 class DecoderModel(nn.Module):
     def __init__(
         self,
@@ -221,11 +260,11 @@ class DecoderModel(nn.Module):
         tp_size: int,
     ):
         super().__init__()
+        hf_config = text_config(hf_config)
         self.embed_tokens = VocabParallelEmbedding(
             hf_config.vocab_size, hf_config.hidden_size, tp_rank=tp_rank, tp_size=tp_size
         )
-        rope_theta, rope_scaling = rope_settings(hf_config)
-        self.rotary = RotaryEmbedding(head_dim(hf_config), max_positions, rope_theta, rope_scaling, kernels)
+        self.rotary = rotary_embedding(hf_config, kernels, max_positions)
         self.layers = nn.ModuleList(
             DecoderLayer(hf_config, options, self.rotary, kernels, tp_rank, tp_size)
             for _ in range(hf_config.num_hidden_layers)
@@ -239,27 +278,29 @@ class DecoderModel(nn.Module):
         batch: AttentionBatch,
         kv_cache: torch.Tensor,
     ) -> torch.Tensor:
-        self._check_kv_cache(kv_cache)
+        check_kv_cache(kv_cache, len(self.layers), self.layers[0].self_attn.qkv_proj)
         hidden, residual = self.embed_tokens(input_ids), None
         for layer, layer_kv_cache in zip(self.layers, kv_cache):
             hidden, residual = layer(positions, hidden, residual, batch, layer_kv_cache)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
-    def _check_kv_cache(self, kv_cache: torch.Tensor) -> None:
-        """A cache sized for another tp_size would be silently misread by the attention kernels."""
-        qkv_proj = self.layers[0].self_attn.qkv_proj
-        expected = (len(self.layers), 2, qkv_proj.num_kv_heads, qkv_proj.head_dim)
-        found = (kv_cache.shape[0], kv_cache.shape[1], *kv_cache.shape[-2:])
-        if kv_cache.dim() != 6 or found != expected:
-            raise ValueError(
-                f"kv_cache must be [num_layers={expected[0]}, 2, num_blocks, block_size, "
-                f"kv_heads={expected[2]}, head_dim={expected[3]}], got {list(kv_cache.shape)}"
-            )
+
+def check_kv_cache(kv_cache: torch.Tensor, num_layers: int, qkv_proj: QKVParallelLinear) -> None:
+    """A cache sized for another tp_size would be silently misread by the attention kernels."""
+    expected = (num_layers, 2, qkv_proj.num_kv_heads, qkv_proj.head_dim)
+    found = (kv_cache.shape[0], kv_cache.shape[1], *kv_cache.shape[-2:])
+    if kv_cache.dim() != 6 or found != expected:
+        raise ValueError(
+            f"kv_cache must be [num_layers={expected[0]}, 2, num_blocks, block_size, "
+            f"kv_heads={expected[2]}, head_dim={expected[3]}], got {list(kv_cache.shape)}"
+        )
 
 
 class CausalLM(nn.Module):
     """``forward`` returns final hidden states; ``compute_logits`` projects the ones to sample."""
+
+    body: type[nn.Module] = DecoderModel  # the model under the LM head
 
     def __init__(
         self,
@@ -271,11 +312,13 @@ class CausalLM(nn.Module):
         tp_size: int,
     ):
         super().__init__()
-        self.model = DecoderModel(hf_config, options, kernels, max_positions, tp_rank, tp_size)
+        self.model = self.body(hf_config, options, kernels, max_positions, tp_rank, tp_size)
+        config = text_config(hf_config)
         self.lm_head = ParallelLMHead(
-            hf_config.vocab_size, hf_config.hidden_size, tp_rank=tp_rank, tp_size=tp_size,
+            config.vocab_size, config.hidden_size, tp_rank=tp_rank, tp_size=tp_size,
             project=kernels.linear,
         )
+        # The model's own config says (a composite's, not its text part's), as in transformers.
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

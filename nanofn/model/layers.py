@@ -10,17 +10,21 @@ from torch import nn
 from nanofn.kernels import KernelBackend, build_cos_sin_cache
 from nanofn.kernels.partial_sums import PartialSums
 from nanofn.model.batch import AttentionBatch
-from nanofn.model.parallel import load_replicated
+from nanofn.model.parallel import load_replicated, load_zero_centred
 
 
 class RMSNorm(nn.Module):
-    """RMS norm over the last dimension; ``forward(x, residual)`` fuses the residual add."""
+    """RMS norm over the last dimension; ``forward(x, residual)`` fuses the residual add.
 
-    def __init__(self, size: int, eps: float, kernels: KernelBackend):
+    ``zero_centred``: the checkpoint's weight ``w`` scales by ``1 + w`` (Qwen3.5); the weight
+    is loaded as ``1 + w``, so the same kernels apply (in bfloat16 the product rounds once
+    more than transformers' float32 ``(1 + w) * x``)."""
+
+    def __init__(self, size: int, eps: float, kernels: KernelBackend, zero_centred: bool = False):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(size), requires_grad=False)
-        self.weight.weight_loader = load_replicated
+        self.weight.weight_loader = load_zero_centred if zero_centred else load_replicated
         self.kernels = kernels
 
     def forward(
@@ -30,18 +34,19 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """Holds the float32 cos/sin table, built on the default device; one instance serves all layers."""
+    """Holds the float32 cos/sin table of a head's first ``rotary_dim`` dims (all of them but
+    for a partial rotary embedding), built on the default device; one instance serves all layers."""
 
     def __init__(
         self,
-        head_dim: int,
+        rotary_dim: int,
         max_positions: int,
         rope_theta: float,
         rope_scaling: dict[str, Any] | None,
         kernels: KernelBackend,
     ):
         super().__init__()
-        cache = build_cos_sin_cache(head_dim, max_positions, rope_theta, rope_scaling)
+        cache = build_cos_sin_cache(rotary_dim, max_positions, rope_theta, rope_scaling)
         self.register_buffer("cos_sin_cache", cache, persistent=False)
         self.kernels = kernels
 

@@ -12,8 +12,10 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from nanofn.kernels import TORCH_KERNELS, KernelBackend
-from nanofn.model.config import check_activation, check_context_fits_window
+from nanofn.model.config import (check_activation, check_context_fits_window, num_linear_layers,
+                                 text_config)
 from nanofn.model.decoder import CausalLM, decoder_options
+from nanofn.model.hybrid import HybridCausalLM
 
 DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
@@ -30,7 +32,16 @@ FUSED_PROJECTIONS: dict[str, tuple[str, str | int]] = {
     "v_proj": ("qkv_proj", "v"),
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
+    # Qwen3.5's linear attention: in_proj_qkv holds three outputs (the heads of q, k and v)
+    "in_proj_qkv": ("in_proj", (0, 1, 2)),
+    "in_proj_z": ("in_proj", 3),
+    "in_proj_b": ("in_proj", 4),
+    "in_proj_a": ("in_proj", 5),
 }
+# A vision-language checkpoint's language model (Qwen3.5's) is under this prefix, not "model.".
+LANGUAGE_MODEL_PREFIX = "model.language_model."
+VISION_PREFIX = "model.visual."  # skipped: the text API has no image input
+MTP_PREFIX = "mtp."  # multi-token prediction: set aside for speculative decoding
 
 
 def resolve_dtype(hf_config: Any, dtype: str | torch.dtype = "auto") -> torch.dtype:
@@ -54,7 +65,8 @@ def build_model(
     max_model_len: int | None = None,
     kernels: KernelBackend = TORCH_KERNELS,
 ) -> CausalLM:
-    """An uninitialised model holding this rank's shard; fill it with ``load_weights``.
+    """An uninitialised model holding this rank's shard; fill it with ``load_weights``. A config
+    with linear-attention layers gives a ``HybridCausalLM``, whose ``forward`` takes state slots.
 
     ``max_model_len``, the longest context the caller will run, sizes the rotary table (default:
     the config's ``max_position_embeddings``) and is checked against a sliding window.
@@ -63,9 +75,10 @@ def build_model(
     options = decoder_options(hf_config)
     check_activation(hf_config)
     check_context_fits_window(hf_config, max_model_len)
-    max_positions = max_model_len or hf_config.max_position_embeddings
+    max_positions = max_model_len or text_config(hf_config).max_position_embeddings
+    model_class = HybridCausalLM if num_linear_layers(hf_config) else CausalLM
     with torch.device(device), _default_dtype(resolve_dtype(hf_config, dtype)):
-        model = CausalLM(hf_config, options, kernels, max_positions, tp_rank, tp_size)
+        model = model_class(hf_config, options, kernels, max_positions, tp_rank, tp_size)
     return model.eval()
 
 
@@ -79,28 +92,52 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
+DUMMY_WEIGHT_STD = 0.02  # as make_random_checkpoint's: the logits keep a sane spread
+
+
+@torch.no_grad()
+def init_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
+    """vLLM's ``load_format="dummy"``: every weight drawn where it lies, from the config alone,
+    no checkpoint read (a 9B model in milliseconds, where writing one takes minutes). Matrices
+    are normal with std ``DUMMY_WEIGHT_STD``; vectors are norms that scale by 1 (zero-centred
+    ones already folded to ``1 + w``), a linear-attention head's ``dt_bias`` of 1, ``A_log`` and
+    biases of 0. The text a model so filled writes is noise: it is for benchmarks."""
+    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    for name, param in model.named_parameters():
+        if param.dim() > 1:
+            param.normal_(0.0, DUMMY_WEIGHT_STD, generator=generator)
+        else:
+            param.fill_(0.0 if name.endswith(("A_log", "bias")) else 1.0)
+
+
 def load_weights(model: CausalLM, model_dir: str | Path) -> None:
     """Copy this rank's shard of every checkpoint tensor in ``model_dir`` into ``model``.
 
     Reads one ``*.safetensors`` file or the shards listed in ``model.safetensors.index.json``.
     Raises when a model parameter has no tensor, a tensor has no parameter, or shapes differ.
+    A vision-language checkpoint's language model loads and its vision tower is skipped; a
+    hybrid model's multi-token-prediction tensors go to ``model.mtp_weights``, in host memory.
     """
     files = checkpoint_files(model_dir)
     params = dict(model.named_parameters())  # a tied lm_head shares, so omits, its weight
     missing = {name for param_name in params for name in _checkpoint_names(param_name)}
     for path in files:
         with _open_checkpoint(path) as checkpoint:
-            for name in checkpoint.keys():
+            for stored_name in checkpoint.keys():
+                name = _language_model_name(stored_name)
                 if _is_ignored(name, model):
+                    continue
+                if name.startswith(MTP_PREFIX) and hasattr(model, "mtp_weights"):
+                    model.mtp_weights[name] = checkpoint.get_tensor(stored_name)
                     continue
                 param_name, shard_id = _parameter_name(name)
                 if param_name not in params:
-                    raise ValueError(f"unexpected tensor {name!r} in {path}: the model has no such parameter")
+                    raise ValueError(f"unexpected tensor {stored_name!r} in {path}: the model has no such parameter")
                 param = params[param_name]
                 try:
-                    param.weight_loader(param, checkpoint.get_tensor(name), shard_id)
+                    param.weight_loader(param, checkpoint.get_tensor(stored_name), shard_id)
                 except ValueError as error:
-                    raise ValueError(f"tensor {name!r} in {path}: {error}") from error
+                    raise ValueError(f"tensor {stored_name!r} in {path}: {error}") from error
                 missing.discard(name)
     if missing:
         raise ValueError(f"checkpoint {model_dir} lacks tensors: {', '.join(sorted(missing))}")
@@ -144,7 +181,15 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
     return files
 
 
-def _parameter_name(checkpoint_name: str) -> tuple[str, str | int | None]:
+def _language_model_name(checkpoint_name: str) -> str:
+    """A vision-language checkpoint's language-model tensor under the name a text-only one gives
+    it (``model.language_model.layers.0...`` -> ``model.layers.0...``)."""
+    if checkpoint_name.startswith(LANGUAGE_MODEL_PREFIX):
+        return "model." + checkpoint_name.removeprefix(LANGUAGE_MODEL_PREFIX)
+    return checkpoint_name
+
+
+def _parameter_name(checkpoint_name: str) -> tuple[str, str | int | tuple[int, ...] | None]:
     """Map a Hugging Face tensor name to ``(nanofn parameter name, shard id)``."""
     module_path, _, leaf = checkpoint_name.rpartition(".")
     parent, _, module = module_path.rpartition(".")
@@ -163,7 +208,8 @@ def _checkpoint_names(param_name: str) -> list[str]:
 
 
 def _is_ignored(checkpoint_name: str, model: CausalLM) -> bool:
-    """Rotary ``inv_freq`` buffers, and an ``lm_head`` copy where the model ties it to the embedding."""
-    if checkpoint_name.endswith("rotary_emb.inv_freq"):
+    """Rotary ``inv_freq`` buffers, a vision tower, and an ``lm_head`` copy where the model ties
+    it to the embedding."""
+    if checkpoint_name.endswith("rotary_emb.inv_freq") or checkpoint_name.startswith(VISION_PREFIX):
         return True
     return model.tie_word_embeddings and checkpoint_name == "lm_head.weight"

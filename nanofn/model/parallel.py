@@ -32,6 +32,34 @@ def load_replicated(param: nn.Parameter, loaded: torch.Tensor, shard_id: None = 
     param.data.copy_(loaded)
 
 
+def load_zero_centred(param: nn.Parameter, loaded: torch.Tensor, shard_id: None = None) -> None:
+    """Weight loader of a zero-centred norm's weight (Qwen3.5's), which scales by ``1 + w``:
+    the parameter holds ``1 + w`` (summed in float32), so the plain RMS-norm kernels apply."""
+    load_replicated(param, loaded.float() + 1)
+
+
+def row_shards_loader(full_sizes: list[int], tp_rank: int, tp_size: int) -> Callable[..., None]:
+    """Weight loader of a parameter (not a linear layer's: Qwen3.5's per-head ``A_log``, its
+    ``conv1d`` weight) whose rows are one or several outputs end to end, ``full_sizes`` rows
+    each in the checkpoint, every one split evenly across ranks: the parameter holds this
+    rank's rows of each, end to end."""
+
+    def load(param: nn.Parameter, loaded: torch.Tensor, shard_id: None = None) -> None:
+        _check_shape(loaded, (sum(full_sizes), *param.shape[1:]))
+        param.data.copy_(torch.cat(rank_shards(loaded, full_sizes, tp_rank, tp_size)))
+
+    return load
+
+
+def rank_shards(loaded: torch.Tensor, full_sizes: list[int], tp_rank: int,
+                tp_size: int) -> list[torch.Tensor]:
+    """This rank's rows of each part of ``loaded``, whose rows are several outputs end to end
+    (``full_sizes`` rows each, every one split evenly across ranks)."""
+    parts = loaded.split(full_sizes)
+    return [part.narrow(0, tp_rank * (size // tp_size), size // tp_size)
+            for part, size in zip(parts, full_sizes)]
+
+
 def _check_shape(loaded: torch.Tensor, expected: tuple[int, ...]) -> None:
     if tuple(loaded.shape) != expected:
         raise ValueError(f"expected shape {expected}, found {tuple(loaded.shape)}")
@@ -99,8 +127,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel outputs in one matrix (``gate_up_proj``), loaded one by one.
 
     Each rank's weight is ``[shard of output 0 | shard of output 1 | ...]``; ``shard_id`` is the
-    index of the output a checkpoint tensor fills. So a rank's ``[gate | up]`` shards are what
-    ``forward_normed(..., gated=True)`` activates.
+    index of the output a checkpoint tensor fills, or a tuple of indices for a tensor holding
+    several outputs end to end (Qwen3.5's ``in_proj_qkv``). So a rank's ``[gate | up]`` shards
+    are what ``forward_normed(..., gated=True)`` activates.
     """
 
     def __init__(self, input_size: int, output_sizes: list[int], *, bias: bool, tp_rank: int, tp_size: int,
@@ -109,11 +138,13 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         super().__init__(input_size, sum(output_sizes), bias=bias, tp_rank=tp_rank, tp_size=tp_size,
                          kernels=kernels)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None) -> None:
-        local = self.local_sizes[shard_id]
-        offset = sum(self.local_sizes[:shard_id])
-        _check_shape(loaded, (local * self.tp_size, *param.shape[1:]))
-        param.data.narrow(0, offset, local).copy_(loaded.narrow(0, self.tp_rank * local, local))
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
+                      shard_id: int | tuple[int, ...] | None = None) -> None:
+        outputs = shard_id if isinstance(shard_id, tuple) else (shard_id,)
+        full_sizes = [self.local_sizes[i] * self.tp_size for i in outputs]
+        _check_shape(loaded, (sum(full_sizes), *param.shape[1:]))
+        for i, shard in zip(outputs, rank_shards(loaded, full_sizes, self.tp_rank, self.tp_size)):
+            param.data.narrow(0, sum(self.local_sizes[:i]), self.local_sizes[i]).copy_(shard)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -121,6 +152,8 @@ class QKVParallelLinear(ColumnParallelLinear):
 
     With more ranks than kv heads, each kv head is replicated on ``tp_size // num_kv_heads``
     consecutive ranks, which are exactly the ranks holding the query heads of its group.
+    ``output_gate`` (Qwen3.5): each query head comes with an output gate of the same size,
+    ``[query | gate]`` head by head in ``q``'s rows, which split across ranks with their heads.
     """
 
     def __init__(
@@ -134,6 +167,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         tp_rank: int,
         tp_size: int,
         kernels: KernelBackend = TORCH_KERNELS,
+        output_gate: bool = False,
     ):
         self.head_dim = head_dim
         self.num_heads = _divide(num_heads, tp_size, "number of attention heads")
@@ -148,7 +182,7 @@ class QKVParallelLinear(ColumnParallelLinear):
             self.num_kv_heads = _divide(num_kv_heads, tp_size, "number of kv heads")
             self.first_kv_head = tp_rank * self.num_kv_heads
         self.total_num_kv_heads = num_kv_heads
-        self.q_size = self.num_heads * head_dim
+        self.q_size = self.num_heads * head_dim * (2 if output_gate else 1)
         self.kv_size = self.num_kv_heads * head_dim
         out_total = (self.q_size + 2 * self.kv_size) * tp_size
         super().__init__(hidden_size, out_total, bias=bias, tp_rank=tp_rank, tp_size=tp_size,

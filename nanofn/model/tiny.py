@@ -1,5 +1,6 @@
-"""Random-weight Hugging Face checkpoints: tiny ones for tests and the CLI's built-in demo model,
-and ones in the shape of a real model (``make_random_checkpoint``) for benchmarks.
+"""Random-weight Hugging Face checkpoints: tiny ones for tests and the built-in demo model
+(``demo_model``), and ones in the shape of a real model (``make_random_checkpoint``) for
+benchmarks.
 
 A checkpoint here is a real Hugging Face folder (``config.json``, ``generation_config.json``,
 safetensors weights, a byte-level BPE tokenizer with a ChatML chat template) that both
@@ -15,20 +16,39 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterator
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
 
+DEMO_MODEL = "demo-qwen3"  # the demo model's folder in the cache, and its name in the API
 EOS_TOKEN = "<|endoftext|>"
 SPECIAL_TOKENS = [EOS_TOKEN, "<|im_start|>", "<|im_end|>"]
 TOKENIZER_VOCAB_SIZE = 384
 EXTRA_MODEL_VOCAB = 16  # the model's vocabulary is larger than the tokenizer's, as in Qwen
 CHAT_TEMPLATE = (
+    # Qwen's tool use in brief: the tools in a system turn, an assistant's calls as <tool_call>
+    # blocks of JSON, tool results as user turns of <tool_response> blocks.
+    "{%- if tools %}{{- '<|im_start|>system\\n# Tools\\n\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nCall a function with <tool_call>\\n{\"name\": <function-name>, "
+    "\"arguments\": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}{%- endif %}"
     "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- if message['role'] == 'tool' %}"
+    "{{- '<|im_start|>user\\n<tool_response>\\n' + message['content'] + "
+    "'\\n</tool_response><|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] }}"
+    "{%- for call in message['tool_calls'] or [] %}"
+    "{%- if message['content'] or not loop.first %}{{- '\\n' }}{%- endif %}"
+    "{{- '<tool_call>\\n{\"name\": \"' + call['function']['name'] + '\", \"arguments\": ' + "
+    "(call['function']['arguments'] | tojson) + '}\\n</tool_call>' }}"
+    "{%- endfor %}{{- '<|im_end|>\\n' }}{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
     # Qwen3's switch: chat_template_kwargs={"enable_thinking": False} closes the thinking block.
@@ -66,20 +86,54 @@ _LLAMA3_ROPE = {
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 256,
 }
-# arch -> (transformers config class name, config settings)
+# Qwen3.5: three Gated DeltaNet layers to one of (gated) full attention, GQA, a rotary embedding
+# on a quarter of each head (the multimodal rotary, whose sections are equal on text).
+_QWEN3_5_TEXT = {
+    **_COMMON,
+    "num_hidden_layers": 4,
+    "head_dim": 32,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_conv_kernel_dim": 4,
+    "mamba_ssm_dtype": "float32",  # as Qwen3.5's checkpoints
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                        "mrope_section": [2, 1, 1], "mrope_interleaved": True},
+}
+_TINY_VISION = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, patch_size=4,
+                    out_hidden_size=64, num_position_embeddings=16)
+# arch -> (transformers config class name, config settings); a config with a ``text_config``
+# is a vision-language model's, whose language model the other settings describe.
 ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3": ("Qwen3Config", {**_COMMON, **_HEAD_DIM}),
     "qwen2": ("Qwen2Config", dict(_COMMON)),
     "llama": ("LlamaConfig", {**_COMMON, **_HEAD_DIM}),
     "llama3": ("LlamaConfig", {**_COMMON, **_HEAD_DIM, "rope_parameters": _LLAMA3_ROPE}),
     "mistral": ("MistralConfig", {**_COMMON, **_HEAD_DIM, "sliding_window": 4096}),
+    "qwen3_5": ("Qwen3_5TextConfig", _QWEN3_5_TEXT),  # saved as Qwen3_5ForCausalLM
+    # The same language model in a Qwen3_5ForConditionalGeneration checkpoint: its names
+    # (model.language_model.*), a vision tower and multi-token-prediction weights (mtp.*).
+    "qwen3_5-vl": ("Qwen3_5Config", {"text_config": _QWEN3_5_TEXT, "vision_config": _TINY_VISION}),
 }
 
 # What the released Qwen3 models share.
 _QWEN3 = dict(num_key_value_heads=8, head_dim=128, vocab_size=151936,
               max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6)
 
-# Shapes of real Qwen3-architecture models (Qwen3Config settings), for make_random_checkpoint.
+# Qwen3.5-9B's language model: transformers' Qwen3_5TextConfig defaults, spelled out.
+_QWEN3_5_9B_TEXT = dict(
+    vocab_size=248320, hidden_size=4096, intermediate_size=12288, num_hidden_layers=32,
+    num_attention_heads=16, num_key_value_heads=4, head_dim=256, linear_num_key_heads=16,
+    linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
+    linear_conv_kernel_dim=4, max_position_embeddings=32768, rms_norm_eps=1e-6,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+    tie_word_embeddings=False,
+)
+
+# Shapes of real models, for make_random_checkpoint: Qwen3Config settings, or with a
+# ``text_config`` Qwen3_5Config settings (a vision-language config; the checkpoint has no vision
+# weights).
 PRESETS: dict[str, dict[str, Any]] = {
     "qwen3-0.6b": dict(**_QWEN3, num_hidden_layers=28, hidden_size=1024,
                        intermediate_size=3072, num_attention_heads=16, tie_word_embeddings=True),
@@ -100,6 +154,30 @@ PRESETS: dict[str, dict[str, Any]] = {
         rope_theta=1000000.0,
         rms_norm_eps=1e-6,
     ),
+    # Qwen3.5 (hybrid: Gated DeltaNet and full attention, 3:1): the 9B's shape and a tiny one.
+    "qwen3.5-9b-shape": dict(text_config=_QWEN3_5_9B_TEXT, tie_word_embeddings=False),
+    "qwen3.5-tiny": dict(
+        text_config=dict(
+            num_hidden_layers=4,
+            hidden_size=64,
+            intermediate_size=128,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+            linear_conv_kernel_dim=4,
+            vocab_size=512,
+            tie_word_embeddings=True,
+            max_position_embeddings=4096,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                             "partial_rotary_factor": 0.25},
+            rms_norm_eps=1e-6,
+        ),
+        tie_word_embeddings=True,
+    ),
 }
 RANDOM_WEIGHT_STD = 0.02
 
@@ -117,7 +195,8 @@ def make_tiny_checkpoint(
     """Write a random-weight checkpoint of ``arch`` (one of ``ARCHS``) into ``path``; return it.
 
     The same arguments always give the same files. ``num_shards > 1`` splits the weights into
-    that many files with a ``model.safetensors.index.json``.
+    that many files with a ``model.safetensors.index.json``. For a vision-language arch,
+    ``config_overrides`` go to its language model's config.
     """
     import torch
     import transformers
@@ -128,36 +207,46 @@ def make_tiny_checkpoint(
     tokenizer = _make_tokenizer()
     eos_token_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
     config_class, settings = ARCHS[arch]
-    config = getattr(transformers, config_class)(
-        **{
-            **settings,
-            "vocab_size": len(tokenizer) + EXTRA_MODEL_VOCAB,
-            "tie_word_embeddings": tie_word_embeddings,
-            "eos_token_id": eos_token_id,
-            "pad_token_id": eos_token_id,
-            "bos_token_id": None,
-            **config_overrides,
-        }
-    )
+    language = {
+        **settings.get("text_config", settings),
+        "vocab_size": len(tokenizer) + EXTRA_MODEL_VOCAB,
+        "tie_word_embeddings": tie_word_embeddings,
+        "eos_token_id": eos_token_id,
+        "pad_token_id": eos_token_id,
+        "bos_token_id": None,
+        **config_overrides,
+    }
+    multimodal = "text_config" in settings
+    if multimodal:
+        config = getattr(transformers, config_class)(
+            **{**settings, "text_config": language, "tie_word_embeddings": tie_word_embeddings})
+    else:
+        config = getattr(transformers, config_class)(**language)
+    auto_class = (transformers.AutoModelForImageTextToText if multimodal
+                  else transformers.AutoModelForCausalLM)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = transformers.AutoModelForCausalLM.from_config(config)
-        _perturb_norms_and_biases(model, config.initializer_range)
+        model = auto_class.from_config(config)
+        _perturb_norms_and_biases(model, config.get_text_config().initializer_range)
+        _tune_linear_attention(model)
     with _quiet_progress_bars(transformers):
         model.to(getattr(torch, dtype)).save_pretrained(path)
     tokenizer.save_pretrained(path)
+    if multimodal:
+        _add_mtp_weights(path, config.get_text_config(), seed)
     if num_shards > 1:
         _reshard(path, num_shards)
     return path
 
 
 def make_random_checkpoint(path: str | Path, preset: str = "qwen3-0.6b", *,
-                           dtype: str = "bfloat16", seed: int = 0) -> Path:
+                           dtype: str = "bfloat16", seed: int = 0, weights: bool = True) -> Path:
     """Write a checkpoint with the config of ``preset`` (one of ``PRESETS``) and random weights
-    into ``path``; return it. For benchmarks: the text it generates is noise.
+    into ``path`` (without ``weights``: the config and tokenizer alone, for
+    ``load_format="dummy"``); return it. For benchmarks: the text it generates is noise.
 
-    Weights (normal, std 0.02; norms 1) go straight to safetensors without building a
-    transformers model, so that 0.6B parameters take seconds. The tokenizer is the
+    Weights (normal, std 0.02; norms scaling by 1) go straight to safetensors without building
+    a transformers model, so that 0.6B parameters take seconds. The tokenizer is the
     tiny one: its vocabulary is smaller than the model's, which token-id prompts do not mind.
     """
     import torch
@@ -170,52 +259,152 @@ def make_random_checkpoint(path: str | Path, preset: str = "qwen3-0.6b", *,
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = _make_tokenizer()
     eos_token_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
-    config = transformers.Qwen3Config(
-        **PRESETS[preset],
-        architectures=["Qwen3ForCausalLM"],
-        initializer_range=RANDOM_WEIGHT_STD,
-        dtype=dtype,
-        eos_token_id=eos_token_id,
-        pad_token_id=eos_token_id,
-        bos_token_id=None,
-    )
+    settings = PRESETS[preset]
+    common = dict(initializer_range=RANDOM_WEIGHT_STD, dtype=dtype, eos_token_id=eos_token_id,
+                  pad_token_id=eos_token_id, bos_token_id=None)
+    qwen3_5 = "text_config" in settings
+    if qwen3_5:
+        config = transformers.Qwen3_5Config(
+            **{**settings, "text_config": {**settings["text_config"], **common}},
+            architectures=["Qwen3_5ForConditionalGeneration"], dtype=dtype)
+        shapes = _qwen3_5_weight_shapes(config)
+    else:
+        config = transformers.Qwen3Config(**settings, architectures=["Qwen3ForCausalLM"], **common)
+        shapes = _qwen3_weight_shapes(config)
     generator = torch.Generator().manual_seed(seed)
     tensors = {}
-    for name, shape in _qwen3_weight_shapes(config).items():
+    for name, shape in shapes.items() if weights else ():
         tensor = torch.empty(shape, dtype=getattr(torch, dtype))
-        if len(shape) == 1:  # a norm's weight
-            tensors[name] = tensor.fill_(1.0)
+        if len(shape) == 1:
+            tensors[name] = tensor.fill_(_vector_value(name, zero_centred_norms=qwen3_5))
         else:
             tensors[name] = tensor.normal_(0.0, RANDOM_WEIGHT_STD, generator=generator)
-    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    if weights:
+        save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
     config.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
 
 
+def cache_dir() -> Path:
+    """``$NANOFN_CACHE``, else ``~/.cache/nanofn``."""
+    return Path(os.environ.get("NANOFN_CACHE") or Path.home() / ".cache" / "nanofn")
+
+
+def cached_checkpoint(name: str, build: Callable[[Path], object]) -> Path:
+    """``<cache>/<name>``, made by ``build(folder)`` on first use.
+
+    It is built in a temporary folder and renamed into place, so a folder under that name is
+    always complete, even when a build is interrupted or two processes build at once.
+    """
+    final = cache_dir() / name
+    if final.is_dir():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    print(f"nanofn: building {final} (once)", file=sys.stderr)
+    staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=final.parent))
+    staging.chmod(0o755)  # mkdtemp's folder is private; the cache is not
+    try:
+        build(staging)
+        os.rename(staging, final)
+    except OSError:
+        if not final.is_dir():  # else another process got there first: use its folder
+            raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return final
+
+
+def demo_model() -> Path:
+    """The folder of the built-in demo model (a tiny Qwen3 with random weights: its text is
+    gibberish), built into the cache folder on first use: ``LLM(nanofn.demo_model())``."""
+    return cached_checkpoint(DEMO_MODEL, lambda folder: make_tiny_checkpoint(folder, "qwen3"))
+
+
+def random_weights_model(preset: str) -> Path:
+    """The folder of ``preset``'s config and the tiny tokenizer, built on first use: a model to
+    run with ``load_format="dummy"``, whose weights are drawn on the device."""
+    return cached_checkpoint(f"config-{preset}",
+                             lambda folder: make_random_checkpoint(folder, preset, weights=False))
+
+
 def _qwen3_weight_shapes(c: Any) -> dict[str, tuple[int, ...]]:
     """Hugging Face parameter names and shapes of a Qwen3 model (vectors are norm weights)."""
-    hidden, inter, head_dim = c.hidden_size, c.intermediate_size, c.head_dim
-    q_size, kv_size = c.num_attention_heads * head_dim, c.num_key_value_heads * head_dim
-    shapes = {"model.embed_tokens.weight": (c.vocab_size, hidden), "model.norm.weight": (hidden,)}
+    shapes = {"model.embed_tokens.weight": (c.vocab_size, c.hidden_size),
+              "model.norm.weight": (c.hidden_size,)}
     for i in range(c.num_hidden_layers):
-        layer = f"model.layers.{i}."
-        shapes.update({
-            layer + "input_layernorm.weight": (hidden,),
-            layer + "post_attention_layernorm.weight": (hidden,),
-            layer + "self_attn.q_proj.weight": (q_size, hidden),
-            layer + "self_attn.k_proj.weight": (kv_size, hidden),
-            layer + "self_attn.v_proj.weight": (kv_size, hidden),
-            layer + "self_attn.o_proj.weight": (hidden, q_size),
-            layer + "self_attn.q_norm.weight": (head_dim,),
-            layer + "self_attn.k_norm.weight": (head_dim,),
-            layer + "mlp.gate_proj.weight": (inter, hidden),
-            layer + "mlp.up_proj.weight": (inter, hidden),
-            layer + "mlp.down_proj.weight": (hidden, inter),
-        })
+        shapes.update(_layer_shapes(f"model.layers.{i}.", c, _attention_shapes(c, gated=False)))
     if not c.tie_word_embeddings:
-        shapes["lm_head.weight"] = (c.vocab_size, hidden)
+        shapes["lm_head.weight"] = (c.vocab_size, c.hidden_size)
     return shapes
+
+
+def _qwen3_5_weight_shapes(config: Any) -> dict[str, tuple[int, ...]]:
+    """Hugging Face parameter names and shapes of a Qwen3.5 vision-language model's language
+    model (vectors are norm weights, and the linear-attention heads' ``A_log`` and ``dt_bias``)."""
+    c, prefix = config.text_config, "model.language_model."
+    shapes = {prefix + "embed_tokens.weight": (c.vocab_size, c.hidden_size),
+              prefix + "norm.weight": (c.hidden_size,)}
+    for i, layer_type in enumerate(c.layer_types):
+        mixer = (_linear_attention_shapes(c) if layer_type == "linear_attention"
+                 else _attention_shapes(c, gated=True))
+        shapes.update(_layer_shapes(f"{prefix}layers.{i}.", c, mixer))
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (c.vocab_size, c.hidden_size)
+    return shapes
+
+
+def _layer_shapes(layer: str, c: Any, mixer: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """A decoder layer's: its norms, its attention (``mixer``, names within the layer), its MLP."""
+    hidden, inter = c.hidden_size, c.intermediate_size
+    return {
+        layer + "input_layernorm.weight": (hidden,),
+        layer + "post_attention_layernorm.weight": (hidden,),
+        **{layer + name: shape for name, shape in mixer.items()},
+        layer + "mlp.gate_proj.weight": (inter, hidden),
+        layer + "mlp.up_proj.weight": (inter, hidden),
+        layer + "mlp.down_proj.weight": (hidden, inter),
+    }
+
+
+def _attention_shapes(c: Any, gated: bool) -> dict[str, tuple[int, ...]]:
+    """``gated`` (Qwen3.5): ``q_proj`` gives each head's output gate too."""
+    hidden, head_dim = c.hidden_size, c.head_dim
+    q_size, kv_size = c.num_attention_heads * head_dim, c.num_key_value_heads * head_dim
+    return {
+        "self_attn.q_proj.weight": ((2 if gated else 1) * q_size, hidden),
+        "self_attn.k_proj.weight": (kv_size, hidden),
+        "self_attn.v_proj.weight": (kv_size, hidden),
+        "self_attn.o_proj.weight": (hidden, q_size),
+        "self_attn.q_norm.weight": (head_dim,),
+        "self_attn.k_norm.weight": (head_dim,),
+    }
+
+
+def _linear_attention_shapes(c: Any) -> dict[str, tuple[int, ...]]:
+    hidden, v_heads = c.hidden_size, c.linear_num_value_heads
+    key_dim = c.linear_num_key_heads * c.linear_key_head_dim
+    value_dim = v_heads * c.linear_value_head_dim
+    return {
+        "linear_attn.in_proj_qkv.weight": (2 * key_dim + value_dim, hidden),
+        "linear_attn.in_proj_z.weight": (value_dim, hidden),
+        "linear_attn.in_proj_b.weight": (v_heads, hidden),
+        "linear_attn.in_proj_a.weight": (v_heads, hidden),
+        "linear_attn.conv1d.weight": (2 * key_dim + value_dim, 1, c.linear_conv_kernel_dim),
+        "linear_attn.A_log": (v_heads,),
+        "linear_attn.dt_bias": (v_heads,),
+        "linear_attn.norm.weight": (c.linear_value_head_dim,),
+        "linear_attn.out_proj.weight": (hidden, value_dim),
+    }
+
+
+def _vector_value(name: str, zero_centred_norms: bool) -> float:
+    """A random checkpoint's constant vectors: norms that scale by 1 (zero-centred ones, Qwen3.5's,
+    hold 0 for that; its gated norm is plain), and the linear-attention heads' ``dt_bias`` of 1
+    and ``A_log`` of 0 (decays of about exp(-1.3) a token)."""
+    if name.endswith(("linear_attn.norm.weight", "dt_bias")):
+        return 1.0
+    return 0.0 if zero_centred_norms or name.endswith("A_log") else 1.0
 
 
 @contextlib.contextmanager
@@ -240,6 +429,44 @@ def _perturb_norms_and_biases(model: torch.nn.Module, std: float) -> None:
                 param.normal_(0.0, std)
             elif "norm" in name:
                 param.uniform_(0.5, 1.5)
+
+
+def _tune_linear_attention(model: torch.nn.Module) -> None:
+    """Qwen3.5's weights where the common draw would mislead: its zero-centred norms (which
+    scale by ``1 + w``, initialised to 0) moved back around 0, and decays that keep some memory.
+
+    The decay of a linear-attention head is ``exp(-exp(A_log) * softplus(a + dt_bias))``. With
+    transformers' ``A = exp(A_log)`` up to 16 and ``a`` drawn as large as the other projections'
+    outputs, most heads would forget everything at every token, leaving a test of the state
+    nothing to check: ``A`` is drawn in [0.01, 0.1] and ``in_proj_a`` smaller, for decays of
+    about 0.86 to 0.997 a token (the first of 20 tokens still sways the greedy output).
+    """
+    import torch
+
+    with torch.no_grad():
+        for module in model.modules():
+            kind = type(module).__name__
+            if kind == "Qwen3_5RMSNorm":
+                module.weight.sub_(1.0)
+            elif kind == "Qwen3_5GatedDeltaNet":
+                module.A_log.copy_(torch.empty_like(module.A_log).uniform_(0.01, 0.1).log())
+                module.in_proj_a.weight.mul_(0.05)
+
+
+def _add_mtp_weights(path: Path, text_config: Any, seed: int) -> None:
+    """Two multi-token-prediction tensors, as Qwen3.5's checkpoints carry (``mtp.*``), which
+    neither transformers nor nanofn's forward uses."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    generator = torch.Generator().manual_seed(seed)
+    hidden = text_config.hidden_size
+    weights = path / "model.safetensors"
+    tensors = load_file(weights)
+    dtype = tensors["model.language_model.embed_tokens.weight"].dtype
+    tensors["mtp.fc.weight"] = torch.randn(hidden, 2 * hidden, generator=generator).to(dtype)
+    tensors["mtp.norm.weight"] = torch.randn(hidden, generator=generator).to(dtype)
+    save_file(tensors, weights, metadata={"format": "pt"})
 
 
 def _make_tokenizer():

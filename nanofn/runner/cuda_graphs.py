@@ -30,7 +30,7 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
-from nanofn.model.batch import AttentionBatch
+from nanofn.model.batch import AttentionBatch, RecurrentState
 from nanofn.runner.inputs import SlotTables
 from nanofn.state.plan import PENDING_TOKEN, BatchPlan
 
@@ -85,9 +85,13 @@ class StagedInputs:
 class DecodeGraphs:
     def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor, tables: SlotTables,
                  max_batch: int, block_size: int, hidden_size: int,
-                 slot_temperature: torch.Tensor | None = None):
+                 slot_temperature: torch.Tensor | None = None,
+                 states: RecurrentState | None = None):
         """``slot_temperature`` (float32 per slot, 0 for greedy, the spare slot last): capture
-        the sampling graphs too."""
+        the sampling graphs too. ``states``: a hybrid model's, read and written in place by
+        slot (``tables.state_slot``; the padding rows' spare slot has a state slot of its
+        own)."""
+        self.states = states
         device = kv_cache.device
         self.sizes = graph_batch_sizes(max_batch)
         self.tables = tables
@@ -101,6 +105,7 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.sampling_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.staged.buffer[POSITIONS] = -1  # all padding, for the warm-up and the capture
+        self.staged.buffer[SLOTS] = self.spare_slot
         self.staged.buffer[ENTRY_SLOTS] = self.spare_slot
         self.staged.buffer[SAMPLING_SLOTS] = self.spare_slot
         self.staged.buffer[DECODE_ORDER] = torch.arange(max_batch)
@@ -124,7 +129,10 @@ class DecodeGraphs:
         def run() -> None:
             ids, positions, batch = decode_inputs(fields, self.tables, self.block_size,
                                                   query_start)
-            hidden = model(ids, positions, batch, kv_cache)
+            if self.states is None:
+                hidden = model(ids, positions, batch, kv_cache)
+            else:
+                hidden = model(ids, positions, batch, kv_cache, self.states)
             if sample:  # (the draw reads them in the graph: no copy out)
                 sample_in_graph(model, hidden, fields, self.tables, self.slot_temperature,
                                 self.tokens[:size])
@@ -171,6 +179,7 @@ def fill_fields(fields: np.ndarray, plan: BatchPlan, size: int, spare_slot: int)
     u = len(entries)
     fields[:, b:size] = 0
     fields[POSITIONS, b:size] = -1
+    fields[SLOTS, b:size] = spare_slot  # (whose recurrent state, a hybrid model's, is spare)
     fields[IDS, :b] = plan.token_ids
     fields[POSITIONS, :b] = plan.start_pos
     fields[SLOTS, :b] = plan.slots
@@ -223,5 +232,8 @@ def decode_inputs(fields: torch.Tensor, tables: SlotTables, block_size: int,
         seq_lens_host=(1,) * size,  # not read by decode attention
         decode_only=True,
         decode_order=fields[DECODE_ORDER],
+        **({} if tables.state_slot is None else {
+            "state_slots": tables.state_slot[fields[SLOTS].long()],
+            "has_initial_state": rows.positions > 0}),
     )
     return rows.ids, rows.positions, batch

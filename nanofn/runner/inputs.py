@@ -28,13 +28,17 @@ class ModelInputs:
 
 
 class SlotTables:
-    """Per slot, on the device: the block table, and the token sampled last. Both have a spare
+    """Per slot, on the device: the block table, the token sampled last and, for a hybrid
+    model, the recurrent-state slot (``state_slot``) its sequence works in. Each has a spare
     last slot, where writes that must go somewhere harmless go (CUDA graphs' padding)."""
 
-    def __init__(self, max_seqs: int, max_blocks_per_seq: int, device: torch.device):
+    def __init__(self, max_seqs: int, max_blocks_per_seq: int, device: torch.device,
+                 hybrid: bool = False):
         self.table = torch.zeros(max_seqs + 1, max_blocks_per_seq, dtype=torch.int32,
                                  device=device)
         self.last_tokens = torch.zeros(max_seqs + 1, dtype=torch.int64, device=device)
+        self.state_slot = (torch.zeros(max_seqs + 1, dtype=torch.int64, device=device)
+                           if hybrid else None)
 
     def keep_sampled(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
         if len(slots):
@@ -97,5 +101,7 @@ def prepare_inputs(plan: BatchPlan, block_size: int, tables: SlotTables,
         query_lens_host=tuple(counts.tolist()),
         seq_lens_host=tuple(seq_lens.tolist()),
         decode_only=decode_only,
+        **({} if tables.state_slot is None else {
+            "state_slots": tables.state_slot[slots_t], "has_initial_state": starts_t > 0}),
     )
     return ModelInputs(ids, positions, batch, sample_rows, sampling_slots)

@@ -13,8 +13,11 @@ import torch.distributed as dist
 
 from nanofn.kernels import TORCH_KERNELS, KernelBackend
 from nanofn.model import ModelShape, build_model, load_weights, model_shape, resolve_dtype
+from nanofn.model.batch import RecurrentState
+from nanofn.model.config import text_config
+from nanofn.model.loader import init_dummy_weights
 from nanofn.runner.cuda_graphs import DecodeGraphs
-from nanofn.runner.inputs import SlotTables, prepare_inputs
+from nanofn.runner.inputs import ModelInputs, SlotTables, prepare_inputs
 from nanofn.runner.sampler import DeviceSample, Sampler, SamplingRows, to_device
 from nanofn.runner.timeline import DeviceTimeline
 from nanofn.state.config import blocks_for
@@ -47,6 +50,8 @@ class RunnerConfig:
     tp_size: int
     tp_rank: int = 0
     cpu_threads: int | None = None  # torch's threads on a CPU; None: torch's (and on a GPU)
+    num_state_slots: int | None = None  # a hybrid model's recurrent-state slots; None: from memory
+    load_format: str = "auto"  # "dummy": random weights from the config (``init_dummy_weights``)
 
     @property
     def max_blocks_per_seq(self) -> int:
@@ -80,22 +85,37 @@ class ModelRunner:
             torch.set_num_threads(config.cpu_threads)
         self.dtype = resolve_dtype(hf_config, config.dtype)
         self.shape = model_shape(hf_config, config.tp_size)
+        text = text_config(hf_config)  # a vision-language config's language model, else the same
         self.kernels = choose_kernels(config, self.dtype, self.shape,
-                                      hf_config.num_attention_heads // config.tp_size)
+                                      text.num_attention_heads // config.tp_size)
         self.model = build_model(hf_config, dtype=self.dtype, device=config.device,
                                  tp_rank=config.tp_rank, tp_size=config.tp_size,
                                  max_model_len=config.max_model_len, kernels=self.kernels)
-        load_weights(self.model, config.model_dir)
+        if config.load_format == "dummy":
+            init_dummy_weights(self.model, config.seed or 0)
+        else:
+            load_weights(self.model, config.model_dir)
         self.sampler = Sampler(config.seed, config.device)
-        self.num_blocks = self._decide_num_blocks()
+        self.num_blocks, self.num_state_slots = self._decide_cache_sizes()
         if config.tp_size > 1:  # every rank must hold the same blocks: take the smallest
-            agreed = torch.tensor([self.num_blocks], device=config.device)
+            agreed = torch.tensor([self.num_blocks, self.num_state_slots or 0],
+                                  device=config.device)
             dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
-            self.num_blocks = int(agreed.item())
+            self.num_blocks = int(agreed[0].item())
+            self.num_state_slots = int(agreed[1].item()) or None
         self.kv_cache = torch.zeros(self.shape.kv_cache_shape(self.num_blocks, config.block_size),
                                     dtype=self.dtype, device=config.device)
-        self.slot_tables = SlotTables(config.max_num_seqs, config.max_blocks_per_seq, self.device)
+        hybrid = self.shape.recurrent is not None
+        # (a hybrid model's states have one slot more, the spare runner slot's: a decode
+        # graph's padding rows update it, and nothing reads it)
+        self.states = (RecurrentState.zeros(self.shape.recurrent, self.num_state_slots + 1,
+                                            self.dtype, config.device) if hybrid else None)
+        self.slot_tables = SlotTables(config.max_num_seqs, config.max_blocks_per_seq, self.device,
+                                      hybrid)
+        if hybrid:
+            self.slot_tables.state_slot[-1] = self.num_state_slots
         self.slot_params = SlotParams(config.max_num_seqs)
+        self._state_slot_of = np.full(config.max_num_seqs, -1, np.int64)  # by runner slot
         self._sampling_slots = torch.zeros(0, dtype=torch.int64, device=self.device)
         self.timeline: DeviceTimeline | None = None  # set, on CUDA, to measure the busy time
         self._work_start = None  # the timeline's mark where the launched step's work begins
@@ -110,14 +130,17 @@ class ModelRunner:
                 self.slot_temperature = torch.zeros(config.max_num_seqs + 1, device=self.device)
             self.graphs = DecodeGraphs(self.model, self.kv_cache, self.slot_tables,
                                        min(config.max_num_seqs, 512), config.block_size,
-                                       hf_config.hidden_size, self.slot_temperature)
+                                       text.hidden_size, self.slot_temperature, self.states)
+        if self.graphs is not None:
             from nanofn.runner.prefill_graphs import PrefillGraphs  # (imports Triton)
 
-            qkv_proj = self.model.model.layers[0].self_attn.qkv_proj  # this rank's heads
+            attention = next(layer.self_attn for layer in self.model.model.layers
+                             if hasattr(layer, "self_attn"))  # (a hybrid's first is linear)
+            qkv_proj = attention.qkv_proj  # this rank's heads
             self.prefill_graphs = PrefillGraphs(
                 self.model, self.kv_cache, self.slot_tables, config.max_num_batched_tokens,
-                config.block_size, hf_config.hidden_size, qkv_proj.num_heads,
-                qkv_proj.num_kv_heads)
+                config.block_size, text.hidden_size, qkv_proj.num_heads,
+                qkv_proj.num_kv_heads, self.states)
 
     @torch.inference_mode()
     def launch(self, plan: BatchPlan, token_bitmask: TokenBitmask | None = None) -> DeviceSample:
@@ -132,8 +155,10 @@ class ModelRunner:
             self._start(plan.started)
             greedy = not self.slot_params.floats[sampling_slots, SlotParams.TEMPERATURE].any()
             key_base = 0 if greedy else self.sampler.key_base()  # as the eager sampler draws
+            self._states_before(plan)
             sample = DeviceSample.start(self.graphs.sample(plan, key_base),
                                         len(plan.sampling_seq_ids))
+            self._states_after(plan)
         else:
             logits = self.forward(plan)
             num_sampling = len(plan.sampling_seq_ids)
@@ -145,6 +170,41 @@ class ModelRunner:
         if self._work_start is not None:
             self.timeline.add(self._work_start, _step_kind(plan))
         return sample
+
+    def _states_before(self, plan: BatchPlan) -> None:
+        """A hybrid model's state work before a plan's (every rank): the starting sequences'
+        state slots, and the saved states they start from copied in."""
+        if plan.started and self.states is not None:
+            self._start_states(plan.started)
+        if plan.state_restores:
+            self._copy_states(plan.state_restores)
+
+    def _states_after(self, plan: BatchPlan) -> None:
+        """A hybrid model's state work after a plan's: its saves."""
+        if plan.state_saves:
+            self._copy_states(self._saved_states(plan))
+
+    def _start_states(self, started: tuple[SeqStart, ...]) -> None:
+        """The starting sequences' state slots, by runner slot, on the host (for the saves)
+        and on the device (every path reads them there, graphs too)."""
+        slots = np.array([s.slot for s in started], np.int64)
+        states = np.array([s.state_slot for s in started], np.int64)
+        self._state_slot_of[slots] = states
+        self.slot_tables.state_slot[to_device(slots, self.device)] = to_device(states,
+                                                                             self.device)
+
+    def _copy_states(self, pairs: tuple[tuple[int, int], ...] | list) -> None:
+        """Copy recurrent states between slots: whole states, ``(from, to)`` pairs (the plan's
+        restores before its work, its saves after it; stream order keeps them apart)."""
+        sources, targets = (to_device(np.array(side, np.int64), self.device)
+                            for side in zip(*pairs))
+        for part in (self.states.conv, self.states.ssm):
+            part[targets] = part[sources]
+
+    def _saved_states(self, plan: BatchPlan) -> list[tuple[int, int]]:
+        """The plan's saves as ``(working slot, saved slot)`` pairs."""
+        working = self._state_slot_of
+        return [(working[int(plan.slots[i])], slot) for i, slot in plan.state_saves]
 
     def _samples_in_graph(self, plan: BatchPlan, sampling_slots: np.ndarray) -> bool:
         """Whether a decode graph can sample this plan: every sampling row plain (see
@@ -178,6 +238,7 @@ class ModelRunner:
         """The logits of the sampling sequences, ``[S, vocab]`` float32, followed by those of
         the positions ``plan.prompt_logprobs`` asks about (every rank runs this; rank 0
         samples)."""
+        self._states_before(plan)
         if self.graphs is not None and self.graphs.fits(plan):
             hidden, sample_rows, self._sampling_slots = self.graphs.forward(plan)
         elif self.prefill_graphs is not None and self.prefill_graphs.fits(plan):
@@ -187,7 +248,8 @@ class ModelRunner:
             if self.timeline is not None:  # (an idle device waited for the inputs' layout: the
                 self._work_start = self.timeline.mark()  # step's work starts with its layers)
             self._sampling_slots, sample_rows = inputs.sampling_slots, inputs.sample_rows
-            hidden = self.model(inputs.input_ids, inputs.positions, inputs.batch, self.kv_cache)
+            hidden = self._run_model(inputs, self.kv_cache, self.states)
+        self._states_after(plan)
         # The starting sequences' temperatures, once the model's work is queued: only the
         # sampling graphs read them, so the device need not wait for their copies to start.
         self._start(plan.started)
@@ -198,22 +260,32 @@ class ModelRunner:
             hidden = hidden[sample_rows]
         return self.model.compute_logits(hidden)
 
-    def _decide_num_blocks(self) -> int:
+    def _run_model(self, inputs: ModelInputs, kv_cache: torch.Tensor,
+                   states: RecurrentState | None) -> torch.Tensor:
+        if states is None:
+            return self.model(inputs.input_ids, inputs.positions, inputs.batch, kv_cache)
+        return self.model(inputs.input_ids, inputs.positions, inputs.batch, kv_cache, states)
+
+    def _decide_cache_sizes(self) -> tuple[int, int | None]:
+        """The KV blocks and, for a hybrid model, the recurrent-state slots: given, or from
+        one memory budget (``cache_sizes``)."""
         c = self.config
         block_bytes = self.shape.block_bytes(c.block_size, self.dtype)
+        state_bytes = self.shape.state_bytes(self.dtype)
         if c.num_kv_blocks is not None:
-            return c.num_kv_blocks
-        if c.kv_cache_memory_bytes is not None:
-            return c.kv_cache_memory_bytes // block_bytes
-        if self.device.type != "cuda":  # no more than max_num_seqs full sequences can use
-            usable = c.max_num_seqs * c.max_blocks_per_seq
-            return min(CPU_KV_CACHE_BYTES // block_bytes, usable)
-        return self._profile_cuda_blocks(block_bytes)
+            budget = None
+        elif c.kv_cache_memory_bytes is not None:
+            budget = c.kv_cache_memory_bytes
+        elif self.device.type != "cuda":
+            budget = CPU_KV_CACHE_BYTES
+        else:
+            budget = self._profile_cuda_budget()
+        return cache_sizes(c, budget, block_bytes, state_bytes)
 
     @torch.inference_mode()
-    def _profile_cuda_blocks(self, block_bytes: int) -> int:
-        """Blocks that fit in ``gpu_memory_utilization`` of the GPU once the weights and the
-        activations of the largest step (measured by running one) have their share."""
+    def _profile_cuda_budget(self) -> int:
+        """Bytes left for the caches in ``gpu_memory_utilization`` of the GPU once the weights
+        and the activations of the largest step (measured by running one) have their share."""
         c = self.config
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
@@ -223,17 +295,15 @@ class ModelRunner:
         scratch_bytes = self._run_largest_step()
         activations = torch.cuda.max_memory_allocated(self.device) - base - scratch_bytes
         torch.cuda.empty_cache()
-        budget = total * c.gpu_memory_utilization - used_elsewhere - activations
-        num_blocks = int(budget // block_bytes)
-        log.info("KV cache: %d blocks of %d tokens (%.2f GiB); activations %.2f GiB",
-                 num_blocks, c.block_size, num_blocks * block_bytes / 2**30, activations / 2**30)
-        if num_blocks <= 0:
+        budget = int(total * c.gpu_memory_utilization - used_elsewhere - activations)
+        log.info("caches: %.2f GiB; activations %.2f GiB", budget / 2**30, activations / 2**30)
+        if budget <= 0:
             raise RuntimeError(
                 f"no GPU memory left for the KV cache: {used_elsewhere / 2**30:.1f} GiB in use "
                 f"before the cache, {activations / 2**30:.1f} GiB of activations, "
                 f"gpu_memory_utilization {c.gpu_memory_utilization}; raise it or lower "
                 f"max_num_batched_tokens")
-        return num_blocks
+        return budget
 
     def _run_largest_step(self) -> int:
         """One forward pass of ``max_num_batched_tokens`` prompt tokens spread over
@@ -246,14 +316,48 @@ class ModelRunner:
         blocks_per_seq = blocks_for(max(lens), c.block_size)
         scratch = torch.zeros(self.shape.kv_cache_shape(num_seqs * blocks_per_seq, c.block_size),
                               dtype=self.dtype, device=self.device)
-        tables = SlotTables(num_seqs, blocks_per_seq, self.device)
+        hybrid = self.shape.recurrent is not None
+        # (every sequence starts from zeros in one scratch slot: their states are not kept)
+        states = (RecurrentState.zeros(self.shape.recurrent, 1, self.dtype, self.device)
+                  if hybrid else None)
+        tables = SlotTables(num_seqs, blocks_per_seq, self.device, hybrid)
         inputs = prepare_inputs(_prefill_plan(lens, blocks_per_seq), c.block_size, tables,
                                 self.device)
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.batch, scratch)
+        hidden = self._run_model(inputs, scratch, states)
         logits = self.model.compute_logits(hidden[inputs.sample_rows])
         logits.sort(dim=-1)
         torch.cuda.synchronize(self.device)
-        return scratch.numel() * scratch.element_size()
+        state_bytes = 0 if states is None else sum(
+            part.numel() * part.element_size() for part in (states.conv, states.ssm))
+        return scratch.numel() * scratch.element_size() + state_bytes
+
+
+STATE_SHARE = 0.5  # at most this share of the cache budget goes to recurrent states
+
+
+def cache_sizes(config: RunnerConfig, budget: int | None, block_bytes: int,
+                state_bytes: int) -> tuple[int, int | None]:
+    """``(KV blocks, state slots)`` in ``budget`` bytes (None: ``num_kv_blocks`` is given).
+
+    A hybrid model (``state_bytes`` > 0) needs a state slot per running sequence and more for
+    the saved states of the prefix cache: ``num_state_slots`` if given, else twice
+    ``max_num_seqs``, within ``STATE_SHARE`` of the budget (a 9B Qwen3.5's state is ~50 MB:
+    512 of them would take half an H100). The blocks take the rest. Other models: all
+    blocks, no slots. On a CPU, blocks past what ``max_num_seqs`` full sequences can use are
+    not made."""
+    slots = None
+    if state_bytes:
+        slots = config.num_state_slots
+        if slots is None:
+            within = 2 * config.max_num_seqs if budget is None else int(
+                budget * STATE_SHARE // state_bytes)
+            slots = max(1, min(2 * config.max_num_seqs, within))
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks, slots
+    blocks = (budget - (slots + 1 if slots else 0) * state_bytes) // block_bytes  # (+ the spare)
+    if config.device.type != "cuda" and config.kv_cache_memory_bytes is None:
+        blocks = min(blocks, config.max_num_seqs * config.max_blocks_per_seq)
+    return max(int(blocks), 0), slots
 
 
 def check_kv_cache_size(hf_config: Any, config: RunnerConfig) -> None:
@@ -264,7 +368,9 @@ def check_kv_cache_size(hf_config: Any, config: RunnerConfig) -> None:
     elif config.kv_cache_memory_bytes is not None:
         shape = model_shape(hf_config, config.tp_size)
         dtype = resolve_dtype(hf_config, config.dtype)
-        blocks = config.kv_cache_memory_bytes // shape.block_bytes(config.block_size, dtype)
+        blocks, _ = cache_sizes(config, config.kv_cache_memory_bytes,
+                                shape.block_bytes(config.block_size, dtype),
+                                shape.state_bytes(dtype))
     else:
         return
     if blocks < config.max_blocks_per_seq:
@@ -357,7 +463,8 @@ def _prefill_plan(lens: list[int], blocks_per_seq: int) -> BatchPlan:
     seqs = [ScheduledSeq(f"profile-{i}", i, (0,) * n, 0, True,
                          tuple((col, i * blocks_per_seq + col) for col in range(blocks_per_seq)))
             for i, n in enumerate(lens)]
-    return plan_of(0, seqs, [SeqStart(i, f"profile-{i}", params, n) for i, n in enumerate(lens)])
+    return plan_of(0, seqs, [SeqStart(i, f"profile-{i}", params, n, state_slot=0)
+                             for i, n in enumerate(lens)])
 
 
 class SlotParams:

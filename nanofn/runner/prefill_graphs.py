@@ -29,7 +29,8 @@ import numpy as np
 import torch
 
 from nanofn.kernels.triton_attention import prefill_block_q, prefill_sms, prefill_tile_map
-from nanofn.model.batch import AttentionBatch
+from nanofn.kernels.triton_linear_attention import FLA_CHUNK, prefill_chunks
+from nanofn.model.batch import AttentionBatch, RecurrentState
 from nanofn.runner.cuda_graphs import StagedInputs, capture
 from nanofn.runner.inputs import SlotTables, cache_slots
 from nanofn.state.plan import BatchPlan, empty_plan
@@ -51,26 +52,35 @@ def tiles_for(num_tokens: int, block_q: int) -> int:
     return -(-num_tokens // block_q) + PREFILL_GRAPH_SEQS
 
 
+def chunks_for(num_tokens: int) -> int:
+    """The most chunks of the chunked delta rule (a hybrid model's) in a graph of
+    ``num_tokens`` token rows."""
+    return -(-num_tokens // FLA_CHUNK) + PREFILL_GRAPH_SEQS
+
+
 class InputLayout:
     """Where each input lives in the flat int32 buffer: token fields ``[3, T]`` (ids,
     positions, sequence index), sequence fields ``[5, S + 1]`` (slot, context length, query
-    start, sample row, sampling slot), entry fields ``[3, E]`` (slot, column, block) and the
-    tile map ``[N, 2]``, long enough for tiles of ``min_block_q`` queries or more."""
+    start, sample row, sampling slot), entry fields ``[3, E]`` (slot, column, block), the
+    tile map ``[N, 2]``, long enough for tiles of ``min_block_q`` queries or more, and the
+    chunked delta rule's chunks ``[C, 2]`` (a hybrid model's)."""
 
     def __init__(self, max_tokens: int, max_entries: int, min_block_q: int):
         self.max_tokens, self.max_entries = max_tokens, max_entries
         self.max_tiles = tiles_for(max_tokens, min_block_q)
+        self.max_chunks = chunks_for(max_tokens)
         t, s, e = max_tokens, PREFILL_GRAPH_SEQS + 1, max_entries
-        self.sizes = (3 * t, 5 * s, 3 * e, 2 * self.max_tiles)
+        self.sizes = (3 * t, 5 * s, 3 * e, 2 * self.max_tiles, 2 * self.max_chunks)
         self.size = sum(self.sizes)
         self._ends = np.cumsum(self.sizes).tolist()
 
     def views(self, flat):
-        """``(tokens, seqs, entries, tiles)`` views of a flat buffer (numpy or torch)."""
+        """``(tokens, seqs, entries, tiles, chunks)`` views of a flat buffer (numpy or
+        torch)."""
         t, s, e = self.max_tokens, PREFILL_GRAPH_SEQS + 1, self.max_entries
-        a, b, c, _ = self._ends
+        a, b, c, d, _ = self._ends
         return (flat[:a].reshape(3, t), flat[a:b].reshape(5, s), flat[b:c].reshape(3, e),
-                flat[c:].reshape(self.max_tiles, 2))
+                flat[c:d].reshape(self.max_tiles, 2), flat[d:].reshape(self.max_chunks, 2))
 
 
 IDS, POSITIONS, SEQ_INDEX = range(3)
@@ -83,7 +93,7 @@ def fill_prefill_inputs(flat: np.ndarray, layout: InputLayout, plan: BatchPlan,
     """Lay a plan (at most ``PREFILL_GRAPH_SEQS`` sequences, ``layout.max_tokens`` tokens and
     ``layout.max_entries`` entries) into ``flat``, the rest as padding; the tile map in tiles
     of ``block_q`` queries."""
-    tokens, seqs, entries, tiles = layout.views(flat)
+    tokens, seqs, entries, tiles, chunks = layout.views(flat)
     counts, starts, slots = plan.num_scheduled, plan.start_pos, plan.slots
     n, t, u = len(counts), plan.num_tokens, len(plan.block_entries)
     ends = np.cumsum(counts)
@@ -112,13 +122,14 @@ def fill_prefill_inputs(flat: np.ndarray, layout: InputLayout, plan: BatchPlan,
     work = prefill_tile_map(counts.tolist(), (starts + counts).tolist(), block_q)
     tiles[:len(work)] = work
     tiles[len(work):] = (-1, 0)
+    chunks[:] = prefill_chunks(counts.tolist(), PREFILL_GRAPH_SEQS, layout.max_chunks)
 
 
 def graph_prefill_inputs(views, tables: SlotTables, block_size: int, num_tokens: int,
                          num_tiles: int) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch]:
     """The model's inputs from the device buffer's views, for a graph of ``num_tokens`` token
     rows (captured: no host values)."""
-    tokens, seqs, entries, tiles = views
+    tokens, seqs, entries, tiles, chunks = views
     slots = seqs[SLOT, :PREFILL_GRAPH_SEQS].long()
     seq_index = tokens[SEQ_INDEX, :num_tokens].long()
     valid = tokens[POSITIONS, :num_tokens] >= 0
@@ -126,6 +137,12 @@ def graph_prefill_inputs(views, tables: SlotTables, block_size: int, num_tokens:
     ids = tables.resolve_pending(tokens[IDS, :num_tokens].long(), slots[seq_index])
     tables.table[entries[ENTRY_SLOT].long(), entries[ENTRY_COLUMN].long()] = entries[ENTRY_BLOCK]
     block_tables = tables.table[slots]
+    states = {}
+    if tables.state_slot is not None:  # a hybrid model's
+        query_start = seqs[QUERY_START]
+        first_positions = seqs[SEQ_LEN, :PREFILL_GRAPH_SEQS] - (query_start[1:] - query_start[:-1])
+        states = dict(state_slots=tables.state_slot[slots], has_initial_state=first_positions > 0,
+                      linear_chunks=chunks[:chunks_for(num_tokens)].long())
     batch = AttentionBatch(
         slot_mapping=torch.where(valid, cache_slots(block_tables, seq_index, positions,
                                                     block_size), -1),
@@ -136,6 +153,7 @@ def graph_prefill_inputs(views, tables: SlotTables, block_size: int, num_tokens:
         seq_lens_host=(),
         decode_only=False,
         prefill_tiles=tiles[:num_tiles],
+        **states,
     )
     return ids, positions, batch
 
@@ -143,9 +161,12 @@ def graph_prefill_inputs(views, tables: SlotTables, block_size: int, num_tokens:
 class PrefillGraphs:
     def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor, tables: SlotTables,
                  max_num_batched_tokens: int, block_size: int, hidden_size: int,
-                 num_heads: int, num_kv_heads: int):
-        """``num_heads``, ``num_kv_heads``: this rank's (they set the tile map's tiles)."""
+                 num_heads: int, num_kv_heads: int, states: RecurrentState | None = None):
+        """``num_heads``, ``num_kv_heads``: this rank's (they set the tile map's tiles).
+        ``states``: a hybrid model's (the padding sequences' spare slot has a state slot of
+        its own, and its chunked delta rule takes its chunks from the inputs)."""
         device = kv_cache.device
+        self.states = states
         self.sizes = prefill_graph_tokens(max_num_batched_tokens)
         self.tables, self.block_size = tables, block_size
         self.spare_slot = tables.table.shape[0] - 1
@@ -175,7 +196,10 @@ class PrefillGraphs:
         def run() -> None:
             ids, positions, batch = graph_prefill_inputs(views, self.tables, self.block_size,
                                                          size, num_tiles)
-            self.hidden[:size] = model(ids, positions, batch, kv_cache)
+            if self.states is None:
+                self.hidden[:size] = model(ids, positions, batch, kv_cache)
+            else:
+                self.hidden[:size] = model(ids, positions, batch, kv_cache, self.states)
         return run
 
     def fits(self, plan: BatchPlan) -> bool:

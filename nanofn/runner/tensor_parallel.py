@@ -89,7 +89,8 @@ class TensorParallelExecutor:
             self._wait_for_workers()
             threading.Thread(target=self._watch, name="nanofn-tp-watchdog", daemon=True).start()
             ready = [self._receive(pipe) for pipe in self._pipes]  # once each runner is built
-            self.num_blocks, self.dtype = ready[0]  # (the ranks agreed on the blocks)
+            # (the ranks agreed on the blocks and state slots)
+            self.num_blocks, self.num_state_slots, self.dtype = ready[0]
         except BaseException:
             self.close()
             raise
@@ -282,7 +283,7 @@ def _worker_main(hf_config: Any, config: RunnerConfig, store_port: int, pipe, re
         pipe.send("started")
         _join_group(config, store_port)
         runner = ModelRunner(hf_config, config)
-        pipe.send((runner.num_blocks, runner.dtype))
+        pipe.send((runner.num_blocks, runner.num_state_slots, runner.dtype))
         if config.tp_rank == 0:
             _serve_rank_0(runner, pipe, reports)
         else:

@@ -24,8 +24,10 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
+from nanofn import __version__
 from nanofn.engine.outputs import RequestOutput
 from nanofn.server.async_engine import AsyncLLM, EngineDead
+from nanofn.server.chat_output import ChatOptions, ChatOutput
 from nanofn.server.limits import ServerLimits
 from nanofn.server.metrics import Metrics
 from nanofn.server.prompts import OFF_LOOP_BYTES, PromptMaker
@@ -34,20 +36,23 @@ from nanofn.server.requests import (APIError, completion_prompts, param_of, samp
 from nanofn.server.responses_api import (ResponseShape, chat_body, response_events,
                                          responses_params)
 from nanofn.server.shapes import Shape, sse
+from nanofn.server.tools import request_tools, tool_choice
 from nanofn.state import InvalidRequest, SamplingParams
 
-VERSION = "0.1.0"
+VERSION = __version__  # pyproject.toml's, for /version
 log = logging.getLogger("nanofn")
 T = TypeVar("T")
 
 
 def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None,
+              chat_options: ChatOptions | None = None,
               limits: ServerLimits = ServerLimits()) -> FastAPI:
     """The app; ``app.state.shutdown.begin()`` starts SIGTERM's grace period."""
     app = FastAPI(title="nanofn", version=VERSION)
     install_error_handlers(app)
+    chat_options = chat_options or ChatOptions()
     metrics = Metrics(llm)
-    prompts = PromptMaker(llm.tokenizer, llm.max_model_len, limits)
+    prompts = PromptMaker(llm.tokenizer, llm.max_model_len, limits, chat_options)
     shutdown = app.state.shutdown = Shutdown(llm, limits.shutdown_timeout)
 
     def authorize(request: Request) -> None:
@@ -98,7 +103,8 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None,
     async def tokenize(request: Request) -> dict:
         body, off_loop = await read(request)
         if "messages" in body:
-            tokens = (await prompts.chat(body, None, off_loop))["prompt_token_ids"]
+            tokens = (await prompts.chat(body, None, off_loop,
+                                         request_tools(body)))["prompt_token_ids"]
         elif isinstance(body.get("prompt"), str):
             tokens = await prompts.text(body["prompt"], body.get("add_special_tokens", True),
                                         off_loop)
@@ -135,11 +141,15 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None,
         authorize(request)
         body, off_loop = await read(request)
         _check_model(body, model_name)
-        params = sampling_params(body, chat=True, defaults=llm.generation_defaults)
-        prompt = await prompts.chat(body, params, off_loop)
+        tools = request_tools(body)
+        choice = tool_choice(body, tools, chat_options.auto_tool_parser)
+        params = sampling_params(body, chat=True, defaults=llm.generation_defaults,
+                                 tool_constraint=choice.constraint)
+        prompt = await prompts.chat(body, params, off_loop, tools)
+        output = ChatOutput.for_request(body, prompt["prompt"], params, chat_options, choice)
         return await _answer_chunks(request, body, start([prompt], params), Shape(
             f"chatcmpl-{secrets.token_hex(12)}", int(time.time()), model_name, True, params,
-            body, llm.tokenizer.decode))
+            body, llm.tokenizer.decode, output))
 
     @app.post("/v1/responses")
     async def responses(request: Request) -> Response:

@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 
 from tokenizers import Tokenizer
 
+from nanofn.server.chat_output import ChatOptions
 from nanofn.server.limits import ServerLimits
 from nanofn.server.requests import APIError, chat_prompt
 from nanofn.state import SamplingParams
@@ -34,8 +35,10 @@ T = TypeVar("T")
 class PromptMaker:
     """The engine prompts of the API's requests, for one tokenizer and the server's limits."""
 
-    def __init__(self, tokenizer: Any, max_model_len: int, limits: ServerLimits):
+    def __init__(self, tokenizer: Any, max_model_len: int, limits: ServerLimits,
+                 chat_options: ChatOptions):
         self.tokenizer = tokenizer
+        self.chat_options = chat_options
         self.max_model_len = max_model_len
         self.max_chars_per_token = limits.max_chars_per_token
         self.max_n = limits.max_n
@@ -63,13 +66,14 @@ class PromptMaker:
         return await _run(off_loop, make)
 
     async def chat(self, body: dict, params: SamplingParams | None, off_loop: bool,
-                   param: str = "messages") -> dict:
-        """The engine prompt of a chat request's ``messages`` (``params`` None: no length
-        limit, for /tokenize)."""
+                   tools: list[dict] | None = None, param: str = "messages") -> dict:
+        """The engine prompt of a chat request's ``messages`` and ``tools`` (``params`` None:
+        no length limit, for /tokenize)."""
         if params is not None:
             self._check_sequences(params.n, 1)
         self._check_chars(conversation_chars(body.get("messages")), param)
-        prompt = await _run(off_loop, chat_prompt, self.tokenizer, body)
+        prompt = await _run(off_loop, chat_prompt, self.tokenizer, body, self.chat_options,
+                            tools)
         most = None if params is None else self._most_tokens(params)
         if most is not None and len(prompt["prompt_token_ids"]) > most:
             raise self._too_many_tokens(len(prompt["prompt_token_ids"]), param)

@@ -3,13 +3,17 @@ that name the field (``APIError``, OpenAI's JSON shape)."""
 
 from __future__ import annotations
 
-from typing import Any
+import json
+from typing import TYPE_CHECKING, Any
 
 from fastapi.responses import JSONResponse
 
 from nanofn.engine.chat import render_chat
 from nanofn.state import SamplingParams
 from nanofn.state.params import STRUCTURED_KINDS
+
+if TYPE_CHECKING:
+    from nanofn.server.chat_output import ChatOptions
 
 # Body fields that map to SamplingParams fields of the same name (vLLM's extras included).
 SAME_NAME = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
@@ -52,44 +56,77 @@ def completion_prompts(body: dict) -> list:
                         "list of such lists (not empty)", param="prompt")
 
 
-def chat_prompt(tokenizer: Any, body: dict) -> dict:
-    """The prompt of a chat request through the tokenizer's chat template."""
+def chat_prompt(tokenizer: Any, body: dict, options: ChatOptions,
+                tools: list[dict] | None = None) -> dict:
+    """The prompt of a chat request through the chat template (``options.chat_template``, else
+    the tokenizer's), with the request's ``tools`` (checked by ``tools.request_tools``)."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise APIError(400, "messages must be a non-empty list", param="messages")
-    conversation = []
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict) or "role" not in message:
-            raise APIError(400, f"messages[{i}] must be an object with a role", param="messages")
-        content = message.get("content")
-        if isinstance(content, list):  # text parts
-            if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-                raise APIError(400, f"messages[{i}].content: only text parts are supported",
-                               param="messages")
-            content = "".join(p.get("text", "") for p in content)
-        elif content is not None and not isinstance(content, str):
-            raise APIError(400, f"messages[{i}].content must be a string or a list of text "
-                                f"parts", param="messages")
-        conversation.append({**message, "content": content or ""})
-    kwargs = body.get("chat_template_kwargs") or {}
-    if not isinstance(kwargs, dict):
+    conversation = [_template_message(message, i) for i, message in enumerate(messages)]
+    if not isinstance(body.get("chat_template_kwargs") or {}, dict):
         raise APIError(400, "chat_template_kwargs must be an object",
                        param="chat_template_kwargs")
-    if not getattr(tokenizer, "chat_template", None):
+    if options.chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise APIError(400, "the model's tokenizer has no chat template", param="messages")
     try:
         return render_chat(tokenizer, conversation,
                            add_generation_prompt=body.get("add_generation_prompt", True),
-                           **kwargs)
+                           chat_template=options.chat_template, tools=tools,
+                           **options.template_kwargs(body))
     except Exception as error:  # the template's own errors (a role it does not know...)
         raise APIError(400, f"the chat template failed: {error}", param="messages") from None
 
 
-def sampling_params(body: dict, chat: bool,
-                    defaults: dict[str, Any] | None = None) -> SamplingParams:
+def _template_message(message: Any, i: int) -> dict:
+    """A message as chat templates take it: text parts joined, ``content: null`` as "", and an
+    assistant's ``tool_calls`` with their JSON ``arguments`` read into objects (Qwen's templates
+    iterate them), as vLLM passes them."""
+    if not isinstance(message, dict) or "role" not in message:
+        raise APIError(400, f"messages[{i}] must be an object with a role", param="messages")
+    content = message.get("content")
+    if isinstance(content, list):  # text parts
+        if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+            raise APIError(400, f"messages[{i}].content: only text parts are supported",
+                           param="messages")
+        content = "".join(p.get("text", "") for p in content)
+    elif content is not None and not isinstance(content, str):
+        raise APIError(400, f"messages[{i}].content must be a string or a list of text "
+                            f"parts", param="messages")
+    templated = {**message, "content": content or ""}
+    calls = message.get("tool_calls")
+    if calls is not None:
+        if not isinstance(calls, list):
+            raise APIError(400, f"messages[{i}].tool_calls must be a list", param="messages")
+        templated["tool_calls"] = [_template_tool_call(call, f"messages[{i}].tool_calls[{j}]")
+                                   for j, call in enumerate(calls)]
+    return templated
+
+
+def _template_tool_call(call: Any, where: str) -> dict:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise APIError(400, f'{where} must be {{"type": "function", "function": {{"name": ..., '
+                            f'"arguments": ...}}}}', param="messages")
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError as error:
+            raise APIError(400, f"{where}.function.arguments is not JSON: {error}",
+                           param="messages") from None
+    if not isinstance(arguments, dict):
+        raise APIError(400, f"{where}.function.arguments must be a JSON object",
+                       param="messages")
+    return {**call, "function": {**function, "arguments": arguments}}
+
+
+def sampling_params(body: dict, chat: bool, defaults: dict[str, Any] | None = None,
+                    tool_constraint: dict | None = None) -> SamplingParams:
     """The request's sampling parameters; ``defaults`` (the model's generation config) fill
     the fields the body leaves unset, as in vLLM's server: their ``max_tokens`` caps the one
-    asked for (or the 16 of a completion that asks for none)."""
+    asked for (or the 16 of a completion that asks for none). ``tool_constraint``: the output
+    constraint of the request's ``tool_choice`` (see ``structured_outputs``)."""
     defaults = dict(defaults or {})
     default_max_tokens = defaults.pop("max_tokens", None)
     fields: dict[str, Any] = {**defaults, **{name: body[name] for name in SAME_NAME
@@ -102,6 +139,8 @@ def sampling_params(body: dict, chat: bool,
     elif max_tokens is None:
         max_tokens = default_max_tokens
     fields["max_tokens"] = max_tokens
+    if not chat:
+        fields.update(_echo_fields(body, max_tokens))
     if body.get("logit_bias") is not None:
         fields["logit_bias"] = _logit_bias(body["logit_bias"])
     stop = body.get("stop")
@@ -110,13 +149,38 @@ def sampling_params(body: dict, chat: bool,
     logprobs = _logprobs(body, chat)
     if logprobs is not None:
         fields["logprobs"] = logprobs
-    structured = structured_outputs(body)
+    structured = structured_outputs(body, tool_constraint)
     if structured is not None:
         fields["structured_outputs"] = structured
     try:
         return SamplingParams(**fields)
     except (TypeError, ValueError) as error:
         raise APIError(400, str(error), param=param_of(str(error))) from None
+
+
+def scores_prompt_only(body: dict) -> bool:
+    """Whether a completion only scores its prompt: ``echo`` with ``max_tokens=0``."""
+    return body.get("echo") is True and _is_token(body.get("max_tokens")) and \
+        body["max_tokens"] == 0
+
+
+def _echo_fields(body: dict, max_tokens: Any) -> dict[str, Any]:
+    """What ``echo`` changes in a completion's sampling parameters. Its ``logprobs`` cover the
+    prompt too, so the engine computes ``prompt_logprobs`` (unless the body sets them); with
+    ``max_tokens=0`` (scoring, as lm-eval does) the engine samples one token that the response
+    leaves out, as in vLLM. Without ``echo``, ``max_tokens=0`` is an error."""
+    echo = body.get("echo")
+    if echo is not None and not isinstance(echo, bool):
+        raise APIError(400, f"echo must be a boolean, got {echo!r}", param="echo")
+    if _is_token(max_tokens) and max_tokens == 0 and not echo:
+        raise APIError(400, "max_tokens must be >= 1; max_tokens=0 (no tokens generated, the "
+                            "prompt scored) needs echo=true", param="max_tokens")
+    fields: dict[str, Any] = {}
+    if scores_prompt_only(body):
+        fields["max_tokens"] = 1
+    if echo and body.get("logprobs") is not None and body.get("prompt_logprobs") is None:
+        fields["prompt_logprobs"] = body["logprobs"]
+    return fields
 
 
 def param_of(message: str) -> str | None:
@@ -143,11 +207,12 @@ GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choi
           "guided_grammar": "grammar"}
 
 
-def structured_outputs(body: dict) -> dict | None:
+def structured_outputs(body: dict, tool_constraint: dict | None = None) -> dict | None:
     """The output constraint a request asks for, as ``StructuredOutputsParams`` fields: from
-    OpenAI's ``response_format``, vLLM's ``structured_outputs``, or its older ``guided_*``
-    fields (one of these at most; ``structured_outputs`` may also add only options, such as
-    ``disable_any_whitespace``, to a ``response_format``). SamplingParams checks the fields."""
+    OpenAI's ``response_format``, vLLM's ``structured_outputs``, its older ``guided_*`` fields,
+    or the ``tool_constraint`` that forces a chat's tool calls (one of these at most;
+    ``structured_outputs`` may also add only options, such as ``disable_any_whitespace``, to
+    another). SamplingParams checks the fields."""
     fields = body.get("structured_outputs")
     if fields is not None and not isinstance(fields, dict):
         raise APIError(400, "structured_outputs must be an object", param="structured_outputs")
@@ -161,6 +226,9 @@ def structured_outputs(body: dict) -> dict | None:
         if body.get(name) is not None:
             given.append(name)
             fields[field] = body[name]
+    if tool_constraint is not None:
+        given.append("tool_choice")
+        fields.update(tool_constraint)
     if len(given) > 1:
         raise APIError(400, f"give one output constraint, not {' and '.join(given)}",
                        param=given[1])

@@ -3,26 +3,45 @@ their server-sent events, logprobs and usage."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable
 from typing import Any
 
-from nanofn.engine.outputs import RequestOutput
+from nanofn.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from nanofn.server.chat_output import ChatOutput
+from nanofn.server.requests import scores_prompt_only
 from nanofn.state import SamplingParams
+
+# JSON has no -inf (a token a grammar masks out has that logprob): vLLM's stand-in
+LOWEST_LOGPROB = -9999.0
 
 
 def sse(payload: dict) -> str:
     return f"data: {json.dumps(payload)}\n\n"
 
 
+@dataclasses.dataclass
+class Sent:
+    """What a streamed completion has sent so far."""
+
+    text: int = 0  # characters of its generated text
+    tokens: int = 0
+    text_offset: int = 0  # where its next token starts in the text sent (logprobs' text_offset)
+    done: bool = False
+
+
 class Shape:
     """OpenAI's response shapes for one call."""
 
     def __init__(self, response_id: str, created: int, model: str, chat: bool,
-                 params: SamplingParams, body: dict, decode: Callable[[list[int]], str]):
+                 params: SamplingParams, body: dict, decode: Callable[[list[int]], str],
+                 chat_output: ChatOutput | None = None):
         self.id, self.created, self.model, self.chat = response_id, created, model, chat
+        self.chat_output = chat_output or ChatOutput()  # a chat's messages: reasoning, tools
         self.n = params.n
         self.echo = bool(body.get("echo", False)) and not chat
+        self.prompt_only = self.echo and scores_prompt_only(body)  # its one token is dropped
         self.decode = decode
         self.num_top = params.logprobs or 0  # the request's logprobs / top_logprobs
 
@@ -37,14 +56,15 @@ class Shape:
     def whole(self, finals: list[RequestOutput]) -> dict:
         choices = []
         for p, final in enumerate(finals):
-            for c in final.outputs:
+            for c in map(self._shown, final.outputs):
                 text = self.prompt_text(final) + c.text if self.echo else c.text
                 choice: dict[str, Any] = {"index": self.choice_index(p, c.index),
-                                          "logprobs": self._logprobs(c, 0),
+                                          "logprobs": self._logprobs(final, c, self.echo, Sent()),
                                           "finish_reason": _finish_reason(c.finish_reason),
                                           "stop_reason": c.stop_reason}
                 if self.chat:
-                    choice["message"] = {"role": "assistant", "content": text}
+                    choice["message"], choice["finish_reason"] = self.chat_output.message(
+                        text, choice["finish_reason"])
                 else:
                     choice["text"] = text
                     choice["prompt_logprobs"] = _prompt_logprobs(final)
@@ -58,59 +78,102 @@ class Shape:
                 "object": "chat.completion.chunk" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": choices}
 
-    def delta_choices(self, prompt_index: int, output: RequestOutput, sent: dict) -> list:
+    def delta_choices(self, prompt_index: int, output: RequestOutput,
+                      sent: dict[int, Sent]) -> list:
         """The choices of a streamed chunk: each completion's text since the last chunk
-        (``sent``: per completion, the text and tokens sent and whether it is done)."""
+        (``sent``: per completion, what it has sent). With ``echo``, a completion's first chunk
+        starts with the prompt (and its logprobs)."""
         choices = []
-        for c in output.outputs:
-            text_sent, tokens_sent, done = sent.get(c.index, (0, 0, False))
-            if done:
+        for c in map(self._shown, output.outputs):
+            echoed = self.echo and c.index not in sent
+            progress = sent.setdefault(c.index, Sent())
+            if progress.done:
                 continue
-            text = c.text[text_sent:]
-            if self.echo and c.index not in sent:
+            text = c.text[progress.text:]
+            if echoed:
                 text = self.prompt_text(output) + text
-            if not text and len(c.token_ids) == tokens_sent and c.finish_reason is None:
+            elif not text and len(c.token_ids) == progress.tokens and c.finish_reason is None:
                 continue  # nothing new; a token with no text yet (held back) still gets a chunk
-            sent[c.index] = (len(c.text), len(c.token_ids), c.finish_reason is not None)
             choice: dict[str, Any] = {"index": self.choice_index(prompt_index, c.index),
-                                      "logprobs": self._logprobs(c, tokens_sent),
+                                      "logprobs": self._logprobs(output, c, echoed, progress),
                                       "finish_reason": _finish_reason(c.finish_reason)}
             if self.chat:
-                choice["delta"] = {"content": text}
+                choice["delta"], choice["finish_reason"] = self.chat_output.delta(
+                    c.index, c.text, choice["finish_reason"])
             else:
                 choice["text"] = text
+            progress.text, progress.tokens = len(c.text), len(c.token_ids)
+            progress.done = c.finish_reason is not None
             choices.append(choice)
         return choices
 
     def usage(self, finals: list) -> dict:
         prompt = sum(len(f.prompt_token_ids) for f in finals if f is not None)
-        completion = sum(len(c.token_ids) for f in finals if f is not None for c in f.outputs)
+        completion = sum(len(self._shown(c).token_ids) for f in finals if f is not None
+                         for c in f.outputs)
         return {"prompt_tokens": prompt, "completion_tokens": completion,
                 "total_tokens": prompt + completion}
 
-    def _logprobs(self, c, start: int) -> dict | None:
+    def _shown(self, c: CompletionOutput) -> CompletionOutput:
+        """The completion as the response shows it: nothing generated when the call only
+        scores its prompt."""
+        if not self.prompt_only:
+            return c
+        return dataclasses.replace(c, text="", token_ids=[], cumulative_logprob=None,
+                                   logprobs=None if c.logprobs is None else [])
+
+    def _logprobs(self, output: RequestOutput, c: CompletionOutput, echoed: bool,
+                  progress: Sent) -> dict | None:
+        """The logprobs of the tokens not sent yet (``progress``; with ``echoed``, the prompt's
+        first). Chat's: per token, itself and exactly its ``top_logprobs`` best."""
         if c.logprobs is None:  # not asked for
             return None
-        entries = list(zip(c.token_ids[start:], c.logprobs[start:]))
+        positions = list(zip(c.token_ids[progress.tokens:], c.logprobs[progress.tokens:]))
         if self.chat:
-            return {"content": [{
-                "token": top[token].decoded_token, "logprob": top[token].logprob,
-                "bytes": list((top[token].decoded_token or "").encode()),
-                "top_logprobs": [{"token": lp.decoded_token, "logprob": lp.logprob,
-                                  "bytes": list((lp.decoded_token or "").encode())}
-                                 for lp in self._top(top)]}
-                for token, top in entries]}
-        return {"tokens": [top[token].decoded_token for token, top in entries],
-                "token_logprobs": [top[token].logprob for token, top in entries],
-                "top_logprobs": [{lp.decoded_token: lp.logprob for lp in self._top(top)}
-                                 for _, top in entries],
-                "text_offset": []}
+            return {"content": [{**_chat_token(top[token]),
+                                 "top_logprobs": [_chat_token(lp) for lp in self._top(top)]}
+                                for token, top in positions]}
+        if echoed:
+            positions = list(zip(output.prompt_token_ids, output.prompt_logprobs)) + positions
+        return self._completion_logprobs(positions, progress)
 
-    def _top(self, entry: dict) -> list:
+    def _completion_logprobs(self, positions: list, progress: Sent) -> dict:
+        """A completion's ``tokens``, ``token_logprobs``, ``top_logprobs`` (the position's token
+        and the ``logprobs`` best, as in vLLM) and ``text_offset`` (where each token's text
+        starts in the choice's text: the lengths of the tokens before it added up, as in vLLM)
+        of (token, entry) positions; the entry is None at the prompt's first token, which
+        nothing before it scores."""
+        tokens, values, tops, offsets = [], [], [], []
+        for token, entry in positions:
+            if entry is None:
+                tokens.append(self.decode([token]))
+                values.append(None)
+                tops.append(None)
+            else:
+                tokens.append(entry[token].decoded_token)
+                values.append(_finite(entry[token].logprob))
+                # The position's token last: of two tokens with the same text, its value stays.
+                tops.append({lp.decoded_token: _finite(lp.logprob)
+                             for lp in [*self._top(entry), entry[token]]})
+            offsets.append(progress.text_offset)
+            progress.text_offset += len(tokens[-1])
+        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,
+                "text_offset": offsets}
+
+    def _top(self, entry: dict[int, Logprob]) -> list[Logprob]:
         """The ``num_top`` most likely tokens of a position's entry (which also holds the
-        sampled token, whatever its rank), best first."""
+        chosen token, whatever its rank), best first."""
         ranked = sorted(entry.values(), key=lambda lp: lp.rank)
         return [lp for lp in ranked if lp.rank <= self.num_top][:self.num_top]
+
+
+def _chat_token(lp: Logprob) -> dict:
+    return {"token": lp.decoded_token, "logprob": _finite(lp.logprob),
+            "bytes": list((lp.decoded_token or "").encode())}
+
+
+def _finite(logprob: float) -> float:
+    return max(logprob, LOWEST_LOGPROB)
 
 
 def _prompt_logprobs(output: RequestOutput) -> list | None:

@@ -10,6 +10,7 @@ A *stint* is a sequence's time in the batch, from admission to finish or preempt
 ``SERIAL`` is unique and increasing (so a plan's tokens find their rows by binary search, and
 tokens of stints that ended are recognised), its ``SLOT`` is the small index the runner keeps
 its per-sequence state under (reused once the stint ends), its ``ROW`` is its store row.
+A hybrid model's sequence also holds a recurrent-state slot (``STATE``, see ``state_pool.py``).
 """
 
 from __future__ import annotations
@@ -27,10 +28,13 @@ from nanofn.state.store import HASHES, TABLES, TOKENS, SeqStore, empty_store, mo
 (SERIAL, SLOT, ROW,  # identity
  NUM_TOKENS, NUM_COMPUTED, NUM_PENDING, NUM_BLOCKS, NUM_HASHED,  # progress
  NUM_PROMPT, LENGTH_LIMIT, IGNORE_EOS, MIN_TOKENS, HAS_STOP_IDS, WAITS_FOR_TOKEN,  # policy inputs
- NUM_PREEMPTIONS, NUM_CACHED) = range(16)  # WAITS_FOR_TOKEN: SamplingParams.waits_for_token
+ NUM_PREEMPTIONS, NUM_CACHED,
+ STATE, SAVE_AT) = range(18)  # WAITS_FOR_TOKEN: SamplingParams.waits_for_token
 # (The plain decode step, decode.py, reads the last three policy inputs as one slice, and adds
-# one to the tokens and the computed ones as one slice.)
-NUM_COLS = 16
+# one to the tokens and the computed ones as one slice.) A hybrid model's sequence works in the
+# recurrent-state slot ``STATE`` (-1 for other models) and, while its prompt is computed, saves
+# that state for the prefix cache once ``SAVE_AT`` tokens are computed (0: no save ahead).
+NUM_COLS = 18
 FILL_COLS = [NUM_TOKENS, NUM_BLOCKS, NUM_HASHED]  # a row's view of the store, per kind
 
 
@@ -80,7 +84,8 @@ class RunningBatch:
                    block_hashes=tuple(self.hashes(i).tolist()),
                    block_table=tuple(self.table(i).tolist()), num_computed=int(c[NUM_COMPUTED]),
                    num_pending=int(c[NUM_PENDING]), status=SeqStatus.RUNNING,
-                   num_preemptions=int(c[NUM_PREEMPTIONS]), num_cached_tokens=int(c[NUM_CACHED]))
+                   num_preemptions=int(c[NUM_PREEMPTIONS]), num_cached_tokens=int(c[NUM_CACHED]),
+                   state_slot=int(c[STATE]))
 
     def seqs(self) -> tuple[Seq, ...]:
         return tuple(self.seq(i) for i in range(len(self)))

@@ -13,6 +13,7 @@ from nanofn.state.block_pool import BlockPool, new_block_pool
 from nanofn.state.config import SchedulerConfig, check_num_blocks
 from nanofn.state.pdict import PDict
 from nanofn.state.records import Seq
+from nanofn.state.state_pool import StatePool, new_state_pool
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +63,7 @@ class EngineState:
     ``undelivered`` lists, oldest first, the stints each launched plan samples whose tokens
     have not been delivered: the next delivery must carry one token per stint of
     ``undelivered[0]``. ``free_slots`` are the runner slots no running sequence holds.
+    ``states`` are a hybrid model's recurrent-state slots (None for other models).
     """
 
     config: SchedulerConfig
@@ -76,6 +78,7 @@ class EngineState:
     finished: tuple[Seq, ...] = ()
     preempted: tuple[str, ...] = ()
     counters: Counters = Counters()
+    states: StatePool | None = None
 
     @property
     def has_unfinished(self) -> bool:
@@ -87,9 +90,14 @@ class EngineState:
         return self.batch.seqs()
 
 
-def initial_state(config: SchedulerConfig, num_blocks: int) -> EngineState:
-    """The state before the first step, with a KV cache of ``num_blocks`` blocks."""
+def initial_state(config: SchedulerConfig, num_blocks: int,
+                  num_state_slots: int | None = None) -> EngineState:
+    """The state before the first step, with a KV cache of ``num_blocks`` blocks and, for a
+    hybrid model, ``num_state_slots`` recurrent-state slots."""
     check_num_blocks(config, num_blocks)
+    if num_state_slots is not None and (type(num_state_slots) is not int or num_state_slots < 1):
+        raise ValueError(f"num_state_slots must be a positive integer (a hybrid model's running "
+                         f"sequence needs one), got {num_state_slots!r}")
     return EngineState(
         config=config,
         step=0,
@@ -98,6 +106,7 @@ def initial_state(config: SchedulerConfig, num_blocks: int) -> EngineState:
         batch=empty_batch(),
         live_ids=PDict(),
         free_slots=plist(range(config.max_num_seqs)),
+        states=None if num_state_slots is None else new_state_pool(num_state_slots),
     )
 
 

@@ -17,6 +17,10 @@ class Figures:
     prefix_cache_hit_rate: float  # cached tokens / tokens at admission, since the start
     num_preemptions: int
     num_finished: int
+    # a hybrid model's recurrent-state slots (0 for other models): working and saved states
+    state_slots_total: int = 0
+    state_slots_working: int = 0
+    state_slots_saved: int = 0
 
     @property
     def kv_cache_usage(self) -> float:
@@ -34,4 +38,8 @@ def figures(state: EngineState) -> Figures:
         prefix_cache_hit_rate=s.num_cached_tokens / s.num_admitted_tokens if s.num_admitted_tokens else 0.0,
         num_preemptions=s.num_preemptions,
         num_finished=s.num_finished,
+        **({} if state.states is None else {
+            "state_slots_total": state.states.num_slots,
+            "state_slots_working": state.states.num_working,
+            "state_slots_saved": state.states.num_saved}),
     )

@@ -26,12 +26,15 @@ PENDING_TOKEN = -1  # a token the previous plan sampled, not known to the schedu
 @dataclass(frozen=True, slots=True)
 class SeqStart:
     """A sequence that starts running with this plan (new, or resumed after preemption): its
-    slot's earlier contents are void; its block table is given whole from column 0."""
+    slot's earlier contents are void; its block table is given whole from column 0. A hybrid
+    model's sequence works in recurrent-state slot ``state_slot`` (-1: none), which holds its
+    state after its first ``start_pos`` tokens (zeros at position 0: see ``state_restores``)."""
 
     slot: int
     seq_id: str
     params: SamplingParams
     num_prompt_tokens: int
+    state_slot: int = -1
 
 
 def _frozen(a: np.ndarray) -> np.ndarray:
@@ -54,6 +57,12 @@ class BatchPlan:
     such a sequence is never scheduled with a pending token. ``prompt_logprobs`` asks, per
     ``(plan index, top k, target ids)``, for the logprobs of the prompt tokens that follow
     the sequence's first ``len(target ids)`` scheduled positions.
+
+    A hybrid model's recurrent states (``state_pool.py``): before the step's work, each
+    ``state_restores`` pair ``(saved slot, working slot)`` copies a saved state into the working
+    slot of a sequence that starts from it; after the work, each ``state_saves`` pair
+    ``(plan index, slot)`` copies that sequence's working state, now after its last scheduled
+    position, into the slot. A sequence scheduled from position 0 starts from a zero state.
     """
 
     step: int
@@ -69,6 +78,8 @@ class BatchPlan:
     banned: tuple[tuple[int, tuple[int, ...]], ...] = ()
     histories: tuple[tuple[int, tuple[int, ...]], ...] = ()
     prompt_logprobs: tuple[tuple[int, int, tuple[int, ...]], ...] = ()
+    state_restores: tuple[tuple[int, int], ...] = ()
+    state_saves: tuple[tuple[int, int], ...] = ()
     # Derived once, when the plan is made (several readers need them each step).
     num_tokens: int = field(init=False)
     sampling_seq_ids: tuple[str, ...] = field(init=False)
@@ -186,8 +197,12 @@ def plan_digest(plan: BatchPlan) -> str:
         h.update(np.ascontiguousarray(a).tobytes())
     h.update(repr([(s.slot, s.seq_id, s.num_prompt_tokens) for s in plan.started]).encode())
     h.update(repr((plan.banned, plan.histories)).encode())
-    if plan.prompt_logprobs:  # (absent from older traces' plans: their digests stay)
+    # (What older traces' plans lack is hashed only where present: their digests stay.)
+    if plan.prompt_logprobs:
         h.update(repr(plan.prompt_logprobs).encode())
+    if any(s.state_slot >= 0 for s in plan.started) or plan.state_restores or plan.state_saves:
+        h.update(repr(([s.state_slot for s in plan.started], plan.state_restores,
+                       plan.state_saves)).encode())
     return h.hexdigest()
 
 

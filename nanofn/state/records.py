@@ -59,6 +59,7 @@ class Seq:
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # tokens found in the prefix cache at the last admission
+    state_slot: int = -1  # a running hybrid model's sequence: its recurrent-state slot
     # ``token_ids`` as an array, built once (a memo: not compared, not copied by ``replace``)
     _token_array: np.ndarray | None = field(default=None, init=False, repr=False, compare=False)
 

@@ -14,6 +14,13 @@
    longest prefix found in the prefix cache; its prompt is cut to the budget left (chunked
    prefill) or, with chunking off, waits for a step with budget enough. The head of the
    queue blocks the ones behind it, so nobody starves.
+3. A hybrid model's sequence also needs a recurrent-state slot (``state_pool.py``) to start:
+   a free one, else the least recently used saved state's. It starts from the longest cached
+   prefix that has both its KV blocks and a saved state (the blocks past it are recomputed,
+   since the state must be); a prompt's chunks end where a state is to be saved: where its
+   cached KV blocks outrun its saved states (the end of a prefix it shares with earlier
+   prompts) and at the last full block of its tokens. Preemption is for blocks alone: a
+   sequence that finds no state slot waits, like one that finds no block.
 
 Step 1 runs as array operations over the batch's columns whenever the free blocks cover every
 sequence's needs (the common case); otherwise it walks the sequences one by one, preempting
@@ -29,8 +36,9 @@ import numpy as np
 
 from nanofn.state.batch import (HAS_STOP_IDS, IGNORE_EOS, LENGTH_LIMIT, MIN_TOKENS, NUM_BLOCKS,
                                 NUM_CACHED, NUM_COLS, NUM_COMPUTED, NUM_HASHED, NUM_PENDING,
-                                NUM_PREEMPTIONS, NUM_PROMPT, NUM_TOKENS, ROW, SERIAL, SLOT,
-                                WAITS_FOR_TOKEN, RunningBatch, frozen, thawed, with_room)
+                                NUM_PREEMPTIONS, NUM_PROMPT, NUM_TOKENS, ROW, SAVE_AT, SERIAL,
+                                SLOT, STATE, WAITS_FOR_TOKEN, RunningBatch, frozen, thawed,
+                                with_room)
 from nanofn.state.block_pool import KnownPrefix, PoolChanges, find_cached_prefix
 from nanofn.state.config import SchedulerConfig, blocks_for
 from nanofn.state.engine_state import EngineState, InFlight, evolve
@@ -40,6 +48,7 @@ from nanofn.state.plan import PENDING_TOKEN, BatchPlan, SeqStart, empty_plan
 from nanofn.state.policy import (at_length_limit, bad_word_bans, banned_token_ids, length_limit,
                                  may_stop_next)
 from nanofn.state.records import Seq, SeqStatus
+from nanofn.state.state_pool import SavedState, StateChanges
 from nanofn.state.store import HASHES, TABLES, TOKENS, SeqStore
 
 NO_ENTRIES = np.zeros((0, 3), np.int64)
@@ -51,13 +60,18 @@ NO_COUNTS.flags.writeable = False
 @dataclass(frozen=True, slots=True)
 class Admission:
     """A waiting sequence that starts now: its blocks (prefix-cache hits first), the tokens
-    found cached, and the tokens it computes this step."""
+    found cached, and the tokens it computes this step. A hybrid model's sequence: its state
+    slot, the saved state it starts from (if any) and the token count at which it is to save
+    its state (0: none)."""
 
     seq: Seq
     blocks: list[int]
     num_cached: int
     count: int
     known: KnownPrefix | None  # its prefix hits, for the next admissions to reuse
+    state_slot: int = -1
+    restored: SavedState | None = None
+    save_at: int = 0
 
 
 def schedule(state: EngineState) -> tuple[EngineState, BatchPlan]:
@@ -68,12 +82,13 @@ def schedule(state: EngineState) -> tuple[EngineState, BatchPlan]:
     if not state.waiting and not counts.any():  # nothing to compute: the state stays
         return state, empty_plan(state.step)
     pool = PoolChanges(state.pool)
+    states = None if state.states is None else StateChanges(state.states, state.step)
     grow = np.maximum(blocks_for(cols[:, NUM_COMPUTED] + counts, c.block_size)
                       - cols[:, NUM_BLOCKS], 0)
     if int(grow.sum()) <= pool.num_free:
         blocks, kept, victims = pool.allocate(int(grow.sum())), len(batch), []
     else:
-        counts, grow, blocks, kept, victims = schedule_under_pressure(batch, pool, c)
+        counts, grow, blocks, kept, victims = schedule_under_pressure(batch, pool, states, c)
     waiting, slots = state.waiting, state.free_slots
     for i, victim in victims:
         waiting = waiting.appendleft(victim)
@@ -91,7 +106,7 @@ def schedule(state: EngineState) -> tuple[EngineState, BatchPlan]:
             # The running sequences' filled blocks join the prefix cache before it is searched.
             store, cols = hash_pending_blocks(store, cols, pool, c.block_size, key)
             hashed = True
-        admission = admit(pool, waiting.left, budget, c, known)
+        admission = admit(pool, states, waiting.left, budget, c, known)
         if admission is None:
             break
         admissions.append(admission)
@@ -110,7 +125,7 @@ def schedule(state: EngineState) -> tuple[EngineState, BatchPlan]:
         specs = specs[:kept] + tuple(a.seq.spec for a in admissions)
         counts = np.concatenate([counts, np.array([a.count for a in admissions], np.int64)])
     new_batch, plan, sampling = _plan(state.step, store, key, cols, counts, grow, blocks, ids,
-                                      specs, admissions, pool, c)
+                                      specs, admissions, pool, states, c)
 
     counters = state.counters
     if victims or admissions:
@@ -126,7 +141,8 @@ def schedule(state: EngineState) -> tuple[EngineState, BatchPlan]:
                        free_slots=slots, next_serial=state.next_serial + len(admissions),
                        undelivered=undelivered,
                        preempted=tuple(victim.seq_id for _, victim in victims),
-                       counters=counters)
+                       counters=counters,
+                       states=state.states if states is None else states.build())
     return new_state, plan
 
 
@@ -142,17 +158,27 @@ def ready(cols: np.ndarray) -> np.ndarray:
 
 
 def wanted_counts(cols: np.ndarray, c: SchedulerConfig) -> np.ndarray:
-    """Each ready sequence's uncomputed tokens, as far as the token budget goes in batch order."""
+    """``uncomputed(cols)``, as far as the token budget goes in batch order."""
     if not len(cols):  # (an idle engine's first step: its arrays would cost more than nothing)
         return NO_COUNTS
-    wanted = (cols[:, NUM_TOKENS] + cols[:, NUM_PENDING] - cols[:, NUM_COMPUTED]) * ready(cols)
+    wanted = uncomputed(cols)
     if wanted.sum() <= c.max_num_batched_tokens:
         return wanted
     before = np.cumsum(wanted) - wanted
     return np.clip(c.max_num_batched_tokens - before, 0, wanted)
 
 
-def schedule_under_pressure(batch: RunningBatch, pool: PoolChanges, c: SchedulerConfig):
+def uncomputed(cols: np.ndarray) -> np.ndarray:
+    """Each ready sequence's uncomputed tokens, up to where it is to save its recurrent state."""
+    wanted = (cols[:, NUM_TOKENS] + cols[:, NUM_PENDING] - cols[:, NUM_COMPUTED]) * ready(cols)
+    if cols[:, SAVE_AT].any():
+        saving = cols[:, SAVE_AT] > cols[:, NUM_COMPUTED]
+        wanted[saving] = np.minimum(wanted, cols[:, SAVE_AT] - cols[:, NUM_COMPUTED])[saving]
+    return wanted
+
+
+def schedule_under_pressure(batch: RunningBatch, pool: PoolChanges,
+                            states: StateChanges | None, c: SchedulerConfig):
     """The running sequences one by one, in batch order, when the free blocks may not cover
     them all: each takes the tokens the budget and the blocks allow; one that fits none
     preempts the most recently admitted sequence not yet scheduled (or itself).
@@ -162,21 +188,20 @@ def schedule_under_pressure(batch: RunningBatch, pool: PoolChanges, c: Scheduler
     cols, bs = batch.cols, c.block_size
     n = len(batch)
     counts, grow = np.zeros(n, np.int64), np.zeros(n, np.int64)
-    is_ready = ready(cols)
+    wanted_all = uncomputed(cols)
     blocks: list[int] = []
     victims: list[tuple[int, Seq]] = []
     budget, end, i = c.max_num_batched_tokens, n, 0
     while i < end:
         computed, table_len = int(cols[i, NUM_COMPUTED]), int(cols[i, NUM_BLOCKS])
-        uncomputed = int(cols[i, NUM_TOKENS] + cols[i, NUM_PENDING]) - computed
-        wanted = min(uncomputed, budget) if is_ready[i] else 0
+        wanted = min(int(wanted_all[i]), budget)
         count = 0
         while wanted:
             count = min(wanted, (table_len + pool.num_free) * bs - computed)
             if count > 0:
                 break
             victim = end - 1
-            victims.append((victim, preempt(pool, batch, victim, c)))
+            victims.append((victim, preempt(pool, states, batch, victim, c)))
             end = victim
             if victim == i:
                 count = 0
@@ -190,20 +215,24 @@ def schedule_under_pressure(batch: RunningBatch, pool: PoolChanges, c: Scheduler
     return counts, grow, blocks, end, victims
 
 
-def preempt(pool: PoolChanges, batch: RunningBatch, i: int, c: SchedulerConfig) -> Seq:
-    """Give back all of row ``i``'s blocks (the last ones become the first to be evicted);
-    it becomes a waiting record that keeps its tokens, pending ones included, and will
-    recompute them."""
+def preempt(pool: PoolChanges, states: StateChanges | None, batch: RunningBatch, i: int,
+            c: SchedulerConfig) -> Seq:
+    """Give back all of row ``i``'s blocks (the last ones become the first to be evicted) and
+    its state slot; it becomes a waiting record that keeps its tokens, pending ones included,
+    and will recompute them."""
     seq = leaving_record(batch, i, pool, c.block_size, c.enable_prefix_caching,
                          SeqStatus.WAITING)
     pool.release(batch.table(i)[::-1])
+    if states is not None:
+        states.release([int(batch.cols[i, STATE])])
     return seq
 
 
-def admit(pool: PoolChanges, seq: Seq, budget: int, c: SchedulerConfig,
-          known: KnownPrefix | None = None) -> Admission | None:
-    """Start a waiting sequence, or None if it must wait (not enough budget or blocks).
-    ``known``: an earlier admission of this step's prefix hits (see ``find_cached_prefix``)."""
+def admit(pool: PoolChanges, states: StateChanges | None, seq: Seq, budget: int,
+          c: SchedulerConfig, known: KnownPrefix | None = None) -> Admission | None:
+    """Start a waiting sequence, or None if it must wait (not enough budget, blocks or, for a
+    hybrid model, state slots). ``known``: an earlier admission of this step's prefix hits
+    (see ``find_cached_prefix``)."""
     bs = c.block_size
     hits: list[int] = []
     if c.enable_prefix_caching:
@@ -214,8 +243,20 @@ def admit(pool: PoolChanges, seq: Seq, budget: int, c: SchedulerConfig,
         # Leave at least one token to compute, so that there are logits to sample from.
         limit = (seq.num_tokens - 1) // bs
         hits = find_cached_prefix(pool, seq.block_hashes, data, limit, known)
+    restored, save_at = None, 0
+    if states is not None:
+        num_kv_hits = len(hits)
+        if hits:  # a prefix is usable only as far as a saved state reaches
+            usable, restored = states.find(seq.block_hashes, data, num_kv_hits, bs)
+            hits = hits[:usable]
+        if c.enable_prefix_caching:
+            save_at = first_save_point(states, seq, len(hits), num_kv_hits, c)
+        if not (states.can_take() or restored is not None):
+            return None
     cached = len(hits) * bs
     count = seq.num_tokens - cached
+    if save_at:
+        count = min(count, save_at - cached)
     if count > budget:
         if not c.enable_chunked_prefill:
             return None
@@ -232,8 +273,39 @@ def admit(pool: PoolChanges, seq: Seq, budget: int, c: SchedulerConfig,
         pool.cache_many([blocks[b] for b in full], [hashes[b] for b in full],
                         [parent_hash_of(hashes, b) for b in full],
                         [data[b * width:(b + 1) * width] for b in full])
+    state_slot = -1 if states is None else _working_slot(states, seq, restored, len(hits))
     return Admission(seq, blocks, cached, count,
-                     KnownPrefix(seq.block_hashes, data, hits) if hits else None)
+                     KnownPrefix(seq.block_hashes, data, hits) if hits else None,
+                     state_slot, restored, save_at)
+
+
+def _working_slot(states: StateChanges, seq: Seq, restored: SavedState | None,
+                  num_hits: int) -> int:
+    """A starting hybrid sequence's state slot (``admit`` checked there is one): a free slot,
+    or an evicted saved state's, never that of the state it starts from, unless no other is
+    left: then it works in that one, and starts with no copy (``_plan`` sees the slots equal)."""
+    if restored is None:
+        return states.take()
+    key = seq.block_hashes[num_hits - 1]
+    states.restore(key)
+    slot = states.take(keep=key)
+    return states.adopt(key) if slot is None else slot
+
+
+def first_save_point(states: StateChanges, seq: Seq, num_hits: int, num_kv_hits: int,
+                     c: SchedulerConfig) -> int:
+    """Where a starting hybrid sequence first saves its recurrent state for the prefix cache
+    (0: nowhere): the end of the prefix its cached KV blocks reach past its usable saved
+    states (a prefix shared with earlier prompts), else the last full block of its tokens.
+    Not where a state is saved already; without chunked prefill, only at its last token."""
+    bs = c.block_size
+    points = [num_kv_hits * bs] if num_kv_hits > num_hits else []
+    points.append(seq.num_tokens // bs * bs)
+    for point in points:
+        if (point > num_hits * bs and (c.enable_chunked_prefill or point == seq.num_tokens)
+                and not states.holds(seq.block_hashes[point // bs - 1])):
+            return point
+    return 0
 
 
 def _write_new_blocks(store: SeqStore, cols: np.ndarray, grow: np.ndarray, blocks: list[int],
@@ -276,7 +348,7 @@ def _append_admitted(store: SeqStore, cols: np.ndarray, admissions: list[Admissi
                     len(a.blocks), len(seq.block_hashes), seq.num_prompt_tokens,
                     length_limit(p, seq.num_prompt_tokens, c.max_model_len), p.min_tokens,
                     p.ignore_eos, bool(p.stop_token_ids), p.waits_for_token, seq.num_preemptions,
-                    a.num_cached))
+                    a.num_cached, a.state_slot, a.save_at))
         slots = slots.rest
     admitted = np.zeros((len(admissions), NUM_COLS), np.int64)
     admitted[:, _ADMITTED_COLS] = new
@@ -286,15 +358,16 @@ def _append_admitted(store: SeqStore, cols: np.ndarray, admissions: list[Admissi
 # The columns an admission sets, in the order ``_append_admitted`` lists them (the others: 0).
 _ADMITTED_COLS = [SERIAL, SLOT, ROW, NUM_TOKENS, NUM_COMPUTED, NUM_BLOCKS, NUM_HASHED, NUM_PROMPT,
                   LENGTH_LIMIT, MIN_TOKENS, IGNORE_EOS, HAS_STOP_IDS, WAITS_FOR_TOKEN,
-                  NUM_PREEMPTIONS, NUM_CACHED]
+                  NUM_PREEMPTIONS, NUM_CACHED, STATE, SAVE_AT]
 
 
 def _plan(step: int, store: SeqStore, key: object, cols: np.ndarray, counts: np.ndarray,
           grow: np.ndarray, blocks: list[int], ids: tuple[str, ...], specs: tuple,
-          admissions: list[Admission], pool: PoolChanges, c: SchedulerConfig):
+          admissions: list[Admission], pool: PoolChanges, states: StateChanges | None,
+          c: SchedulerConfig):
     """Count the scheduled tokens as computed (and their sampled tokens as pending), record
-    the blocks they fill in the prefix cache, and lay the plan out. Returns the new batch, the
-    plan, and the serials of the sampling sequences."""
+    the blocks they fill in the prefix cache (and the recurrent states they save), and lay the
+    plan out. Returns the new batch, the plan, and the serials of the sampling sequences."""
     starts = cols[:, NUM_COMPUTED].copy()
     everyone = len(counts) > 0 and bool(counts.all())  # (all() of nothing is true)
     scheduled = slice(None) if everyone else np.flatnonzero(counts)
@@ -311,9 +384,11 @@ def _plan(step: int, store: SeqStore, key: object, cols: np.ndarray, counts: np.
     if c.enable_prefix_caching:
         cache_computed_blocks(store, cols[:len(cols) - len(admissions)], starts, pool,
                                c.block_size)
-    new_batch = RunningBatch(frozen(cols), specs, ids, store, key)
     index_in_plan = np.full(len(cols), -1)
     index_in_plan[scheduled] = np.arange(len(indices))
+    saves = (save_states(store, cols, states, index_in_plan, c.block_size)
+             if states is not None and cols[:, SAVE_AT].any() else ())
+    new_batch = RunningBatch(frozen(cols), specs, ids, store, key)
     num_running = len(cols) - len(admissions)
     num_decode = int(np.count_nonzero(
         (counts[scheduled] == 1) & (starts[scheduled] >= cols[scheduled, NUM_PROMPT])))
@@ -328,13 +403,37 @@ def _plan(step: int, store: SeqStore, key: object, cols: np.ndarray, counts: np.
         block_entries=_block_entries(cols, grow, blocks, admissions, index_in_plan, num_running),
         num_decode_tokens=num_decode,
         started=tuple(SeqStart(int(cols[num_running + k, SLOT]), a.seq.seq_id, a.seq.params,
-                               a.seq.num_prompt_tokens) for k, a in enumerate(admissions)),
+                               a.seq.num_prompt_tokens, a.state_slot)
+                      for k, a in enumerate(admissions)),
         banned=_banned(new_batch, sampling, index_in_plan, c),
         histories=_histories(new_batch, sampling, index_in_plan),
         prompt_logprobs=(_prompt_logprobs(new_batch, starts, counts, index_in_plan)
                          if num_decode < len(token_ids) else ()),  # only prompt chunks have any
+        state_restores=tuple((a.restored.slot, a.state_slot) for a in admissions
+                             if a.restored is not None and a.restored.slot != a.state_slot),
+        state_saves=saves,
     )
     return new_batch, plan, cols[sampling, SERIAL]
+
+
+def save_states(store: SeqStore, cols: np.ndarray, states: StateChanges,
+                index_in_plan: np.ndarray, bs: int) -> tuple[tuple[int, int], ...]:
+    """``(plan index, slot)`` for each hybrid sequence whose computed tokens reach its save
+    point (``SAVE_AT``) in this step: its state there is saved under the hash of its last full
+    block (when a slot can be had). Its next save point is the last full block of its tokens,
+    if that lies further and holds no saved state; else none (``cols`` is updated)."""
+    saves = []
+    for i in np.flatnonzero(cols[:, SAVE_AT] == cols[:, NUM_COMPUTED]).tolist():
+        point, row = int(cols[i, SAVE_AT]), int(cols[i, ROW])
+        hashes = store.arrays[HASHES][row]
+        slot = states.save(int(hashes[point // bs - 1]), point,
+                           token_bytes(store.arrays[TOKENS][row, :point]))
+        if slot is not None:
+            saves.append((int(index_in_plan[i]), slot))
+        end = int(cols[i, NUM_TOKENS]) // bs * bs
+        later = end > point and not states.holds(int(hashes[end // bs - 1]))
+        cols[i, SAVE_AT] = end if later else 0
+    return tuple(saves)
 
 
 def _banned(batch: RunningBatch, sampling: np.ndarray, index_in_plan: np.ndarray,

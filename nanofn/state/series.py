@@ -16,7 +16,8 @@ class RunSeries:
     ``blocks_used + blocks_cached + blocks_free == num_blocks`` at every step: owned blocks,
     free blocks still holding a cached prefix (a later hit can take them back), and plain free
     ones. ``cached_tokens`` are the prompt tokens that admissions at that step found in the
-    prefix cache."""
+    prefix cache. A hybrid model's run also has its recurrent-state slots:
+    ``states_working + states_saved + states_free == num_state_slots`` (0 for other models)."""
 
     num_blocks: int
     steps: tuple[int, ...]
@@ -29,13 +30,17 @@ class RunSeries:
     decode_tokens: tuple[int, ...]
     preemptions: tuple[int, ...]
     cached_tokens: tuple[int, ...]
+    num_state_slots: int = 0
+    states_working: tuple[int, ...] = ()
+    states_saved: tuple[int, ...] = ()
+    states_free: tuple[int, ...] = ()
 
 
 def run_series(replayed: Iterable[tuple[EngineState, BatchPlan]]) -> RunSeries:
     """The series of a run from its ``(state, plan)`` pairs in step order (as ``replay``
     yields them)."""
-    rows = []
-    num_blocks, cached_so_far = 0, 0
+    rows, state_rows = [], []
+    num_blocks, num_state_slots, cached_so_far = 0, 0, 0
     for state, plan in replayed:
         pool, cached_total = state.pool, state.counters.num_cached_tokens
         num_blocks = pool.num_blocks
@@ -43,5 +48,10 @@ def run_series(replayed: Iterable[tuple[EngineState, BatchPlan]]) -> RunSeries:
                      pool.num_cached_free, pool.num_plain_free, plan.num_prefill_tokens,
                      plan.num_decode_tokens, len(state.preempted), cached_total - cached_so_far))
         cached_so_far = cached_total
+        if state.states is not None:
+            states = state.states
+            num_state_slots = states.num_slots
+            state_rows.append((states.num_working, states.num_saved, states.num_free))
     columns = tuple(zip(*rows)) if rows else ((),) * 10
-    return RunSeries(num_blocks, *columns)
+    state_columns = tuple(zip(*state_rows)) if state_rows else ((),) * 3
+    return RunSeries(num_blocks, *columns, num_state_slots, *state_columns)

@@ -9,8 +9,8 @@ import numpy as np
 from pyrsistent import pdeque
 
 from nanofn.state.batch import (HAS_STOP_IDS, IGNORE_EOS, LENGTH_LIMIT, MIN_TOKENS, NUM_PENDING,
-                                NUM_PROMPT, NUM_TOKENS, ROW, SERIAL, SLOT, RunningBatch, select,
-                                thawed, with_room)
+                                NUM_PROMPT, NUM_TOKENS, ROW, SERIAL, SLOT, STATE, RunningBatch,
+                                select, thawed, with_room)
 from nanofn.state.block_pool import PoolChanges
 from nanofn.state.config import SchedulerConfig
 from nanofn.state.decode import decode_step
@@ -22,6 +22,7 @@ from nanofn.state.policy import ends_on, finishing, length_limit, stops_on
 from nanofn.state.records import FinishReason, Seq, SeqStatus
 from nanofn.state.requests import NewSeq, add_seqs
 from nanofn.state.scheduler import schedule
+from nanofn.state.state_pool import StateChanges
 from nanofn.state.store import TOKENS
 
 
@@ -37,7 +38,7 @@ class Events:
     allows it. New sequences join the waiting queue before aborts apply, so a sequence can
     be aborted in the step that adds it. ``dirty_blocks`` are blocks whose device contents
     are unknown (a launch that failed may have written them): they leave the prefix cache
-    before the aborts apply. Aborts of sequences that are not live, stop hits of
+    before the aborts apply; so do the saved recurrent states of the ``dirty_states`` slots. Aborts of sequences that are not live, stop hits of
     sequences that took no token now, and delivered tokens of sequences no longer live are
     ignored: they may have just finished on their own (an id with a token in flight cannot
     be reused, see ``check_new_seq``).
@@ -48,12 +49,14 @@ class Events:
     new_seqs: tuple[NewSeq, ...] = ()
     aborts: tuple[str, ...] = ()
     dirty_blocks: tuple[int, ...] = ()
+    dirty_states: tuple[int, ...] = ()
 
     @property
     def delivers_only(self) -> bool:
         """Whether the events are a delivery of sampled tokens and nothing else."""
         return self.sampled is not None and not (self.stop_hits or self.new_seqs
-                                                 or self.aborts or self.dirty_blocks)
+                                                 or self.aborts or self.dirty_blocks
+                                                 or self.dirty_states)
 
 
 def step(state: EngineState, events: Events) -> tuple[EngineState, BatchPlan]:
@@ -68,7 +71,7 @@ def step(state: EngineState, events: Events) -> tuple[EngineState, BatchPlan]:
 
 def full_step(state: EngineState, events: Events) -> tuple[EngineState, BatchPlan]:
     """The step by definition: deliver the sampled tokens, add the new sequences, forget the
-    dirty blocks, apply the aborts, schedule."""
+    dirty blocks and states, apply the aborts, schedule."""
     sampled = None if events.sampled is None else _delivered_tokens(state, events.sampled)
     return _full_step(state, events, sampled)
 
@@ -80,6 +83,7 @@ def _full_step(state: EngineState, events: Events,
         state = apply_sampled(state, sampled, frozenset(events.stop_hits))
     state = add_seqs(state, events.new_seqs)
     state = forget_blocks(state, events.dirty_blocks)
+    state = forget_states(state, events.dirty_states)
     state = finish_by_id(state, events.aborts, FinishReason.ABORT)
     return schedule(state)
 
@@ -119,6 +123,15 @@ def forget_blocks(state: EngineState, blocks: tuple[int, ...]) -> EngineState:
     pool = PoolChanges(state.pool)
     pool.forget(blocks)
     return evolve(state, pool=pool.build())
+
+
+def forget_states(state: EngineState, slots: tuple[int, ...]) -> EngineState:
+    """The state with the saved recurrent states of these slots out of the prefix cache."""
+    if not slots or state.states is None:
+        return state
+    states = StateChanges(state.states, state.step)
+    states.forget(slots)
+    return evolve(state, states=states.build())
 
 
 # --- delivered tokens ------------------------------------------------------------------------
@@ -263,8 +276,8 @@ def finish_by_id(state: EngineState, seq_ids: tuple[str, ...],
 
 def finish_rows(state: EngineState, pool: PoolChanges,
                 reasons: dict[int, FinishReason]) -> EngineState:
-    """Finish the running rows named (in batch order): each gives back its blocks and its slot
-    and leaves as a finished record. Freezes ``pool`` into the new state."""
+    """Finish the running rows named (in batch order): each gives back its blocks, its slot
+    and its state slot, and leaves as a finished record. Freezes ``pool`` into the new state."""
     if not reasons:
         new_pool = pool.build()
         return state if new_pool is state.pool else evolve(state, pool=new_pool)
@@ -280,9 +293,14 @@ def finish_rows(state: EngineState, pool: PoolChanges,
     pool.release(np.concatenate([batch.table(i)[::-1] for i in rows]))
     for slot in batch.cols[rows, SLOT].tolist():
         slots = slots.cons(slot)
+    states = state.states
+    if states is not None:
+        changes = StateChanges(states, state.step)
+        changes.release(batch.cols[rows, STATE].tolist())
+        states = changes.build()
     keep[rows] = False
     state = evolve(state, pool=pool.build(), batch=select(batch, keep), free_slots=slots,
-                    finished=tuple(finished))
+                    finished=tuple(finished), states=states)
     return _counted(state, [batch.ids[i] for i in rows])
 
 

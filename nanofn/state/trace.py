@@ -9,7 +9,10 @@ rebuild every state and plan; the digest of each step (``step_digest``: its plan
 tokens it delivered) lets a replay prove it, so a token changed in a trace fails ``check``.
 
 Version 4 added the delivered tokens to the digest and "dirty" (blocks a failed launch may
-have written); version 3 traces are refused with a message saying so.
+have written); version 3 traces are refused with a message saying so. Version 5 added a hybrid
+model's recurrent-state slots: "num_state_slots" in the header and "dirty_states" (saved
+states a failed launch may have written) in a step; a version 4 trace reads as one without
+them.
 
 ``read_trace`` (and ``replay`` given a path) is the one place in ``nanofn/state`` that reads a
 file: replaying a recorded run is what a user does in a Python session, and the reading stays
@@ -34,7 +37,8 @@ from nanofn.state.requests import NewSeq
 from nanofn.state.step import Events, step
 
 TRACE_FORMAT = "nanofn-trace"
-TRACE_VERSION = 4
+TRACE_VERSION = 5
+READABLE_VERSIONS = (4, 5)
 
 
 class PathLike(Protocol):
@@ -61,13 +65,19 @@ class Trace:
     num_blocks: int
     steps: tuple[TracedStep, ...]
     meta: dict[str, Any] = field(default_factory=dict)
+    num_state_slots: int | None = None  # a hybrid model's recurrent-state slots
+
+    def initial_state(self) -> EngineState:
+        return initial_state(self.config, self.num_blocks, self.num_state_slots)
 
 
 def header_line(state: EngineState, meta: dict[str, Any] | None = None) -> str:
     """The header of a trace that starts from ``state`` (an initial state)."""
-    return json.dumps({"format": TRACE_FORMAT, "version": TRACE_VERSION,
-                       "config": state.config.to_dict(), "num_blocks": state.pool.num_blocks,
-                       "meta": meta or {}})
+    header = {"format": TRACE_FORMAT, "version": TRACE_VERSION,
+              "config": state.config.to_dict(), "num_blocks": state.pool.num_blocks}
+    if state.states is not None:
+        header["num_state_slots"] = state.states.num_slots
+    return json.dumps({**header, "meta": meta or {}})
 
 
 def step_line(events: Events, plan: BatchPlan) -> str:
@@ -80,6 +90,8 @@ def step_line(events: Events, plan: BatchPlan) -> str:
         line["aborts"] = list(events.aborts)
     if events.dirty_blocks:
         line["dirty"] = [int(b) for b in events.dirty_blocks]
+    if events.dirty_states:
+        line["dirty_states"] = [int(slot) for slot in events.dirty_states]
     if events.new_seqs:
         line["new"] = [{"id": r.seq_id, "prompt": list(r.prompt_token_ids),
                         "params": r.params.to_dict()} for r in events.new_seqs]
@@ -107,22 +119,22 @@ def parse_trace(lines: Iterable[str]) -> Trace:
     if header.get("format") != TRACE_FORMAT:
         raise TraceError(f"line 1: not a {TRACE_FORMAT} header")
     version = header.get("version")
-    if version != TRACE_VERSION:
+    if version not in READABLE_VERSIONS:
         older = isinstance(version, int) and version < TRACE_VERSION
         raise TraceError(f"trace version {version!r} is not supported: this nanofn reads "
-                         f"version {TRACE_VERSION}" + (
+                         f"versions {' and '.join(map(str, READABLE_VERSIONS))}" + (
                              "; the trace was written by an older nanofn, whose plans differ "
                              "from this one's (replay it with the nanofn that wrote it)"
                              if older else ""))
     try:
         config = SchedulerConfig.from_dict(header["config"])
-        num_blocks = header["num_blocks"]
-        initial_state(config, num_blocks)
+        num_blocks, num_state_slots = header["num_blocks"], header.get("num_state_slots")
+        initial_state(config, num_blocks, num_state_slots)
     except (KeyError, TypeError, ValueError) as e:
         raise TraceError(f"line 1: the header's config is not usable ({type(e).__name__}: {e})") \
             from None
     steps = tuple(_parse_step(number, row) for number, row in enumerate(rows, start=2))
-    return Trace(config, num_blocks, steps, header.get("meta", {}))
+    return Trace(config, num_blocks, steps, header.get("meta", {}), num_state_slots)
 
 
 def _parse_step(line_number: int, row: str) -> TracedStep:
@@ -138,6 +150,7 @@ def _parse_step(line_number: int, row: str) -> TracedStep:
                                   SamplingParams.from_dict(r["params"]))
                            for r in d.get("new", ())),
             dirty_blocks=_ints(d.get("dirty", []), "dirty"),
+            dirty_states=_ints(d.get("dirty_states", []), "dirty_states"),
         )
         step_number, digest = d["step"], d["plan"]
         if not isinstance(step_number, int) or not isinstance(digest, str):
@@ -185,7 +198,7 @@ def replay(trace: Trace | str | PathLike,
 
 
 def _replay(trace: Trace, check: bool) -> Iterator[tuple[EngineState, BatchPlan]]:
-    state = initial_state(trace.config, trace.num_blocks)
+    state = trace.initial_state()
     for traced in trace.steps:
         try:
             state, plan = step(state, traced.events)

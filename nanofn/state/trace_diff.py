@@ -14,11 +14,12 @@ from dataclasses import dataclass
 from itertools import zip_longest
 from typing import Any
 
-from nanofn.state.engine_state import EngineState, initial_state
+from nanofn.state.engine_state import EngineState
 from nanofn.state.plan import BatchPlan, ScheduledSeq
 from nanofn.state.trace import Trace, TracedStep, TraceError, replay
 
-EVENT_FIELDS = ("sampled", "new_seqs", "aborts", "stop_hits", "dirty_blocks")  # of Events
+EVENT_FIELDS = ("sampled", "new_seqs", "aborts", "stop_hits", "dirty_blocks",
+                "dirty_states")  # of Events
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,15 +96,17 @@ def diff_traces(a: Trace, b: Trace) -> TraceDiff:
 def header_changes(a: Trace, b: Trace) -> tuple[tuple[str, Any, Any], ...]:
     """The scheduler settings and KV cache sizes that differ, as ``(name, a, b)``. The
     headers' ``meta`` (the model's path, ...) is not compared: only what decides plans."""
-    settings_a = {**a.config.to_dict(), "num_blocks": a.num_blocks}
-    settings_b = {**b.config.to_dict(), "num_blocks": b.num_blocks}
+    settings_a = {**a.config.to_dict(), "num_blocks": a.num_blocks,
+                  "num_state_slots": a.num_state_slots}
+    settings_b = {**b.config.to_dict(), "num_blocks": b.num_blocks,
+                  "num_state_slots": b.num_state_slots}
     return tuple((name, settings_a.get(name), settings_b.get(name))
                  for name in {**settings_a, **settings_b}
                  if settings_a.get(name) != settings_b.get(name))
 
 
 def replayed_steps(trace: Trace) -> Iterator[ReplayedStep]:
-    before = initial_state(trace.config, trace.num_blocks)
+    before = trace.initial_state()
     for traced, (state, plan) in zip(trace.steps, replay(trace)):
         yield ReplayedStep(traced, before, state, plan)
         before = state

@@ -286,7 +286,7 @@ def test_the_device_timeline_measures_the_busy_time_of_a_run(tiny_qwen3):
     from nanofn.runner.timeline import DeviceTimeline
 
     with LLM(str(tiny_qwen3), max_model_len=256) as llm:
-        workload = standard_workload(16, 64, 32, vocab_size=llm.engine.hf_config.vocab_size)
+        workload = standard_workload(16, 64, 32, vocab_size=llm.engine.text_config.vocab_size)
         timeline = DeviceTimeline()
         result = measure(llm, workload, timeline)
     assert timeline.num_intervals >= 32  # one per step with work: prefills, then decodes

@@ -10,7 +10,8 @@ Each call is replayed from a CUDA graph (``triton.testing.do_bench_cudagraph``).
 
 With ``--longest-first`` the fixed split counts take the rows longest context first too.
 
-Usage: python benchmarks/decode_splits.py [--bandwidth 3028] [--steps 50,300,...] [--longest-first]
+Usage: python benchmarks/experiments/decode_splits.py [--bandwidth 3028] [--steps 50,300,...]
+       [--longest-first]
 """
 
 from __future__ import annotations

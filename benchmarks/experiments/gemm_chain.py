@@ -12,7 +12,7 @@ from a CUDA graph. Prints microseconds per layer, the best of a few tile configu
 Also cuBLAS with one weight set for every layer (the weights in L2): what prefetching them
 would gain at best.
 
-Usage (GPU): python3 benchmarks/gemm_chain.py [--rows 256,128] [--cublas-only]
+Usage (GPU): python3 benchmarks/experiments/gemm_chain.py [--rows 256,128] [--cublas-only]
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import triton.testing
 from nanofn.kernels import triton_overlap
 from nanofn.kernels.triton_overlap import wait_for_previous
 
-from l2_prefetch import prefetch_to_l2  # (benchmarks/)
+from l2_prefetch import prefetch_to_l2  # (its folder)
 
 LAYERS = 28
 SHAPES = [("qkv", 4096, 1024), ("o", 1024, 2048), ("gate_up", 6144, 1024), ("down", 1024, 3072)]

@@ -9,7 +9,7 @@ L2): a spin of ``--attention-us`` on the main stream standing for the attention 
 three GEMVs, (A) as is, (B) with a side stream prefetching the three weights into L2 from the
 start of the spin, (C) with the weights already in L2 (the same copy every time: the bound).
 
-Usage (GPU): python3 benchmarks/l2_prefetch.py [--attention-us 10]
+Usage (GPU): python3 benchmarks/experiments/l2_prefetch.py [--attention-us 10]
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ exceed the L2 cache, as a model's layers do (``gemm_sweep.time_us``). Stage one 
 split counts at 4 warps and 4 stages; stage two re-times the best three with other warp and
 stage counts (``gemm_sweep.sweep``).
 
-Usage: python benchmarks/decode_gemm.py [--rows 256,192,128,96,64,32,16,8] [--budget-s 400]
-[--json F]
+Usage: python benchmarks/experiments/decode_gemm.py [--rows 256,192,128,96,64,32,16,8]
+       [--budget-s 400] [--json F]
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 import nanofn.kernels.triton_gemm as triton_gemm
 import nanofn.kernels.triton_ops as triton_ops
-from gemm_sweep import L2_BYTES, sweep, sweep_arguments, time_us, write_results  # (benchmarks/)
+from gemm_sweep import L2_BYTES, sweep, sweep_arguments, time_us, write_results  # (its folder)
 from nanofn.kernels.triton_gemm import GemmConfig
 
 HIDDEN, EPS = 1024, 1e-6

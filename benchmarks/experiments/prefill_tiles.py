@@ -2,7 +2,7 @@
 tokens, a few, and steps the size of the standard workload's (16k tokens), bf16, Qwen3-0.6B's
 heads (16 over 8 kv heads, head_dim 128), block size 16.
 
-Usage: python benchmarks/prefill_tiles.py
+Usage: python benchmarks/experiments/prefill_tiles.py
 Prints the median device time of each variant (``triton.testing.do_bench``; the kernel launched
 from Python, so a few microseconds of launch are in the small shapes' figures): the engine's
 choice (``triton_attention.prefill_block_m``), 128-row tiles, 128-row tiles without the register
@@ -21,7 +21,7 @@ import triton.testing
 
 from nanofn.kernels import triton_attention
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "gpu"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "gpu"))
 from test_triton_attention_gpu import causal_flops, whole_prompts  # noqa: E402
 
 

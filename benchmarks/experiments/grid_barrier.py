@@ -8,7 +8,7 @@ launched overlapped with the one ahead (``triton_overlap``) or not; (b) one kern
 program per SM crossing that many grid barriers (an arrival counter, then a spin until every
 program has arrived).
 
-Usage (GPU): python3 benchmarks/grid_barrier.py [--steps 200]
+Usage (GPU): python3 benchmarks/experiments/grid_barrier.py [--steps 200]
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ a head's key is 256 bytes, 2 KB from the next key) or head-major (``[blocks, kv_
 block_size, head_dim]``: a head's 16 keys of a block are 4 KB in one piece). Each kernel sums
 what it reads (so nothing is optimised away) and runs from a CUDA graph.
 
-Usage: python benchmarks/read_bandwidth.py [--seqs 256] [--context 680]
+Usage: python benchmarks/experiments/read_bandwidth.py [--seqs 256] [--context 680]
 """
 
 from __future__ import annotations

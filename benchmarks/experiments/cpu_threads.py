@@ -5,8 +5,8 @@ alternate between the counts so that a change in the machine's load hits them al
 process times several `generate` calls after a warm-up. Prints every time, then the median and
 range per thread count. 0 stands for torch's default (one thread per core).
 
-    python benchmarks/cpu_threads.py                       # the demo model, 32 prompts
-    python benchmarks/cpu_threads.py --model PATH --threads 1 4 16 --max-model-len 512
+    python benchmarks/experiments/cpu_threads.py           # the demo model, 32 prompts
+    python benchmarks/experiments/cpu_threads.py --model PATH --threads 1 4 16 --max-model-len 512
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def main() -> None:
     p.add_argument("--child", type=int, help=argparse.SUPPRESS)  # one process's thread count
     args = p.parse_args()
     if args.model is None:
-        from nanofn.cli import demo_model
+        from nanofn import demo_model
         args.model = str(demo_model())
     if args.child is not None:
         times = time_batches(args.model, args.child, args.num_prompts, args.max_tokens,

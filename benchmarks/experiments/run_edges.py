@@ -4,16 +4,20 @@
 answers each plan at once (``host_overhead.InstantRunner``), so every step's host work is on
 the critical path, as at a run's ends on a GPU.
 
-Usage: python benchmarks/run_edges.py [--workload shared-prefix|standard] [--runs 3]
+Usage: python benchmarks/experiments/run_edges.py [--workload shared-prefix|standard]
+       [--runs 3]
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
 import time
+from pathlib import Path
 
-from host_overhead import InstantRunner  # (benchmarks/)
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/, for host_overhead
+from host_overhead import InstantRunner  # noqa: E402
 
 from nanofn import LLM
 from nanofn.cli.bench import shared_prefix_workload, standard_workload
@@ -37,7 +41,7 @@ def main() -> None:
     model = make_tiny_checkpoint(tempfile.mkdtemp(), "qwen3", max_position_embeddings=4096)
     llm = LLM(str(model), max_model_len=4096, num_kv_blocks=9600, max_num_seqs=256,
               enforce_eager=True)
-    vocab = llm.engine.hf_config.vocab_size
+    vocab = llm.engine.text_config.vocab_size
     make = shared_prefix_workload if args.workload == "shared-prefix" else standard_workload
     workload = make(vocab_size=vocab)
     runner = llm.engine.loop.runner = _TimedRunner(InstantRunner(vocab))

@@ -18,7 +18,8 @@ N = 1,024 (o and down: by 0.8-2.5 us a projection at 64-256 rows) and lost on th
 ones (qkv and gate-up: by up to 1 us at 256 rows). Kept to measure again before writing a GEMM
 for these shapes.
 
-Usage: python benchmarks/gemm_sweep.py [--rows 256,128,64,32,8] [--budget-s 400] [--tiled]
+Usage: python benchmarks/experiments/gemm_sweep.py [--rows 256,128,64,32,8] [--budget-s 400]
+       [--tiled]
 """
 
 from __future__ import annotations

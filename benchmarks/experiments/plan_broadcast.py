@@ -3,7 +3,7 @@ of N sequences once, one pipe send per rank (every rank is a worker process), an
 rank 0's sampled tokens back; also the round trip of those tokens alone (a one-byte request,
 the tokens back), the latency a step adds over running rank 0 in the engine's process.
 
-Usage: python benchmarks/plan_broadcast.py [--num-seqs 256] [--tp 2 8]
+Usage: python benchmarks/experiments/plan_broadcast.py [--num-seqs 256] [--tp 2 8]
 """
 
 from __future__ import annotations

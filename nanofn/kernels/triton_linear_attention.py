@@ -1,0 +1,355 @@
+"""Triton kernels of a Gated DeltaNet layer's recurrent parts, with the signatures and contracts
+of the torch references in ``causal_conv.py`` and ``delta_rule.py``: the short causal
+convolution (a prompt chunk, and the decode step's update in place) and the delta rule's decode
+step, in place in the state slots. A prompt chunk's delta rule is flash-linear-attention's
+chunked kernel (``fla_delta_rule``), the states gathered from their slots and scattered back.
+
+Every kernel reads and writes the states through their strides, so one layer of a
+``RecurrentState`` (a strided view) is updated where it lies; a sequence whose
+``has_initial_state`` is False starts from zeros, whatever its slot holds.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+from collections.abc import Callable
+
+import torch
+import triton
+import triton.language as tl
+
+from nanofn.kernels.delta_rule import L2_NORM_EPS, gated_delta_rule
+
+
+# --- the short convolution ---------------------------------------------------------------------
+
+@triton.jit
+def _conv_kernel(x_ptr, weight_ptr, states_ptr, out_ptr, seq_of_token_ptr, starts_ptr,
+                 slots_ptr, initial_ptr, num_tokens, channels,
+                 x_stride, out_stride, state_slot_stride, state_channel_stride,
+                 state_tap_stride, WIDTH: tl.constexpr, BLOCK_T: tl.constexpr,
+                 BLOCK_C: tl.constexpr):
+    """``silu(conv(x))`` of ``BLOCK_T`` tokens by ``BLOCK_C`` channels of a flattened batch;
+    a tap before its sequence's first new token reads the sequence's conv state (or zero)."""
+    tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    channels_ = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    token_ok = tokens < num_tokens
+    channel_ok = channels_ < channels
+    seq = tl.load(seq_of_token_ptr + tokens, mask=token_ok, other=0)
+    start = tl.load(starts_ptr + seq, mask=token_ok, other=0)
+    slot = tl.load(slots_ptr + seq, mask=token_ok, other=0).to(tl.int64)
+    initial = tl.load(initial_ptr + seq, mask=token_ok, other=0) != 0
+    acc = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
+    for tap in tl.static_range(WIDTH + 1):
+        source = tokens - WIDTH + tap  # the input this tap reads
+        weight = tl.load(weight_ptr + channels_ * (WIDTH + 1) + tap, mask=channel_ok,
+                         other=0.0).to(tl.float32)
+        inside = source >= start
+        from_x = tl.load(x_ptr + source[:, None] * x_stride + channels_[None, :],
+                         mask=(token_ok & inside)[:, None] & channel_ok[None, :], other=0.0)
+        state_tap = WIDTH + (source - start)  # where an earlier input lies in the state
+        from_state = tl.load(
+            states_ptr + slot[:, None] * state_slot_stride
+            + channels_[None, :] * state_channel_stride + state_tap[:, None] * state_tap_stride,
+            mask=(token_ok & ~inside & initial)[:, None] & channel_ok[None, :], other=0.0)
+        acc += (from_x.to(tl.float32) + from_state.to(tl.float32)) * weight[None, :]
+    out = acc / (1.0 + tl.exp(-acc))
+    tl.store(out_ptr + tokens[:, None] * out_stride + channels_[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=token_ok[:, None] & channel_ok[None, :])
+
+
+@triton.jit
+def _conv_state_kernel(x_ptr, states_ptr, starts_ptr, ends_ptr, slots_ptr, initial_ptr, channels,
+                       x_stride, state_slot_stride, state_channel_stride, state_tap_stride,
+                       WIDTH: tl.constexpr, WIDTH_P2: tl.constexpr, BLOCK_C: tl.constexpr):
+    """A sequence's new conv state: the last ``WIDTH`` of its earlier and new inputs."""
+    seq = tl.program_id(0)
+    channels_ = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    channel_ok = channels_ < channels
+    start, end = tl.load(starts_ptr + seq), tl.load(ends_ptr + seq)
+    slot = tl.load(slots_ptr + seq).to(tl.int64)
+    initial = tl.load(initial_ptr + seq) != 0
+    taps = tl.arange(0, WIDTH_P2)
+    tap_ok = taps < WIDTH
+    source = end - WIDTH + taps  # as a token row; before ``start``: an old state tap
+    inside = source >= start
+    from_x = tl.load(x_ptr + source[:, None] * x_stride + channels_[None, :],
+                     mask=(tap_ok & inside)[:, None] & channel_ok[None, :], other=0.0)
+    base = states_ptr + slot * state_slot_stride + channels_[None, :] * state_channel_stride
+    old_tap = WIDTH + source - start
+    from_state = tl.load(base + old_tap[:, None] * state_tap_stride,
+                         mask=(tap_ok & ~inside)[:, None] & channel_ok[None, :] & initial,
+                         other=0.0)
+    new = tl.where(inside[:, None], from_x.to(tl.float32), from_state.to(tl.float32))
+    tl.debug_barrier()  # every old tap is read before one is written
+    tl.store(base + taps[:, None] * state_tap_stride, new.to(states_ptr.dtype.element_ty),
+             mask=tap_ok[:, None] & channel_ok[None, :])
+
+
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_states: torch.Tensor,
+                  query_start: torch.Tensor, state_slots: torch.Tensor,
+                  has_initial_state: torch.Tensor) -> torch.Tensor:
+    """``causal_conv.causal_conv1d``."""
+    num_tokens, channels = x.shape
+    width = weight.shape[1] - 1
+    num_seqs = state_slots.shape[0]
+    starts, ends = query_start[:-1].contiguous(), query_start[1:].contiguous()
+    # (rows past the last sequence's, a graph's padding, count as its: no read out of bounds)
+    seq_of_token = torch.searchsorted(ends.long(), torch.arange(num_tokens, device=x.device),
+                                      right=True).clamp_(max=num_seqs - 1)
+    out = torch.empty_like(x)
+    block_t, block_c = 32, 64
+    _conv_kernel[(triton.cdiv(num_tokens, block_t), triton.cdiv(channels, block_c))](
+        x, weight, conv_states, out, seq_of_token, starts, state_slots, has_initial_state, num_tokens,
+        channels, x.stride(0), out.stride(0), *conv_states.stride(), WIDTH=width,
+        BLOCK_T=block_t, BLOCK_C=block_c)
+    _conv_state_kernel[(num_seqs, triton.cdiv(channels, block_c))](
+        x, conv_states, starts, ends, state_slots, has_initial_state, channels, x.stride(0),
+        *conv_states.stride(), WIDTH=width, WIDTH_P2=triton.next_power_of_2(width),
+        BLOCK_C=block_c)
+    return out
+
+
+@triton.jit
+def _conv_update_kernel(x_ptr, weight_ptr, states_ptr, out_ptr, slots_ptr, initial_ptr, channels,
+                        x_stride, out_stride, state_slot_stride, state_channel_stride,
+                        state_tap_stride, WIDTH: tl.constexpr, BLOCK_C: tl.constexpr):
+    """One new input of a sequence: its output, and its conv state shifted in place."""
+    seq = tl.program_id(0)
+    channels_ = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    ok = channels_ < channels
+    slot = tl.load(slots_ptr + seq).to(tl.int64)
+    initial = tl.load(initial_ptr + seq) != 0
+    base = states_ptr + slot * state_slot_stride + channels_ * state_channel_stride
+    x = tl.load(x_ptr + seq * x_stride + channels_, mask=ok, other=0.0)
+    acc = x.to(tl.float32) * tl.load(weight_ptr + channels_ * (WIDTH + 1) + WIDTH, mask=ok,
+                                     other=0.0).to(tl.float32)
+    for tap in tl.static_range(WIDTH):  # (tap 0 drops out of the shifted state)
+        held = tl.load(base + tap * state_tap_stride, mask=ok & initial, other=0.0)
+        acc += held.to(tl.float32) * tl.load(weight_ptr + channels_ * (WIDTH + 1) + tap,
+                                             mask=ok, other=0.0).to(tl.float32)
+        if tap > 0:
+            tl.store(base + (tap - 1) * state_tap_stride, held, mask=ok)
+    tl.store(base + (WIDTH - 1) * state_tap_stride, x.to(states_ptr.dtype.element_ty), mask=ok)
+    out = acc / (1.0 + tl.exp(-acc))
+    tl.store(out_ptr + seq * out_stride + channels_, out.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, conv_states: torch.Tensor,
+                         state_slots: torch.Tensor,
+                         has_initial_state: torch.Tensor) -> torch.Tensor:
+    """``causal_conv.causal_conv1d_update``."""
+    num_seqs, channels = x.shape
+    out = torch.empty_like(x)
+    block_c = 128
+    _conv_update_kernel[(num_seqs, triton.cdiv(channels, block_c))](
+        x, weight, conv_states, out, state_slots, has_initial_state, channels,
+        x.stride(0), out.stride(0), *conv_states.stride(), WIDTH=weight.shape[1] - 1,
+        BLOCK_C=block_c)
+    return out
+
+
+# --- the delta rule's gates and the gated output norm ------------------------------------------
+
+@triton.jit
+def _gates_kernel(a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, g_ptr, beta_ptr, a_stride, b_stride,
+                  num_heads, HEADS: tl.constexpr):
+    """Token ``program_id(0)``'s decay (log space) and write strength of every value head."""
+    token = tl.program_id(0)
+    heads = tl.arange(0, HEADS)
+    ok = heads < num_heads
+    a = tl.load(a_ptr + token * a_stride + heads, mask=ok, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + token * b_stride + heads, mask=ok, other=0.0).to(tl.float32)
+    x = a + tl.load(dt_bias_ptr + heads, mask=ok, other=0.0).to(tl.float32)
+    softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))  # (torch's threshold)
+    g = -tl.exp(tl.load(a_log_ptr + heads, mask=ok, other=0.0).to(tl.float32)) * softplus
+    tl.store(g_ptr + token * num_heads + heads, g, mask=ok)
+    beta = 1.0 / (1.0 + tl.exp(-b))
+    tl.store(beta_ptr + token * num_heads + heads, beta.to(beta_ptr.dtype.element_ty), mask=ok)
+
+
+def delta_rule_gates(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor,
+                     dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``delta_rule.delta_rule_gates``, in one launch."""
+    num_tokens, num_heads = a.shape
+    g = torch.empty(num_tokens, num_heads, dtype=torch.float32, device=a.device)
+    beta = torch.empty(num_tokens, num_heads, dtype=b.dtype, device=b.device)
+    if num_tokens:
+        _gates_kernel[(num_tokens,)](a, b, a_log, dt_bias, g, beta, a.stride(0), b.stride(0),
+                                     num_heads, HEADS=triton.next_power_of_2(num_heads))
+    return g, beta
+
+
+@triton.jit
+def _norm_gated_kernel(x_ptr, gate_ptr, weight_ptr, out_ptr, x_stride_t, x_stride_h,
+                       gate_stride_t, gate_stride_h, num_heads, eps, SIZE: tl.constexpr):
+    """Token ``program_id(0)``, head ``program_id(1)``: ``rms_norm(x) * weight`` rounded to
+    x's dtype, times ``silu(gate)``."""
+    token, head = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    cols = tl.arange(0, SIZE)
+    x = tl.load(x_ptr + token * x_stride_t + head * x_stride_h + cols).to(tl.float32)
+    dtype = x_ptr.dtype.element_ty
+    normed = (x * tl.rsqrt(tl.sum(x * x) / SIZE + eps)).to(dtype).to(tl.float32)
+    weighted = (normed * tl.load(weight_ptr + cols).to(tl.float32)).to(dtype).to(tl.float32)
+    gate = tl.load(gate_ptr + token * gate_stride_t + head * gate_stride_h + cols)
+    gate = gate.to(tl.float32)
+    out = weighted * gate / (1.0 + tl.exp(-gate))
+    tl.store(out_ptr + (token * num_heads + head) * SIZE + cols,
+             out.to(out_ptr.dtype.element_ty))
+
+
+def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
+                   eps: float) -> torch.Tensor:
+    """``norm.rms_norm_gated`` of ``x`` and ``gate`` ``[T, H, D]`` (a Gated DeltaNet's value
+    heads; ``gate`` may be a strided view), a head a program."""
+    num_tokens, num_heads, size = x.shape
+    if size & (size - 1) or x.stride(-1) != 1 or gate.stride(-1) != 1:
+        raise ValueError("the gated norm's kernel takes heads of a power-of-two size, with "
+                         "unit stride")
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if num_tokens:
+        _norm_gated_kernel[(num_tokens, num_heads)](
+            x, gate, weight, out, x.stride(0), x.stride(1), gate.stride(0), gate.stride(1),
+            num_heads, eps, SIZE=size)
+    return out
+
+
+# --- the delta rule, token by token ----------------------------------------------------------
+
+@triton.jit
+def _delta_rule_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, states_ptr, out_ptr,
+                       query_start_ptr, slots_ptr, initial_ptr, q_stride_t, q_stride_h,
+                       k_stride_t, k_stride_h, v_stride_t, v_stride_h, gb_stride_t,
+                       out_stride_t, out_stride_h, state_slot_stride, state_head_stride,
+                       state_k_stride, state_v_stride, eps, scale, GROUP: tl.constexpr,
+                       DK: tl.constexpr, DV: tl.constexpr, BLOCK_V: tl.constexpr,
+                       ONE_TOKEN: tl.constexpr):
+    """Sequence ``program_id(0)``'s new tokens, one after another, for value head
+    ``program_id(1)`` and values ``program_id(2) * BLOCK_V ...``: its state tile ``[DK,
+    BLOCK_V]`` stays in registers from the first token to the last, then goes back to its slot.
+    ``ONE_TOKEN``: the decode step, token ``program_id(0)`` (``query_start`` is not read)."""
+    seq, head = tl.program_id(0), tl.program_id(1)
+    values = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+    keys = tl.arange(0, DK)
+    value_ok = values < DV
+    key_head = head // GROUP
+    if ONE_TOKEN:
+        start = seq.to(tl.int64)
+        end = start + 1
+    else:
+        start = tl.load(query_start_ptr + seq).to(tl.int64)
+        end = tl.load(query_start_ptr + seq + 1).to(tl.int64)
+    slot = tl.load(slots_ptr + seq).to(tl.int64)
+    initial = tl.load(initial_ptr + seq) != 0
+    tile = (states_ptr + slot * state_slot_stride + head * state_head_stride
+            + keys[:, None] * state_k_stride + values[None, :] * state_v_stride)
+    state = tl.load(tile, mask=value_ok[None, :] & initial, other=0.0).to(tl.float32)
+    for token in range(start, end):
+        q = tl.load(q_ptr + token * q_stride_t + key_head * q_stride_h + keys).to(tl.float32)
+        k = tl.load(k_ptr + token * k_stride_t + key_head * k_stride_h + keys).to(tl.float32)
+        v = tl.load(v_ptr + token * v_stride_t + head * v_stride_h + values, mask=value_ok,
+                    other=0.0).to(tl.float32)
+        decay = tl.exp(tl.load(g_ptr + token * gb_stride_t + head).to(tl.float32))
+        beta = tl.load(beta_ptr + token * gb_stride_t + head).to(tl.float32)
+        q = q * tl.rsqrt(tl.sum(q * q) + eps) * scale
+        k = k * tl.rsqrt(tl.sum(k * k) + eps)
+        state = state * decay
+        predicted = tl.sum(state * k[:, None], axis=0)
+        state += k[:, None] * ((v - predicted) * beta)[None, :]
+        out = tl.sum(state * q[:, None], axis=0)
+        tl.store(out_ptr + token * out_stride_t + head * out_stride_h + values,
+                 out.to(out_ptr.dtype.element_ty), mask=value_ok)
+    tl.store(tile, state.to(states_ptr.dtype.element_ty), mask=value_ok[None, :])
+
+
+def recurrent_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                         beta: torch.Tensor, ssm_states: torch.Tensor, query_start: torch.Tensor,
+                         state_slots: torch.Tensor, has_initial_state: torch.Tensor,
+                         query_lens_host: tuple[int, ...] = (),
+                         chunks: torch.Tensor | None = None) -> torch.Tensor:
+    """``delta_rule.gated_delta_rule``, each sequence's tokens one after another in one
+    program per (sequence, value head, value block): one launch, in place in the slots."""
+    return _delta_rule(q, k, v, g, beta, ssm_states, query_start, state_slots,
+                       has_initial_state)
+
+
+def _delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                beta: torch.Tensor, ssm_states: torch.Tensor, query_start: torch.Tensor | None,
+                state_slots: torch.Tensor, has_initial_state: torch.Tensor) -> torch.Tensor:
+    """``_delta_rule_kernel``'s launch; without ``query_start``, one token a sequence."""
+    num_tokens, num_v_heads, dv = v.shape
+    dk = q.shape[-1]
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError("the delta rule's kernel reads rows of q, k and v with unit stride")
+    g, beta = g.contiguous(), beta.contiguous()
+    out = torch.empty(num_tokens, num_v_heads, dv, dtype=v.dtype, device=v.device)
+    block_v = min(32, triton.next_power_of_2(dv))
+    one_token = query_start is None
+    _delta_rule_kernel[(len(state_slots), num_v_heads, triton.cdiv(dv, block_v))](
+        q, k, v, g, beta, ssm_states, out, state_slots if one_token else query_start,
+        state_slots, has_initial_state, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        v.stride(0), v.stride(1), g.stride(0), out.stride(0), out.stride(1),
+        *ssm_states.stride(), L2_NORM_EPS, dk ** -0.5, GROUP=num_v_heads // q.shape[1], DK=dk,
+        DV=dv, BLOCK_V=block_v, ONE_TOKEN=one_token)
+    return out
+
+
+def gated_delta_rule_update(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                            beta: torch.Tensor, ssm_states: torch.Tensor,
+                            state_slots: torch.Tensor,
+                            has_initial_state: torch.Tensor) -> torch.Tensor:
+    """``delta_rule.gated_delta_rule_update``: the decode step, each sequence's one token."""
+    return _delta_rule(q, k, v, g, beta, ssm_states, None, state_slots, has_initial_state)
+
+
+# --- a prompt chunk's delta rule: flash-linear-attention's chunked kernel ----------------------
+
+def chunked_delta_rule() -> Callable[..., torch.Tensor]:
+    """A prompt chunk's delta rule: flash-linear-attention's where it is installed (fla-core,
+    ``pip install "nanofn[hybrid]"``), else the torch reference (token by token: slow)."""
+    return fla_delta_rule if importlib.util.find_spec("fla") is not None else gated_delta_rule
+
+
+FLA_CHUNK = 64  # the tokens of a chunk of flash-linear-attention's kernel
+
+
+def fla_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                   beta: torch.Tensor, ssm_states: torch.Tensor, query_start: torch.Tensor,
+                   state_slots: torch.Tensor, has_initial_state: torch.Tensor,
+                   query_lens_host: tuple[int, ...],
+                   chunks: torch.Tensor | None = None) -> torch.Tensor:
+    """``delta_rule.gated_delta_rule`` through flash-linear-attention's chunked kernel (varlen,
+    with initial and final states): the sequences' states are gathered from their slots (zeros
+    where there is none) and the final ones written back.
+
+    Eagerly the kernel lists the chunks on the host, from the lengths; a CUDA graph gives them
+    (``chunks``, see ``prefill_chunks``), padded with chunks of one more sequence, empty, after
+    the batch's, where every program of the kernel returns at once."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    held = ssm_states[state_slots]
+    initial = torch.where(has_initial_state.view(-1, 1, 1, 1), held.float(),
+                          torch.zeros((), device=held.device))
+    num_seqs = len(state_slots)
+    if chunks is None:
+        ends = list(itertools.accumulate(query_lens_host, initial=0))  # (no wait for the device)
+        cu_seqlens, options = query_start.long(), {"cu_seqlens_cpu": torch.tensor(ends)}
+    else:
+        cu_seqlens = torch.cat([query_start, query_start[-1:]]).long()  # + the empty sequence
+        initial = torch.cat([initial, initial.new_zeros(1, *initial.shape[1:])])
+        options = {"chunk_indices": chunks}
+    out, final = chunk_gated_delta_rule(
+        q[None], k[None], v[None], g[None].float(), beta[None].to(v.dtype),
+        initial_state=initial, output_final_state=True, use_qk_l2norm_in_kernel=True,
+        cu_seqlens=cu_seqlens, chunk_size=FLA_CHUNK, **options)
+    ssm_states[state_slots] = final[:num_seqs].to(ssm_states.dtype)
+    return out[0].to(v.dtype)
+
+
+def prefill_chunks(query_lens: list[int], num_seqs: int, num_chunks: int) -> list[tuple[int, int]]:
+    """``fla_delta_rule``'s ``chunks`` for a graph of ``num_seqs`` sequences (the lengths'
+    first): each ``(sequence, chunk)``, then ``num_chunks`` in all with chunks of the empty
+    sequence ``num_seqs``."""
+    listed = [(s, c) for s, length in enumerate(query_lens) for c in range(-(-length // FLA_CHUNK))]
+    return listed + [(num_seqs, 0)] * (num_chunks - len(listed))

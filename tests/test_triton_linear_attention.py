@@ -1,0 +1,143 @@
+"""The Triton kernels of a Gated DeltaNet layer (``triton_linear_attention.py``) against their
+torch references, on CPU through Triton's interpreter (float32 and float16): outputs, and the
+states written back in place into their slots of a strided layer view, other slots and layers
+untouched; sequences without an initial state start from zeros whatever their slot holds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import nanofn.kernels.triton_linear_attention as triton_linear_attention
+from nanofn.kernels.causal_conv import causal_conv1d, causal_conv1d_update
+from nanofn.kernels.delta_rule import delta_rule_gates, gated_delta_rule, gated_delta_rule_update
+from nanofn.kernels.norm import rms_norm_gated
+
+TOLERANCES = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.float16: dict(atol=2e-3, rtol=2e-3)}
+SLOTS = torch.tensor([3, 0, 5])  # the batch's sequences' slots, out of order
+INITIAL = torch.tensor([True, False, True])  # the second starts from zeros
+
+
+def layer_of(states: torch.Tensor) -> torch.Tensor:
+    """Layer 1 of three: a strided view, as the model passes one layer of a RecurrentState."""
+    return states[:, 1]
+
+
+def conv_and_states(function, x, weight, states, *args):
+    out = function(x, weight, layer_of(states), *args)
+    return out, states
+
+
+def delta_and_states(function, q, k, v, g, beta, states, *args):
+    out = function(q, k, v, g, beta, layer_of(states), *args)
+    return out, states
+
+
+def slot_states(shape, dtype, generator):
+    """Six slots of three layers; the fresh sequence's slot holds NaN, which must not leak."""
+    states = torch.randn(6, 3, *shape, generator=generator).to(dtype)
+    states[0] = float("nan")
+    return states
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_causal_conv1d_over_a_batch_of_chunks_matches_reference(interpreter, dtype):
+    generator = torch.Generator().manual_seed(1)
+    lengths = [1, 5, 70]  # one shorter than the window (from its state), one over several tiles
+    channels, width = 96, 3
+    x = torch.randn(sum(lengths), channels, generator=generator).to(dtype)
+    weight = torch.randn(channels, width + 1, generator=generator).to(dtype)
+    query_start = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    states = slot_states((channels, width), dtype, generator)
+    expected_states = states.clone()
+    expected = causal_conv1d(x, weight, layer_of(expected_states), query_start, SLOTS, INITIAL)
+
+    out, states = interpreter(conv_and_states, triton_linear_attention.causal_conv1d, x, weight,
+                              states, query_start, SLOTS, INITIAL)
+
+    torch.testing.assert_close(out, expected, **TOLERANCES[dtype])
+    torch.testing.assert_close(states, expected_states, equal_nan=True, **TOLERANCES[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_causal_conv1d_update_matches_reference(interpreter, dtype):
+    generator = torch.Generator().manual_seed(2)
+    channels, width = 200, 3  # two channel blocks, the second partly
+    x = torch.randn(3, channels, generator=generator).to(dtype)
+    weight = torch.randn(channels, width + 1, generator=generator).to(dtype)
+    states = slot_states((channels, width), dtype, generator)
+    expected_states = states.clone()
+    expected = causal_conv1d_update(x, weight, layer_of(expected_states), SLOTS, INITIAL)
+
+    out, states = interpreter(conv_and_states, triton_linear_attention.causal_conv1d_update, x,
+                              weight, states, SLOTS, INITIAL)
+
+    torch.testing.assert_close(out, expected, **TOLERANCES[dtype])
+    torch.testing.assert_close(states, expected_states, equal_nan=True, **TOLERANCES[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dv", [16, 48], ids=["one-value-block", "value-blocks"])
+def test_gated_delta_rule_update_matches_reference(interpreter, dtype, dv):
+    """Grouped heads (4 value heads read 2 key heads); float32 states, as Qwen3.5's."""
+    generator = torch.Generator().manual_seed(dv)
+    hk, hv, dk = 2, 4, 16
+    q, k = (torch.randn(3, hk, dk, generator=generator).to(dtype) for _ in range(2))
+    v = torch.randn(3, hv, dv, generator=generator).to(dtype)
+    g = -torch.rand(3, hv, generator=generator)
+    beta = torch.rand(3, hv, generator=generator)
+    states = slot_states((hv, dk, dv), torch.float32, generator)
+    expected_states = states.clone()
+    expected = gated_delta_rule_update(q, k, v, g, beta, layer_of(expected_states), SLOTS,
+                                       INITIAL)
+
+    out, states = interpreter(delta_and_states, triton_linear_attention.gated_delta_rule_update,
+                              q, k, v, g, beta, states, SLOTS, INITIAL)
+
+    torch.testing.assert_close(out, expected, **TOLERANCES[dtype])
+    torch.testing.assert_close(states, expected_states, equal_nan=True, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_the_recurrent_delta_rule_over_a_batch_of_chunks_matches_reference(interpreter, dtype):
+    """Prompt chunks of 1, 5 and 20 tokens, each sequence's state carried token to token."""
+    generator = torch.Generator().manual_seed(3)
+    lengths, hk, hv, dk, dv = [1, 5, 20], 2, 4, 16, 48
+    t = sum(lengths)
+    q, k = (torch.randn(t, hk, dk, generator=generator).to(dtype) for _ in range(2))
+    v = torch.randn(t, hv, dv, generator=generator).to(dtype)
+    g = -torch.rand(t, hv, generator=generator)
+    beta = torch.rand(t, hv, generator=generator)
+    query_start = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    states = slot_states((hv, dk, dv), torch.float32, generator)
+    expected_states = states.clone()
+    expected = gated_delta_rule(q, k, v, g, beta, layer_of(expected_states), query_start, SLOTS,
+                                INITIAL, tuple(lengths))
+
+    out, states = interpreter(delta_and_states, triton_linear_attention.recurrent_delta_rule,
+                              q, k, v, g, beta, states, query_start, SLOTS, INITIAL)
+
+    torch.testing.assert_close(out, expected, **TOLERANCES[dtype])
+    torch.testing.assert_close(states, expected_states, equal_nan=True, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_the_gates_and_the_gated_norm_match_their_references(interpreter, dtype):
+    """The gates from strided views of the projection (``a`` and ``b`` for 6 value heads, as
+    the model splits them), large ``a`` included (softplus's linear side); the gated norm of
+    heads of 32 with a strided gate."""
+    generator = torch.Generator().manual_seed(4)
+    projected = (torch.randn(9, 40, generator=generator) * 4).to(dtype)
+    projected[0, 28] = 30.0
+    a, b = projected[:, 28:34], projected[:, 34:40]
+    a_log, dt_bias = torch.randn(6, generator=generator), torch.randn(6, generator=generator)
+    g, beta = interpreter(triton_linear_attention.delta_rule_gates, a, b, a_log, dt_bias)
+    expected_g, expected_beta = delta_rule_gates(a, b, a_log, dt_bias)
+    torch.testing.assert_close(g, expected_g, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(beta, expected_beta, **TOLERANCES[dtype])
+
+    x = torch.randn(9, 3, 32, generator=generator).to(dtype)
+    gate = torch.randn(9, 100, generator=generator).to(dtype)[:, 4:100].view(9, 3, 32)
+    weight = (torch.rand(32, generator=generator) + 0.5).to(dtype)
+    out = interpreter(triton_linear_attention.rms_norm_gated, x, gate, weight, 1e-6)
+    torch.testing.assert_close(out, rms_norm_gated(x, gate, weight, 1e-6), **TOLERANCES[dtype])
