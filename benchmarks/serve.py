@@ -1,13 +1,18 @@
 """A serving benchmark: streamed completions against a running ``nanofn serve`` (or any
 OpenAI-compatible server) at a fixed concurrency, reporting output throughput and the p50/p99
-of the time to first token and of the inter-token latency.
+of the time to first token, of the inter-token latency and of the whole request.
 
 Usage: python benchmarks/serve.py --url http://127.0.0.1:8000 [--model NAME] [--requests 256]
        [--concurrency 64] [--prompt-len 512] [--max-tokens 256] [--api-key KEY]
-       [--vocab-size 10000] [--json PATH]
+       [--vocab-size 10000] [--background-prompt-chars N] [--json PATH]
 
 Prompts are random token ids (``--prompt-len`` each) and every request asks for exactly
 ``--max-tokens`` tokens (``ignore_eos``), so runs compare across servers and models.
+
+``--background-prompt-chars N`` measures the same requests while the server tokenizes huge
+prompts: throughout the run, one completion with an N-character text prompt (random words) is
+always in flight (the server refuses it once it has counted its tokens, if it cannot fit). With
+it, the small requests' latencies should stay near the unloaded ones.
 """
 
 from __future__ import annotations
@@ -64,6 +69,11 @@ async def run(a) -> dict:
                 "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
 
     await one_request(a.url, headers, body(prompts[0][:32], 8))  # warm up
+    stop = asyncio.Event()
+    background = None
+    if a.background_prompt_chars:
+        background = asyncio.create_task(big_prompts(a, headers, model, stop))
+        await asyncio.sleep(1.0)  # the first one is being tokenized
     gate = asyncio.Semaphore(a.concurrency)
 
     async def gated(prompt):
@@ -75,8 +85,11 @@ async def run(a) -> dict:
     results = await asyncio.gather(*(gated(p) for p in prompts))
     elapsed = time.perf_counter() - start
     client_cpu = time.process_time() - client_cpu
+    stop.set()
+    big = await background if background is not None else []
     ttft = np.array([r["ttft"] for r in results])
     itl = np.array([r["per_token"] for r in results if r["per_token"] is not None])
+    e2e = np.array([r["e2e"] for r in results])
     tokens = sum(r["tokens"] for r in results)
     return {"model": model, "requests": a.requests, "concurrency": a.concurrency,
             "prompt_len": a.prompt_len, "max_tokens": a.max_tokens, "elapsed_s": elapsed,
@@ -85,7 +98,32 @@ async def run(a) -> dict:
             "ttft_p50_ms": float(np.percentile(ttft, 50) * 1e3),
             "ttft_p99_ms": float(np.percentile(ttft, 99) * 1e3),
             "itl_p50_ms": float(np.percentile(itl, 50) * 1e3),
-            "itl_p99_ms": float(np.percentile(itl, 99) * 1e3)}
+            "itl_p99_ms": float(np.percentile(itl, 99) * 1e3),
+            "e2e_p50_ms": float(np.percentile(e2e, 50) * 1e3),
+            "e2e_p99_ms": float(np.percentile(e2e, 99) * 1e3),
+            "background_prompt_chars": a.background_prompt_chars, "background_requests": big}
+
+
+async def big_prompts(a, headers: dict, model: str, stop: asyncio.Event) -> list[dict]:
+    """Completions with an ``--background-prompt-chars``-character prompt, one after another
+    until ``stop``: each one's status line and seconds."""
+    rng = random.Random(1)
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    words = ["".join(rng.choices(letters, k=rng.randint(2, 9)))
+             for _ in range(a.background_prompt_chars // 5)]  # 6.5 characters each, with a space
+    payload = json.dumps({"model": model, "max_tokens": 1,
+                          "prompt": " ".join(words)[:a.background_prompt_chars]}).encode()
+    sent = []
+    while not stop.is_set():
+        start = time.perf_counter()
+        reader, writer = await _send(a.url, "POST /v1/completions", {
+            **headers, "Content-Type": "application/json", "Content-Length": len(payload)},
+            payload)
+        status = (await reader.readline()).decode().strip()
+        await reader.read()
+        writer.close()
+        sent.append({"status": status, "seconds": time.perf_counter() - start})
+    return sent
 
 
 async def _send(url: str, request_line: str, headers: dict, payload: bytes = b""):
@@ -116,6 +154,8 @@ def main() -> None:
     ap.add_argument("--api-key")
     ap.add_argument("--vocab-size", type=int, default=10_000,
                     help="prompt token ids are drawn below it (the demo model has 400)")
+    ap.add_argument("--background-prompt-chars", type=int, default=0, metavar="N",
+                    help="keep a completion with an N-character prompt in flight throughout")
     ap.add_argument("--json", metavar="PATH")
     a = ap.parse_args()
     result = asyncio.run(run(a))
@@ -126,7 +166,11 @@ def main() -> None:
           "bottleneck)")
     print(f"time to first token p50 {result['ttft_p50_ms']:.1f} ms, p99 "
           f"{result['ttft_p99_ms']:.1f} ms; inter-token latency p50 {result['itl_p50_ms']:.2f} "
-          f"ms, p99 {result['itl_p99_ms']:.2f} ms")
+          f"ms, p99 {result['itl_p99_ms']:.2f} ms; whole request p50 {result['e2e_p50_ms']:.1f} "
+          f"ms, p99 {result['e2e_p99_ms']:.1f} ms")
+    for big in result["background_requests"]:
+        print(f"  meanwhile a {a.background_prompt_chars:,}-character prompt: {big['status']} "
+              f"after {big['seconds']:.1f} s")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(result, f, indent=2)

@@ -12,9 +12,6 @@ import os
 import random
 import re
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -22,40 +19,10 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from server_helpers import (API_KEY, HEADERS, engine_pid_of, first_event, metric, needs_proc,
+                            start_server, wait_until_idle)
 
 openai = pytest.importorskip("openai")
-
-API_KEY = "test-key"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(model, *flags: str) -> tuple[subprocess.Popen, str]:
-    """``nanofn serve MODEL`` on a free port, once its /health answers: (process, url).
-    ``flags`` come last (a flag given twice takes its last value)."""
-    port = free_port()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "nanofn", "serve", str(model), "--port", str(port),
-         "--api-key", API_KEY, "--served-model-name", "tiny", "--max-model-len", "256",
-         "--num-kv-blocks", "64", "--max-num-seqs", "16", *flags],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"the server exited:\n{process.stdout.read()}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return process, url
-        except httpx.HTTPError:
-            time.sleep(0.3)
-    process.kill()
-    raise RuntimeError("the server did not start within 120 s")
-
 
 @pytest.fixture(scope="module")
 def server(tiny_qwen3):
@@ -68,24 +35,6 @@ def server(tiny_qwen3):
 @pytest.fixture(scope="module")
 def client(server):
     return openai.OpenAI(base_url=f"{server}/v1", api_key=API_KEY, max_retries=0)
-
-
-def metric(server: str, name: str) -> float:
-    text = httpx.get(f"{server}/metrics").text
-    match = re.search(rf"^{re.escape(name)} ([0-9.e+-]+)$", text, re.MULTILINE)
-    assert match, f"{name} not in /metrics"
-    return float(match.group(1))
-
-
-def wait_until_idle(server: str) -> None:
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        if (metric(server, "vllm:num_requests_running") == 0
-                and metric(server, "vllm:num_requests_waiting") == 0
-                and metric(server, "nanofn:kv_blocks_used") == 0):
-            return
-        time.sleep(0.2)
-    raise AssertionError("requests or KV blocks are still held")
 
 
 def test_models_health_version_tokenize_detokenize(server, client):
@@ -616,30 +565,8 @@ def test_a_slow_consumer_skips_to_the_newest_output(tiny_qwen3):
 
 # --- the engine's own process -------------------------------------------------------------------
 
-HEADERS = {"Authorization": f"Bearer {API_KEY}"}
 LONG_STREAM = {"model": "tiny", "prompt": "Go on", "max_tokens": 240, "stream": True,
                "ignore_eos": True}
-needs_proc = pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="reads /proc")
-
-
-def engine_pid_of(server_pid: int) -> int:
-    """The server's engine process: its child that multiprocessing spawned to run a target
-    (not multiprocessing's resource tracker)."""
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/stat") as f:
-                parent = int(f.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{entry.name}/cmdline", "rb") as f:
-                command = f.read()
-        except OSError:
-            continue
-        if parent == server_pid and b"spawn_main" in command:
-            return int(entry.name)
-    raise AssertionError(f"process {server_pid} has no engine process")
-
-
 def is_gone(pid: int) -> bool:
     """No such process, or only its exit status is left (a zombie)."""
     try:
@@ -656,19 +583,15 @@ def wait_until_gone(pid: int, seconds: float = 30) -> None:
         time.sleep(0.1)
 
 
-def first_event(lines) -> str:
-    return next(line for line in lines if line.startswith("data:"))
-
-
 def test_a_bad_request_gets_its_400_while_another_streams_on(server):
-    """The engine process refuses the too-long prompt (the server's process cannot know the
-    limit by itself): the refusal reaches its caller only, and the stream goes on to the end."""
+    """The engine process refuses the prompt that leaves no room for max_tokens: the refusal
+    reaches its caller only, and the stream goes on to the end."""
     with httpx.stream("POST", f"{server}/v1/completions", headers=HEADERS, timeout=30,
                       json={**LONG_STREAM, "stream_options": {"include_usage": True}}) as r:
         lines = r.iter_lines()
         first_event(lines)
         bad = httpx.post(f"{server}/v1/completions", headers=HEADERS,
-                         json={"model": "tiny", "prompt": "word " * 300})
+                         json={"model": "tiny", "prompt": "word " * 40, "max_tokens": 250})
         assert bad.status_code == 400 and "max_model_len" in bad.json()["error"]["message"]
         events = [line[6:] for line in lines if line.startswith("data:")]
     assert events[-1] == "[DONE]"
@@ -724,8 +647,8 @@ def test_async_llm_fails_requests_quickly_once_its_engine_process_is_killed(tiny
 
 @needs_proc
 def test_a_dead_engine_process_makes_requests_fail_with_503(tiny_qwen3):
-    """In flight, a stream breaks off and a whole response is a 503; later requests and /health
-    are 503 at once; SIGTERM still stops the server cleanly."""
+    """In flight, a stream ends with an error event and a whole response is a 503; later
+    requests and /health are 503 at once; SIGTERM still stops the server cleanly."""
     process, url = start_server(tiny_qwen3)
     engine = engine_pid_of(process.pid)
     assert engine != process.pid
@@ -742,8 +665,9 @@ def test_a_dead_engine_process_makes_requests_fail_with_503(tiny_qwen3):
         time.sleep(0.5)
         os.kill(engine, signal.SIGKILL)
         killed = time.monotonic()
-        with pytest.raises(httpx.RemoteProtocolError):
-            assert "data: [DONE]" not in list(lines)
+        events = [line[6:] for line in lines if line.startswith("data:")]
+    assert events[-1] == "[DONE]"  # after an error event
+    assert "engine" in json.loads(events[-2])["error"]["message"]
     waiting.join(timeout=30)
     assert whole[0].status_code == 503
     assert time.monotonic() - killed < 5

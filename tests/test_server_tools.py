@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from nanofn.model.tiny import CHAT_TEMPLATE
-from test_server import API_KEY, start_server, wait_until_idle
+from server_helpers import API_KEY, start_server, wait_until_idle
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("llguidance")

@@ -13,7 +13,7 @@ import argparse
 import difflib
 import json
 import sys
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, fields, replace
 from pathlib import Path
@@ -21,6 +21,7 @@ from typing import Any
 
 from nanofn import __version__
 from nanofn.engine.options import EngineOptions
+from nanofn.server.limits import ServerLimits
 from nanofn.cli.bench import (CPU_SHARED_PREFIX_SIZES, CPU_SIZES, KNOWN_DEVICE_RATES,
                               SHARED_PREFIX_SIZES, STANDARD_SIZES, ModelDims, Workload,
                               describe_sizes, device_rates, floor, format_seconds, measure,
@@ -125,6 +126,26 @@ SAMPLING_FLAGS: dict[str, dict[str, Any]] = {
     "logprobs": dict(type=int, metavar="N", help="also compute the log-probabilities of the "
                                                 "N likeliest tokens, and print the output's"),
 }
+
+
+# ServerLimits field -> argparse settings, as for ENGINE_FLAGS.
+SERVER_FLAGS: dict[str, dict[str, Any]] = {
+    "max_n": dict(type=int, metavar="N",
+                  help="most sequences one request may start: n, times the prompts of a batched "
+                       "completion (default: {default})"),
+    "max_request_body_bytes": dict(type=int, metavar="BYTES",
+                                   help="a larger request body is refused (413) before it is "
+                                        "read (default: {default}, 32 MiB)"),
+    "max_chars_per_token": dict(type=int, metavar="N",
+                                help="a prompt of more than max_model_len x N characters is "
+                                     "refused without tokenizing it (default: {default})"),
+    "shutdown_timeout": dict(type=float, metavar="SECONDS",
+                             help="after SIGTERM, the requests in flight get this long to "
+                                  "finish; then each ends with a 503 (default: {default})"),
+}
+# After the shutdown's grace period, the time uvicorn gives the responses to be written before
+# it cancels them.
+SHUTDOWN_WRITE_S = 5.0
 
 
 class UsageError(Exception):
@@ -295,6 +316,7 @@ def _add_serve(commands: Any) -> None:
     p.add_argument("--served-model-name", metavar="NAME",
                    help="the model's name in the API (default: MODEL as given)")
     _add_chat_flags(p.add_argument_group("chat completions (vLLM's flags)"))
+    add_flags(p, "server limits", SERVER_FLAGS, ServerLimits)
     add_flags(p, "engine options", ENGINE_FLAGS, EngineOptions)
     p.set_defaults(run=run_serve)
 
@@ -339,6 +361,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from nanofn.server.chat_output import ChatOptions, load_chat_template
 
     with _user_errors():  # before the model loads
+        limits = ServerLimits(**given(args, SERVER_FLAGS))
         chat_options = ChatOptions(
             chat_template=args.chat_template and load_chat_template(args.chat_template),
             default_chat_template_kwargs=args.default_chat_template_kwargs,
@@ -350,10 +373,11 @@ def run_serve(args: argparse.Namespace) -> int:
     with _user_errors():
         llm = AsyncLLM(model, **engine_kwargs(args))
     try:
-        app = build_app(llm, served_name, args.api_key, chat_options)
+        app = build_app(llm, served_name, args.api_key, chat_options, limits)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
-                                timeout_graceful_shutdown=30)
-        server_class(config).run()
+                                timeout_graceful_shutdown=limits.shutdown_timeout
+                                + SHUTDOWN_WRITE_S)
+        server_class(config, app.state.shutdown.begin).run()
     finally:
         llm.close()
     return 0
@@ -365,7 +389,16 @@ def _uvicorn_server(served_name: str) -> type:
     class Server(uvicorn.Server):
         """uvicorn stops taking connections on SIGINT or SIGTERM and lets the requests in
         flight finish (or their clients go); then it raises the signal again, which would
-        kill the process before the engine closes. Here ``serve`` returns, and exits 0."""
+        kill the process before the engine closes. Here ``serve`` returns, and exits 0.
+        ``on_shutdown`` is called as the shutdown starts (the app's grace period)."""
+
+        def __init__(self, config: uvicorn.Config, on_shutdown: Callable[[], None]):
+            super().__init__(config)
+            self.on_shutdown = on_shutdown
+
+        async def shutdown(self, sockets: list | None = None) -> None:
+            self.on_shutdown()
+            await super().shutdown(sockets)
 
         async def startup(self, sockets: list | None = None) -> None:
             """Say where the server listens once it does (the engine is up by then)."""

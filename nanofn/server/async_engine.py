@@ -16,7 +16,7 @@ import itertools
 import multiprocessing
 import pickle
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -145,6 +145,17 @@ class AsyncLLM:
         with self._lock:
             self._send_quietly(dumps(("abort", request_id)))
 
+    def abort_all(self, error: Callable[[], BaseException]) -> None:
+        """Abort every request in flight: each one's ``generate`` raises an ``error()`` of its
+        own (the server's shutdown, once its requests have had their time)."""
+        with self._lock:
+            streams = list(self._streams.items())
+            self._streams.clear()
+            for request_id, _ in streams:
+                self._send_quietly(dumps(("abort", request_id)))
+        for _, stream in streams:
+            _call_in(stream.loop, _deliver, [(stream, error())])
+
     def close(self) -> None:
         """Stop the engine process (requests in flight are aborted) and wait until it has
         freed the engine."""
@@ -247,7 +258,9 @@ def _call_in(loop: asyncio.AbstractEventLoop, function, *args) -> None:
 
 
 def _deliver(batch: list[tuple[_Stream, RequestOutput | BaseException]]) -> None:
-    """On the caller's loop: each stream's newest output replaces one not yet taken."""
+    """On the caller's loop: each stream's newest output replaces one not yet taken, but not
+    an error (an output of the step that raced it is no longer news)."""
     for stream, item in batch:
-        stream.latest = item
+        if not isinstance(stream.latest, BaseException):
+            stream.latest = item
         stream.ready.set()

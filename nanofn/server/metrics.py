@@ -8,6 +8,10 @@ from prometheus_client.core import CounterMetricFamily
 from nanofn.engine.outputs import RequestOutput
 from nanofn.server.async_engine import AsyncLLM
 
+# Why an API request stops before its end: its client went away, or the server's shutdown
+# (--shutdown-timeout) ran out of time for it.
+ABORT_REASONS = ("client_disconnected", "shutdown")
+
 
 class Metrics:
     """Prometheus metrics under vLLM's names, in a registry of this app's own."""
@@ -32,6 +36,12 @@ class Metrics:
                                          registry=registry)
         self.requests = Counter("vllm:request_success", "Finished requests", ["finished_reason"],
                                 registry=registry)
+        self.aborted_requests = Counter("nanofn:requests_aborted",
+                                        "API requests stopped before their end, by why",
+                                        ["reason"], registry=registry)
+        for reason in ABORT_REASONS:  # shown from the start, at 0
+            self.aborted_requests.labels(reason=reason)
+        self.requests.labels(finished_reason="abort")
         self.time_to_first_token = Histogram("vllm:time_to_first_token_seconds",
                                              "Time to the first token", registry=registry)
         self.inter_token_latency = Histogram("vllm:inter_token_latency_seconds",
@@ -45,6 +55,12 @@ class Metrics:
         for c in output.outputs:
             self.requests.labels(finished_reason=c.finish_reason or "abort").inc()
         self.e2e_latency.observe(seconds)
+
+    def aborted(self, reason: str, num_sequences: int) -> None:
+        """An API request stopped early (``reason``: one of ``ABORT_REASONS``), with the
+        sequences it had not finished (counted as vLLM counts aborted requests)."""
+        self.aborted_requests.labels(reason=reason).inc()
+        self.requests.labels(finished_reason="abort").inc(num_sequences)
 
     def render(self) -> bytes:
         figures = self.llm.figures()

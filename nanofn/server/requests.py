@@ -31,10 +31,12 @@ class APIError(Exception):
         self.status, self.message, self.type, self.param, self.code = (status, message,
                                                                        error_type, param, code)
 
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
     def response(self) -> JSONResponse:
-        return JSONResponse({"error": {"message": self.message, "type": self.type,
-                                       "param": self.param, "code": self.code}},
-                            status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status)
 
 
 def completion_prompts(body: dict) -> list:
