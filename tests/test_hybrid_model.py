@@ -23,6 +23,7 @@ from nanofn.model import AttentionBatch, RecurrentState, build_model, load_weigh
 from nanofn.model.config import rotary_dim
 from nanofn.model.parallel import QKVParallelLinear
 from nanofn.model.tiny import PRESETS, make_random_checkpoint
+from test_model import assert_logits_close, greedy_reference, random_prompt
 
 # --- the model against transformers -----------------------------------------------------------
 
@@ -101,23 +102,6 @@ def models(tiny_checkpoint):
         return loaded[arch]
 
     return get
-
-
-def random_prompt(length: int, seed: int) -> list[int]:
-    return torch.randint(3, 384, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def greedy_reference(reference, prompt: list[int], num_new_tokens: int) -> tuple[list[int], torch.Tensor]:
-    """transformers' greedy continuation, and its logits at every position of prompt + continuation."""
-    tokens = list(prompt)
-    with torch.inference_mode():
-        for _ in range(num_new_tokens):
-            tokens.append(int(reference(torch.tensor([tokens])).logits[0, -1].argmax()))
-        return tokens, reference(torch.tensor([tokens])).logits[0]
-
-
-def assert_logits_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
-    torch.testing.assert_close(actual, expected, atol=1e-4 * expected.abs().max().item(), rtol=0)
 
 
 def test_one_prefill_matches_transformers(models):

@@ -206,3 +206,46 @@ def test_an_interrupt_in_a_bulk_release_or_a_cache_reset_leaves_the_llm_usable(
         assert_clean(llm)
         assert tokens(llm.generate(prompts, params, use_tqdm=False)) == expected
         assert_clean(llm)
+
+
+def test_a_hybrid_launch_that_fails_after_writing_leaves_no_stale_state(tiny_checkpoint,
+                                                                        monkeypatch):
+    """A hybrid model's launch that ran (its restores, its steps, its saves) and then raised:
+    its sequences are aborted, every state slot is free or saved again, and what it may have
+    overwritten (saved states evicted for its slots) leaves the prefix cache, so the prompts
+    run again give the tokens of a clean run. Two state slots: a prompt's save evicts the
+    state it started from, and a failure at any launch of the run is tried."""
+    shared = "You are a helpful assistant. Answer briefly and precisely, in one sentence. "
+    prompts = [shared + question for question in ("What is the capital of France?",
+                                                 "Name a prime number.", "Who wrote Hamlet?")]
+    options = dict(num_kv_blocks=24, max_model_len=128, num_state_slots=2, max_num_seqs=1)
+    params = PARAMS[1]
+    model = str(tiny_checkpoint("qwen3_5"))
+    with LLM(model, **options) as clean:
+        expected = [tokens(clean.generate([p], params, use_tqdm=False)) for p in prompts]
+    with LLM(model, **options) as llm:
+        runner = llm.engine.loop.runner
+        launch = runner.launch
+        for k in range(1, 25):
+            calls = 0
+
+            def launch_then_fail(plan, *args):
+                nonlocal calls
+                calls += 1
+                sample = launch(plan, *args)
+                if calls == k:
+                    sample.wait()  # (its work done: the device holds what it wrote)
+                    raise KeyboardInterrupt
+                return sample
+
+            with monkeypatch.context() as patch:
+                patch.setattr(runner, "launch", launch_then_fail)
+                try:
+                    for prompt in prompts:
+                        llm.generate([prompt], params, use_tqdm=False)
+                except KeyboardInterrupt:
+                    pass
+            assert_clean(llm)
+            assert llm.engine.state.states.num_working == 0
+            again = [tokens(llm.generate([p], params, use_tqdm=False)) for p in prompts]
+            assert again == expected, k
