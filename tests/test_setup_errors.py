@@ -151,7 +151,7 @@ def test_a_start_that_fails_after_the_weights_loaded_lets_them_go(tiny_qwen3, mo
         raise RuntimeError("no memory for the KV cache")
 
     monkeypatch.setattr(model_runner, "build_model", recording_build_model)
-    monkeypatch.setattr(model_runner.ModelRunner, "_decide_num_blocks", failing_blocks)
+    monkeypatch.setattr(model_runner.ModelRunner, "_decide_cache_sizes", failing_blocks)
     with pytest.raises(RuntimeError, match="no memory for the KV cache") as failure:
         LLM(str(tiny_qwen3), max_model_len=256)
     gc.collect()
