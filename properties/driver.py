@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from unittest import mock
+
+import xxhash
 
 from nanofn.engine.loop import Delivery, EngineLoop, LoopStep
-from nanofn.state import EngineState, FinishReason, NewSeq, SamplingParams, initial_state
-from properties.fake_runner import FakeRunner, stop_string_hit
+from nanofn.state import EngineState, FinishReason, NewSeq, SamplingParams, Seq, initial_state
+from nanofn.state import hashing
+from properties.fake_runner import FakeRunner, LaunchFailed, stop_string_hit
+from properties.invariants import check_output
 from properties.strategies import CoreSetup
 
 
@@ -16,7 +22,9 @@ class Driver:
 
     ``pipelined`` is the loop's async scheduling: a plan's tokens are delivered only after the
     next plan has been launched, so plans carry pending tokens. Stop strings are the test's
-    content-defined ones (``stop_string_hit``) plus the ones a test forces on a sequence.
+    content-defined ones (``stop_string_hit``) plus the ones a test forces on a sequence. A
+    launch the runner fails is left to the loop, as the engine leaves it: the next step
+    aborts the plan's sequences and forgets the blocks it may have written.
     """
 
     def __init__(self, setup: CoreSetup, pipelined: bool = False):
@@ -26,26 +34,39 @@ class Driver:
         self.loop = EngineLoop(initial_state(setup.config, setup.num_blocks), self.runner,
                                async_scheduling=pipelined, trace=self.trace)
         self.forced_stops: set[str] = set()
-        self.outputs: dict[str, tuple[tuple[int, ...], FinishReason]] = {}
+        # Per sequence, the counts of output tokens at which a stop string was reported.
+        self.stop_hits: dict[str, set[int]] = {}
+        self.finished: dict[str, Seq] = {}
 
     @property
     def state(self) -> EngineState:
         return self.loop.state
 
     @property
+    def outputs(self) -> dict[str, tuple[tuple[int, ...], FinishReason]]:
+        """Each finished sequence's output tokens and finish reason."""
+        return {seq_id: (seq.output_token_ids, seq.finish_reason)
+                for seq_id, seq in self.finished.items()}
+
+    @property
     def trace_lines(self) -> list[str]:
         return self.trace.getvalue().splitlines()
 
     def advance(self, new_seqs: Sequence[NewSeq] = (), aborts: Sequence[str] = (),
-                stop_hits: Sequence[str] = ()) -> LoopStep:
+                stop_hits: Sequence[str] = ()) -> LoopStep | LaunchFailed:
+        """One step, or the runner's failure of its launch (the loop then stays as it was,
+        its events queued for the next step)."""
         for new in new_seqs:
             self.loop.add(new)
         for seq_id in aborts:
             self.loop.abort(seq_id)
         self.forced_stops.update(stop_hits)
-        result = self.loop.step(self._stop_hits)
+        try:
+            result = self.loop.step(self._stop_hits)
+        except LaunchFailed as failure:
+            return failure
         for seq in result.finished:
-            self.outputs[seq.seq_id] = (seq.output_token_ids, seq.finish_reason)
+            self.finished[seq.seq_id] = seq
         return result
 
     def _stop_hits(self, delivery: Delivery) -> Iterator[str]:
@@ -57,33 +78,63 @@ class Driver:
             seq = live.get(seq_id)
             if seq is None:
                 continue
-            if seq_id in self.forced_stops or stop_string_hit(seq.output_token_ids + (token,)):
+            output = seq.output_token_ids + (token,)
+            if seq_id in self.forced_stops or stop_string_hit(output):
                 self.forced_stops.discard(seq_id)
+                self.stop_hits.setdefault(seq_id, set()).add(len(output))
                 yield seq_id
 
-    def drain(self) -> None:
-        """Step with no new events until every sequence has finished and no token is in
-        flight, within a bound generous for any schedule (each live sequence's every position
-        computed a few times over, for preemptions)."""
+    def check_output(self, seq: Seq) -> None:
+        """A finished sequence's output means what its parameters say (``check_output``)."""
+        c = self.setup.config
+        check_output(seq, self.stop_hits.get(seq.seq_id, ()), c.max_model_len, c.eos_token_ids)
+
+    def drain(self, advance: Callable[[], object] | None = None) -> None:
+        """Step (with ``advance``, by default ``self.advance``) with no new events until every
+        sequence has finished and no token is in flight, within a bound generous for any
+        schedule (each live sequence's every position computed a few times over, for
+        preemptions)."""
+        advance = advance or self.advance
         live = len(self.state.live_ids) + 1
         max_steps = 4 * live * self.setup.config.max_model_len + 100
         for _ in range(max_steps):
             if not self.loop.has_work():
                 return
-            self.advance()
+            advance()
         raise AssertionError(f"not finished after {max_steps} steps: {self.state.live_ids}")
+
+
+@contextlib.contextmanager
+def block_hashing(setup: CoreSetup) -> Iterator[None]:
+    """Run the core with the setup's block hash: ``weak_hash`` distinct values, if set (so
+    that different blocks often share a hash, and only their tokens tell them apart), else
+    the real one."""
+    if setup.weak_hash is None:
+        yield
+        return
+
+    def weak_digest(data: bytes, seed: int) -> int:
+        return xxhash.xxh64_intdigest(data, seed) % setup.weak_hash
+
+    with mock.patch.object(hashing, "digest", weak_digest):
+        yield
 
 
 def run_workload(setup: CoreSetup,
                  workload: Sequence[tuple[int, tuple[int, ...], SamplingParams]],
                  pipelined: bool = False) -> dict[str, tuple[tuple[int, ...], FinishReason]]:
-    """Submit sequence ``i`` (id ``r{i}``) at the engine step ``arrival``; run to the end."""
-    driver = Driver(setup, pipelined)
-    pending = sorted(((arrival, i, prompt, params)
-                      for i, (arrival, prompt, params) in enumerate(workload)), key=lambda r: r[:2])
-    while pending:
-        due = [r for r in pending if r[0] <= driver.state.step]
-        pending = pending[len(due):]
-        driver.advance([NewSeq(f"r{i}", prompt, params) for _, i, prompt, params in due])
-    driver.drain()
+    """Submit sequence ``i`` (id ``r{i}``) at the engine step ``arrival``; run to the end, and
+    check that every output means what its parameters say."""
+    with block_hashing(setup):
+        driver = Driver(setup, pipelined)
+        pending = sorted(((arrival, i, prompt, params)
+                          for i, (arrival, prompt, params) in enumerate(workload)),
+                         key=lambda r: r[:2])
+        while pending:
+            due = [r for r in pending if r[0] <= driver.state.step]
+            pending = pending[len(due):]
+            driver.advance([NewSeq(f"r{i}", prompt, params) for _, i, prompt, params in due])
+        driver.drain()
+    for seq in driver.finished.values():
+        driver.check_output(seq)
     return driver.outputs

@@ -1,31 +1,138 @@
-"""A fake runner for the pure core: a paged "KV cache" of (token, position) pairs and a model
-whose next token is a pure function of the token prefix it reads back from that cache.
+"""A fake runner for the pure core, over a fake device that holds what launched plans computed.
 
-Because the model sees only what the plan's block tables let it read, any mistake in block
-tables, slots, prefix-cache hits or recomputation after preemption changes the outputs.
+The device's KV cache holds, at each position of each block, what a launch computed there: the
+fake model's "KV" of that position, a digest of the token there and of the KV of the position
+before it, read back through the sequence's block table (so each KV stands for the whole token
+prefix, as a transformer's does). Sampling reads the KV of every position of the context and
+hashes them into the next token, so the model is a pure function of the token prefix when, and
+only when, every position it reads holds what was computed for that prefix.
+
+A position nothing has computed since its block was last handed out as a new block (not a
+prefix-cache hit) reads as ``POISON``, which changes every KV and token computed from it: a
+block reused after eviction holds nothing the engine may read. So any mistake in block tables,
+slots, prefix-cache hits, recomputation after preemption or roll-back of a failed launch
+changes what the device holds and what the model samples, and the checks here find it.
+
+A launch can be made to fail after writing part of its plan, as a device error would; the KV
+it wrote stays on the device but counts as computed by no one (``failed_launches``).
+
+The KV cache is one resource of the device; another (a hybrid model's recurrent states) would
+be a class of its own beside ``KVCache``, driven from ``FakeRunner.launch`` and checked after
+each step the same way.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import struct
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
+import numpy as np
 import xxhash
 
 from nanofn.state import PENDING_TOKEN, BatchPlan, EngineState, SampleOutput
 from nanofn.state.batch import SLOT
 
 EOS = 0
+ROOT_KV = 0  # what the position before a sequence's first one "holds"
+POISON = 0xBAD_BAD_BAD_BAD  # what reading a position that holds nothing computed gives
 
 
-def next_token(prefix: Sequence[int], vocab_size: int, banned: Sequence[int] = ()) -> int:
-    """The fake model: deterministic in the prefix, EOS about once in ``vocab_size`` tokens.
-    A banned token gives way to the next candidate, as the sampler's masked argmax does."""
-    key = ",".join(map(str, prefix))
+def kv_after(previous_kv: int, token: int, position: int) -> int:
+    """The fake model's KV of ``token`` at ``position`` after a position holding
+    ``previous_kv``."""
+    return xxhash.xxh3_64_intdigest(struct.pack("<qq", token, position), previous_kv)
+
+
+def kv_chain(token_ids: Sequence[int]) -> list[int]:
+    """The KV of each position of a sequence of these tokens, all computed correctly."""
+    kvs, kv = [], ROOT_KV
+    for position, token in enumerate(token_ids):
+        kv = kv_after(kv, token, position)
+        kvs.append(kv)
+    return kvs
+
+
+def next_token(context_kvs: Sequence[int], vocab_size: int, banned: Sequence[int] = ()) -> int:
+    """The fake model's choice after a context whose positions read ``context_kvs``:
+    deterministic, EOS about once in ``vocab_size`` tokens. A banned token gives way to the
+    next candidate, as the sampler's masked argmax does."""
+    seed = xxhash.xxh64_intdigest(np.asarray(context_kvs, np.uint64).tobytes())
     for attempt in range(vocab_size):
-        token = xxhash.xxh64_intdigest(f"{key}#{attempt}".encode()) % vocab_size
+        token = xxhash.xxh64_intdigest(attempt.to_bytes(4, "little"), seed) % vocab_size
         if token not in banned:
             return token
     raise AssertionError(f"every token is banned: {banned}")
+
+
+class Computed(NamedTuple):
+    """What a KV position holds: the KV a launch computed for ``token`` at ``position``."""
+
+    kv: int
+    token: int
+    position: int
+    launch: int
+
+
+class KVCache:
+    """The device's paged KV cache and the block table of each runner slot (kept by appends
+    from the plans' new entries, as the real runner keeps them)."""
+
+    def __init__(self, num_blocks: int, block_size: int):
+        self.block_size = block_size
+        self.positions: list[Computed | None] = [None] * (num_blocks * block_size)
+        self.tables: dict[int, list[int]] = {}
+
+    def where(self, table: Sequence[int], position: int) -> int:
+        bs = self.block_size
+        return table[position // bs] * bs + position % bs
+
+    def start(self, slot: int) -> None:
+        """A sequence starts in ``slot``: its table starts afresh."""
+        self.tables[slot] = []
+
+    def add_entry(self, slot: int, column: int, block: int, new: bool) -> None:
+        """Append ``block`` to the slot's table; a ``new`` block (not a prefix-cache hit) holds
+        nothing the sequence may read until it computes it."""
+        table = self.tables[slot]
+        assert column == len(table), f"slot {slot}: entry {column} after {len(table)}"
+        table.append(block)
+        if new:
+            bs = self.block_size
+            self.positions[block * bs:(block + 1) * bs] = [None] * bs
+
+    def read(self, table: Sequence[int], position: int) -> int:
+        held = self.positions[self.where(table, position)]
+        return POISON if held is None else held.kv
+
+    def compute(self, slot: int, position: int, token: int, launch: int) -> None:
+        """Compute the KV of ``token`` at ``position`` from the position before it."""
+        table = self.tables[slot]
+        previous = self.read(table, position - 1) if position else ROOT_KV
+        self.positions[self.where(table, position)] = Computed(
+            kv_after(previous, token, position), token, position, launch)
+
+    def context(self, slot: int, length: int) -> list[int]:
+        """The KV of the first ``length`` positions of the slot's sequence, as attention reads
+        them."""
+        table = self.tables[slot]
+        return [self.read(table, position) for position in range(length)]
+
+    def block(self, block: int) -> list[Computed | None]:
+        bs = self.block_size
+        return self.positions[block * bs:(block + 1) * bs]
+
+
+class LaunchFailed(RuntimeError):
+    """The fake device failed a launch of ``plan`` after computing part of it; ``new_blocks``
+    are the blocks the plan handed out to compute into (its new table entries but prefix-cache
+    hits)."""
+
+    def __init__(self, plan: BatchPlan, launch: int, computed: int, new_blocks: set[int]):
+        super().__init__(f"launch {launch} failed after {computed} of {plan.num_tokens} "
+                         f"positions")
+        self.plan = plan
+        self.new_blocks = new_blocks
 
 
 class Sampled:
@@ -42,73 +149,112 @@ class Sampled:
 
 
 class FakeRunner:
+    """Runs plans on the fake device: the KV cache, and per slot the token it sampled last
+    (which a later plan's ``PENDING_TOKEN`` stands for)."""
+
     def __init__(self, num_blocks: int, block_size: int, vocab_size: int = 40):
         self.block_size = block_size
         self.vocab_size = vocab_size
-        self.slots: list[tuple[int, int] | None] = [None] * (num_blocks * block_size)
-        self.tables: dict[int, list[int]] = {}  # per slot, kept by appends as the real runner
+        self.kv = KVCache(num_blocks, block_size)
         self.last_sampled: dict[int, int] = {}  # the previous plan's tokens by slot
+        self.num_launches = 0
+        self.failed_launches: set[int] = set()
+        self._fail_after: int | None = None  # positions the next launch to fail computes
+        self._fail_if: Callable[[set[int]], bool] | None = None
 
-    def slot(self, block_table: Sequence[int], position: int) -> int:
-        return block_table[position // self.block_size] * self.block_size + position % self.block_size
+    def fail(self, after: int | None,
+             handing_out: Callable[[set[int]], bool] | None = None) -> None:
+        """Fail the next launch once it has computed ``after`` positions (or all of them, if
+        fewer); None: don't. ``handing_out``: only a launch for whose new blocks (not
+        prefix-cache hits) this is true."""
+        self._fail_after, self._fail_if = after, handing_out
 
     def launch(self, plan: BatchPlan) -> Sampled:
-        """Write every scheduled token, then read each sampling sequence's whole context back
-        and sample the next token of each, in plan order (the runner's contract), never one
-        the plan bans. Block tables are kept per slot from the plan's new entries alone: a
-        sequence that starts running starts its slot's table afresh."""
-        for start in plan.started:
-            self.tables[start.slot] = []
-        slots = plan.slots.tolist()
-        for i, column, block in plan.block_entries.tolist():
-            table = self.tables[slots[i]]
-            assert column == len(table), f"slot {slots[i]}: entry {column} after {len(table)}"
-            table.append(block)
+        """Take the plan's started sequences and new table entries, compute every scheduled
+        position in plan order, then sample each sampling sequence's next token from its
+        whole context (the runner's contract), never one the plan bans; or fail as ``fail``
+        said, raising ``LaunchFailed``."""
+        self.num_launches += 1
         entries = plan.entries()
-        for s in entries:
-            table = self.tables[s.slot]
-            assert PENDING_TOKEN not in s.token_ids[:-1], "a pending token before the last"
-            for i, token in enumerate(s.token_ids):
-                if token == PENDING_TOKEN:
-                    token = self.last_sampled[s.slot]
-                position = s.start_pos + i
-                self.slots[self.slot(table, position)] = (token, position)
-        sampled = tuple(next_token(self.read(self.tables[s.slot], s.context_len),
-                                   self.vocab_size, s.banned_token_ids)
-                        for s in entries if s.sample)
-        self.last_sampled = dict(zip((s.slot for s in entries if s.sample), sampled))
+        assert all(PENDING_TOKEN not in s.token_ids[:-1] for s in entries), (
+            "a pending token before the last")
+        # (slot, column, block, whether new: a block the sequence computes into, not a hit)
+        table_entries = [(entries[i].slot, column, block,
+                          column * self.block_size >= entries[i].start_pos)
+                         for i, column, block in plan.block_entries.tolist()]
+        new_blocks = {block for _, _, block, new in table_entries if new}
+        fail_after = self._positions_before_failing(new_blocks)
+        for start in plan.started:
+            self.kv.start(start.slot)
+        for slot, column, block, new in table_entries:
+            self.kv.add_entry(slot, column, block, new)
+        positions = [(s.slot, s.start_pos + i, token) for s in entries
+                     for i, token in enumerate(s.token_ids)]
+        for slot, position, token in positions[:fail_after]:
+            if token == PENDING_TOKEN:
+                token = self.last_sampled[slot]
+            self.kv.compute(slot, position, token, self.num_launches)
+        if fail_after is not None:
+            self.failed_launches.add(self.num_launches)
+            raise LaunchFailed(plan, self.num_launches, min(fail_after, len(positions)),
+                               new_blocks)
+        sampling = [s for s in entries if s.sample]
+        sampled = tuple(next_token(self.kv.context(s.slot, s.context_len), self.vocab_size,
+                                   s.banned_token_ids) for s in sampling)
+        self.last_sampled = {s.slot: token for s, token in zip(sampling, sampled)}
         return Sampled(sampled)
 
-    def read(self, block_table: Sequence[int], length: int) -> list[int]:
-        tokens = []
-        for position in range(length):
-            entry = self.slots[self.slot(block_table, position)]
-            assert entry is not None and entry[1] == position, (
-                f"position {position} reads {entry} from block table {list(block_table)}")
-            tokens.append(entry[0])
-        return tokens
+    def _positions_before_failing(self, new_blocks: set[int]) -> int | None:
+        """How many positions this launch computes before it fails, or None if it does not
+        (``fail``)."""
+        after, only_if = self._fail_after, self._fail_if
+        if after is None or (only_if is not None and not only_if(new_blocks)):
+            return None
+        self._fail_after = None
+        return after
 
-    def check_cache_contents(self, state: EngineState) -> None:
-        """Every block the prefix cache lists holds exactly the tokens it claims."""
-        bs = self.block_size
-        for block, entry in state.pool.cached_blocks():
-            stored = [self.slots[block * bs + k] for k in range(bs)]
-            assert [t for t, _ in stored] == list(entry.token_ids), f"cached block {block} lies"
+    def holds_computed(self, held: Computed | None) -> bool:
+        """Whether a position holds KV that a launch which did not fail computed."""
+        return held is not None and held.launch not in self.failed_launches
+
+
+def check_running_contexts(runner: FakeRunner, state: EngineState) -> None:
+    """Each running sequence's block table is the one the runner keeps for its slot, and each
+    of its computed, known positions holds the KV of its own token prefix."""
+    slots = state.batch.col(SLOT).tolist()
+    for seq, slot in zip(state.running, slots):
+        if seq.block_table:
+            assert runner.kv.tables[slot] == list(seq.block_table), f"{seq.seq_id}'s table"
+        known = min(seq.num_computed, seq.num_tokens)
+        expected = kv_chain(seq.token_ids[:known])
+        held = runner.kv.context(slot, known)
+        if held != expected:
+            position = next(p for p, (a, b) in enumerate(zip(held, expected)) if a != b)
+            where = runner.kv.where(seq.block_table, position)
+            raise AssertionError(f"{seq.seq_id}: position {position} holds "
+                                 f"{runner.kv.positions[where]}, not the KV of its prefix")
+
+
+def check_cached_blocks_computed(runner: FakeRunner, state: EngineState) -> None:
+    """A block is in the prefix cache only once it is computed: every position of it holds
+    KV that a launch which did not fail computed since the block was last handed out new, for
+    the tokens the cache lists, at consecutive positions of one block of a sequence, each
+    from the one before."""
+    bs = runner.block_size
+    for block, entry in state.pool.cached_blocks():
+        held = runner.kv.block(block)
+        assert all(map(runner.holds_computed, held)), (
+            f"cached block {block} is not computed: {held}")
+        assert [h.token for h in held] == list(entry.token_ids), f"cached block {block} lies"
+        first = held[0].position
+        assert first % bs == 0 and [h.position for h in held] == list(range(first, first + bs))
+        for before, after in zip(held, held[1:]):
+            assert after.kv == kv_after(before.kv, after.token, after.position), (
+                f"cached block {block}: position {after.position} not computed after "
+                f"{before.position}")
 
 
 def stop_string_hit(output: Sequence[int]) -> bool:
     """A content-defined "stop string" for tests: two equal tokens in a row. It depends only on
     the output, so it fires at the same token whatever the scheduling."""
     return len(output) >= 2 and output[-1] == output[-2]
-
-
-def check_running_contexts(runner: FakeRunner, state: EngineState) -> None:
-    """Each running sequence's block table is the one the runner keeps for its slot, and its
-    computed, known tokens are in the cache where that table says."""
-    slots = state.batch.col(SLOT).tolist()
-    for seq, slot in zip(state.running, slots):
-        if seq.block_table:
-            assert runner.tables[slot] == list(seq.block_table), f"{seq.seq_id}'s table"
-        known = min(seq.num_computed, seq.num_tokens)
-        read = runner.read(seq.block_table, known)
-        assert read == list(seq.token_ids[:known]), f"{seq.seq_id} reads {read}"

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from collections import Counter, defaultdict
+from collections.abc import Collection
+from itertools import chain
 
-from nanofn.state import PENDING_TOKEN, BatchPlan, EngineState, SeqStatus
+from nanofn.state import PENDING_TOKEN, BatchPlan, EngineState, FinishReason, Seq, SeqStatus
 from nanofn.state.batch import SLOT
 from nanofn.state.hashing import block_hash, block_hashes
+from nanofn.state.policy import stop_token_ids
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -77,9 +80,13 @@ def check_sequences(state: EngineState) -> None:
 
 
 def check_plan(state: EngineState, plan: BatchPlan) -> None:
-    """4. The plan respects the limits, and says exactly what the state scheduled."""
+    """4. The plan respects the limits, and says exactly what the state scheduled; and a step
+    that preempts admits no one (DESIGN's scheduling policy: waiting sequences start only in
+    a step that preempted no one)."""
     c = state.config
     assert plan.step == state.step
+    assert not (state.preempted and plan.started), (
+        f"admitted {[s.seq_id for s in plan.started]} in a step that preempted {state.preempted}")
     entries = plan.entries()
     assert len(entries) <= c.max_num_seqs
     assert plan.num_tokens <= c.max_num_batched_tokens
@@ -137,6 +144,54 @@ def check_hashes(state: EngineState) -> None:
         if seq.status is SeqStatus.RUNNING:
             expected = expected[:len(seq.block_hashes)]
         assert seq.block_hashes == expected, f"{seq.seq_id}: wrong block hashes"
+
+
+def check_release_order(old: EngineState, new: EngineState) -> None:
+    """The cached free blocks queue for eviction least recently freed first: those queued
+    before the step, then those it freed, in the order their last holder gave them back. The
+    sequences that left the batch did so in the order ``finished`` then ``preempted`` list
+    them, each giving back its block table from the last block to the first, so that its
+    last blocks are evicted first and its prefix stays cached longest. (Blocks the step took
+    back out of the queue, by a prefix hit, an eviction or a dirty mark, are out of it.)"""
+    tables = {seq.seq_id: seq.block_table for seq in old.running}
+    holders = list(old.pool.ref_counts)
+    freed = []
+    for seq_id in chain((seq.seq_id for seq in new.finished), new.preempted):
+        for block in reversed(tables.get(seq_id, ())):
+            holders[block] -= 1
+            if not holders[block]:
+                freed.append(block)
+    queued = list(new.pool.cached_free())
+    still = set(queued)
+    expected = [block for block in chain(old.pool.cached_free(), freed) if block in still]
+    assert queued == expected, f"eviction order {queued}, expected {expected}"
+
+
+def check_output(seq: Seq, stop_hits: Collection[int], max_model_len: int,
+                 eos_token_ids: tuple[int, ...]) -> None:
+    """A finished sequence's output means what its parameters say. ``stop_hits``: the counts
+    of output tokens at which the shell reported a stop string. No token before the last
+    would have stopped it; it stopped (reason ``stop``) exactly when its last token was a stop
+    token, EOS (unless it ignores EOS) or completed a stop string, past ``min_tokens``; a
+    ``length`` finish is at ``max_tokens`` or ``max_model_len``; and within ``min_tokens`` it
+    sampled no token that stops (the core bans them; a grammar's own mask aside, which the
+    fake runner does not apply)."""
+    p, output, reason = seq.params, seq.output_token_ids, seq.finish_reason
+    stopping = stop_token_ids(p, eos_token_ids)
+
+    def stops_at(count: int) -> bool:
+        return count > p.min_tokens and (output[count - 1] in stopping or count in stop_hits)
+
+    n = len(output)
+    assert not any(stops_at(k) for k in range(1, n)), f"{seq.seq_id} went on past a stop: {output}"
+    assert (n > 0 and stops_at(n)) == (reason is FinishReason.STOP), (
+        f"{seq.seq_id} finished ({reason.value}) at {n} tokens: {output}")
+    if reason is FinishReason.LENGTH:
+        assert n == p.max_tokens or seq.num_tokens == max_model_len, f"{seq.seq_id}: length at {n}"
+    assert n <= (p.max_tokens or n) and seq.num_tokens <= max_model_len
+    if p.structured_outputs is None:
+        early = [t for t in output[:p.min_tokens] if t in stopping]
+        assert not early, f"{seq.seq_id} sampled {early} before min_tokens={p.min_tokens}"
 
 
 def check_all(state: EngineState, plan: BatchPlan) -> None:

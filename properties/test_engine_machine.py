@@ -1,35 +1,45 @@
-"""Random arrivals, aborts, stop strings and sampled tokens driven through ``step`` with tiny
-block pools; all nine invariants of DESIGN.md are checked along the way."""
+"""Random arrivals, aborts, stop strings, failed launches and sampled tokens driven through the
+engine loop with tiny block pools. After every step, the teardown's drain included, the checks
+of ``invariants.py`` (DESIGN.md's invariants, the order of eviction, what finished outputs
+mean) and of ``fake_runner.py`` (what the device holds) run over the new state and plan."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import json
+import sys
+from collections import Counter
 from unittest import mock
 
-import numpy as np
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from nanofn.state import (Events, InvalidRequest, NewSeq, SamplingParams, check_new_seq,
-                          parse_trace, replay, step)
 from nanofn.engine import loop
-from nanofn.state import scheduler
+from nanofn.state import (Events, InvalidRequest, NewSeq, SamplingParams, check_new_seq,
+                          parse_trace, replay, scheduler, step)
 from nanofn.state.decode import decode_step, find_plain_run
-from nanofn.state.step import full_step
 from nanofn.state.plan import PENDING_TOKEN
-from properties.driver import Driver, run_workload
-from properties.fake_runner import check_running_contexts
-from properties.invariants import check_all
+from nanofn.state.step import full_step
+from nanofn.state.store import TOKENS
+from properties.driver import Driver, block_hashing, run_workload
+from properties.fake_runner import (LaunchFailed, check_cached_blocks_computed,
+                                    check_running_contexts)
+from properties.invariants import check_all, check_release_order
 from properties.profile import examples, steps
-from properties.strategies import (MAX_MODEL_LEN, prompts, requests, sampling_params,
-                                   setups)
+from properties.strategies import requests, setups
+
+step_module = sys.modules["nanofn.state.step"]  # (``nanofn.state.step`` is the function)
+coverage: Counter = Counter()  # how often the properties met what they check, for the totals
 
 # Every preemption, as (free blocks when it was decided, victim before, victim after).
 preemptions: list = []
 _real_preempt = scheduler.preempt
 _real_step = step
+_real_decode_step = decode_step
+decoded: list = []  # what the plain decode step gave in the step being checked (None: not plain)
 
 
 def _spying_preempt(pool, states, batch, i, config):
@@ -39,42 +49,60 @@ def _spying_preempt(pool, states, batch, i, config):
     return victim
 
 
+def _spying_decode_step(state, sampled, delivers_only):
+    result = _real_decode_step(state, sampled, delivers_only)
+    decoded.append(result)
+    return result
+
+
 def _step_checking_the_shortcut(state, events):
     """``step``, asserting on every step where the plain decode shortcut applies that it gives
-    the state and plan the general path (``full_step``) gives from the same state and events,
-    and on every state whose batch carries the shortcut's memo (``PlainRun``) that the memo
-    says what the checks it stands for find."""
-    twin = copy.deepcopy(state)  # (a state's first step may write its store in place)
+    the state and plan the general path (``full_step``) gives from the same state and events
+    (a second step of that state), and on every state whose batch carries the shortcut's memo
+    (``PlainRun``) that the memo says what the checks it stands for find."""
     if state.batch.plain_run is not None:
-        memo_steps.append(1)
+        coverage["states with the plain decode memo"] += 1
         assert find_plain_run(state.batch, state.config.block_size) == state.batch.plain_run, \
             "the plain decode memo departs from the checks it stands for"
+    decoded.clear()
     new_state, plan = _real_step(state, events)
-    if events.sampled is not None:
-        sampled = np.asarray(events.sampled, np.int64)
-        shortcut = decode_step(twin, sampled, events.delivers_only)
-        if shortcut is not None:
-            event("plain decode step (shortcut)")
-            shortcut_steps.append(1)
-            by_definition = full_step(state, events)
-            assert shortcut == by_definition == (new_state, plan), \
-                "the plain decode shortcut departs from full_step"
+    if decoded and decoded[0] is not None:
+        event("plain decode step (shortcut)")
+        coverage["plain decode steps"] += 1
+        assert full_step(state, events) == (new_state, plan), \
+            "the plain decode shortcut departs from full_step"
     return new_state, plan
 
 
 class EngineMachine(RuleBasedStateMachine):
-    @initialize(setup=setups(), pipelined=st.booleans())
-    def start(self, setup, pipelined):
+    @initialize(setup=setups(), pipelined=st.booleans(), plain=st.sampled_from([None, True]),
+                twice=st.booleans())
+    def start(self, setup, pipelined, plain, twice):
+        """``plain``: True for a run whose requests all suit the plain decode step; ``twice``:
+        every state that took a delivery is stepped a second time (``step_again``)."""
+        self.exits = contextlib.ExitStack()
+        self.exits.enter_context(block_hashing(setup))
         self.driver = Driver(setup, pipelined)
+        self.plain, self.twice = plain, twice
         self.new: list[NewSeq] = []
         self.aborts: list[str] = []
         self.stops: list[str] = []
         self.recorded = []  # every (state, plan), to compare with the replay
         self.snapshots = []  # (a state, a deep copy of it then): later steps must not change it
         self.count = 0
+        # The sequences of launches that failed since the last step, which the next step ends,
+        # and the blocks they handed out, which it drops from the prefix cache (as dirty).
+        self.doomed: set[str] = set()
+        self.dirty: set[int] = set()
 
-    @rule(batch=st.lists(requests(), min_size=1, max_size=4))
-    def add_requests(self, batch):
+    @property
+    def max_model_len(self) -> int:
+        return self.driver.setup.config.max_model_len
+
+    @rule(data=st.data())
+    def add_requests(self, data):
+        batch = data.draw(st.lists(requests(self.max_model_len, self.plain), min_size=1,
+                                   max_size=4))
         for prompt, params in batch:
             self.new.append(NewSeq(f"r{self.count}", prompt, params))
             self.count += 1
@@ -86,7 +114,7 @@ class EngineMachine(RuleBasedStateMachine):
             return
         bad = {
             "empty": NewSeq("bad", (), SamplingParams()),
-            "too long": NewSeq("bad", (1,) * MAX_MODEL_LEN, SamplingParams(max_tokens=1)),
+            "too long": NewSeq("bad", (1,) * self.max_model_len, SamplingParams(max_tokens=1)),
             "duplicate": NewSeq(live[0] if live else "", (1, 2), SamplingParams()),
             "negative token": NewSeq("bad", (1, -3), SamplingParams()),
             "n=2": NewSeq("bad", (1, 2), SamplingParams(n=2)),
@@ -111,32 +139,95 @@ class EngineMachine(RuleBasedStateMachine):
         if ids:
             self.stops.append(data.draw(st.sampled_from(ids)))
 
+    @rule(after=st.integers(0, 40))
+    def fail_next_launch(self, after):
+        """The runner fails its next launch once it has computed ``after`` positions of it."""
+        self.driver.runner.fail(after)
+
+    @rule(after=st.integers(0, 40))
+    def fail_next_eviction(self, after):
+        """The runner fails the next launch that hands out a block the prefix cache lists
+        (which the loop must drop from the cache) once it has computed ``after`` positions."""
+        def evicts(blocks: set[int]) -> bool:  # (the loop's state is the one before the step)
+            return any(block in blocks for block, _ in self.driver.state.pool.cached_blocks())
+        self.driver.runner.fail(after, evicts)
+
     @rule(times=st.integers(1, 6))
     def advance(self, times):
         for _ in range(times):
             self.advance_once()
 
-    def advance_once(self):
-        before = copy.deepcopy(self.driver.state)
-        old_state = self.driver.state
+    def advance_once(self) -> bool:
+        """One step, checked; False if its launch failed."""
+        old = self.driver.state
+        before = copy.deepcopy(old)
         preemptions.clear()
-        plan = self.driver.advance(self.new, self.aborts, self.stops).plan
+        result = self.driver.advance(self.new, self.aborts, self.stops)
         self.new, self.aborts, self.stops = [], [], []
-        assert old_state == before, "step mutated its input"  # invariant 8
-        state = self.driver.state
+        assert old == before, "step mutated its input"  # invariant 8
+        if isinstance(result, LaunchFailed):
+            self.after_a_failed_launch(old, result)
+            return False
+        took_the_shortcut = bool(decoded) and decoded[0] is not None
+        self.check_step(old, result.plan)
+        if self.twice and result.delivered is not None:
+            self.step_again(old, before, result.delivered.output.token_ids, took_the_shortcut)
+        return True
+
+    def step_again(self, state, private, delivered, took_the_shortcut: bool):
+        """Invariant 8 where it is hardest: step ``state``, which the loop just stepped, a
+        second time, with other tokens delivered. The state the loop went on with must not
+        change, and the second branch must be what the same step gives from ``private``, a
+        deep copy of ``state`` (the store's fill marks keep the branches apart)."""
+        events = Events(sampled=[(t + 1) % self.driver.runner.vocab_size for t in delivered])
+        current = self.driver.state
+        seen = current.running
+        branch = step(state, events)
+        assert current.running == seen, "stepping an earlier state again changed a later one"
+        assert branch == step(private, events), "a second branch read what the first wrote"
+        coverage["states stepped again"] += 1
+        if took_the_shortcut:
+            coverage["states stepped again after a plain decode step"] += 1
+
+    def after_a_failed_launch(self, old, failure: LaunchFailed):
+        """The loop stays where it was; the next step must end the plan's sequences and drop
+        from the prefix cache the blocks the launch may have written (as its events, which the
+        trace records: the step may well hand those blocks out again and so hide that their
+        cached contents were kept)."""
+        assert self.driver.state is old
+        self.doomed.update(failure.plan.seq_ids)
+        self.dirty.update(failure.new_blocks)
+        coverage["failed launches"] += 1
+        runner = self.driver.runner
+        if any(not all(map(runner.holds_computed, runner.kv.block(block)))
+               for block, _ in old.pool.cached_blocks()):
+            coverage["failed launches that wrote cached blocks"] += 1
+
+    def check_step(self, old, plan):
+        state, runner = self.driver.state, self.driver.runner
         check_all(state, plan)  # invariants 1 to 4 and 6
         for free_blocks, victim_before, victim in preemptions:  # invariant 5
             assert free_blocks == 0, "preempted while blocks were free"
             assert victim.token_ids == victim_before.token_ids, "preemption lost tokens"
             assert not victim.block_table and victim.num_computed == 0
         assert len(state.preempted) == len(preemptions)
-        check_running_contexts(self.driver.runner, state)
-        self.driver.runner.check_cache_contents(state)
+        check_release_order(old, state)
+        check_running_contexts(runner, state)
+        check_cached_blocks_computed(runner, state)
+        for seq in state.finished:
+            self.driver.check_output(seq)
+        assert not self.doomed & set(state.live_ids), "a failed launch's sequence lives on"
+        if self.dirty:
+            events = json.loads(self.driver.trace.getvalue().rsplit("\n", 2)[-2])
+            kept = self.dirty - set(events.get("dirty", ()))
+            assert not kept, f"blocks {kept} of a failed launch were not marked dirty"
+        self.doomed.clear()
+        self.dirty.clear()
         self.recorded.append((state, plan))
-        checked_steps.append(1)
+        coverage["steps checked"] += 1
         if len(self.recorded) % 3 == 1:
             self.snapshots.append((state, copy.deepcopy(state)))
-        _note_coverage(old_state, state, plan)
+        _note_coverage(old, state, plan)
 
     @invariant()
     def finished_hold_nothing(self):
@@ -144,18 +235,24 @@ class EngineMachine(RuleBasedStateMachine):
             assert all(not seq.block_table for seq in self.driver.state.finished)
 
     def teardown(self):
-        if not hasattr(self, "driver"):
-            return
-        self.driver.advance(self.new)
-        self.driver.drain()  # invariant 6: everyone finishes
+        if hasattr(self, "exits"):
+            with self.exits:
+                self.finish()
+
+    def finish(self):
+        """Run everyone to the end, checking every step (invariant 6: everyone finishes);
+        then invariants 8 and 9 over the whole run."""
+        while not self.advance_once():  # (the requests added since the last step, in)
+            pass
+        self.driver.drain(self.advance_once)
         assert self.driver.state.pool.num_free == self.driver.state.pool.num_blocks
         for kept, snapshot in self.snapshots:  # invariant 8: no later step changed them
             assert kept == snapshot
         # Invariant 9: the trace rebuilds every state and plan.
         trace = parse_trace(self.driver.trace_lines)
         replayed = list(replay(trace, check=True))
-        assert [s for s, _ in replayed[:len(self.recorded)]] == [s for s, _ in self.recorded]
-        assert [p for _, p in replayed[:len(self.recorded)]] == [p for _, p in self.recorded]
+        assert [s for s, _ in replayed] == [s for s, _ in self.recorded]
+        assert [p for _, p in replayed] == [p for _, p in self.recorded]
 
 
 def _note_coverage(old, new, plan) -> None:
@@ -167,13 +264,33 @@ def _note_coverage(old, new, plan) -> None:
     if any(not s.sample for s in plan.seqs):
         event("chunked prefill")
     if new.pool.num_cached_free < old.pool.num_cached_free and new.pool.num_plain_free == 0:
-        event("eviction or reuse of a cached free block")
+        coverage["evictions or reuses of cached free blocks"] += 1
     for seq in new.finished:
         event(f"finished: {seq.finish_reason.value}")
     if any(PENDING_TOKEN in s.token_ids for s in plan.seqs):
         event("pending token scheduled")
     if any(seq.num_pending for seq in new.waiting):
         event("preempted with a token in flight")
+    if new.batch.store.width(TOKENS) > old.batch.store.width(TOKENS) and not plan.started:
+        coverage["rows widened by decoding"] += 1
+    if plan.started and _met_a_hash_collision(old, new, plan):
+        coverage["admissions past a hash collision"] += 1
+
+
+def _met_a_hash_collision(old, new, plan) -> bool:
+    """Whether a sequence that started in this step has a block whose hash the prefix cache
+    listed for other tokens (a weak hash's collision, which must not count as a hit)."""
+    bs = new.config.block_size
+    started = {s.seq_id for s in plan.started}
+    for seq in new.running:
+        if seq.seq_id not in started:
+            continue
+        for i, block_hash in enumerate(seq.block_hashes):
+            block = old.pool.by_hash.get(block_hash)
+            if (block is not None and old.pool.cached[block].token_ids
+                    != seq.token_ids[i * bs:(i + 1) * bs]):
+                return True
+    return False
 
 
 EngineMachine.TestCase.settings = settings(
@@ -181,46 +298,44 @@ EngineMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
-checked_steps: list = []  # one entry per step whose invariants were checked
-
-
 def test_engine_state_machine():
-    checked_steps.clear()
+    coverage.clear()
     with (mock.patch.object(scheduler, "preempt", _spying_preempt),
-          mock.patch.object(loop, "step", _step_checking_the_shortcut)):
+          mock.patch.object(loop, "step", _step_checking_the_shortcut),
+          mock.patch.object(step_module, "decode_step", _spying_decode_step)):
         EngineMachine.TestCase().runTest()
-    print(f"state machine: {len(checked_steps)} steps checked")
+    print(f"state machine: {dict(coverage)}")
+    # The properties met what they are there for (some ten times these, by default).
+    for what, least in (("plain decode steps", 100),
+                        ("states stepped again after a plain decode step", 50),
+                        ("failed launches that wrote cached blocks", 5),
+                        ("rows widened by decoding", 3),
+                        ("admissions past a hash collision", 10)):
+        assert coverage[what] >= examples(least), f"{what}: {coverage[what]}"
 
 
 @st.composite
-def mostly_plain_requests(draw) -> tuple[int, tuple[int, ...], SamplingParams]:
+def mostly_plain_requests(draw, max_model_len: int):
     """(arrival step, prompt, params): requests the plain decode step can take, now and then
     one that needs its tokens on the host (which the shortcut must leave to the general path)."""
-    prompt = draw(prompts())
-    room = MAX_MODEL_LEN - len(prompt)
-    params = SamplingParams(temperature=0.0, ignore_eos=draw(st.booleans()),
-                            max_tokens=draw(st.one_of(st.integers(1, room), st.none())))
-    if draw(st.integers(0, 9)) == 0:
-        params = draw(sampling_params(len(prompt)))
+    prompt, params = draw(requests(max_model_len, plain=draw(st.integers(0, 9)) > 0))
     return draw(st.integers(0, 6)), prompt, params
-
-
-shortcut_steps: list = []  # one entry per step the shortcut took and the property checked
-memo_steps: list = []  # one entry per state with the shortcut's memo, checked
 
 
 @settings(max_examples=examples(150), deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-@given(setup=setups(), pipelined=st.booleans(),
-       workload=st.lists(mostly_plain_requests(), min_size=1, max_size=6))
-def _decode_shortcut_agrees(setup, pipelined, workload):
-    with mock.patch.object(loop, "step", _step_checking_the_shortcut):
+@given(setup=setups(), pipelined=st.booleans(), data=st.data())
+def _decode_shortcut_agrees(setup, pipelined, data):
+    workload = data.draw(st.lists(mostly_plain_requests(setup.config.max_model_len),
+                                  min_size=1, max_size=6))
+    with (mock.patch.object(loop, "step", _step_checking_the_shortcut),
+          mock.patch.object(step_module, "decode_step", _spying_decode_step)):
         run_workload(setup, workload, pipelined)
 
 
 def test_the_plain_decode_shortcut_gives_what_full_step_gives():
-    shortcut_steps.clear()
-    memo_steps.clear()
+    coverage.clear()
     _decode_shortcut_agrees()
-    assert len(shortcut_steps) > 100, "the property hardly ever met a plain decode step"
-    assert len(memo_steps) > 50, "the property hardly ever met a batch with the decode memo"
+    assert coverage["plain decode steps"] > 100, "the property hardly ever met a plain decode step"
+    assert coverage["states with the plain decode memo"] > 50, \
+        "the property hardly ever met a batch with the decode memo"

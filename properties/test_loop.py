@@ -11,8 +11,8 @@ import pytest
 from nanofn.engine.loop import EngineLoop
 from nanofn.state import (FinishReason, InvalidRequest, NewSeq, SamplingParams, initial_state,
                           parse_trace, replay)
-from properties.driver import Driver
-from properties.fake_runner import FakeRunner
+from properties.driver import Driver, run_workload
+from properties.fake_runner import FakeRunner, LaunchFailed, check_running_contexts
 from properties.strategies import CoreSetup, scheduler_config
 
 SETUP = CoreSetup(scheduler_config(), num_blocks=16)
@@ -112,6 +112,26 @@ def test_stop_hits_from_the_delivery_hook_finish_after_min_tokens_only():
                 driver.forced_stops.add("a")
         tokens, reason = driver.outputs["a"]
         assert (len(tokens), reason) == (4, FinishReason.STOP)
+
+
+def test_a_failed_launch_leaves_no_sequence_over_blocks_it_may_have_written():
+    """A step that preempts hands the victim's blocks out again in its plan; if the launch
+    fails after writing into one, the victim, running again in the state as it was, must not
+    go on over it (the loop ends it with the plan's sequences)."""
+    setup = CoreSetup(scheduler_config(max_num_seqs=2, enable_prefix_caching=False), num_blocks=4)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    driver = Driver(setup)
+    driver.advance([NewSeq("a", tuple(range(1, 16)), params)])
+    driver.advance([NewSeq("b", tuple(range(1, 41)), params)])
+    assert driver.state.pool.num_free == 0  # a's next token takes a block of b, preempted
+    driver.runner.fail(after=1)
+    failure = driver.advance()
+    assert isinstance(failure, LaunchFailed) and failure.plan.seq_ids == ("a",)
+    while driver.loop.has_work():
+        driver.advance()
+        check_running_contexts(driver.runner, driver.state)
+    alone = run_workload(setup, [(0, tuple(range(1, 41)), params)])["r0"][0]
+    assert alone[:len(driver.outputs["b"][0])] == driver.outputs["b"][0]
 
 
 def test_the_trace_the_loop_writes_replays_to_the_same_plans():

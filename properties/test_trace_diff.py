@@ -23,13 +23,14 @@ def recorded(setup: CoreSetup, workload, pipelined: bool) -> list[str]:
     return driver.trace_lines
 
 
-workloads = st.lists(requests(), min_size=1, max_size=6)
+def workloads(setup: CoreSetup):
+    return st.lists(requests(setup.config.max_model_len), min_size=1, max_size=6)
 
 
 @settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(setup=setups(), workload=workloads, pipelined=st.booleans(), data=st.data())
-def test_a_changed_delivered_token_is_found_at_its_step(setup, workload, pipelined, data):
-    lines = recorded(setup, workload, pipelined)
+@given(setup=setups(), pipelined=st.booleans(), data=st.data())
+def test_a_changed_delivered_token_is_found_at_its_step(setup, pipelined, data):
+    lines = recorded(setup, data.draw(workloads(setup)), pipelined)
     assert diff_traces(parse_trace(lines), parse_trace(lines)).identical
     deliveries = [(i, j) for i, line in enumerate(lines[1:], 1)
                   for j in range(len(json.loads(line).get("sampled", [])))]
@@ -45,9 +46,9 @@ def test_a_changed_delivered_token_is_found_at_its_step(setup, workload, pipelin
 
 
 @settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(setup=setups(), workload=workloads, data=st.data())
-def test_a_trace_cut_short_differs_at_its_first_missing_step(setup, workload, data):
-    lines = recorded(setup, workload, pipelined=True)
+@given(setup=setups(), data=st.data())
+def test_a_trace_cut_short_differs_at_its_first_missing_step(setup, data):
+    lines = recorded(setup, data.draw(workloads(setup)), pipelined=True)
     cut = data.draw(st.integers(1, len(lines) - 1))
     diff = diff_traces(parse_trace(lines), parse_trace(lines[:cut]))
     assert diff.step.step == json.loads(lines[cut])["step"]
@@ -55,9 +56,9 @@ def test_a_trace_cut_short_differs_at_its_first_missing_step(setup, workload, da
 
 
 @settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(setup=setups(), workload=workloads, pipelined=st.booleans())
-def test_the_series_add_up_to_the_runs_totals(setup, workload, pipelined):
-    pairs = list(replay(parse_trace(recorded(setup, workload, pipelined))))
+@given(setup=setups(), pipelined=st.booleans(), data=st.data())
+def test_the_series_add_up_to_the_runs_totals(setup, pipelined, data):
+    pairs = list(replay(parse_trace(recorded(setup, data.draw(workloads(setup)), pipelined))))
     series = run_series(pairs)
     blocks = zip(series.blocks_used, series.blocks_cached, series.blocks_free)
     assert all(sum(counts) == setup.num_blocks for counts in blocks)

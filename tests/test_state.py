@@ -299,6 +299,18 @@ def test_a_schedule_with_nothing_to_compute_keeps_the_state():
     assert [s.seq_id for s in waiting.seqs] == ["b"]  # one waiting: the full schedule
 
 
+def test_dirty_blocks_stay_out_of_the_cache_that_an_aborted_sequence_leaves_them_to():
+    """A sequence leaving the batch caches the blocks decoding filled; aborted in the step
+    that names those blocks dirty (a failed launch may have written them), it must not put
+    them back in the prefix cache."""
+    state = step(start(config()), Events(new_seqs=(request("h", range(1, 16)),)))[0]
+    state = run(state)[0]  # its 16th token, computed: a full block, hashed once needed
+    (seq,) = state.running
+    assert seq.num_computed == 16 and not list(state.pool.cached_blocks())
+    state = run(state, aborts=("h",), dirty_blocks=seq.block_table)[0]
+    assert not list(state.pool.cached_blocks())
+
+
 def test_a_runner_one_step_ahead_gets_plans_with_pending_tokens():
     """Tokens delivered one plan late: the next plan computes the pending token in place
     (PENDING_TOKEN), and finishing by length never schedules beyond the last token."""

@@ -158,7 +158,9 @@ class EngineLoop:
         next step (``on_delivery`` is not shown the same delivery twice). If the launch
         raises, the plan is not applied either: the core's state stays as it was, and the next
         step aborts the plan's sequences and drops the blocks it was to write from the prefix
-        cache, since the device may have run part of it. After the launch the step has
+        cache, since the device may have run part of it. It also aborts the sequences that
+        hold, in the state as it was, a block the plan was to compute into: the plan's step
+        may have preempted them (or finished them) and handed their blocks out again. After the launch the step has
         happened; after a later interruption (the trace, ``while_waiting``, the wait) the next
         call finishes that step and returns it, rather than stepping again."""
         if self._unreported is None:
@@ -196,6 +198,7 @@ class EngineLoop:
                 interrupted = deferred.happened
             except BaseException:
                 self._aborts.extend(plan.seq_ids)
+                self._aborts.extend(_holders(self._state, _written_blocks(plan, state)))
                 self._dirty.extend(plan.block_entries[:, 2].tolist())
                 self._dirty_states.extend(written_state_slots(plan))
                 raise
@@ -225,6 +228,19 @@ class EngineLoop:
         output = pending.wait()
         self._in_flight.popleft()
         self._ready = Delivery(plan, output)
+
+
+def _written_blocks(plan: BatchPlan, state: EngineState) -> set[int]:
+    """The blocks of ``plan``'s new table entries that it computes into (not prefix-cache
+    hits, which lie below a sequence's first scheduled position)."""
+    entries = plan.block_entries
+    computed = entries[:, 1] * state.config.block_size >= plan.start_pos[entries[:, 0]]
+    return set(entries[computed, 2].tolist())
+
+
+def _holders(state: EngineState, blocks: set[int]) -> list[str]:
+    """The running sequences whose block tables hold any of ``blocks``."""
+    return [seq.seq_id for seq in state.running if blocks.intersection(seq.block_table)]
 
 
 def written_state_slots(plan: BatchPlan) -> list[int]:

@@ -11,11 +11,16 @@ import xxhash
 
 ROOT_HASH = 0  # the parent of a sequence's first block
 
+# Every block hash is ``digest(token_bytes, parent_hash)``, looked up here at each call: the
+# property suite swaps in a weak digest to make collisions common and check that hits are
+# confirmed against the stored tokens.
+digest = xxhash.xxh64_intdigest
+
 
 def block_hash(parent_hash: int, token_ids: Sequence[int] | np.ndarray) -> int:
     """``xxhash64`` of the token ids (4 little-endian bytes each), seeded with the parent
     hash (seeding chains the blocks at half the cost of hashing the parent's bytes too)."""
-    return xxhash.xxh64_intdigest(token_bytes(token_ids), parent_hash)
+    return digest(token_bytes(token_ids), parent_hash)
 
 
 def token_bytes(token_ids: Sequence[int] | np.ndarray) -> bytes:
@@ -61,11 +66,11 @@ def chained_hashes(parent: int, data: bytes, block_size: int, count: int) -> lis
     the first chained to ``parent``, each next one to the one before."""
     width, hashes = 4 * block_size, []
     for start in range(0, count * width, width):
-        parent = xxhash.xxh64_intdigest(data[start:start + width], parent)
+        parent = digest(data[start:start + width], parent)
         hashes.append(parent)
     return hashes
 
 
 def hashes_of_blocks(parents: Sequence[int], datas: Sequence[bytes]) -> list[int]:
     """The hash of each block (its ``token_bytes``) after its own parent."""
-    return [xxhash.xxh64_intdigest(data, parent) for data, parent in zip(datas, parents)]
+    return [digest(data, parent) for data, parent in zip(datas, parents)]

@@ -38,7 +38,9 @@ class Events:
     allows it. New sequences join the waiting queue before aborts apply, so a sequence can
     be aborted in the step that adds it. ``dirty_blocks`` are blocks whose device contents
     are unknown (a launch that failed may have written them): they leave the prefix cache
-    before the aborts apply; so do the saved recurrent states of the ``dirty_states`` slots. Aborts of sequences that are not live, stop hits of
+    once the aborts apply (an aborted sequence caches the blocks it filled as it leaves, and
+    the failed launch's step may have handed its blocks out again); so do the saved recurrent
+    states of the ``dirty_states`` slots. Aborts of sequences that are not live, stop hits of
     sequences that took no token now, and delivered tokens of sequences no longer live are
     ignored: they may have just finished on their own (an id with a token in flight cannot
     be reused, see ``check_new_seq``).
@@ -70,8 +72,8 @@ def step(state: EngineState, events: Events) -> tuple[EngineState, BatchPlan]:
 
 
 def full_step(state: EngineState, events: Events) -> tuple[EngineState, BatchPlan]:
-    """The step by definition: deliver the sampled tokens, add the new sequences, forget the
-    dirty blocks and states, apply the aborts, schedule."""
+    """The step by definition: deliver the sampled tokens, add the new sequences, apply the
+    aborts, forget the dirty blocks and states, schedule."""
     sampled = None if events.sampled is None else _delivered_tokens(state, events.sampled)
     return _full_step(state, events, sampled)
 
@@ -82,9 +84,9 @@ def _full_step(state: EngineState, events: Events,
     if sampled is not None:
         state = apply_sampled(state, sampled, frozenset(events.stop_hits))
     state = add_seqs(state, events.new_seqs)
+    state = finish_by_id(state, events.aborts, FinishReason.ABORT)
     state = forget_blocks(state, events.dirty_blocks)
     state = forget_states(state, events.dirty_states)
-    state = finish_by_id(state, events.aborts, FinishReason.ABORT)
     return schedule(state)
 
 
