@@ -29,10 +29,12 @@ class Driver:
 
     def __init__(self, setup: CoreSetup, pipelined: bool = False):
         self.setup = setup
-        self.runner = FakeRunner(setup.num_blocks, setup.config.block_size)
+        self.runner = FakeRunner(setup.num_blocks, setup.config.block_size,
+                                 num_state_slots=setup.num_state_slots)
         self.trace = io.StringIO()
-        self.loop = EngineLoop(initial_state(setup.config, setup.num_blocks), self.runner,
-                               async_scheduling=pipelined, trace=self.trace)
+        self.loop = EngineLoop(initial_state(setup.config, setup.num_blocks,
+                                             setup.num_state_slots),
+                               self.runner, async_scheduling=pipelined, trace=self.trace)
         self.forced_stops: set[str] = set()
         # Per sequence, the counts of output tokens at which a stop string was reported.
         self.stop_hits: dict[str, set[int]] = {}

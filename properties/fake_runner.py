@@ -16,9 +16,13 @@ changes what the device holds and what the model samples, and the checks here fi
 A launch can be made to fail after writing part of its plan, as a device error would; the KV
 it wrote stays on the device but counts as computed by no one (``failed_launches``).
 
-The KV cache is one resource of the device; another (a hybrid model's recurrent states) would
-be a class of its own beside ``KVCache``, driven from ``FakeRunner.launch`` and checked after
-each step the same way.
+A hybrid model's recurrent states are the device's second resource (``RecurrentStates``):
+each state slot holds the fake state a launch left there, a digest of every token its
+sequence computed so far (as a Gated DeltaNet layer's state stands for its whole prefix),
+updated in place token by token, copied in (restores) and out (saves) as the plans say. The
+fake hybrid model samples from the KV it reads and from its sequence's state, so a state from
+the wrong prefix, a restore from the wrong slot or a save of the wrong moment changes what it
+samples; a slot nothing computed reads as ``POISON``.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import xxhash
 
 from nanofn.state import PENDING_TOKEN, BatchPlan, EngineState, SampleOutput
 from nanofn.state.batch import SLOT
+from nanofn.state.hashing import block_hashes
 
 EOS = 0
 ROOT_KV = 0  # what the position before a sequence's first one "holds"
@@ -123,6 +128,61 @@ class KVCache:
         return self.positions[block * bs:(block + 1) * bs]
 
 
+def state_after(previous: int, token: int, position: int) -> int:
+    """The fake recurrent state after ``token`` at ``position``, from the state before it."""
+    return xxhash.xxh3_64_intdigest(struct.pack("<qqq", token, position, 1), previous)
+
+
+def state_chain(token_ids: Sequence[int]) -> int:
+    """The fake state after these tokens, all computed correctly."""
+    state = ROOT_KV
+    for position, token in enumerate(token_ids):
+        state = state_after(state, token, position)
+    return state
+
+
+class HeldState(NamedTuple):
+    """What a state slot holds: a fake state, after the first ``length`` tokens of a
+    sequence, that launch ``launch`` left there."""
+
+    state: int
+    length: int
+    launch: int
+
+
+class RecurrentStates:
+    """The device's recurrent-state slots (a hybrid model's), and the state slot each runner
+    slot's sequence works in (from the plan that starts it)."""
+
+    def __init__(self, num_slots: int):
+        self.slots: list[HeldState | None] = [None] * num_slots
+        self.working: dict[int, int] = {}  # runner slot -> state slot
+
+    def start(self, slot: int, state_slot: int) -> None:
+        self.working[slot] = state_slot
+
+    def copy(self, source: int, target: int) -> None:
+        self.slots[target] = self.slots[source]
+
+    def compute(self, slot: int, position: int, token: int, launch: int) -> None:
+        """Take ``token`` at ``position`` into the slot's state, in place: from zeros at
+        position 0, else from what the slot holds, which must be the state after exactly
+        ``position`` tokens (anything else poisons it)."""
+        state_slot = self.working[slot]
+        held = self.slots[state_slot]
+        if position == 0:
+            before = ROOT_KV
+        else:
+            before = held.state if held is not None and held.length == position else POISON
+        self.slots[state_slot] = HeldState(state_after(before, token, position), position + 1,
+                                           launch)
+
+    def read(self, slot: int, length: int) -> int:
+        """The state of the slot's sequence after ``length`` tokens, as sampling reads it."""
+        held = self.slots[self.working[slot]]
+        return held.state if held is not None and held.length == length else POISON
+
+
 class LaunchFailed(RuntimeError):
     """The fake device failed a launch of ``plan`` after computing part of it; ``new_blocks``
     are the blocks the plan handed out to compute into (its new table entries but prefix-cache
@@ -149,13 +209,16 @@ class Sampled:
 
 
 class FakeRunner:
-    """Runs plans on the fake device: the KV cache, and per slot the token it sampled last
-    (which a later plan's ``PENDING_TOKEN`` stands for)."""
+    """Runs plans on the fake device: the KV cache, a hybrid model's recurrent states (with
+    ``num_state_slots``), and per slot the token it sampled last (which a later plan's
+    ``PENDING_TOKEN`` stands for)."""
 
-    def __init__(self, num_blocks: int, block_size: int, vocab_size: int = 40):
+    def __init__(self, num_blocks: int, block_size: int, vocab_size: int = 40,
+                 num_state_slots: int | None = None):
         self.block_size = block_size
         self.vocab_size = vocab_size
         self.kv = KVCache(num_blocks, block_size)
+        self.states = None if num_state_slots is None else RecurrentStates(num_state_slots)
         self.last_sampled: dict[int, int] = {}  # the previous plan's tokens by slot
         self.num_launches = 0
         self.failed_launches: set[int] = set()
@@ -170,10 +233,11 @@ class FakeRunner:
         self._fail_after, self._fail_if = after, handing_out
 
     def launch(self, plan: BatchPlan) -> Sampled:
-        """Take the plan's started sequences and new table entries, compute every scheduled
-        position in plan order, then sample each sampling sequence's next token from its
-        whole context (the runner's contract), never one the plan bans; or fail as ``fail``
-        said, raising ``LaunchFailed``."""
+        """Take the plan's started sequences and new table entries (and a hybrid model's
+        state restores), compute every scheduled position in plan order (then the state
+        saves), then sample each sampling sequence's next token from its whole context (the
+        runner's contract), never one the plan bans; or fail as ``fail`` said, raising
+        ``LaunchFailed``."""
         self.num_launches += 1
         entries = plan.entries()
         assert all(PENDING_TOKEN not in s.token_ids[:-1] for s in entries), (
@@ -184,25 +248,40 @@ class FakeRunner:
                          for i, column, block in plan.block_entries.tolist()]
         new_blocks = {block for _, _, block, new in table_entries if new}
         fail_after = self._positions_before_failing(new_blocks)
+        states = self.states
         for start in plan.started:
             self.kv.start(start.slot)
+            if states is not None:
+                states.start(start.slot, start.state_slot)
         for slot, column, block, new in table_entries:
             self.kv.add_entry(slot, column, block, new)
+        for source, target in plan.state_restores:
+            states.copy(source, target)
         positions = [(s.slot, s.start_pos + i, token) for s in entries
                      for i, token in enumerate(s.token_ids)]
         for slot, position, token in positions[:fail_after]:
             if token == PENDING_TOKEN:
                 token = self.last_sampled[slot]
             self.kv.compute(slot, position, token, self.num_launches)
+            if states is not None:
+                states.compute(slot, position, token, self.num_launches)
         if fail_after is not None:
             self.failed_launches.add(self.num_launches)
             raise LaunchFailed(plan, self.num_launches, min(fail_after, len(positions)),
                                new_blocks)
+        for i, target in plan.state_saves:
+            states.copy(states.working[entries[i].slot], target)
         sampling = [s for s in entries if s.sample]
-        sampled = tuple(next_token(self.kv.context(s.slot, s.context_len), self.vocab_size,
+        sampled = tuple(next_token(self._context(s.slot, s.context_len), self.vocab_size,
                                    s.banned_token_ids) for s in sampling)
         self.last_sampled = {s.slot: token for s, token in zip(sampling, sampled)}
         return Sampled(sampled)
+
+    def _context(self, slot: int, length: int) -> list[int]:
+        """What the fake model reads to sample: the KV of every position of the context and,
+        for a hybrid model, the sequence's state."""
+        context = self.kv.context(slot, length)
+        return context if self.states is None else context + [self.states.read(slot, length)]
 
     def _positions_before_failing(self, new_blocks: set[int]) -> int | None:
         """How many positions this launch computes before it fails, or None if it does not
@@ -233,6 +312,31 @@ def check_running_contexts(runner: FakeRunner, state: EngineState) -> None:
             where = runner.kv.where(seq.block_table, position)
             raise AssertionError(f"{seq.seq_id}: position {position} holds "
                                  f"{runner.kv.positions[where]}, not the KV of its prefix")
+
+
+def check_states(runner: FakeRunner, state: EngineState) -> None:
+    """A hybrid model's states: each running sequence's slot holds the state of its computed
+    tokens (where they are all known), and each saved state's slot the state of the tokens
+    its prefix-cache entry lists, which its key (the hash of their last block) stands for: a
+    saved state is used only for a prefix whose tokens equal its own."""
+    if state.states is None:
+        return
+    bs = state.config.block_size
+    for seq in state.running:
+        computed = seq.num_computed
+        if 0 < computed <= seq.num_tokens:
+            held = runner.states.slots[seq.state_slot]
+            assert held is not None and held.length == computed and held.state == state_chain(
+                seq.token_ids[:computed]), f"{seq.seq_id}'s state slot {seq.state_slot}: {held}"
+    for key, entry in state.states.saved.items():
+        tokens = np.frombuffer(entry.token_bytes, "<u4").tolist()
+        assert len(tokens) == entry.num_tokens and entry.num_tokens % bs == 0
+        assert block_hashes(tokens, bs)[-1] == key, f"saved state {entry.slot} under another key"
+        held = runner.states.slots[entry.slot]
+        assert held is not None and (held.state, held.length) == (state_chain(tokens),
+                                                                   len(tokens)), (
+            f"saved state slot {entry.slot} holds {held}, not the state of its {len(tokens)} "
+            f"tokens")
 
 
 def check_cached_blocks_computed(runner: FakeRunner, state: EngineState) -> None:

@@ -194,7 +194,44 @@ def check_output(seq: Seq, stop_hits: Collection[int], max_model_len: int,
         assert not early, f"{seq.seq_id} sampled {early} before min_tokens={p.min_tokens}"
 
 
+def check_state_slots(state: EngineState, plan: BatchPlan) -> None:
+    """The second resource (a hybrid model's recurrent-state slots): free + working + saved =
+    all slots, each slot in one place; each running sequence holds exactly one, waiting and
+    finished ones none; a starting sequence's plan names its slot, a restore writes only a
+    starting sequence's slot, and a save goes to a saved state of the end of that
+    sequence's chunk, a whole number of blocks. No slot is written twice in one plan: the
+    runner makes a plan's copies as one indexed copy, whose order for a repeated target is
+    undefined on a GPU."""
+    states = state.states
+    waiting_or_done = (*state.waiting, *state.finished)
+    assert all(seq.state_slot == -1 for seq in waiting_or_done), "a waiting sequence holds a slot"
+    if states is None:
+        assert all(seq.state_slot == -1 for seq in state.running)
+        assert not plan.state_restores and not plan.state_saves
+        return
+    working = {seq.seq_id: seq.state_slot for seq in state.running}
+    saved = {entry.slot: entry for _, entry in states.saved.items()}
+    everyone = list(states.free) + list(working.values()) + list(saved)
+    assert sorted(everyone) == list(range(states.num_slots)), (
+        f"free {states.free}, working {working}, saved {sorted(saved)}")
+    assert len(states.saved) == len(saved), "two saved states in one slot"
+    started = {s.seq_id: s.state_slot for s in plan.started}
+    assert all(working[seq_id] == slot for seq_id, slot in started.items())
+    assert {target for _, target in plan.state_restores} <= set(started.values()), (
+        "a restore into a slot no starting sequence works in")
+    for copies in (plan.state_restores, plan.state_saves):
+        targets = [target for _, target in copies]
+        assert len(set(targets)) == len(targets), f"a slot written twice in one plan: {copies}"
+    ends = plan.start_pos + plan.num_scheduled
+    for i, target in plan.state_saves:
+        entry = saved.get(target)
+        assert entry is not None and entry.num_tokens == ends[i], (
+            f"save of {plan.seq_ids[i]} to slot {target}: {entry}")
+        assert ends[i] % state.config.block_size == 0
+
+
 def check_all(state: EngineState, plan: BatchPlan) -> None:
+    check_state_slots(state, plan)
     check_block_accounting(state)
     check_hashes(state)
     check_sharing(state)

@@ -11,7 +11,7 @@ PROFILES = {"quick": (0.1, 1), "default": (1, 1), "long": (10, 2)}
 
 
 def _profile() -> tuple[float, int]:
-    name = os.environ.get("NANOFN_HYPOTHESIS", "default")
+    name = os.environ.get("NANOFN_HYPOTHESIS") or "default"
     if name not in PROFILES:
         raise ValueError(f"NANOFN_HYPOTHESIS={name!r}: choose one of {', '.join(PROFILES)}")
     return PROFILES[name]

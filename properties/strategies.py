@@ -34,11 +34,14 @@ GRAMMAR = StructuredOutputsParams(regex="[a-z]+")  # to the core, only a sequenc
 class CoreSetup:
     """A scheduler configuration, the size of its KV cache, and the block hash: with
     ``weak_hash`` set, block hashes take only that many values (``driver.block_hashing``), so
-    that different blocks often share a hash."""
+    that different blocks often share a hash. With ``num_state_slots``, the model is a
+    hybrid's, whose sequences need a recurrent-state slot each (the fake device's model then
+    reads a state that stands for the whole prefix)."""
 
     config: SchedulerConfig
     num_blocks: int
     weak_hash: int | None = None
+    num_state_slots: int | None = None
 
 
 def scheduler_config(**overrides) -> SchedulerConfig:
@@ -49,8 +52,14 @@ def scheduler_config(**overrides) -> SchedulerConfig:
         eos_token_ids=(EOS,), vocab_size=None), **overrides})
 
 
+# A hybrid model's state slots, half the time: as few as one (admissions wait for slots, and
+# restores evict the state they start from), or more than the sequences (saved states stay).
+STATE_SLOTS = st.one_of(st.none(), st.integers(1, 8))
+
+
 @st.composite
-def setups(draw, caching=st.booleans(), chunking=st.booleans()) -> CoreSetup:
+def setups(draw, caching=st.booleans(), chunking=st.booleans(),
+           hybrid=STATE_SLOTS) -> CoreSetup:
     max_model_len = draw(st.sampled_from([MAX_MODEL_LEN, LONG_MAX_MODEL_LEN]))
     chunked = draw(chunking)
     max_num_seqs = draw(st.integers(1, 6))
@@ -62,7 +71,8 @@ def setups(draw, caching=st.booleans(), chunking=st.booleans()) -> CoreSetup:
                               max_model_len=max_model_len, enable_prefix_caching=prefix_caching,
                               enable_chunked_prefill=chunked)
     weak_hash = draw(st.sampled_from([None, WEAK_HASH])) if prefix_caching else None
-    return CoreSetup(config, draw(st.integers(blocks_per_seq, blocks_per_seq + 8)), weak_hash)
+    num_blocks = draw(st.integers(blocks_per_seq, blocks_per_seq + 8))
+    return CoreSetup(config, num_blocks, weak_hash, draw(hybrid))
 
 
 @st.composite

@@ -26,7 +26,7 @@ from nanofn.state.step import full_step
 from nanofn.state.store import TOKENS
 from properties.driver import Driver, block_hashing, run_workload
 from properties.fake_runner import (LaunchFailed, check_cached_blocks_computed,
-                                    check_running_contexts)
+                                    check_running_contexts, check_states)
 from properties.invariants import check_all, check_release_order
 from properties.profile import examples, steps
 from properties.strategies import requests, setups
@@ -94,6 +94,7 @@ class EngineMachine(RuleBasedStateMachine):
         # and the blocks they handed out, which it drops from the prefix cache (as dirty).
         self.doomed: set[str] = set()
         self.dirty: set[int] = set()
+        self.dirty_states: set[int] = set()  # and the state slots it wrote (a hybrid model's)
 
     @property
     def max_model_len(self) -> int:
@@ -197,6 +198,10 @@ class EngineMachine(RuleBasedStateMachine):
         assert self.driver.state is old
         self.doomed.update(failure.plan.seq_ids)
         self.dirty.update(failure.new_blocks)
+        self.dirty_states.update([s.state_slot for s in failure.plan.started
+                                  if s.state_slot >= 0])
+        if failure.plan.state_restores or failure.plan.state_saves:
+            coverage["failed launches that restore or save states"] += 1
         coverage["failed launches"] += 1
         runner = self.driver.runner
         if any(not all(map(runner.holds_computed, runner.kv.block(block)))
@@ -214,15 +219,19 @@ class EngineMachine(RuleBasedStateMachine):
         check_release_order(old, state)
         check_running_contexts(runner, state)
         check_cached_blocks_computed(runner, state)
+        check_states(runner, state)
         for seq in state.finished:
             self.driver.check_output(seq)
         assert not self.doomed & set(state.live_ids), "a failed launch's sequence lives on"
-        if self.dirty:
+        if self.dirty or self.dirty_states:
             events = json.loads(self.driver.trace.getvalue().rsplit("\n", 2)[-2])
             kept = self.dirty - set(events.get("dirty", ()))
             assert not kept, f"blocks {kept} of a failed launch were not marked dirty"
+            kept = self.dirty_states - set(events.get("dirty_states", ()))
+            assert not kept, f"state slots {kept} of a failed launch were not marked dirty"
         self.doomed.clear()
         self.dirty.clear()
+        self.dirty_states.clear()
         self.recorded.append((state, plan))
         coverage["steps checked"] += 1
         if len(self.recorded) % 3 == 1:
@@ -246,6 +255,8 @@ class EngineMachine(RuleBasedStateMachine):
             pass
         self.driver.drain(self.advance_once)
         assert self.driver.state.pool.num_free == self.driver.state.pool.num_blocks
+        states = self.driver.state.states
+        assert states is None or states.num_working == 0, "a finished run holds a state slot"
         for kept, snapshot in self.snapshots:  # invariant 8: no later step changed them
             assert kept == snapshot
         # Invariant 9: the trace rebuilds every state and plan.
@@ -275,6 +286,12 @@ def _note_coverage(old, new, plan) -> None:
         coverage["rows widened by decoding"] += 1
     if plan.started and _met_a_hash_collision(old, new, plan):
         coverage["admissions past a hash collision"] += 1
+    if plan.state_restores:
+        coverage["hybrid sequences started from a saved state"] += len(plan.state_restores)
+    if plan.state_saves:
+        coverage["hybrid states saved"] += len(plan.state_saves)
+    if new.states is not None and new.states.num_free == 0 and plan.started:
+        coverage["hybrid admissions with no free state slot"] += 1
 
 
 def _met_a_hash_collision(old, new, plan) -> bool:

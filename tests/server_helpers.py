@@ -3,6 +3,7 @@ its server-sent events."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import socket
@@ -46,6 +47,16 @@ def start_server(model, *flags: str) -> tuple[subprocess.Popen, str]:
             time.sleep(0.3)
     process.kill()
     raise RuntimeError("the server did not start within 120 s")
+
+
+@contextlib.contextmanager
+def serving(model, *flags: str):
+    """A server (``start_server``) for the ``with`` block: its url; on leaving, SIGTERM and a
+    clean exit (status 0) asserted."""
+    process, url = start_server(model, *flags)
+    yield url
+    process.terminate()
+    assert process.wait(timeout=60) == 0, process.stdout.read()
 
 
 def metric(server: str, name: str) -> float:

@@ -20,16 +20,14 @@ import httpx
 import pytest
 import torch
 from server_helpers import (API_KEY, HEADERS, engine_pid_of, first_event, metric, needs_proc,
-                            start_server, wait_until_idle)
+                            serving, start_server, wait_until_idle)
 
 openai = pytest.importorskip("openai")
 
 @pytest.fixture(scope="module")
 def server(tiny_qwen3):
-    process, url = start_server(tiny_qwen3)
-    yield url
-    process.terminate()  # SIGTERM: a clean exit
-    assert process.wait(timeout=60) == 0, process.stdout.read()
+    with serving(tiny_qwen3) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

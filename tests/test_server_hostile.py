@@ -17,7 +17,7 @@ from contextlib import ExitStack, contextmanager
 import httpx
 import pytest
 from server_helpers import (API_KEY, HEADERS, engine_pid_of, first_event, metric, needs_proc,
-                            start_server, wait_until_idle)
+                            serving, start_server, wait_until_idle)
 
 openai = pytest.importorskip("openai")
 
@@ -33,10 +33,8 @@ ABORTED = 'nanofn:requests_aborted_total{reason="client_disconnected"}'
 
 @pytest.fixture(scope="module")
 def server(tiny_qwen3):
-    process, url = start_server(tiny_qwen3, *FLAGS)
-    yield url
-    process.terminate()
-    assert process.wait(timeout=60) == 0, process.stdout.read()
+    with serving(tiny_qwen3, *FLAGS) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from nanofn.model.tiny import CHAT_TEMPLATE
-from server_helpers import API_KEY, start_server, wait_until_idle
+from server_helpers import API_KEY, serving, start_server, wait_until_idle
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("llguidance")
@@ -43,12 +43,9 @@ FORECAST = {"type": "function", "function": {"name": "forecast", "parameters": {
 def server(tiny_qwen3, tmp_path_factory):
     template = tmp_path_factory.mktemp("template") / "chat.jinja"
     template.write_text("{{- 'Custom template.\\n' }}" + CHAT_TEMPLATE)
-    process, url = start_server(tiny_qwen3, *FLAGS, "--chat-template", str(template),
-                                "--reasoning-parser", "qwen3", "--enable-auto-tool-choice",
-                                "--tool-call-parser", "hermes")
-    yield url
-    process.terminate()
-    assert process.wait(timeout=60) == 0, process.stdout.read()
+    with serving(tiny_qwen3, *FLAGS, "--chat-template", str(template), "--reasoning-parser",
+                 "qwen3", "--enable-auto-tool-choice", "--tool-call-parser", "hermes") as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

@@ -63,6 +63,7 @@ class BatchPlan:
     slot of a sequence that starts from it; after the work, each ``state_saves`` pair
     ``(plan index, slot)`` copies that sequence's working state, now after its last scheduled
     position, into the slot. A sequence scheduled from position 0 starts from a zero state.
+    No slot is the target of two restores or of two saves (each side is one indexed copy).
     """
 
     step: int
