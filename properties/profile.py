@@ -25,3 +25,11 @@ def examples(default: int) -> int:
 def steps(default: int) -> int:
     """The state machine's steps per example."""
     return default * _profile()[1]
+
+
+def coverage_floor(default: int) -> int:
+    """How often a test must have met what one of its properties checks, for a count that
+    its default examples reach several times over: ``default``, scaled like the examples, and
+    no floor under ``quick`` (too few examples to count on any)."""
+    scale = _profile()[0]
+    return round(default * scale) if scale >= 1 else 0

@@ -71,8 +71,8 @@ def setups(draw, caching=st.booleans(), chunking=st.booleans(),
                               max_model_len=max_model_len, enable_prefix_caching=prefix_caching,
                               enable_chunked_prefill=chunked)
     weak_hash = draw(st.sampled_from([None, WEAK_HASH])) if prefix_caching else None
-    num_blocks = draw(st.integers(blocks_per_seq, blocks_per_seq + 8))
-    return CoreSetup(config, num_blocks, weak_hash, draw(hybrid))
+    spare_blocks = draw(st.integers(0, 8) | st.integers(0, 2))  # (tight pools preempt more)
+    return CoreSetup(config, blocks_per_seq + spare_blocks, weak_hash, draw(hybrid))
 
 
 @st.composite
@@ -105,7 +105,7 @@ def sampling_params(draw, prompt_len: int, max_model_len: int,
     return SamplingParams(
         temperature=0.0,
         max_tokens=limit,
-        min_tokens=draw(st.integers(0, min(limit or max_model_len - prompt_len, 8))),
+        min_tokens=draw(st.integers(0, min(limit or max_model_len - prompt_len, 16))),
         ignore_eos=draw(st.booleans()),
         stop_token_ids=draw(st.lists(st.integers(1, 39), max_size=1)),
         repetition_penalty=draw(st.sampled_from([1.0, 1.0, 1.0, 1.2])),

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
 from nanofn.state.state_pool import SavedState, StateChanges, new_state_pool
-from properties.profile import examples, steps
+from properties.profile import coverage_floor, examples, steps
 
 coverage: Counter = Counter()
 HASHES = st.integers(0, 12)
@@ -53,7 +53,7 @@ class StatesMachine(RuleBasedStateMachine):
     """Working states are the slots of running sequences; a step's changes go through one
     ``StateChanges``, built into the next pool when the step ends."""
 
-    @initialize(num_slots=st.integers(1, 6))
+    @initialize(num_slots=st.integers(1, 6) | st.integers(1, 3))  # (few slots: more contention)
     def start(self, num_slots):
         self.step = 0
         self.pool = new_state_pool(num_slots)
@@ -100,16 +100,17 @@ class StatesMachine(RuleBasedStateMachine):
         coverage["adoptions"] += 1
 
     @precondition(lambda self: self.working)
-    @rule(data=st.data(), block_hash=HASHES)
-    def save(self, data, block_hash):
-        num_tokens = data.draw(st.integers(1, 64))
-        slot = self.changes.save(block_hash, num_tokens, b"")
-        assert slot == self.model.save(self.step, block_hash, num_tokens), "saved elsewhere"
-        self.hand_out(slot)
-        if slot is not None:
-            self.saved_now.append(slot)
-        if slot is None and not self.model.free and block_hash not in self.model.saved:
-            coverage["saves refused for want of a slot"] += 1
+    @rule(hashes=st.lists(HASHES, min_size=1, max_size=3), num_tokens=st.integers(1, 64))
+    def save(self, hashes, num_tokens):
+        """Some sequences reach save points (as a step's ``save_states`` saves them together)."""
+        for block_hash in hashes:
+            slot = self.changes.save(block_hash, num_tokens, b"")
+            assert slot == self.model.save(self.step, block_hash, num_tokens), "saved elsewhere"
+            self.hand_out(slot)
+            if slot is not None:
+                self.saved_now.append(slot)
+            elif not self.model.free and block_hash not in self.model.saved:
+                coverage["saves refused for want of a slot"] += 1
 
     @precondition(lambda self: self.working)
     @rule(data=st.data())
@@ -143,7 +144,7 @@ class StatesMachine(RuleBasedStateMachine):
 
 
 StatesMachine.TestCase.settings = settings(
-    max_examples=examples(200), stateful_step_count=steps(50), deadline=None,
+    max_examples=examples(200), stateful_step_count=steps(100), deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
@@ -151,6 +152,6 @@ def test_the_state_pool_does_what_its_model_does():
     coverage.clear()
     StatesMachine.TestCase().runTest()
     print(f"state pool: {dict(coverage)}")
-    assert coverage["saves refused for want of a slot"] >= examples(20)
-    assert coverage["adoptions"] >= examples(20)
-    assert coverage["steps handing out several slots with none free"] >= examples(5)
+    assert coverage["saves refused for want of a slot"] >= coverage_floor(20)
+    assert coverage["adoptions"] >= coverage_floor(10)
+    assert coverage["steps handing out several slots with none free"] >= coverage_floor(3)

@@ -149,6 +149,15 @@ def test_the_least_recently_used_saved_state_goes_first():
     assert later.take() == 0
 
 
+def test_a_save_never_takes_the_slot_another_save_writes_in_the_same_step():
+    changes = StateChanges(new_state_pool(1), step=1)
+    assert changes.save(block_hash=1, num_tokens=BS, token_bytes=bytes(4 * BS)) == 0
+    assert changes.save(block_hash=2, num_tokens=BS, token_bytes=bytes(4 * BS)) is None
+    assert changes.take() is None  # nor does an admission
+    later = StateChanges(changes.build(), step=2)
+    assert later.save(block_hash=2, num_tokens=BS, token_bytes=bytes(4 * BS)) == 0
+
+
 def test_a_sequence_waits_for_a_state_slot_as_for_a_block():
     state = start(num_state_slots=2, enable_prefix_caching=False)
     state, plan = run(state, *(request(r, range(1, 10)) for r in "abc"))

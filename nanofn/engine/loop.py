@@ -160,9 +160,10 @@ class EngineLoop:
         step aborts the plan's sequences and drops the blocks it was to write from the prefix
         cache, since the device may have run part of it. It also aborts the sequences that
         hold, in the state as it was, a block the plan was to compute into: the plan's step
-        may have preempted them (or finished them) and handed their blocks out again. After the launch the step has
-        happened; after a later interruption (the trace, ``while_waiting``, the wait) the next
-        call finishes that step and returns it, rather than stepping again."""
+        may have preempted them (or finished them) and handed their blocks out again. After
+        the launch the step has happened; after a later interruption (the trace,
+        ``while_waiting``, the wait) the next call finishes that step and returns it, rather
+        than stepping again."""
         if self._unreported is None:
             self._advance(on_delivery)
         if self._untraced is not None:  # (formatted now: after the launch, not before)
