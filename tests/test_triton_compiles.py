@@ -192,6 +192,13 @@ def test_hybrid_kernels_compile(compile_for_h100, tokens):
     compile_for_h100(linear.gated_delta_rule_update, q.view(seqs, 16, 128), k.view(seqs, 16, 128),
                      v.view(seqs, 32, 128), empty(seqs, 32, dtype=torch.float32),
                      empty(seqs, 32), ssm, state_slots, initial)
+    wide = linear.WIDE_TILES_FROM  # a decode step of many sequences: wider tiles
+    mixed = empty(wide, 2 * 16 * 128 + 32 * 128)
+    q, k, v = mixed.split([16 * 128, 16 * 128, 32 * 128], dim=-1)
+    compile_for_h100(linear.gated_delta_rule_update, q.view(wide, 16, 128), k.view(wide, 16, 128),
+                     v.view(wide, 32, 128), empty(wide, 32, dtype=torch.float32),
+                     empty(wide, 32), ssm, torch.zeros(wide, dtype=torch.int64),
+                     torch.ones(wide, dtype=torch.bool))
     mixed = empty(tokens, 2 * 16 * 128 + 32 * 128)
     q, k, v = mixed.split([16 * 128, 16 * 128, 32 * 128], dim=-1)
     compile_for_h100(linear.recurrent_delta_rule, q.view(tokens, 16, 128),

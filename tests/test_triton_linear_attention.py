@@ -33,6 +33,17 @@ def delta_and_states(function, q, k, v, g, beta, states, *args):
     return out, states
 
 
+def with_wide_tiles_from(sequences, function, *args):
+    """``function(*args)`` in the interpreter's child, with the decode step's wider tiles from
+    ``sequences`` sequences on."""
+    default = triton_linear_attention.WIDE_TILES_FROM
+    triton_linear_attention.WIDE_TILES_FROM = sequences
+    try:
+        return function(*args)
+    finally:
+        triton_linear_attention.WIDE_TILES_FROM = default
+
+
 def slot_states(shape, dtype, generator):
     """Six slots of three layers; the fresh sequence's slot holds NaN, which must not leak."""
     states = torch.randn(6, 3, *shape, generator=generator).to(dtype)
@@ -77,9 +88,11 @@ def test_causal_conv1d_update_matches_reference(interpreter, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("dv", [16, 48], ids=["one-value-block", "value-blocks"])
-def test_gated_delta_rule_update_matches_reference(interpreter, dtype, dv):
-    """Grouped heads (4 value heads read 2 key heads); float32 states, as Qwen3.5's."""
+@pytest.mark.parametrize("dv", [16, 48, 100], ids=["one-value-block", "value-blocks", "wide"])
+@pytest.mark.parametrize("tiles_from", [1, 16], ids=["wide-tiles", "narrow-tiles"])
+def test_gated_delta_rule_update_matches_reference(interpreter, dtype, dv, tiles_from):
+    """Grouped heads (4 value heads read 2 key heads); float32 states, as Qwen3.5's. Tiles of
+    64 values (a batch of many sequences) as well as of 32."""
     generator = torch.Generator().manual_seed(dv)
     hk, hv, dk = 2, 4, 16
     q, k = (torch.randn(3, hk, dk, generator=generator).to(dtype) for _ in range(2))
@@ -91,8 +104,9 @@ def test_gated_delta_rule_update_matches_reference(interpreter, dtype, dv):
     expected = gated_delta_rule_update(q, k, v, g, beta, layer_of(expected_states), SLOTS,
                                        INITIAL)
 
-    out, states = interpreter(delta_and_states, triton_linear_attention.gated_delta_rule_update,
-                              q, k, v, g, beta, states, SLOTS, INITIAL)
+    out, states = interpreter(with_wide_tiles_from, tiles_from, delta_and_states,
+                              triton_linear_attention.gated_delta_rule_update, q, k, v, g, beta,
+                              states, SLOTS, INITIAL)
 
     torch.testing.assert_close(out, expected, **TOLERANCES[dtype])
     torch.testing.assert_close(states, expected_states, equal_nan=True, atol=1e-5, rtol=1e-5)
@@ -125,7 +139,7 @@ def test_the_recurrent_delta_rule_over_a_batch_of_chunks_matches_reference(inter
 def test_the_gates_and_the_gated_norm_match_their_references(interpreter, dtype):
     """The gates from strided views of the projection (``a`` and ``b`` for 6 value heads, as
     the model splits them), large ``a`` included (softplus's linear side); the gated norm of
-    heads of 32 with a strided gate."""
+    heads of 32 with a strided gate, and of heads too long for one program to hold them all."""
     generator = torch.Generator().manual_seed(4)
     projected = (torch.randn(9, 40, generator=generator) * 4).to(dtype)
     projected[0, 28] = 30.0
@@ -139,5 +153,9 @@ def test_the_gates_and_the_gated_norm_match_their_references(interpreter, dtype)
     x = torch.randn(9, 3, 32, generator=generator).to(dtype)
     gate = torch.randn(9, 100, generator=generator).to(dtype)[:, 4:100].view(9, 3, 32)
     weight = (torch.rand(32, generator=generator) + 0.5).to(dtype)
+    out = interpreter(triton_linear_attention.rms_norm_gated, x, gate, weight, 1e-6)
+    torch.testing.assert_close(out, rms_norm_gated(x, gate, weight, 1e-6), **TOLERANCES[dtype])
+    x = torch.randn(2, 3, 2048, generator=generator).to(dtype)  # two programs a token, 2 + 1 heads
+    gate, weight = torch.randn(2, 3, 2048, generator=generator).to(dtype), weight.repeat(64)
     out = interpreter(triton_linear_attention.rms_norm_gated, x, gate, weight, 1e-6)
     torch.testing.assert_close(out, rms_norm_gated(x, gate, weight, 1e-6), **TOLERANCES[dtype])

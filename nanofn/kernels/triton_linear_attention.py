@@ -183,35 +183,42 @@ def delta_rule_gates(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor,
 
 @triton.jit
 def _norm_gated_kernel(x_ptr, gate_ptr, weight_ptr, out_ptr, x_stride_t, x_stride_h,
-                       gate_stride_t, gate_stride_h, num_heads, eps, SIZE: tl.constexpr):
-    """Token ``program_id(0)``, head ``program_id(1)``: ``rms_norm(x) * weight`` rounded to
-    x's dtype, times ``silu(gate)``."""
-    token, head = tl.program_id(0).to(tl.int64), tl.program_id(1)
+                       gate_stride_t, gate_stride_h, num_heads, eps, SIZE: tl.constexpr,
+                       BLOCK_H: tl.constexpr):
+    """Token ``program_id(0)``, heads ``program_id(1) * BLOCK_H ...``: ``rms_norm(x) * weight``
+    rounded to x's dtype, times ``silu(gate)``, each head normalized on its own."""
+    token = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     cols = tl.arange(0, SIZE)
-    x = tl.load(x_ptr + token * x_stride_t + head * x_stride_h + cols).to(tl.float32)
+    ok = (heads < num_heads)[:, None]
+    x = tl.load(x_ptr + token * x_stride_t + heads[:, None] * x_stride_h + cols[None, :],
+                mask=ok, other=0.0).to(tl.float32)
     dtype = x_ptr.dtype.element_ty
-    normed = (x * tl.rsqrt(tl.sum(x * x) / SIZE + eps)).to(dtype).to(tl.float32)
-    weighted = (normed * tl.load(weight_ptr + cols).to(tl.float32)).to(dtype).to(tl.float32)
-    gate = tl.load(gate_ptr + token * gate_stride_t + head * gate_stride_h + cols)
-    gate = gate.to(tl.float32)
-    out = weighted * gate / (1.0 + tl.exp(-gate))
-    tl.store(out_ptr + (token * num_heads + head) * SIZE + cols,
-             out.to(out_ptr.dtype.element_ty))
+    inverse = tl.rsqrt(tl.sum(x * x, axis=1) / SIZE + eps)
+    normed = (x * inverse[:, None]).to(dtype).to(tl.float32)
+    weighted = (normed * tl.load(weight_ptr + cols).to(tl.float32)[None, :]).to(dtype)
+    gate = tl.load(gate_ptr + token * gate_stride_t + heads[:, None] * gate_stride_h
+                   + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+    out = weighted.to(tl.float32) * gate / (1.0 + tl.exp(-gate))
+    tl.store(out_ptr + (token * num_heads + heads[:, None]) * SIZE + cols[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
                    eps: float) -> torch.Tensor:
     """``norm.rms_norm_gated`` of ``x`` and ``gate`` ``[T, H, D]`` (a Gated DeltaNet's value
-    heads; ``gate`` may be a strided view), a head a program."""
+    heads; ``gate`` may be a strided view), up to 4,096 values of a token a program (one head a
+    program made a prompt's programs too small to keep the memory busy)."""
     num_tokens, num_heads, size = x.shape
     if size & (size - 1) or x.stride(-1) != 1 or gate.stride(-1) != 1:
         raise ValueError("the gated norm's kernel takes heads of a power-of-two size, with "
                          "unit stride")
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    block_h = min(triton.next_power_of_2(num_heads), max(1, 4096 // size))
     if num_tokens:
-        _norm_gated_kernel[(num_tokens, num_heads)](
+        _norm_gated_kernel[(num_tokens, triton.cdiv(num_heads, block_h))](
             x, gate, weight, out, x.stride(0), x.stride(1), gate.stride(0), gate.stride(1),
-            num_heads, eps, SIZE=size)
+            num_heads, eps, SIZE=size, BLOCK_H=block_h, num_warps=8 if block_h * size > 1024 else 4)
     return out
 
 
@@ -274,6 +281,9 @@ def recurrent_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
                        has_initial_state)
 
 
+WIDE_TILES_FROM = 16  # sequences in a decode step
+
+
 def _delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                 beta: torch.Tensor, ssm_states: torch.Tensor, query_start: torch.Tensor | None,
                 state_slots: torch.Tensor, has_initial_state: torch.Tensor) -> torch.Tensor:
@@ -284,8 +294,12 @@ def _delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
         raise ValueError("the delta rule's kernel reads rows of q, k and v with unit stride")
     g, beta = g.contiguous(), beta.contiguous()
     out = torch.empty(num_tokens, num_v_heads, dv, dtype=v.dtype, device=v.device)
-    block_v = min(32, triton.next_power_of_2(dv))
     one_token = query_start is None
+    # A decode step of many sequences moves whole states: tiles of 64 values read and write
+    # them at 2.5 TB/s on an H100, tiles of 32 at 1.6 (256 sequences of the 9B shape,
+    # benchmarks/experiments/delta_rule_decode.py); a few sequences keep twice the programs.
+    wide = one_token and len(state_slots) >= WIDE_TILES_FROM
+    block_v = min(64 if wide else 32, triton.next_power_of_2(dv))
     _delta_rule_kernel[(len(state_slots), num_v_heads, triton.cdiv(dv, block_v))](
         q, k, v, g, beta, ssm_states, out, state_slots if one_token else query_start,
         state_slots, has_initial_state, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
