@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: the GPU test suite, then the benchmarks, logs under $OUT and a
 # short table last; the logs come back as $OUT/logs-MODE.tgz. Usage: bash benchmarks/gpu_run.sh
-# [tests|bench|all|kernels|serve|tp|hybrid|hybrid-bench|hybrid-prefix|baseline] (default: all;
+# [tests|tests-1|tests-2|bench|all|kernels|serve|tp|hybrid|hybrid-bench|hybrid-prefix|baseline]
+# (default: all;
 # baseline: the torch reference attention, eager, for comparison)
 # Expects the wheels of ../shared/tools/gpu-wheels.sh in .whl/ (pyrsistent is missing there),
 # and flash-attn-4 in /tmp/fa4site if it is to be tested and measured (benchmarks/fa4_install.sh);
@@ -27,8 +28,15 @@ fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 echo "${NANOFN_COMMIT:-unknown commit}" | tee "$OUT/commit.txt"  # the device copy has no .git
 
-if [ "$what" = tests ] || [ "$what" = all ]; then
-  timeout 420 python3 -m pytest tests/gpu -q -rs 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
+case $what in  # the whole suite outgrew one call's 600 s: tests-1 and tests-2 split it
+  tests|all) suite=(tests/gpu) ;;
+  tests-1) suite=(tests/gpu/test_[a-g]*.py) ;;  # flash-attn-4, clean runs, the engine
+  tests-2) suite=(tests/gpu/test_[h-z]*.py) ;;  # hybrids, the Triton kernels
+  *) suite=() ;;
+esac
+if [ ${#suite[@]} -gt 0 ]; then
+  timeout 480 python3 -m pytest "${suite[@]}" -q -rs --durations=12 2>&1 \
+    | tee "$OUT/gpu_$what.log" | tail -40
 fi
 bench() {  # name, then nanofn bench flags
   local name=$1; shift
