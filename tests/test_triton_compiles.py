@@ -14,7 +14,7 @@ import torch
 import triton.knobs
 
 from nanofn.kernels import (triton_attention, triton_decode_inputs, triton_gemm, triton_gemv,
-                            triton_ops, triton_sampling)
+                            triton_moe, triton_ops, triton_sampling)
 from test_triton_attention import prefill_attention_on
 from triton_interpreter import compiler_process
 
@@ -210,3 +210,14 @@ def test_hybrid_kernels_compile(compile_for_h100, tokens):
                      empty(32, dtype=torch.float32), empty(32, dtype=torch.float32))
     z = empty(tokens, 2 * 32 * 128)[:, 32 * 128:].view(tokens, 32, 128)
     compile_for_h100(linear.rms_norm_gated, empty(tokens, 32, 128), z, empty(128), 1e-6)
+
+
+@pytest.mark.parametrize("tokens", [1, 40, 600])
+def test_moe_kernels_compile(compile_for_h100, tokens):
+    """The experts' two grouped GEMMs at Qwen3-30B-A3B's sizes (128 experts of 768, 8 a token),
+    in each tile size ``default_tiles`` picks."""
+    hidden, inter, experts, top_k = 2048, 768, 128, 8
+    topk_ids = torch.zeros(tokens, top_k, dtype=torch.int64)
+    compile_for_h100(triton_moe.fused_moe, empty(tokens, hidden),
+                     empty(experts, 2 * inter, hidden), empty(experts, hidden, inter),
+                     empty(tokens, top_k), topk_ids)

@@ -1,0 +1,81 @@
+"""The Triton mixture-of-experts kernels (``triton_moe.py``) on CPU through Triton's
+interpreter: the pairs' alignment by expert, and the experts' output against a plain
+per-token computation, for a decode step of one token, batches where some experts get no
+token, sizes that are not multiples of the tiles, and float16."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nanofn.kernels import triton_moe
+
+TOLERANCES = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float16: dict(atol=2e-2, rtol=2e-2)}
+
+
+def experts_one_token_at_a_time(x, w13, w2, topk_weights, topk_ids):
+    """``sum_j weight_j * down(silu(gate(x)) * up(x))`` of each token, in float32."""
+    inter = w2.shape[2]
+    out = torch.zeros(x.shape, dtype=torch.float32)
+    for t in range(x.shape[0]):
+        for weight, expert in zip(topk_weights[t].float(), topk_ids[t].tolist()):
+            gate_up = w13[expert].float() @ x[t].float()
+            activated = F.silu(gate_up[:inter]) * gate_up[inter:]
+            out[t] += weight * (w2[expert].float() @ activated)
+    return out
+
+
+def routed(num_tokens, num_experts, top_k, hidden, inter, dtype, seed, skip_experts=()):
+    """Random inputs and weights; ``skip_experts`` are chosen by no token."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_tokens, hidden, generator=generator).to(dtype)
+    w13 = (torch.randn(num_experts, 2 * inter, hidden, generator=generator) / hidden**0.5).to(dtype)
+    w2 = (torch.randn(num_experts, hidden, inter, generator=generator) / inter**0.5).to(dtype)
+    allowed = torch.tensor([e for e in range(num_experts) if e not in skip_experts])
+    scores = torch.rand(num_tokens, len(allowed), generator=generator)
+    topk_ids = allowed[scores.topk(top_k, dim=-1).indices]
+    topk_weights = torch.rand(num_tokens, top_k, generator=generator).to(dtype)
+    return x, w13, w2, topk_weights, topk_ids
+
+
+def test_pairs_are_aligned_in_whole_blocks_of_one_expert():
+    topk_ids = torch.tensor([[3, 0], [3, 1], [0, 3], [3, 5], [3, 0]])  # 5 x 2 pairs, 6 experts
+    aligned = triton_moe.align_pairs(topk_ids, num_experts=6, block_m=4)
+    flat = topk_ids.flatten()
+    pairs = aligned.sorted_pairs.view(-1, 4)
+    real = pairs < flat.numel()
+    assert sorted(pairs[real].tolist()) == list(range(flat.numel()))  # each pair once
+    for block, expert in zip(pairs, aligned.block_experts.tolist()):
+        if expert < 0:
+            assert (block == flat.numel()).all()  # past the last expert: padding only
+        else:
+            assert block[0] < flat.numel()  # no block of padding alone
+            assert (flat[block[block < flat.numel()].long()] == expert).all()
+    # experts 0 (3 pairs), 1 (1), 3 (5 -> 2 blocks), 5 (1): 5 blocks; 2 and 4 take none
+    assert aligned.block_experts.tolist()[:5] == [0, 1, 3, 3, 5]
+    assert (aligned.block_experts[5:] == -1).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("num_tokens, skip", [(1, ()), (7, (2, 5)), (40, ())],
+                         ids=["decode-one-token", "unused-experts", "many-tokens"])
+def test_fused_moe_matches_the_experts_token_by_token(interpreter, dtype, num_tokens, skip):
+    x, w13, w2, topk_weights, topk_ids = routed(num_tokens, num_experts=8, top_k=3, hidden=40,
+                                                inter=24, dtype=dtype, seed=num_tokens,
+                                                skip_experts=skip)
+    tiles = triton_moe.MoeTiles(block_m=16, block_n=16, block_k=16)  # several tiles a matrix
+    out = interpreter(triton_moe.fused_moe, x, w13, w2, topk_weights, topk_ids, tiles)
+    expected = experts_one_token_at_a_time(x, w13, w2, topk_weights, topk_ids)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), expected, **TOLERANCES[dtype])
+
+
+def test_fused_moe_with_its_default_tiles_and_no_tokens(interpreter):
+    x, w13, w2, topk_weights, topk_ids = routed(5, num_experts=4, top_k=2, hidden=32, inter=16,
+                                                dtype=torch.float32, seed=9)
+    out = interpreter(triton_moe.fused_moe, x, w13, w2, topk_weights, topk_ids)
+    expected = experts_one_token_at_a_time(x, w13, w2, topk_weights, topk_ids)
+    torch.testing.assert_close(out, expected, **TOLERANCES[torch.float32])
+    empty = interpreter(triton_moe.fused_moe, x[:0], w13, w2, topk_weights[:0], topk_ids[:0])
+    assert empty.shape == (0, 32)
