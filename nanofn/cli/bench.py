@@ -138,6 +138,13 @@ class ModelDims:
     # the delta rule's state: float32 where the config's mamba_ssm_dtype says so (Qwen3.5's
     # checkpoints), else the model's bf16 (as vLLM's "auto")
     state_bytes_per_value: int = 2
+    # A mixture-of-experts model's: its MoE layers among ``num_layers`` (the others keep a dense
+    # MLP of ``intermediate_size``), the routed experts, and a shared expert where it has one.
+    num_moe_layers: int = 0
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> ModelDims:
@@ -154,16 +161,18 @@ class ModelDims:
             linear_value_dim=config["linear_value_head_dim"],
             conv_kernel=config["linear_conv_kernel_dim"], gated_attention=True,
             state_bytes_per_value=4 if config.get("mamba_ssm_dtype") == "float32" else 2)
+        moe = _moe_dims(config)
         return cls(
             num_layers=config["num_hidden_layers"],
             hidden_size=config["hidden_size"],
-            intermediate_size=config["intermediate_size"],
+            intermediate_size=config.get("intermediate_size") or 0,
             num_heads=heads,
             num_kv_heads=config.get("num_key_value_heads") or heads,
             head_dim=config.get("head_dim") or config["hidden_size"] // heads,
             vocab_size=config["vocab_size"],
             tie_word_embeddings=tie_word_embeddings,
             **hybrid,
+            **moe,
         )
 
     @property
@@ -171,10 +180,11 @@ class ModelDims:
         return self.num_layers - self.num_linear_layers
 
     @property
-    def body_params(self) -> int:
-        """Matmul weights of all decoder layers: q/k/v (q with its gate, a hybrid model's), o,
-        or a linear-attention layer's projections (q/k/v, the output gate z, b, a, out), and
-        the gated MLP."""
+    def shared_body_params(self) -> int:
+        """Matmul weights every token reads in all decoder layers: q/k/v (q with its gate, a
+        hybrid model's), o, or a linear-attention layer's projections (q/k/v, the output gate
+        z, b, a, out); the gated MLP, or an MoE layer's router and shared expert (with its
+        gate). The routed experts are apart (``expert_params``)."""
         h, d = self.hidden_size, self.head_dim
         mlp = 3 * h * self.intermediate_size
         q_heads = self.num_heads * (2 if self.gated_attention else 1)
@@ -182,8 +192,35 @@ class ModelDims:
         key_dim = self.linear_key_heads * self.linear_key_dim
         value_dim = self.linear_value_heads * self.linear_value_dim
         linear = h * (2 * key_dim + 2 * value_dim + 2 * self.linear_value_heads) + value_dim * h
-        return (self.num_attention_layers * (attention + mlp)
-                + self.num_linear_layers * (linear + mlp))
+        shared_expert = 3 * h * self.shared_expert_intermediate_size
+        moe_shared = h * self.num_experts + shared_expert + (h if shared_expert else 0)
+        return (self.num_attention_layers * attention + self.num_linear_layers * linear
+                + (self.num_layers - self.num_moe_layers) * mlp + self.num_moe_layers * moe_shared)
+
+    @property
+    def expert_params(self) -> int:
+        """One routed expert's weights (gate, up, down) in one MoE layer."""
+        return 3 * self.hidden_size * self.moe_intermediate_size
+
+    @property
+    def body_params(self) -> int:
+        """Matmul weights of all decoder layers, every routed expert included."""
+        return self.shared_body_params + self.num_moe_layers * self.num_experts * self.expert_params
+
+    @property
+    def active_body_params(self) -> int:
+        """The decoder layers' weights one token multiplies by: its experts' alone."""
+        return (self.shared_body_params
+                + self.num_moe_layers * self.experts_per_token * self.expert_params)
+
+    def experts_read(self, num_tokens: int) -> float:
+        """Routed experts' weights a step of ``num_tokens`` tokens reads, in all MoE layers:
+        each layer's experts that any token chose, expected under uniform routing (each
+        expert left out by one token with probability ``1 - k / E``)."""
+        if not self.num_moe_layers:
+            return 0.0
+        untouched = (1 - self.experts_per_token / self.num_experts) ** num_tokens
+        return self.num_moe_layers * self.num_experts * (1 - untouched) * self.expert_params
 
     @property
     def state_bytes(self) -> int:
@@ -213,6 +250,24 @@ class ModelDims:
         is stored but not read whole: a step gathers only its tokens' rows."""
         embedding = 0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size
         return self.body_params + self.lm_head_params + embedding
+
+
+def _moe_dims(config: Mapping[str, Any]) -> dict[str, int]:
+    """A mixture-of-experts config's ``ModelDims`` fields (none for a dense one). Layer ``i``
+    is an MoE layer unless listed in ``mlp_only_layers`` or off ``decoder_sparse_step``'s beat,
+    as in transformers' Qwen3-MoE; transformers 5 writes the expert count as
+    ``num_local_experts``."""
+    num_experts = config.get("num_experts") or config.get("num_local_experts") or 0
+    if not num_experts:
+        return {}
+    step = config.get("decoder_sparse_step") or 1
+    dense = set(config.get("mlp_only_layers") or ())
+    layers = sum(1 for i in range(config["num_hidden_layers"])
+                 if i not in dense and (i + 1) % step == 0)
+    return dict(num_moe_layers=layers, num_experts=num_experts,
+                experts_per_token=config["num_experts_per_tok"],
+                moe_intermediate_size=config["moe_intermediate_size"],
+                shared_expert_intermediate_size=config.get("shared_expert_intermediate_size") or 0)
 
 
 def _num_linear_layers(config: Mapping[str, Any]) -> int:
@@ -263,13 +318,16 @@ def floor(dims: ModelDims, prompt_lens: Sequence[int], output_lens: Sequence[int
 
     A hybrid model's full-attention layers alone keep K/V; its linear-attention layers do a
     fixed amount of work per token on a fixed-size state per sequence, which each decode step
-    reads and writes once for every running sequence.
+    reads and writes once for every running sequence. A mixture-of-experts model's token
+    multiplies by its chosen experts alone, and a decode step reads the experts its tokens
+    chose (``ModelDims.experts_read``).
     """
     layers, heads, head_dim = dims.num_attention_layers, dims.num_heads, dims.head_dim
-    body, lm_head = dims.body_params, dims.lm_head_params
-    weight_bytes = bytes_per_param * (body + lm_head)
+    lm_head = dims.lm_head_params
+    shared_weight_bytes = bytes_per_param * (dims.shared_body_params + lm_head)
     kv_bytes_per_token = layers * 2 * dims.num_kv_heads * head_dim * bytes_per_param
-    token_flops = 2 * body + dims.state_flops_per_token  # all but attention's and the LM head's
+    # all but attention's and the LM head's
+    token_flops = 2 * dims.active_body_params + dims.state_flops_per_token
     bandwidth, peak = bandwidth_gbps * 1e9, tflops * 1e12
 
     def attention_flops(query_tokens: int, context: int) -> int:  # QK^T and PV
@@ -289,6 +347,7 @@ def floor(dims: ModelDims, prompt_lens: Sequence[int], output_lens: Sequence[int
             break
         flops = (len(contexts) * (token_flops + 2 * lm_head)
                  + sum(attention_flops(1, c) for c in contexts))
+        weight_bytes = shared_weight_bytes + bytes_per_param * dims.experts_read(len(contexts))
         step_bytes = (weight_bytes + kv_bytes_per_token * (sum(contexts)
                                                            - (len(contexts) - 1) * shared)
                       + 2 * dims.state_bytes * len(contexts))
