@@ -38,7 +38,8 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Align
     experts = topk_ids.flatten().long()
     num_pairs = experts.numel()
     num_blocks = triton.cdiv(num_pairs, block_m) + min(num_experts, num_pairs)
-    counts = torch.bincount(experts, minlength=num_experts)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=experts.device).scatter_add_(
+        0, experts, torch.ones_like(experts))  # (bincount reads its maximum back on a GPU)
     padded = (counts + block_m - 1) // block_m * block_m
     padded_ends = padded.cumsum(0)
     order = torch.argsort(experts, stable=True)
