@@ -101,12 +101,19 @@ _QWEN3_5_TEXT = {
     "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
                         "mrope_section": [2, 1, 1], "mrope_interleaved": True},
 }
+# Qwen3-MoE: experts on every layer but layer 1, whose MLP is dense; 8 experts of 48, 2 a token.
+# (An expert's 2 * 48 rows differ from hidden_size, so that the layouts of a fused experts
+# tensor, [E, 2I, H] and [E, H, 2I], tell themselves apart.)
+_QWEN3_MOE = {**_COMMON, **_HEAD_DIM, "num_hidden_layers": 4, "num_experts": 8,
+              "num_experts_per_tok": 2, "moe_intermediate_size": 48, "mlp_only_layers": [1],
+              "decoder_sparse_step": 1, "norm_topk_prob": True}
 _TINY_VISION = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, patch_size=4,
                     out_hidden_size=64, num_position_embeddings=16)
 # arch -> (transformers config class name, config settings); a config with a ``text_config``
 # is a vision-language model's, whose language model the other settings describe.
 ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3": ("Qwen3Config", {**_COMMON, **_HEAD_DIM}),
+    "qwen3_moe": ("Qwen3MoeConfig", _QWEN3_MOE),
     "qwen2": ("Qwen2Config", dict(_COMMON)),
     "llama": ("LlamaConfig", {**_COMMON, **_HEAD_DIM}),
     "llama3": ("LlamaConfig", {**_COMMON, **_HEAD_DIM, "rope_parameters": _LLAMA3_ROPE}),
