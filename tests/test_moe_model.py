@@ -1,7 +1,7 @@
 """Qwen3-MoE (``Qwen3MoeForCausalLM``: experts on some layers, a dense MLP on others) against
 transformers on a tiny checkpoint: greedy tokens through the whole engine, whatever the cache,
 chunking, prefix hits and tensor parallelism; its router and experts kernels; its checkpoint
-layouts."""
+layouts; its random-weight shapes."""
 
 from __future__ import annotations
 
@@ -15,13 +15,14 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 
-from test_model import PagedRun, random_prompt
+from test_model import PagedRun, assert_logits_close, greedy_reference, random_prompt
 from test_parity import nanofn_greedy, random_prompts, transformers_greedy
 from test_weights import edit_checkpoint
 
 from nanofn.kernels import fused_moe, select_experts
 from nanofn.model import build_model, load_weights
 from nanofn.model.moe import SparseMoeBlock
+from nanofn.model.tiny import PRESETS, _qwen3_weight_shapes, make_random_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -217,3 +218,29 @@ def test_missing_or_unknown_expert_tensors_are_refused(moe, tmp_path):
         model = build_model(config, dtype="float32", device="cpu")
         with pytest.raises(ValueError, match=message):
             load_weights(model, path)
+
+
+# --- random-weight shapes ----------------------------------------------------------------------
+
+
+def test_a_random_moe_checkpoint_loads_in_nanofn_and_transformers(tmp_path):
+    path = make_random_checkpoint(tmp_path / "random", "qwen3-moe-tiny", dtype="float32", seed=1)
+    reference, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True)
+    assert not any(info.values()), info  # no missing, unexpected or mismatched weights
+    model, config = load(path)
+    prompt = random_prompt(12, seed=10)
+    _, expected = greedy_reference(reference.eval(), prompt, 0)
+    assert_logits_close(PagedRun(model, config, block_size=4).step({"a": prompt})["a"], expected)
+
+
+def test_the_30b_a3b_shape_has_the_model_card_s_parameter_counts():
+    """30.5B parameters, 29.9B of them not embeddings, 3.3B active (all but 120 of the 128
+    experts of each of the 48 layers)."""
+    config = transformers.Qwen3MoeConfig(**PRESETS["qwen3-30b-a3b"])
+    shapes = _qwen3_weight_shapes(config)
+    total = sum(torch.Size(shape).numel() for shape in shapes.values())
+    embeddings = 2 * 151936 * 2048  # untied
+    active = total - 48 * (128 - 8) * 3 * 768 * 2048
+    assert (round(total / 1e9, 1), round((total - embeddings) / 1e9, 1)) == (30.5, 29.9)
+    assert 3.3e9 < active < 3.4e9
+    assert len([name for name in shapes if name.endswith("mlp.gate.weight")]) == 48
