@@ -129,8 +129,8 @@ def test_shape_mismatch_names_tensor_file_and_both_shapes(tiny_checkpoint_factor
 def test_unknown_architecture_lists_the_supported_ones(tiny_qwen3):
     config = AutoConfig.from_pretrained(tiny_qwen3)
     config.architectures = ["GPT2LMHeadModel"]
-    with pytest.raises(ValueError, match="GPT2LMHeadModel.*supported: Qwen3ForCausalLM, Qwen2ForCausalLM, "
-                                         "LlamaForCausalLM, MistralForCausalLM"):
+    with pytest.raises(ValueError, match="GPT2LMHeadModel.*supported: Qwen3ForCausalLM, Qwen3MoeForCausalLM, "
+                                         "Qwen2ForCausalLM, LlamaForCausalLM, MistralForCausalLM"):
         build_model(config, dtype="float32", device="cpu")
 
 

@@ -17,6 +17,7 @@ from nanofn.kernels.attention import decode_attention, prefill_attention, store_
 from nanofn.kernels.causal_conv import causal_conv1d, causal_conv1d_update
 from nanofn.kernels.delta_rule import delta_rule_gates, gated_delta_rule, gated_delta_rule_update
 from nanofn.kernels.linear import linear, rms_norm_linear
+from nanofn.kernels.moe import fused_moe, select_experts
 from nanofn.kernels.norm import rms_norm, rms_norm_gated
 from nanofn.kernels.partial_sums import PartialSums
 from nanofn.kernels.rotary import (SUPPORTED_ROPE_TYPES, apply_rotary, build_cos_sin_cache,
@@ -50,6 +51,9 @@ class KernelBackend:
     gated_delta_rule: Callable[..., torch.Tensor]
     gated_delta_rule_update: Callable[..., torch.Tensor]
     rms_norm_gated: Callable[..., torch.Tensor]
+    # A mixture-of-experts layer's experts (Qwen3-MoE): each token through its top-k experts'
+    # gated MLPs, weighted and summed (the router, ``select_experts``, is plain torch)
+    fused_moe: Callable[..., torch.Tensor]
 
 
 TORCH_KERNELS = KernelBackend(
@@ -65,6 +69,7 @@ TORCH_KERNELS = KernelBackend(
     gated_delta_rule=gated_delta_rule,
     gated_delta_rule_update=gated_delta_rule_update,
     rms_norm_gated=rms_norm_gated,
+    fused_moe=fused_moe,
 )
 
 __all__ = [
@@ -77,6 +82,7 @@ __all__ = [
     "causal_conv1d",
     "causal_conv1d_update",
     "decode_attention",
+    "fused_moe",
     "gated_delta_rule",
     "gated_delta_rule_update",
     "linear",
@@ -86,6 +92,7 @@ __all__ = [
     "rms_norm_linear",
     "rotary_decode_attention",
     "rotate_and_store_kv",
+    "select_experts",
     "silu_and_mul",
     "store_kv",
 ]

@@ -47,6 +47,7 @@ from nanofn.kernels.triton_attention import head_norm_scaled
 from nanofn.kernels import KernelBackend
 from nanofn.kernels import triton_linear_attention as linear_attention
 from nanofn.kernels.linear import norm_then_linear
+from nanofn.kernels.moe import fused_moe
 from nanofn.kernels.partial_sums import PartialSums, added_up
 
 SILU_BLOCK = 1024  # columns per silu_and_mul program
@@ -447,4 +448,5 @@ TRITON_KERNELS = KernelBackend(
     gated_delta_rule=linear_attention.chunked_delta_rule(),
     gated_delta_rule_update=linear_attention.gated_delta_rule_update,
     rms_norm_gated=linear_attention.rms_norm_gated,
+    fused_moe=fused_moe,  # the torch reference: a fused Triton kernel is to come
 )

@@ -1,5 +1,6 @@
-"""One decoder-only transformer covering Qwen3, Qwen2/Qwen2.5, Llama 3.x and Mistral checkpoints,
-and the attention layers of Qwen3.5 (whose other layers are in ``hybrid.py``).
+"""One decoder-only transformer covering Qwen3, Qwen3-MoE (its sparse MLP in ``moe.py``),
+Qwen2/Qwen2.5, Llama 3.x and Mistral checkpoints, and the attention layers of Qwen3.5 (whose
+other layers are in ``hybrid.py``).
 
 The architectures differ only in the switches of ``DecoderOptions``. Module and parameter names
 follow Hugging Face's, except the fused ``qkv_proj`` and ``gate_up_proj`` (see ``loader.py``).
@@ -25,6 +26,7 @@ from nanofn.kernels.partial_sums import PartialSums
 from nanofn.model.batch import AttentionBatch
 from nanofn.model.config import head_dim, num_kv_heads, rope_settings, rotary_dim, text_config
 from nanofn.model.layers import RMSNorm, RotaryEmbedding
+from nanofn.model.moe import SparseMoeBlock, is_sparse_layer
 from nanofn.model.parallel import (
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -45,11 +47,19 @@ class DecoderOptions:
     output_gate: bool = False  # attention output times sigmoid(a gate from q_proj) (Qwen3.5)
     # Norms scaling by 1 + w (Qwen3.5): loaded as 1 + w (``parallel.load_zero_centred``)
     zero_centred_norms: bool = False
+    # A sparse MLP (router and experts) on the layers ``moe.is_sparse_layer`` picks (Qwen3-MoE)
+    sparse_moe: bool = False
 
 
 def _qwen3_options(hf_config: Any) -> DecoderOptions:
     bias = getattr(hf_config, "attention_bias", False)
     return DecoderOptions(qkv_bias=bias, o_proj_bias=bias, mlp_bias=False, qk_norm=True)
+
+
+def _qwen3_moe_options(hf_config: Any) -> DecoderOptions:
+    bias = getattr(hf_config, "attention_bias", False)
+    return DecoderOptions(qkv_bias=bias, o_proj_bias=bias, mlp_bias=False, qk_norm=True,
+                          sparse_moe=True)
 
 
 def _qwen2_options(hf_config: Any) -> DecoderOptions:
@@ -75,6 +85,7 @@ def _qwen3_5_options(hf_config: Any) -> DecoderOptions:
 # hybrid models (``loader.build_model``).
 ARCHITECTURES: dict[str, Callable[[Any], DecoderOptions]] = {
     "Qwen3ForCausalLM": _qwen3_options,
+    "Qwen3MoeForCausalLM": _qwen3_moe_options,
     "Qwen2ForCausalLM": _qwen2_options,
     "LlamaForCausalLM": _llama_options,
     "MistralForCausalLM": _llama_options,
@@ -200,6 +211,14 @@ class MLP(nn.Module):
         projection."""
         return self.down_proj(activated, for_norm=True)
 
+    def forward_normed(self, hidden: torch.Tensor | PartialSums, residual: torch.Tensor,
+                       norm: RMSNorm) -> tuple[torch.Tensor | PartialSums, torch.Tensor]:
+        """``(self(activation), hidden + residual)``: the norm before the MLP fused into
+        ``gate_up_proj`` with the activation after it."""
+        activated, residual = self.gate_up_proj.forward_normed(hidden, residual, norm.weight,
+                                                               norm.eps, gated=True)
+        return self(activated), residual
+
 
 class DecoderLayer(nn.Module):
     def __init__(
@@ -210,10 +229,11 @@ class DecoderLayer(nn.Module):
         kernels: KernelBackend,
         tp_rank: int,
         tp_size: int,
+        layer_index: int,
     ):
         super().__init__()
         self.self_attn = Attention(hf_config, options, rotary, kernels, tp_rank, tp_size)
-        self.mlp = MLP(hf_config, options, kernels, tp_rank, tp_size)
+        self.mlp = mlp(hf_config, options, kernels, tp_rank, tp_size, layer_index)
         self.input_layernorm, self.post_attention_layernorm = layer_norms(hf_config, options, kernels)
 
     def forward(
@@ -225,14 +245,18 @@ class DecoderLayer(nn.Module):
         layer_kv_cache: torch.Tensor,
     ) -> tuple[torch.Tensor | PartialSums, torch.Tensor]:
         """Returns ``(mlp output, residual stream before it)``: the next norm adds them."""
-        attention, mlp = self.self_attn, self.mlp
-        norm = self.input_layernorm
+        attention, norm = self.self_attn, self.input_layernorm
         qkv, residual = attention.qkv_proj.forward_normed(hidden, residual, norm.weight, norm.eps)
         hidden = attention(positions, qkv, batch, layer_kv_cache[0], layer_kv_cache[1])
-        norm = self.post_attention_layernorm
-        activated, residual = mlp.gate_up_proj.forward_normed(hidden, residual, norm.weight,
-                                                              norm.eps, gated=True)
-        return mlp(activated), residual
+        return self.mlp.forward_normed(hidden, residual, self.post_attention_layernorm)
+
+
+def mlp(hf_config: Any, options: DecoderOptions, kernels: KernelBackend, tp_rank: int,
+        tp_size: int, layer_index: int) -> MLP | SparseMoeBlock:
+    """The layer's MLP: the sparse one where the architecture has experts on this layer."""
+    if options.sparse_moe and is_sparse_layer(hf_config, layer_index):
+        return SparseMoeBlock(hf_config, kernels, tp_rank, tp_size)
+    return MLP(hf_config, options, kernels, tp_rank, tp_size)
 
 
 def layer_norms(hf_config: Any, options: DecoderOptions,
@@ -266,8 +290,8 @@ class DecoderModel(nn.Module):
         )
         self.rotary = rotary_embedding(hf_config, kernels, max_positions)
         self.layers = nn.ModuleList(
-            DecoderLayer(hf_config, options, self.rotary, kernels, tp_rank, tp_size)
-            for _ in range(hf_config.num_hidden_layers)
+            DecoderLayer(hf_config, options, self.rotary, kernels, tp_rank, tp_size, index)
+            for index in range(hf_config.num_hidden_layers)
         )
         self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, kernels)
 

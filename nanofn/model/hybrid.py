@@ -166,10 +166,7 @@ class HybridDecoderLayer(nn.Module):
             qkv, residual = self.self_attn.qkv_proj.forward_normed(hidden, residual, norm.weight,
                                                                    norm.eps)
             hidden = self.self_attn(positions, qkv, batch, cache[0], cache[1])
-        norm = self.post_attention_layernorm
-        activated, residual = self.mlp.gate_up_proj.forward_normed(hidden, residual, norm.weight,
-                                                                   norm.eps, gated=True)
-        return self.mlp(activated), residual
+        return self.mlp.forward_normed(hidden, residual, self.post_attention_layernorm)
 
 
 class HybridModel(nn.Module):

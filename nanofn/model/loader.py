@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,16 @@ FUSED_PROJECTIONS: dict[str, tuple[str, str | int]] = {
     "in_proj_z": ("in_proj", 3),
     "in_proj_b": ("in_proj", 4),
     "in_proj_a": ("in_proj", 5),
+}
+# An MoE layer's experts, stacked into ``w13`` ([gate | up]) and ``w2`` (``moe.StackedExperts``):
+# per-expert tensors (``experts.<index>.gate_proj.weight``) or transformers' fused ones
+# (``experts.gate_up_proj``, ``experts.down_proj``, which fill a parameter whole).
+EXPERT_TENSOR = re.compile(r"(?P<experts>.+\.mlp\.experts)\.(?:(?P<index>\d+)\."
+                           r"(?P<projection>gate_proj|up_proj|down_proj)\.weight"
+                           r"|(?P<fused>gate_up_proj|down_proj))")
+EXPERT_PROJECTIONS: dict[str, tuple[str, int | None]] = {  # -> (parameter, part of w13)
+    "gate_proj": ("w13", 0), "up_proj": ("w13", 1), "down_proj": ("w2", None),
+    "gate_up_proj": ("w13", None),
 }
 # A vision-language checkpoint's language model (Qwen3.5's) is under this prefix, not "model.".
 LANGUAGE_MODEL_PREFIX = "model.language_model."
@@ -120,7 +131,8 @@ def load_weights(model: CausalLM, model_dir: str | Path) -> None:
     """
     files = checkpoint_files(model_dir)
     params = dict(model.named_parameters())  # a tied lm_head shares, so omits, its weight
-    missing = {name for param_name in params for name in _checkpoint_names(param_name)}
+    missing = {name for param_name, param in params.items()
+               for name in _checkpoint_names(param_name, param)}
     for path in files:
         with _open_checkpoint(path) as checkpoint:
             for stored_name in checkpoint.keys():
@@ -138,7 +150,8 @@ def load_weights(model: CausalLM, model_dir: str | Path) -> None:
                     param.weight_loader(param, checkpoint.get_tensor(stored_name), shard_id)
                 except ValueError as error:
                     raise ValueError(f"tensor {stored_name!r} in {path}: {error}") from error
-                missing.discard(name)
+                missing.difference_update(
+                    [name] if shard_id is not None else _checkpoint_names(param_name, param))
     if missing:
         raise ValueError(f"checkpoint {model_dir} lacks tensors: {', '.join(sorted(missing))}")
     _drop_loaders(params.values())
@@ -190,7 +203,11 @@ def _language_model_name(checkpoint_name: str) -> str:
 
 
 def _parameter_name(checkpoint_name: str) -> tuple[str, str | int | tuple[int, ...] | None]:
-    """Map a Hugging Face tensor name to ``(nanofn parameter name, shard id)``."""
+    """Map a Hugging Face tensor name to ``(nanofn parameter name, shard id)``; shard id None:
+    the tensor fills the parameter whole."""
+    expert = EXPERT_TENSOR.fullmatch(checkpoint_name)
+    if expert:
+        return _expert_parameter(expert)
     module_path, _, leaf = checkpoint_name.rpartition(".")
     parent, _, module = module_path.rpartition(".")
     if module in FUSED_PROJECTIONS:
@@ -199,9 +216,25 @@ def _parameter_name(checkpoint_name: str) -> tuple[str, str | int | tuple[int, .
     return checkpoint_name, None
 
 
-def _checkpoint_names(param_name: str) -> list[str]:
-    """The Hugging Face tensors that together fill one nanofn parameter."""
+def _expert_parameter(match: re.Match) -> tuple[str, tuple[int, int] | int | None]:
+    """An experts tensor's parameter and shard id (``StackedExperts``' loaders): ``(expert,
+    part)`` for a gate or up projection, the expert for a down projection, None for a fused
+    tensor of all experts."""
+    if match["fused"]:
+        return f"{match['experts']}.{EXPERT_PROJECTIONS[match['fused']][0]}", None
+    param, part = EXPERT_PROJECTIONS[match["projection"]]
+    expert = int(match["index"])
+    return f"{match['experts']}.{param}", expert if part is None else (expert, part)
+
+
+def _checkpoint_names(param_name: str, param: torch.nn.Parameter) -> list[str]:
+    """The Hugging Face tensors that together fill one nanofn parameter (an MoE layer's
+    stacked experts: the per-expert tensors, which one fused tensor may stand for)."""
     module_path, _, leaf = param_name.rpartition(".")
+    if module_path.endswith(".mlp.experts") and leaf in ("w13", "w2"):
+        projections = ("gate_proj", "up_proj") if leaf == "w13" else ("down_proj",)
+        return [f"{module_path}.{expert}.{projection}.weight"
+                for expert in range(param.shape[0]) for projection in projections]
     parent, _, module = module_path.rpartition(".")
     sources = [hf for hf, (fused, _) in FUSED_PROJECTIONS.items() if fused == module]
     return [f"{parent}.{hf}.{leaf}" for hf in sources] or [param_name]

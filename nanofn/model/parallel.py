@@ -28,7 +28,7 @@ from nanofn.kernels.partial_sums import PartialSums
 
 def load_replicated(param: nn.Parameter, loaded: torch.Tensor, shard_id: None = None) -> None:
     """Weight loader of a parameter every rank holds whole."""
-    _check_shape(loaded, tuple(param.shape))
+    check_shape(loaded, tuple(param.shape))
     param.data.copy_(loaded)
 
 
@@ -45,7 +45,7 @@ def row_shards_loader(full_sizes: list[int], tp_rank: int, tp_size: int) -> Call
     rank's rows of each, end to end."""
 
     def load(param: nn.Parameter, loaded: torch.Tensor, shard_id: None = None) -> None:
-        _check_shape(loaded, (sum(full_sizes), *param.shape[1:]))
+        check_shape(loaded, (sum(full_sizes), *param.shape[1:]))
         param.data.copy_(torch.cat(rank_shards(loaded, full_sizes, tp_rank, tp_size)))
 
     return load
@@ -60,12 +60,12 @@ def rank_shards(loaded: torch.Tensor, full_sizes: list[int], tp_rank: int,
             for part, size in zip(parts, full_sizes)]
 
 
-def _check_shape(loaded: torch.Tensor, expected: tuple[int, ...]) -> None:
+def check_shape(loaded: torch.Tensor, expected: tuple[int, ...]) -> None:
     if tuple(loaded.shape) != expected:
         raise ValueError(f"expected shape {expected}, found {tuple(loaded.shape)}")
 
 
-def _divide(numerator: int, denominator: int, what: str) -> int:
+def divide(numerator: int, denominator: int, what: str) -> int:
     if numerator % denominator:
         raise ValueError(f"{what} ({numerator}) is not divisible by tp_size ({denominator})")
     return numerator // denominator
@@ -102,7 +102,7 @@ class ColumnParallelLinear(_Linear):
 
     def __init__(self, input_size: int, output_size: int, *, bias: bool, tp_rank: int, tp_size: int,
                  kernels: KernelBackend = TORCH_KERNELS):
-        out_local = _divide(output_size, tp_size, "output size")
+        out_local = divide(output_size, tp_size, "output size")
         super().__init__(input_size, out_local, out_local if bias else None, tp_rank, tp_size, kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -119,7 +119,7 @@ class ColumnParallelLinear(_Linear):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         local = param.shape[0]
-        _check_shape(loaded, (local * self.tp_size, *param.shape[1:]))
+        check_shape(loaded, (local * self.tp_size, *param.shape[1:]))
         param.data.copy_(loaded.narrow(0, self.tp_rank * local, local))
 
 
@@ -134,7 +134,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
     def __init__(self, input_size: int, output_sizes: list[int], *, bias: bool, tp_rank: int, tp_size: int,
                  kernels: KernelBackend = TORCH_KERNELS):
-        self.local_sizes = [_divide(size, tp_size, "output size") for size in output_sizes]
+        self.local_sizes = [divide(size, tp_size, "output size") for size in output_sizes]
         super().__init__(input_size, sum(output_sizes), bias=bias, tp_rank=tp_rank, tp_size=tp_size,
                          kernels=kernels)
 
@@ -142,7 +142,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
                       shard_id: int | tuple[int, ...] | None = None) -> None:
         outputs = shard_id if isinstance(shard_id, tuple) else (shard_id,)
         full_sizes = [self.local_sizes[i] * self.tp_size for i in outputs]
-        _check_shape(loaded, (sum(full_sizes), *param.shape[1:]))
+        check_shape(loaded, (sum(full_sizes), *param.shape[1:]))
         for i, shard in zip(outputs, rank_shards(loaded, full_sizes, self.tp_rank, self.tp_size)):
             param.data.narrow(0, sum(self.local_sizes[:i]), self.local_sizes[i]).copy_(shard)
 
@@ -170,7 +170,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         output_gate: bool = False,
     ):
         self.head_dim = head_dim
-        self.num_heads = _divide(num_heads, tp_size, "number of attention heads")
+        self.num_heads = divide(num_heads, tp_size, "number of attention heads")
         if tp_size >= num_kv_heads:
             if tp_size % num_kv_heads:
                 raise ValueError(
@@ -179,7 +179,7 @@ class QKVParallelLinear(ColumnParallelLinear):
             self.num_kv_heads = 1
             self.first_kv_head = tp_rank * num_kv_heads // tp_size
         else:
-            self.num_kv_heads = _divide(num_kv_heads, tp_size, "number of kv heads")
+            self.num_kv_heads = divide(num_kv_heads, tp_size, "number of kv heads")
             self.first_kv_head = tp_rank * self.num_kv_heads
         self.total_num_kv_heads = num_kv_heads
         self.q_size = self.num_heads * head_dim * (2 if output_gate else 1)
@@ -198,7 +198,7 @@ class QKVParallelLinear(ColumnParallelLinear):
             offset = self.q_size if shard_id == "k" else self.q_size + self.kv_size
         else:
             raise ValueError(f"QKV shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
-        _check_shape(loaded, (full_rows, *param.shape[1:]))
+        check_shape(loaded, (full_rows, *param.shape[1:]))
         param.data.narrow(0, offset, rows).copy_(loaded.narrow(0, first_row, rows))
 
 
@@ -207,7 +207,7 @@ class RowParallelLinear(_Linear):
 
     def __init__(self, input_size: int, output_size: int, *, bias: bool, tp_rank: int, tp_size: int,
                  kernels: KernelBackend = TORCH_KERNELS):
-        in_local = _divide(input_size, tp_size, "input size")
+        in_local = divide(input_size, tp_size, "input size")
         super().__init__(in_local, output_size, output_size if bias else None, tp_rank, tp_size, kernels)
 
     def partial_forward(self, x: torch.Tensor, partial_sums: bool = False) -> torch.Tensor | PartialSums:
@@ -229,7 +229,7 @@ class RowParallelLinear(_Linear):
             load_replicated(param, loaded)
             return
         local = param.shape[1]
-        _check_shape(loaded, (param.shape[0], local * self.tp_size))
+        check_shape(loaded, (param.shape[0], local * self.tp_size))
         param.data.copy_(loaded.narrow(1, self.tp_rank * local, local))
 
 
@@ -245,7 +245,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        _check_shape(loaded, (self.vocab_size, param.shape[1]))
+        check_shape(loaded, (self.vocab_size, param.shape[1]))
         rows = loaded[self.vocab_start : self.vocab_start + self.shard_size]
         param.data[: len(rows)].copy_(rows)
         param.data[len(rows) :].zero_()

@@ -101,12 +101,19 @@ _QWEN3_5_TEXT = {
     "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
                         "mrope_section": [2, 1, 1], "mrope_interleaved": True},
 }
+# Qwen3-MoE: experts on every layer but layer 1, whose MLP is dense; 8 experts of 48, 2 a token.
+# (An expert's 2 * 48 rows differ from hidden_size, so that the layouts of a fused experts
+# tensor, [E, 2I, H] and [E, H, 2I], tell themselves apart.)
+_QWEN3_MOE = {**_COMMON, **_HEAD_DIM, "num_hidden_layers": 4, "num_experts": 8,
+              "num_experts_per_tok": 2, "moe_intermediate_size": 48, "mlp_only_layers": [1],
+              "decoder_sparse_step": 1, "norm_topk_prob": True}
 _TINY_VISION = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, patch_size=4,
                     out_hidden_size=64, num_position_embeddings=16)
 # arch -> (transformers config class name, config settings); a config with a ``text_config``
 # is a vision-language model's, whose language model the other settings describe.
 ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3": ("Qwen3Config", {**_COMMON, **_HEAD_DIM}),
+    "qwen3_moe": ("Qwen3MoeConfig", _QWEN3_MOE),
     "qwen2": ("Qwen2Config", dict(_COMMON)),
     "llama": ("LlamaConfig", {**_COMMON, **_HEAD_DIM}),
     "llama3": ("LlamaConfig", {**_COMMON, **_HEAD_DIM, "rope_parameters": _LLAMA3_ROPE}),
@@ -131,9 +138,9 @@ _QWEN3_5_9B_TEXT = dict(
     tie_word_embeddings=False,
 )
 
-# Shapes of real models, for make_random_checkpoint: Qwen3Config settings, or with a
-# ``text_config`` Qwen3_5Config settings (a vision-language config; the checkpoint has no vision
-# weights).
+# Shapes of real models, for make_random_checkpoint: Qwen3Config settings, with ``num_experts``
+# Qwen3MoeConfig settings, or with a ``text_config`` Qwen3_5Config settings (a vision-language
+# config; the checkpoint has no vision weights).
 PRESETS: dict[str, dict[str, Any]] = {
     "qwen3-0.6b": dict(**_QWEN3, num_hidden_layers=28, hidden_size=1024,
                        intermediate_size=3072, num_attention_heads=16, tie_word_embeddings=True),
@@ -154,6 +161,19 @@ PRESETS: dict[str, dict[str, Any]] = {
         rope_theta=1000000.0,
         rms_norm_eps=1e-6,
     ),
+    # Qwen3-MoE: Qwen3-30B-A3B's shape (128 experts, 8 a token, on every layer) and a small one.
+    "qwen3-30b-a3b": dict(
+        num_hidden_layers=48, hidden_size=2048, intermediate_size=6144, num_attention_heads=32,
+        num_key_value_heads=4, head_dim=128, vocab_size=151936, num_experts=128,
+        num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
+        decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False,
+        max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6),
+    "qwen3-moe-tiny": dict(
+        num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, vocab_size=512, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=32, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+        tie_word_embeddings=True, max_position_embeddings=4096, rope_theta=1000000.0,
+        rms_norm_eps=1e-6),
     # Qwen3.5 (hybrid: Gated DeltaNet and full attention, 3:1): the 9B's shape and a tiny one.
     "qwen3.5-9b-shape": dict(text_config=_QWEN3_5_9B_TEXT, tie_word_embeddings=False),
     "qwen3.5-tiny": dict(
@@ -268,6 +288,10 @@ def make_random_checkpoint(path: str | Path, preset: str = "qwen3-0.6b", *,
             **{**settings, "text_config": {**settings["text_config"], **common}},
             architectures=["Qwen3_5ForConditionalGeneration"], dtype=dtype)
         shapes = _qwen3_5_weight_shapes(config)
+    elif "num_experts" in settings:
+        config = transformers.Qwen3MoeConfig(**settings, architectures=["Qwen3MoeForCausalLM"],
+                                             **common)
+        shapes = _qwen3_weight_shapes(config)
     else:
         config = transformers.Qwen3Config(**settings, architectures=["Qwen3ForCausalLM"], **common)
         shapes = _qwen3_weight_shapes(config)
@@ -329,11 +353,16 @@ def random_weights_model(preset: str) -> Path:
 
 
 def _qwen3_weight_shapes(c: Any) -> dict[str, tuple[int, ...]]:
-    """Hugging Face parameter names and shapes of a Qwen3 model (vectors are norm weights)."""
+    """Hugging Face parameter names and shapes of a Qwen3 or Qwen3-MoE model (vectors are norm
+    weights); a Qwen3-MoE checkpoint's experts one by one, as transformers saves them."""
+    from nanofn.model.moe import is_sparse_layer
+
     shapes = {"model.embed_tokens.weight": (c.vocab_size, c.hidden_size),
               "model.norm.weight": (c.hidden_size,)}
     for i in range(c.num_hidden_layers):
-        shapes.update(_layer_shapes(f"model.layers.{i}.", c, _attention_shapes(c, gated=False)))
+        sparse = getattr(c, "num_experts", 0) and is_sparse_layer(c, i)
+        shapes.update(_layer_shapes(f"model.layers.{i}.", c, _attention_shapes(c, gated=False),
+                                    _sparse_mlp_shapes(c) if sparse else None))
     if not c.tie_word_embeddings:
         shapes["lm_head.weight"] = (c.vocab_size, c.hidden_size)
     return shapes
@@ -354,17 +383,31 @@ def _qwen3_5_weight_shapes(config: Any) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _layer_shapes(layer: str, c: Any, mixer: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
-    """A decoder layer's: its norms, its attention (``mixer``, names within the layer), its MLP."""
+def _layer_shapes(layer: str, c: Any, mixer: dict[str, tuple[int, ...]],
+                  mlp: dict[str, tuple[int, ...]] | None = None) -> dict[str, tuple[int, ...]]:
+    """A decoder layer's: its norms, its attention (``mixer``, names within the layer), its MLP
+    (``mlp``, names within the layer; None: the dense one)."""
     hidden, inter = c.hidden_size, c.intermediate_size
+    mlp = mlp or {"mlp.gate_proj.weight": (inter, hidden), "mlp.up_proj.weight": (inter, hidden),
+                  "mlp.down_proj.weight": (hidden, inter)}
     return {
         layer + "input_layernorm.weight": (hidden,),
         layer + "post_attention_layernorm.weight": (hidden,),
         **{layer + name: shape for name, shape in mixer.items()},
-        layer + "mlp.gate_proj.weight": (inter, hidden),
-        layer + "mlp.up_proj.weight": (inter, hidden),
-        layer + "mlp.down_proj.weight": (hidden, inter),
+        **{layer + name: shape for name, shape in mlp.items()},
     }
+
+
+def _sparse_mlp_shapes(c: Any) -> dict[str, tuple[int, ...]]:
+    """A Qwen3-MoE layer's router and experts, one tensor per expert and projection."""
+    hidden, inter = c.hidden_size, c.moe_intermediate_size
+    shapes = {"mlp.gate.weight": (c.num_experts, hidden)}
+    for expert in range(c.num_experts):
+        prefix = f"mlp.experts.{expert}."
+        shapes.update({prefix + "gate_proj.weight": (inter, hidden),
+                       prefix + "up_proj.weight": (inter, hidden),
+                       prefix + "down_proj.weight": (hidden, inter)})
+    return shapes
 
 
 def _attention_shapes(c: Any, gated: bool) -> dict[str, tuple[int, ...]]:

@@ -1,0 +1,52 @@
+"""Mixture-of-experts kernels, plain-torch references: the top-k router and the experts' gated
+MLPs (``fused_moe``), whose contract a fused GPU kernel is to keep."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from nanofn.kernels.activation import silu_and_mul
+
+
+def select_experts(router_logits: torch.Tensor, top_k: int,
+                   renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(topk_weights [T, k], topk_ids [T, k])`` from ``router_logits [T, E]``, as transformers'
+    Qwen3-MoE router computes them: softmax in float32, the ``top_k`` largest probabilities
+    (largest first), divided by their sum where ``renormalize`` (``norm_topk_prob``), then cast
+    to the logits' dtype."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(router_logits.dtype), ids
+
+
+def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+              topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """``[T, H]``: each token's chosen experts' gated MLPs, weighted and summed.
+
+    ``hidden [T, H]``; ``w13 [E, 2I, H]``, each expert's ``[gate | up]`` projection;
+    ``w2 [E, H, I]``, its down projection; ``topk_weights``, ``topk_ids`` ``[T, k]``. Expert
+    ``e``'s output for token ``t`` is ``w2[e] @ (silu(gate) * up)``; each is multiplied by its
+    weight in the model's dtype and added up in ascending expert order, as transformers does.
+    Under tensor parallelism ``I`` is a rank's share and the result its partial sum.
+
+    Only the experts that have tokens are computed, each over its tokens at once.
+    """
+    out = torch.zeros_like(hidden)
+    flat_ids = topk_ids.flatten()
+    order = flat_ids.argsort(stable=True)  # the (token, slot) pairs grouped by expert
+    tokens = order // topk_ids.shape[1]
+    weights = topk_weights.flatten()[order]
+    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        rows, end = tokens[start : start + count], start + count
+        activated = silu_and_mul(F.linear(hidden[rows], w13[expert]))
+        expert_out = F.linear(activated, w2[expert]) * weights[start:end, None]
+        out.index_add_(0, rows, expert_out.to(out.dtype))
+        start = end
+    return out

@@ -1,0 +1,144 @@
+"""Qwen3-MoE's sparse MLP: a router picks each token's top-k experts, whose gated MLPs run
+through the kernels' ``fused_moe``.
+
+The experts are held stacked, ``w13 [E, 2I, H]`` (each expert's ``[gate | up]``) and
+``w2 [E, H, I]``, filled from a checkpoint's per-expert tensors (``experts.N.gate_proj``, ...)
+one by one or from transformers' fused ones (``experts.gate_up_proj``, ``experts.down_proj``),
+see ``loader.py``. Tensor parallelism splits every expert's intermediate dimension ``I`` as the
+dense MLP's: a rank holds its share of each gate, up and down projection, and the ranks' outputs
+are summed as ``down_proj``'s. Every rank routes every token alike (the router is replicated).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from nanofn.kernels import KernelBackend, select_experts
+from nanofn.kernels.partial_sums import PartialSums
+from nanofn.model.config import text_config
+from nanofn.model.layers import RMSNorm
+from nanofn.model.parallel import check_shape, divide, load_replicated
+
+
+def is_sparse_layer(hf_config: Any, layer_index: int) -> bool:
+    """Whether the layer's MLP is the sparse one, by transformers' ``Qwen3MoeDecoderLayer``'s
+    rule: experts on every ``decoder_sparse_step``-th layer but those of ``mlp_only_layers``."""
+    config = text_config(hf_config)
+    return (layer_index not in (config.mlp_only_layers or []) and config.num_experts > 0
+            and (layer_index + 1) % config.decoder_sparse_step == 0)
+
+
+class Router(nn.Module):
+    """The ``gate`` linear layer (replicated, no bias) and ``select_experts`` after it."""
+
+    def __init__(self, num_experts: int, hidden_size: int, top_k: int, renormalize: bool,
+                 kernels: KernelBackend):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
+        self.weight.weight_loader = load_replicated
+        self.top_k, self.renormalize = top_k, renormalize
+        self.kernels = kernels
+
+    def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(topk_weights [T, k], topk_ids [T, k])``."""
+        return select_experts(self.kernels.linear(hidden, self.weight), self.top_k,
+                              self.renormalize)
+
+
+class StackedExperts(nn.Module):
+    """This rank's share of every expert: ``w13 [E, 2 * I_local, H]`` (``[gate | up]``) and
+    ``w2 [E, H, I_local]``."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, tp_rank: int,
+                 tp_size: int):
+        super().__init__()
+        self.intermediate_size = intermediate_size  # every rank's
+        self.local_size = divide(intermediate_size, tp_size, "moe_intermediate_size")
+        self.first = tp_rank * self.local_size
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.local_size, hidden_size),
+                                requires_grad=False)
+        self.w13.weight_loader = self.load_w13
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, self.local_size),
+                               requires_grad=False)
+        self.w2.weight_loader = self.load_w2
+
+    def load_w13(self, param: nn.Parameter, loaded: torch.Tensor,
+                 shard_id: tuple[int, int] | None = None) -> None:
+        """``shard_id`` ``(expert, 0)``: that expert's ``gate_proj [I, H]``, ``(expert, 1)``:
+        its ``up_proj``; None: all experts' ``gate_up_proj``, ``[E, 2I, H]`` (transformers 5's
+        layout, assumed where ``H == 2I`` leaves it ambiguous) or ``[E, H, 2I]``."""
+        num_experts, _, hidden = param.shape
+        full = 2 * self.intermediate_size
+        if shard_id is None:
+            loaded = _experts_first(loaded, (num_experts, full, hidden))
+            for part in (0, 1):
+                self._rank_rows(param, part).copy_(
+                    loaded.narrow(1, part * self.intermediate_size + self.first, self.local_size))
+            return
+        expert, part = shard_id
+        _check_expert(expert, num_experts)
+        check_shape(loaded, (self.intermediate_size, hidden))
+        self._rank_rows(param[expert], part).copy_(loaded.narrow(0, self.first, self.local_size))
+
+    def load_w2(self, param: nn.Parameter, loaded: torch.Tensor,
+                shard_id: int | None = None) -> None:
+        """``shard_id`` an expert: its ``down_proj [H, I]``; None: all experts' ``down_proj``,
+        ``[E, H, I]`` (transformers 5's, assumed where ``H == I``) or ``[E, I, H]``."""
+        num_experts, hidden, _ = param.shape
+        if shard_id is None:
+            loaded = _experts_first(loaded, (num_experts, hidden, self.intermediate_size))
+            param.data.copy_(loaded.narrow(2, self.first, self.local_size))
+            return
+        _check_expert(shard_id, num_experts)
+        check_shape(loaded, (hidden, self.intermediate_size))
+        param.data[shard_id].copy_(loaded.narrow(1, self.first, self.local_size))
+
+    def _rank_rows(self, weights: torch.Tensor, part: int) -> torch.Tensor:
+        """The gate (``part`` 0) or up (1) rows of ``weights [..., 2 * I_local, H]``."""
+        return weights.data.narrow(-2, part * self.local_size, self.local_size)
+
+
+def _experts_first(loaded: torch.Tensor, expected: tuple[int, int, int]) -> torch.Tensor:
+    """``loaded`` as ``expected [E, out, in]``: as it is, or transposed from ``[E, in, out]``."""
+    if tuple(loaded.shape) == expected:
+        return loaded
+    check_shape(loaded.transpose(1, 2), expected)
+    return loaded.transpose(1, 2)
+
+
+def _check_expert(expert: int, num_experts: int) -> None:
+    if not 0 <= expert < num_experts:
+        raise ValueError(f"expert {expert} out of range: the model has {num_experts} experts")
+
+
+class SparseMoeBlock(nn.Module):
+    """The MLP of a sparse layer: ``gate`` (the router) and ``experts``."""
+
+    def __init__(self, hf_config: Any, kernels: KernelBackend, tp_rank: int, tp_size: int):
+        super().__init__()
+        config = text_config(hf_config)
+        self.gate = Router(config.num_experts, config.hidden_size, config.num_experts_per_tok,
+                           config.norm_topk_prob, kernels)
+        self.experts = StackedExperts(config.num_experts, config.hidden_size,
+                                      config.moe_intermediate_size, tp_rank, tp_size)
+        self.kernels = kernels
+        self.tp_size = tp_size
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[T, H]`` from the normed ``hidden [T, H]``, summed over ranks."""
+        topk_weights, topk_ids = self.gate(hidden)
+        out = self.kernels.fused_moe(hidden, self.experts.w13, self.experts.w2, topk_weights,
+                                     topk_ids)
+        if self.tp_size > 1:
+            dist.all_reduce(out)
+        return out
+
+    def forward_normed(self, hidden: torch.Tensor | PartialSums, residual: torch.Tensor,
+                       norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(self(norm(hidden + residual)), hidden + residual)``, as ``MLP.forward_normed``."""
+        normed, residual = norm(hidden, residual)
+        return self(normed), residual
