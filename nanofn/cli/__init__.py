@@ -558,8 +558,10 @@ def run_bench(args: argparse.Namespace) -> int:
              "tensor_parallel_size": engine.options.tensor_parallel_size}
     parallel = (f" x {setup['tensor_parallel_size']}" if setup["tensor_parallel_size"] > 1
                 else "")
-    print(f"model: {model} ({dims.num_layers} layers, {dims.num_params / 1e6:.3g}M parameters, "
-          f"{setup['dtype']} on {setup['device']}{parallel})")
+    active = (f" ({dims.active_params / 1e6:.3g}M active)"
+              if dims.active_params != dims.num_params else "")
+    print(f"model: {model} ({dims.num_layers} layers, {dims.num_params / 1e6:.3g}M parameters"
+          f"{active}, {setup['dtype']} on {setup['device']}{parallel})")
     print(f"requests {result.num_requests}, prompt tokens {result.num_prompt_tokens:,}, "
           f"output tokens {result.num_output_tokens:,}")
     print(f"elapsed {format_seconds(result.elapsed_s)}  ->  {result.output_tok_s:,.0f} output "

@@ -248,8 +248,17 @@ class ModelDims:
     def num_params(self) -> int:
         """Matmul and embedding weights (norms left out); an untied embedding counts apart. It
         is stored but not read whole: a step gathers only its tokens' rows."""
-        embedding = 0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size
-        return self.body_params + self.lm_head_params + embedding
+        return self.body_params + self.lm_head_params + self._untied_embedding
+
+    @property
+    def active_params(self) -> int:
+        """``num_params`` with only the experts one token chooses (all of them for a dense
+        model)."""
+        return self.active_body_params + self.lm_head_params + self._untied_embedding
+
+    @property
+    def _untied_embedding(self) -> int:
+        return 0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size
 
 
 def _moe_dims(config: Mapping[str, Any]) -> dict[str, int]:

@@ -1,5 +1,5 @@
 """Mixture-of-experts kernels, plain-torch references: the top-k router and the experts' gated
-MLPs (``fused_moe``), whose contract a fused GPU kernel is to keep."""
+MLPs (``fused_moe``, whose contract ``triton_moe.fused_moe`` keeps on a GPU)."""
 
 from __future__ import annotations
 

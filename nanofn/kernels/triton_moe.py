@@ -1,5 +1,5 @@
 """A mixture-of-experts layer's experts in two Triton launches, with the contract of the torch
-reference ``fused_moe``: ``sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x_t)``
+reference ``moe.fused_moe``: ``sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x_t)``
 where an expert is ``down(silu(gate(x)) * up(x))``, its weights stacked as ``w13 [E, 2I, H]``
 (gate rows first, then up) and ``w2 [E, H, I]``.
 
@@ -8,8 +8,9 @@ multiple of ``BLOCK_M`` (``align_pairs``), so every block of ``BLOCK_M`` sorted 
 one expert: a grouped GEMM's program multiplies its block's tokens by its expert's weights, and
 reads only the experts some token chose (a decode step of a few tokens touches few). The first
 launch computes gate and up with SiLU-and-mul fused in; the second the down projection, scaled
-by the routing weight; the ``k`` scaled rows of a token are then added up. Every size is fixed
-by the token count alone (no value read back to the host), so the layer fits a CUDA graph.
+by the routing weight; the ``k`` scaled rows of a token are then added up (in float32, where
+the reference adds in the model's dtype). Every size is fixed by the token count alone (no
+value read back to the host), so the layer fits a CUDA graph.
 """
 
 from __future__ import annotations

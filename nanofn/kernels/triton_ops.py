@@ -46,8 +46,8 @@ from nanofn.kernels.triton_gemv import silu_times_up
 from nanofn.kernels.triton_attention import head_norm_scaled
 from nanofn.kernels import KernelBackend
 from nanofn.kernels import triton_linear_attention as linear_attention
+from nanofn.kernels import triton_moe
 from nanofn.kernels.linear import norm_then_linear
-from nanofn.kernels.moe import fused_moe
 from nanofn.kernels.partial_sums import PartialSums, added_up
 
 SILU_BLOCK = 1024  # columns per silu_and_mul program
@@ -448,5 +448,5 @@ TRITON_KERNELS = KernelBackend(
     gated_delta_rule=linear_attention.chunked_delta_rule(),
     gated_delta_rule_update=linear_attention.gated_delta_rule_update,
     rms_norm_gated=linear_attention.rms_norm_gated,
-    fused_moe=fused_moe,  # the torch reference: a fused Triton kernel is to come
+    fused_moe=triton_moe.fused_moe,
 )
