@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: the GPU test suite, then the benchmarks, logs under $OUT and a
 # short table last; the logs come back as $OUT/logs-MODE.tgz. Usage: bash benchmarks/gpu_run.sh
-# [tests|tests-1|tests-2|bench|all|kernels|serve|tp|hybrid|hybrid-bench|hybrid-prefix|baseline]
-# (default: all;
-# baseline: the torch reference attention, eager, for comparison)
+# [tests|tests-1|tests-2|bench|all|kernels|serve|tp|hybrid|hybrid-bench|hybrid-prefix|moe-bench|
+# baseline] (default: all; baseline: the torch reference attention, eager, for comparison)
 # Expects the wheels of ../shared/tools/gpu-wheels.sh in .whl/ (pyrsistent is missing there),
 # and flash-attn-4 in /tmp/fa4site if it is to be tested and measured (benchmarks/fa4_install.sh);
 # set NANOFN_COMMIT to the commit being measured (the device copy has no .git).
@@ -100,6 +99,10 @@ if [ "$what" = hybrid ] || [ "$what" = hybrid-bench ]; then  # Qwen3.5 (needs fl
   fi
   single qwen3.5-9b --random-weights qwen3.5-9b-shape
   bench qwen3.5-9b --random-weights qwen3.5-9b-shape --profile
+fi
+if [ "$what" = moe-bench ]; then  # Qwen3-30B-A3B's shape: 61 GB of weights, ~10 GB of KV on an H100
+  single qwen3-30b-a3b --random-weights qwen3-30b-a3b
+  bench qwen3-30b-a3b --random-weights qwen3-30b-a3b --profile
 fi
 if [ "$what" = hybrid-prefix ]; then  # the shared-prefix workload, prefix caching on and off
   bench qwen3.5-9b-shared-prefix --random-weights qwen3.5-9b-shape --workload shared-prefix
