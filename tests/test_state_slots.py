@@ -149,6 +149,23 @@ def test_the_least_recently_used_saved_state_goes_first():
     assert later.take() == 0
 
 
+def test_forgotten_saved_states_free_their_slots_in_ascending_order():
+    """Whatever order the saved states were made in: here slot 1's before slot 0's."""
+    tokens = bytes(4 * BS)
+    changes = StateChanges(new_state_pool(2), step=1)
+    assert [changes.save(block_hash=key, num_tokens=BS, token_bytes=tokens)
+            for key in (1, 2)] == [0, 1]
+    adopting = StateChanges(changes.build(), step=2)
+    assert adopting.adopt(1) == 0
+    adopting.release([0])
+    saving = StateChanges(adopting.build(), step=3)
+    assert saving.save(block_hash=3, num_tokens=BS, token_bytes=tokens) == 0
+    forgetting = StateChanges(saving.build(), step=4)
+    forgetting.forget([1, 0])
+    assert forgetting.take() == 1  # the last freed is taken first
+    assert forgetting.take() == 0
+
+
 def test_a_save_never_takes_the_slot_another_save_writes_in_the_same_step():
     changes = StateChanges(new_state_pool(1), step=1)
     assert changes.save(block_hash=1, num_tokens=BS, token_bytes=bytes(4 * BS)) == 0

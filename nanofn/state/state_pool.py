@@ -163,10 +163,12 @@ class StateChanges:
 
     def forget(self, slots: Iterable[int]) -> None:
         """Drop the saved states of these slots (a failed launch may have written them): their
-        slots are free. Slots that hold no saved state are left as they are."""
+        slots are free, freed in ascending order (whatever order the saved states are held
+        in). Slots that hold no saved state are left as they are."""
         gone = set(slots)
         entries = self._entries
-        keys = [key for key, entry in entries.items() if entry.slot in gone]
+        keys = sorted((key for key, entry in entries.items() if entry.slot in gone),
+                      key=lambda key: entries[key].slot)
         if keys:
             writable = self._writable()
             for key in keys:
