@@ -23,8 +23,8 @@ from nanofn.kernels import KernelBackend
 from nanofn.kernels.partial_sums import PartialSums
 from nanofn.model.batch import AttentionBatch, RecurrentState
 from nanofn.model.config import recurrent_shape, text_config
-from nanofn.model.decoder import (MLP, Attention, CausalLM, DecoderOptions, check_kv_cache,
-                                  layer_norms, rotary_embedding)
+from nanofn.model.decoder import (Attention, CausalLM, DecoderOptions, check_kv_cache,
+                                  layer_norms, mlp, rotary_embedding)
 from nanofn.model.layers import RMSNorm, RotaryEmbedding
 from nanofn.model.parallel import (MergedColumnParallelLinear, RowParallelLinear,
                                    VocabParallelEmbedding, row_shards_loader)
@@ -126,7 +126,8 @@ def _parameter(weight_loader: Any, *shape: int) -> nn.Parameter:
 
 class HybridDecoderLayer(nn.Module):
     """Full attention (``self_attn``, its cache one layer of the KV cache) or linear attention
-    (``linear_attn``, its cache one layer of the state slots), then the MLP."""
+    (``linear_attn``, its cache one layer of the state slots), then the MLP (dense, or
+    Qwen3.5-MoE's experts)."""
 
     def __init__(
         self,
@@ -137,6 +138,7 @@ class HybridDecoderLayer(nn.Module):
         kernels: KernelBackend,
         tp_rank: int,
         tp_size: int,
+        layer_index: int,
     ):
         super().__init__()
         self.is_linear = layer_type == LINEAR_ATTENTION
@@ -144,7 +146,7 @@ class HybridDecoderLayer(nn.Module):
             self.linear_attn = GatedDeltaNet(hf_config, kernels, tp_rank, tp_size)
         else:
             self.self_attn = Attention(hf_config, options, rotary, kernels, tp_rank, tp_size)
-        self.mlp = MLP(hf_config, options, kernels, tp_rank, tp_size)
+        self.mlp = mlp(hf_config, options, kernels, tp_rank, tp_size, layer_index)
         self.input_layernorm, self.post_attention_layernorm = layer_norms(hf_config, options, kernels)
 
     def forward(
@@ -185,8 +187,9 @@ class HybridModel(nn.Module):
                                                    tp_rank=tp_rank, tp_size=tp_size)
         self.rotary = rotary_embedding(config, kernels, max_positions)
         self.layers = nn.ModuleList(
-            HybridDecoderLayer(config, layer_type, options, self.rotary, kernels, tp_rank, tp_size)
-            for layer_type in config.layer_types[: config.num_hidden_layers]
+            HybridDecoderLayer(config, layer_type, options, self.rotary, kernels, tp_rank, tp_size,
+                               index)
+            for index, layer_type in enumerate(config.layer_types[: config.num_hidden_layers])
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels,
                             options.zero_centred_norms)
