@@ -1,8 +1,8 @@
-"""The hybrid mixture-of-experts models (Qwen3.5-MoE: Qwen3.5's Gated DeltaNet and gated
-attention layers, each with routed experts and a gated shared expert) against transformers on
-tiny checkpoints: greedy tokens through the whole engine, whatever the cache, chunking, prefix
-hits and tensor parallelism; the vision-language checkpoint's language model; the checkpoint
-layouts of the experts; the random-weight shapes."""
+"""The hybrid mixture-of-experts models (Qwen3.5-MoE and Qwen3-Next: Gated DeltaNet and gated
+attention layers, with routed experts and a gated shared expert) against transformers on tiny
+checkpoints: greedy tokens through the whole engine, whatever the cache, chunking, prefix hits
+and tensor parallelism; Qwen3.5-MoE's vision-language checkpoint's language model; the
+checkpoint layouts of the experts; the random-weight shapes."""
 
 from __future__ import annotations
 
@@ -19,12 +19,22 @@ from test_parity import nanofn_greedy, random_prompts, transformers_greedy
 from nanofn.cli.bench import ModelDims
 from nanofn.model import build_model, load_weights
 from nanofn.model.moe import SharedExpertMoeBlock
-from nanofn.model.tiny import PRESETS, _qwen3_5_weight_shapes, make_random_checkpoint
+from nanofn.model.tiny import (PRESETS, _qwen3_5_weight_shapes, _qwen3_next_weight_shapes,
+                               make_random_checkpoint)
+
+# Tiny arch -> which of its 4 layers (3 linear-attention, then full attention) have experts:
+# Qwen3.5-MoE's every one, Qwen3-Next's all but its mlp_only_layers (1 in the tiny config).
+SPARSE_LAYERS = {"qwen3_5_moe": [True] * 4, "qwen3_next": [True, False, True, True]}
+
+
+@pytest.fixture(scope="module", params=SPARSE_LAYERS)
+def arch(request):
+    return request.param
 
 
 @pytest.fixture(scope="module")
-def hybrid_moe(tiny_checkpoint):
-    return tiny_checkpoint("qwen3_5_moe")
+def hybrid_moe(tiny_checkpoint, arch):
+    return tiny_checkpoint(arch)
 
 
 @pytest.fixture(scope="module")
@@ -37,13 +47,15 @@ def shared_prefix_case(hybrid_moe):
 # --- the model against transformers -----------------------------------------------------------
 
 
-def test_every_layer_has_experts_and_a_shared_expert(hybrid_moe):
+def test_layers_have_experts_and_a_shared_expert_as_transformers_builds_them(hybrid_moe, arch):
     reference = AutoModelForCausalLM.from_pretrained(hybrid_moe, dtype=torch.float32)
     model, _ = load(hybrid_moe)
-    assert [hasattr(layer.mlp, "shared_expert") for layer in reference.model.layers] == [True] * 4
-    assert all(isinstance(layer.mlp, SharedExpertMoeBlock) for layer in model.model.layers)
+    expected = [hasattr(layer.mlp, "shared_expert") for layer in reference.model.layers]
+    assert expected == SPARSE_LAYERS[arch]
+    assert [isinstance(layer.mlp, SharedExpertMoeBlock) for layer in model.model.layers] == expected
     assert [layer.is_linear for layer in model.model.layers] == [True, True, True, False]
-    assert all(layer.mlp.gate.renormalize for layer in model.model.layers)  # always, in 3.5-MoE
+    # Qwen3.5-MoE's router always renormalises; Qwen3-Next's config says so (norm_topk_prob)
+    assert all(layer.mlp.gate.renormalize for layer in model.model.layers[2:])
 
 
 def test_a_batch_of_different_lengths_matches_transformers(hybrid_moe):
@@ -105,7 +117,7 @@ def test_two_ranks_of_a_sparse_layer_add_up_to_one(hybrid_moe, monkeypatch):
     for tp_rank, tp_size in [(0, 1), (0, 2), (1, 2)]:
         model, _ = load(hybrid_moe, tp_rank, tp_size)
         with torch.inference_mode():
-            outputs.append(model.model.layers[3].mlp(hidden))
+            outputs.append(model.model.layers[2].mlp(hidden))
     torch.testing.assert_close(outputs[1] + outputs[2], outputs[0], atol=1e-5, rtol=1e-5)
     assert len(reductions) == 2  # one a rank
 
@@ -132,9 +144,9 @@ def test_a_missing_shared_expert_gate_is_refused(hybrid_moe, tmp_path):
 # --- random-weight shapes ----------------------------------------------------------------------
 
 
-def test_a_random_qwen3_5_moe_checkpoint_loads_in_nanofn_and_transformers(tmp_path):
-    path = make_random_checkpoint(tmp_path / "random", "qwen3.5-moe-tiny", dtype="float32",
-                                  seed=1)
+@pytest.mark.parametrize("preset", ["qwen3.5-moe-tiny", "qwen3-next-tiny"])
+def test_a_random_checkpoint_loads_in_nanofn_and_transformers(tmp_path, preset):
+    path = make_random_checkpoint(tmp_path / "random", preset, dtype="float32", seed=1)
     reference, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True)
     assert not any(info.values()), info  # no missing, unexpected or mismatched weights
     model, config = load(path)
@@ -157,3 +169,21 @@ def test_the_35b_a3b_shape_has_the_model_card_s_parameter_counts():
         40, 30, 512)
     assert abs(dims.num_params - total) / total < 1e-4
     assert abs(dims.active_params - active) / active < 1e-3
+
+
+def test_the_80b_a3b_shape_has_the_model_card_s_parameter_counts():
+    """80B parameters (79.7B without the multi-token prediction), 3B active (3.9B with the
+    embeddings): 10 of each layer's 512 experts, and the shared expert."""
+    config = transformers.Qwen3NextConfig(**PRESETS["qwen3-next-80b-a3b"])
+    shapes = _qwen3_next_weight_shapes(config)
+    total = sum(torch.Size(shape).numel() for shape in shapes.values())
+    active = total - 48 * (512 - 10) * 3 * 512 * 2048
+    embeddings = 2 * 151936 * 2048  # untied
+    assert round(total / 1e9, 1) == 79.7
+    assert 3.2e9 < active - embeddings < 3.3e9
+    dims = ModelDims.from_config(config.to_dict())
+    assert (dims.num_moe_layers, dims.num_linear_layers, dims.shared_expert_intermediate_size) == (
+        48, 36, 512)
+    assert abs(dims.num_params - total) / total < 1e-4
+    assert abs(dims.active_params - active) / active < 1e-3
+    assert sum(name.endswith("in_proj_qkvz.weight") for name in shapes) == 36

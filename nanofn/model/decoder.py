@@ -1,6 +1,6 @@
 """One decoder-only transformer covering Qwen3, Qwen3-MoE (its sparse MLP in ``moe.py``),
-Qwen2/Qwen2.5, Llama 3.x and Mistral checkpoints, and the attention layers and MLPs of Qwen3.5
-and Qwen3.5-MoE (whose other layers are in ``hybrid.py``).
+Qwen2/Qwen2.5, Llama 3.x and Mistral checkpoints, and the attention layers and MLPs of Qwen3.5,
+Qwen3.5-MoE and Qwen3-Next (whose other layers are in ``hybrid.py``).
 
 The architectures differ only in the switches of ``DecoderOptions``. Module and parameter names
 follow Hugging Face's, except the fused ``qkv_proj`` and ``gate_up_proj`` (see ``loader.py``).
@@ -84,7 +84,8 @@ def _qwen3_5_options(hf_config: Any) -> DecoderOptions:
 
 
 def _qwen3_5_moe_options(hf_config: Any) -> DecoderOptions:
-    """Qwen3.5's, with experts (and a shared expert) on every layer."""
+    """Qwen3.5's, with experts (and a shared expert) on the layers ``moe.is_sparse_layer``
+    picks: every one for Qwen3.5-MoE, for Qwen3-Next as its config says."""
     return dataclasses.replace(_qwen3_5_options(hf_config), sparse_moe=True)
 
 
@@ -100,6 +101,7 @@ ARCHITECTURES: dict[str, Callable[[Any], DecoderOptions]] = {
     "Qwen3_5ForConditionalGeneration": _qwen3_5_options,  # its language model; vision skipped
     "Qwen3_5MoeForCausalLM": _qwen3_5_moe_options,
     "Qwen3_5MoeForConditionalGeneration": _qwen3_5_moe_options,
+    "Qwen3NextForCausalLM": _qwen3_5_moe_options,  # the same layers; its own checkpoint names
 }
 
 

@@ -1,5 +1,5 @@
 """Qwen3-MoE's sparse MLP: a router picks each token's top-k experts, whose gated MLPs run
-through the kernels' ``fused_moe``; Qwen3.5-MoE's adds a shared expert
+through the kernels' ``fused_moe``; Qwen3.5-MoE's and Qwen3-Next's add a shared expert
 (``SharedExpertMoeBlock``).
 
 The experts are held stacked, ``w13 [E, 2I, H]`` (each expert's ``[gate | up]``) and
@@ -160,10 +160,10 @@ class SparseMoeBlock(nn.Module):
 
 
 class SharedExpertMoeBlock(SparseMoeBlock):
-    """The sparse MLP with a shared expert (Qwen3.5-MoE): every token also goes through
-    ``shared_expert``, a gated MLP (``decoder.MLP`` of ``shared_expert_intermediate_size``),
-    whose output is scaled by ``sigmoid(shared_expert_gate(x))``, one number a token, and added
-    to the routed experts'."""
+    """The sparse MLP with a shared expert (Qwen3.5-MoE, Qwen3-Next): every token also goes
+    through ``shared_expert``, a gated MLP (``decoder.MLP`` of
+    ``shared_expert_intermediate_size``), whose output is scaled by
+    ``sigmoid(shared_expert_gate(x))``, one number a token, and added to the routed experts'."""
 
     def __init__(self, hf_config: Any, shared_expert: nn.Module, kernels: KernelBackend,
                  tp_rank: int, tp_size: int):
