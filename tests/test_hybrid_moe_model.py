@@ -141,6 +141,18 @@ def test_a_missing_shared_expert_gate_is_refused(hybrid_moe, tmp_path):
         load_weights(model, path)
 
 
+def test_a_missing_grouped_projection_is_named_beside_the_tensors_it_holds(tiny_checkpoint,
+                                                                          tmp_path):
+    layer = "model.layers.0.linear_attn."
+    source = tiny_checkpoint("qwen3_next")
+    path = edited_copy(source, tmp_path / "no-ba", lambda t: t.pop(layer + "in_proj_ba.weight"))
+    model = build_model(AutoConfig.from_pretrained(path), dtype="float32", device="cpu")
+    with pytest.raises(ValueError, match=(
+            rf"lacks tensors: {layer}in_proj_a.weight \(or {layer}in_proj_ba.weight\), "
+            rf"{layer}in_proj_b.weight \(or {layer}in_proj_ba.weight\)$")):
+        load_weights(model, path)
+
+
 # --- random-weight shapes ----------------------------------------------------------------------
 
 

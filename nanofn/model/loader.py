@@ -158,8 +158,21 @@ def load_weights(model: CausalLM, model_dir: str | Path) -> None:
                     raise ValueError(f"tensor {stored_name!r} in {path}: {error}") from error
                 missing.difference_update(_names_filled(name, shard_id, param_name, param))
     if missing:
-        raise ValueError(f"checkpoint {model_dir} lacks tensors: {', '.join(sorted(missing))}")
+        raise ValueError(f"checkpoint {model_dir} lacks tensors: {', '.join(_described(missing))}")
     _drop_loaders(params.values())
+
+
+def _described(missing: set[str]) -> list[str]:
+    """The missing tensors' names, sorted; one that a Qwen3-Next grouped projection would hold
+    names that projection too."""
+    described = []
+    for name in sorted(missing):
+        module_path, _, leaf = name.rpartition(".")
+        parent, _, module = module_path.rpartition(".")
+        grouped = [f"{parent}.{grouped}.{leaf}"
+                   for grouped, (_, sources) in GROUPED_PROJECTIONS.items() if module in sources]
+        described.append(f"{name} (or {grouped[0]})" if grouped else name)
+    return described
 
 
 def _drop_loaders(params: Iterable[torch.nn.Parameter]) -> None:
