@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 import transformers
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -105,6 +106,30 @@ def test_the_vision_language_checkpoint_generates_as_transformers(tiny_checkpoin
     model, _ = load(model_dir)
     assert not any("visual" in name for name, _ in model.named_parameters())
     assert sorted(model.mtp_weights) == ["mtp.fc.weight", "mtp.norm.weight"]
+
+
+def test_tiny_checkpoint_linear_attention_heads_remember_past_tokens(hybrid_moe):
+    """Their decays are near 1 (``tiny._tune_linear_attention``; in Qwen3-Next's grouped
+    ``in_proj_ba``, the rows of ``a``): a state mislaid between steps must show."""
+    reference = AutoModelForCausalLM.from_pretrained(hybrid_moe, dtype=torch.float32)
+    decays = []
+
+    def record(net, args, kwargs):
+        hidden = kwargs["hidden_states"]
+        if hasattr(net, "in_proj_a"):
+            a = net.in_proj_a(hidden)
+        else:
+            grouped = (net.in_proj_qkvz(hidden), net.in_proj_ba(hidden))
+            a = net.fix_query_key_value_ordering(*grouped)[5]
+        decays.append(torch.exp(-net.A_log.exp() * F.softplus(a + net.dt_bias)).flatten())
+
+    nets = [layer.linear_attn for layer in reference.model.layers if hasattr(layer, "linear_attn")]
+    hooks = [net.register_forward_pre_hook(record, with_kwargs=True) for net in nets]
+    with torch.inference_mode():
+        reference(torch.tensor([random_prompt(20, seed=28)]))
+    for hook in hooks:
+        hook.remove()
+    assert len(decays) == 3 and torch.cat(decays).min() > 0.8
 
 
 def test_two_ranks_of_a_sparse_layer_add_up_to_one(hybrid_moe, monkeypatch):
