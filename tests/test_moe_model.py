@@ -184,17 +184,24 @@ def test_the_fused_layout_is_the_one_transformers_holds_in_memory(moe):
         assert torch.equal(tensors[name], reference[name]), name
 
 
+def assert_loads_alike(path, other) -> None:
+    """The checkpoints at ``path`` and ``other`` fill every parameter alike, whole or a rank's
+    share."""
+    for tp_rank, tp_size in [(0, 1), (1, 2)]:
+        expected, _ = load(path, tp_rank, tp_size)
+        model, _ = load(other, tp_rank, tp_size)
+        for (name, param), (_, expected_param) in zip(model.named_parameters(),
+                                                      expected.named_parameters()):
+            assert torch.equal(param, expected_param), name
+
+
 @pytest.mark.parametrize("transposed", [False, True], ids=["E-2I-H", "E-H-2I"])
 def test_fused_expert_tensors_load_as_the_per_expert_ones(moe, tmp_path, transposed):
     """transformers saves the experts one by one (``experts.N.gate_proj.weight``); its fused
     tensors, in either layout, fill the same stacked parameters, whole or a rank's share."""
     fused = edited_copy(moe, tmp_path / "fused", lambda t: fuse_experts(t, transposed))
-    for tp_rank, tp_size in [(0, 1), (1, 2)]:
-        expected, config = load(moe, tp_rank, tp_size)
-        model, _ = load(fused, tp_rank, tp_size)
-        for (name, param), (_, expected_param) in zip(model.named_parameters(),
-                                                      expected.named_parameters()):
-            assert torch.equal(param, expected_param), name
+    assert_loads_alike(moe, fused)
+    config = AutoConfig.from_pretrained(moe)
     prompt = random_prompt(20, seed=4)
     logits = [PagedRun(m, config, block_size=4).step({"a": prompt})["a"]
               for m in (load(moe)[0], load(fused)[0])]

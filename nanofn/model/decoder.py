@@ -1,6 +1,6 @@
 """One decoder-only transformer covering Qwen3, Qwen3-MoE (its sparse MLP in ``moe.py``),
-Qwen2/Qwen2.5, Llama 3.x and Mistral checkpoints, and the attention layers of Qwen3.5 (whose
-other layers are in ``hybrid.py``).
+Qwen2/Qwen2.5, Llama 3.x and Mistral checkpoints, and the attention layers and MLPs of Qwen3.5,
+Qwen3.5-MoE and Qwen3-Next (whose other layers are in ``hybrid.py``).
 
 The architectures differ only in the switches of ``DecoderOptions``. Module and parameter names
 follow Hugging Face's, except the fused ``qkv_proj`` and ``gate_up_proj`` (see ``loader.py``).
@@ -14,6 +14,7 @@ for the norm to add up (``nanofn/kernels/linear.py``).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -26,7 +27,7 @@ from nanofn.kernels.partial_sums import PartialSums
 from nanofn.model.batch import AttentionBatch
 from nanofn.model.config import head_dim, num_kv_heads, rope_settings, rotary_dim, text_config
 from nanofn.model.layers import RMSNorm, RotaryEmbedding
-from nanofn.model.moe import SparseMoeBlock, is_sparse_layer
+from nanofn.model.moe import SharedExpertMoeBlock, SparseMoeBlock, is_sparse_layer
 from nanofn.model.parallel import (
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -47,7 +48,8 @@ class DecoderOptions:
     output_gate: bool = False  # attention output times sigmoid(a gate from q_proj) (Qwen3.5)
     # Norms scaling by 1 + w (Qwen3.5): loaded as 1 + w (``parallel.load_zero_centred``)
     zero_centred_norms: bool = False
-    # A sparse MLP (router and experts) on the layers ``moe.is_sparse_layer`` picks (Qwen3-MoE)
+    # A sparse MLP (router and experts) on the layers ``moe.is_sparse_layer`` picks (Qwen3-MoE),
+    # with a shared expert where the config sizes one (Qwen3.5-MoE)
     sparse_moe: bool = False
 
 
@@ -81,6 +83,12 @@ def _qwen3_5_options(hf_config: Any) -> DecoderOptions:
                           output_gate=True, zero_centred_norms=True)
 
 
+def _qwen3_5_moe_options(hf_config: Any) -> DecoderOptions:
+    """Qwen3.5's, with experts (and a shared expert) on the layers ``moe.is_sparse_layer``
+    picks: every one for Qwen3.5-MoE, for Qwen3-Next as its config says."""
+    return dataclasses.replace(_qwen3_5_options(hf_config), sparse_moe=True)
+
+
 # Every architecture nanofn loads; those whose config has linear-attention layers are built as
 # hybrid models (``loader.build_model``).
 ARCHITECTURES: dict[str, Callable[[Any], DecoderOptions]] = {
@@ -91,6 +99,9 @@ ARCHITECTURES: dict[str, Callable[[Any], DecoderOptions]] = {
     "MistralForCausalLM": _llama_options,
     "Qwen3_5ForCausalLM": _qwen3_5_options,
     "Qwen3_5ForConditionalGeneration": _qwen3_5_options,  # its language model; vision skipped
+    "Qwen3_5MoeForCausalLM": _qwen3_5_moe_options,
+    "Qwen3_5MoeForConditionalGeneration": _qwen3_5_moe_options,
+    "Qwen3NextForCausalLM": _qwen3_5_moe_options,  # the same layers; its own checkpoint names
 }
 
 
@@ -191,12 +202,17 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    """The gated MLP: the config's ``intermediate_size``, or ``intermediate_size`` where given
+    (a shared expert's)."""
+
     def __init__(
-        self, hf_config: Any, options: DecoderOptions, kernels: KernelBackend, tp_rank: int, tp_size: int
+        self, hf_config: Any, options: DecoderOptions, kernels: KernelBackend, tp_rank: int,
+        tp_size: int, intermediate_size: int | None = None,
     ):
         super().__init__()
         hf_config = text_config(hf_config)
-        hidden, intermediate = hf_config.hidden_size, hf_config.intermediate_size
+        hidden = hf_config.hidden_size
+        intermediate = intermediate_size or hf_config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(
             hidden, [intermediate, intermediate], bias=options.mlp_bias, tp_rank=tp_rank, tp_size=tp_size,
             kernels=kernels,
@@ -253,10 +269,15 @@ class DecoderLayer(nn.Module):
 
 def mlp(hf_config: Any, options: DecoderOptions, kernels: KernelBackend, tp_rank: int,
         tp_size: int, layer_index: int) -> MLP | SparseMoeBlock:
-    """The layer's MLP: the sparse one where the architecture has experts on this layer."""
-    if options.sparse_moe and is_sparse_layer(hf_config, layer_index):
+    """The layer's MLP: the sparse one where the architecture has experts on this layer, with a
+    shared expert where the config sizes one."""
+    if not (options.sparse_moe and is_sparse_layer(hf_config, layer_index)):
+        return MLP(hf_config, options, kernels, tp_rank, tp_size)
+    shared_size = getattr(text_config(hf_config), "shared_expert_intermediate_size", 0)
+    if not shared_size:
         return SparseMoeBlock(hf_config, kernels, tp_rank, tp_size)
-    return MLP(hf_config, options, kernels, tp_rank, tp_size)
+    shared_expert = MLP(hf_config, options, kernels, tp_rank, tp_size, shared_size)
+    return SharedExpertMoeBlock(hf_config, shared_expert, kernels, tp_rank, tp_size)
 
 
 def layer_norms(hf_config: Any, options: DecoderOptions,

@@ -1,5 +1,5 @@
-"""Qwen3.5's hybrid decoder: Gated DeltaNet (linear attention) layers among gated full-attention
-layers, three to one.
+"""Qwen3.5's hybrid decoder (also Qwen3.5-MoE's and Qwen3-Next's): Gated DeltaNet (linear
+attention) layers among gated full-attention layers, three to one.
 
 A full-attention layer is ``decoder.py``'s ``Attention`` with its Qwen3.5 options (an output
 gate from ``q_proj``, a partial rotary embedding, zero-centred q/k norms), over a KV cache that
@@ -7,9 +7,10 @@ holds these layers alone. A linear-attention layer keeps per sequence a recurren
 size instead, in the runner's state slots (``RecurrentState``): a short causal convolution's
 last inputs and the delta rule's ``[Dk, Dv]`` memory per value head. Module and parameter names
 follow Hugging Face's but for the fused projections ``qkv_proj``, ``gate_up_proj`` and
-``linear_attn.in_proj`` (``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``, see
-``loader.py``). Tensor parallelism splits the key and value heads of the linear layers across
-ranks, with the channels convolved with them.
+``linear_attn.in_proj`` (Qwen3.5's ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``,
+or Qwen3-Next's ``in_proj_qkvz`` and ``in_proj_ba``, see ``loader.py``). Tensor parallelism
+splits the key and value heads of the linear layers across ranks, with the channels convolved
+with them. The MLP is dense, or experts (``moe.py``) where the architecture has them.
 """
 
 from __future__ import annotations
@@ -23,11 +24,11 @@ from nanofn.kernels import KernelBackend
 from nanofn.kernels.partial_sums import PartialSums
 from nanofn.model.batch import AttentionBatch, RecurrentState
 from nanofn.model.config import recurrent_shape, text_config
-from nanofn.model.decoder import (MLP, Attention, CausalLM, DecoderOptions, check_kv_cache,
-                                  layer_norms, rotary_embedding)
+from nanofn.model.decoder import (Attention, CausalLM, DecoderOptions, check_kv_cache,
+                                  layer_norms, mlp, rotary_embedding)
 from nanofn.model.layers import RMSNorm, RotaryEmbedding
 from nanofn.model.parallel import (MergedColumnParallelLinear, RowParallelLinear,
-                                   VocabParallelEmbedding, row_shards_loader)
+                                   VocabParallelEmbedding, check_shape, row_shards_loader)
 
 LINEAR_ATTENTION = "linear_attention"
 
@@ -58,9 +59,7 @@ class GatedDeltaNet(nn.Module):
         v_heads = config.linear_num_value_heads
         key_dim = config.linear_num_key_heads * shape.k_head_dim
         value_dim = v_heads * shape.v_head_dim
-        self.in_proj = MergedColumnParallelLinear(
-            config.hidden_size, [key_dim, key_dim, value_dim, value_dim, v_heads, v_heads],
-            bias=False, tp_rank=tp_rank, tp_size=tp_size, kernels=kernels)
+        self.in_proj = InProjection(config, tp_rank, tp_size, kernels)
         self.conv1d = ConvWeight([key_dim, key_dim, value_dim], shape.conv_width + 1, tp_rank,
                                  tp_size)
         heads_loader = row_shards_loader([v_heads], tp_rank, tp_size)
@@ -107,6 +106,38 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(out.flatten(1), for_norm=True)
 
 
+class InProjection(MergedColumnParallelLinear):
+    """``GatedDeltaNet``'s input projection: outputs ``[q | k | v | z | b | a]``, each split
+    across ranks with its heads. Loaded from Qwen3.5's four tensors (shard ids as
+    ``MergedColumnParallelLinear``'s) or Qwen3-Next's two (shard ids ``"qkvz"`` and ``"ba"``),
+    whose rows are grouped by key head: per key head its query and key, then the ``r =
+    Hv / Hk`` value heads that read that key head and their ``z``; per key head its ``r`` ``b``
+    then ``r`` ``a``. Ungrouped, every output is its heads end to end, as Qwen3.5's."""
+
+    def __init__(self, config: Any, tp_rank: int, tp_size: int, kernels: KernelBackend):
+        self.num_k_heads = config.linear_num_key_heads
+        self.k_head_dim, self.v_head_dim = config.linear_key_head_dim, config.linear_value_head_dim
+        v_heads = config.linear_num_value_heads
+        self.group_v_heads = v_heads // self.num_k_heads
+        key_dim, value_dim = self.num_k_heads * self.k_head_dim, v_heads * self.v_head_dim
+        super().__init__(config.hidden_size,
+                         [key_dim, key_dim, value_dim, value_dim, v_heads, v_heads], bias=False,
+                         tp_rank=tp_rank, tp_size=tp_size, kernels=kernels)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
+                      shard_id: int | tuple[int, ...] | str | None = None) -> None:
+        group_dims = {"qkvz": [self.k_head_dim] * 2 + [self.group_v_heads * self.v_head_dim] * 2,
+                      "ba": [self.group_v_heads] * 2}
+        if shard_id not in group_dims:
+            super().weight_loader(param, loaded, shard_id)
+            return
+        dims = group_dims[shard_id]
+        check_shape(loaded, (self.num_k_heads * sum(dims), param.shape[1]))
+        groups = loaded.reshape(self.num_k_heads, sum(dims), param.shape[1]).split(dims, dim=1)
+        outputs = (0, 1, 2, 3) if shard_id == "qkvz" else (4, 5)
+        super().weight_loader(param, torch.cat([part.flatten(0, 1) for part in groups]), outputs)
+
+
 class ConvWeight(nn.Module):
     """The depthwise ``conv1d``'s weight, ``[channels on this rank, 1, K]`` as Hugging Face lays
     it out (channels ``[q | k | v]``, each split across ranks with its heads); the kernels
@@ -126,7 +157,8 @@ def _parameter(weight_loader: Any, *shape: int) -> nn.Parameter:
 
 class HybridDecoderLayer(nn.Module):
     """Full attention (``self_attn``, its cache one layer of the KV cache) or linear attention
-    (``linear_attn``, its cache one layer of the state slots), then the MLP."""
+    (``linear_attn``, its cache one layer of the state slots), then the MLP (dense, or
+    Qwen3.5-MoE's experts)."""
 
     def __init__(
         self,
@@ -137,6 +169,7 @@ class HybridDecoderLayer(nn.Module):
         kernels: KernelBackend,
         tp_rank: int,
         tp_size: int,
+        layer_index: int,
     ):
         super().__init__()
         self.is_linear = layer_type == LINEAR_ATTENTION
@@ -144,7 +177,7 @@ class HybridDecoderLayer(nn.Module):
             self.linear_attn = GatedDeltaNet(hf_config, kernels, tp_rank, tp_size)
         else:
             self.self_attn = Attention(hf_config, options, rotary, kernels, tp_rank, tp_size)
-        self.mlp = MLP(hf_config, options, kernels, tp_rank, tp_size)
+        self.mlp = mlp(hf_config, options, kernels, tp_rank, tp_size, layer_index)
         self.input_layernorm, self.post_attention_layernorm = layer_norms(hf_config, options, kernels)
 
     def forward(
@@ -185,8 +218,9 @@ class HybridModel(nn.Module):
                                                    tp_rank=tp_rank, tp_size=tp_size)
         self.rotary = rotary_embedding(config, kernels, max_positions)
         self.layers = nn.ModuleList(
-            HybridDecoderLayer(config, layer_type, options, self.rotary, kernels, tp_rank, tp_size)
-            for layer_type in config.layer_types[: config.num_hidden_layers]
+            HybridDecoderLayer(config, layer_type, options, self.rotary, kernels, tp_rank, tp_size,
+                               index)
+            for index, layer_type in enumerate(config.layer_types[: config.num_hidden_layers])
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels,
                             options.zero_centred_norms)

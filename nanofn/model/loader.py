@@ -39,6 +39,12 @@ FUSED_PROJECTIONS: dict[str, tuple[str, str | int]] = {
     "in_proj_b": ("in_proj", 4),
     "in_proj_a": ("in_proj", 5),
 }
+# Qwen3-Next's linear attention: two tensors that hold Qwen3.5's four, their rows grouped by key
+# head (``hybrid.InProjection``): checkpoint module name -> (shard id, the tensors it stands for).
+GROUPED_PROJECTIONS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "in_proj_qkvz": ("qkvz", ("in_proj_qkv", "in_proj_z")),
+    "in_proj_ba": ("ba", ("in_proj_b", "in_proj_a")),
+}
 # An MoE layer's experts, stacked into ``w13`` ([gate | up]) and ``w2`` (``moe.StackedExperts``):
 # per-expert tensors (``experts.<index>.gate_proj.weight``) or transformers' fused ones
 # (``experts.gate_up_proj``, ``experts.down_proj``, which fill a parameter whole).
@@ -150,11 +156,23 @@ def load_weights(model: CausalLM, model_dir: str | Path) -> None:
                     param.weight_loader(param, checkpoint.get_tensor(stored_name), shard_id)
                 except ValueError as error:
                     raise ValueError(f"tensor {stored_name!r} in {path}: {error}") from error
-                missing.difference_update(
-                    [name] if shard_id is not None else _checkpoint_names(param_name, param))
+                missing.difference_update(_names_filled(name, shard_id, param_name, param))
     if missing:
-        raise ValueError(f"checkpoint {model_dir} lacks tensors: {', '.join(sorted(missing))}")
+        raise ValueError(f"checkpoint {model_dir} lacks tensors: {', '.join(_described(missing))}")
     _drop_loaders(params.values())
+
+
+def _described(missing: set[str]) -> list[str]:
+    """The missing tensors' names, sorted; one that a Qwen3-Next grouped projection would hold
+    names that projection too."""
+    described = []
+    for name in sorted(missing):
+        module_path, _, leaf = name.rpartition(".")
+        parent, _, module = module_path.rpartition(".")
+        grouped = [f"{parent}.{grouped}.{leaf}"
+                   for grouped, (_, sources) in GROUPED_PROJECTIONS.items() if module in sources]
+        described.append(f"{name} (or {grouped[0]})" if grouped else name)
+    return described
 
 
 def _drop_loaders(params: Iterable[torch.nn.Parameter]) -> None:
@@ -213,7 +231,22 @@ def _parameter_name(checkpoint_name: str) -> tuple[str, str | int | tuple[int, .
     if module in FUSED_PROJECTIONS:
         fused, shard_id = FUSED_PROJECTIONS[module]
         return f"{parent}.{fused}.{leaf}", shard_id
+    if module in GROUPED_PROJECTIONS:
+        return f"{parent}.in_proj.{leaf}", GROUPED_PROJECTIONS[module][0]
     return checkpoint_name, None
+
+
+def _names_filled(checkpoint_name: str, shard_id: Any, param_name: str,
+                  param: torch.nn.Parameter) -> list[str]:
+    """The tensors of ``_checkpoint_names`` that one checkpoint tensor stood for: itself, those
+    a Qwen3-Next grouped projection holds, or all of a parameter it filled whole."""
+    if shard_id is None:
+        return _checkpoint_names(param_name, param)
+    module_path, _, leaf = checkpoint_name.rpartition(".")
+    parent, _, module = module_path.rpartition(".")
+    if module in GROUPED_PROJECTIONS:
+        return [f"{parent}.{source}.{leaf}" for source in GROUPED_PROJECTIONS[module][1]]
+    return [checkpoint_name]
 
 
 def _expert_parameter(match: re.Match) -> tuple[str, tuple[int, int] | int | None]:

@@ -1,5 +1,6 @@
 """Qwen3-MoE's sparse MLP: a router picks each token's top-k experts, whose gated MLPs run
-through the kernels' ``fused_moe``.
+through the kernels' ``fused_moe``; Qwen3.5-MoE's and Qwen3-Next's add a shared expert
+(``SharedExpertMoeBlock``).
 
 The experts are held stacked, ``w13 [E, 2I, H]`` (each expert's ``[gate | up]``) and
 ``w2 [E, H, I]``, filled from a checkpoint's per-expert tensors (``experts.N.gate_proj``, ...)
@@ -7,6 +8,8 @@ one by one or from transformers' fused ones (``experts.gate_up_proj``, ``experts
 see ``loader.py``. Tensor parallelism splits every expert's intermediate dimension ``I`` as the
 dense MLP's: a rank holds its share of each gate, up and down projection, and the ranks' outputs
 are summed as ``down_proj``'s. Every rank routes every token alike (the router is replicated).
+A shared expert splits as the dense MLP, its gate is replicated, and its partial sums join the
+routed experts' in one all-reduce.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from nanofn.kernels import KernelBackend, select_experts
+from nanofn.kernels import KernelBackend, select_experts, silu_and_mul
 from nanofn.kernels.partial_sums import PartialSums
 from nanofn.model.config import text_config
 from nanofn.model.layers import RMSNorm
@@ -26,10 +29,18 @@ from nanofn.model.parallel import check_shape, divide, load_replicated
 
 def is_sparse_layer(hf_config: Any, layer_index: int) -> bool:
     """Whether the layer's MLP is the sparse one, by transformers' ``Qwen3MoeDecoderLayer``'s
-    rule: experts on every ``decoder_sparse_step``-th layer but those of ``mlp_only_layers``."""
+    rule: experts on every ``decoder_sparse_step``-th layer but those of ``mlp_only_layers``.
+    Qwen3.5-MoE's config has neither: experts on every layer."""
     config = text_config(hf_config)
-    return (layer_index not in (config.mlp_only_layers or []) and config.num_experts > 0
-            and (layer_index + 1) % config.decoder_sparse_step == 0)
+    step = getattr(config, "decoder_sparse_step", 1)
+    return (layer_index not in (getattr(config, "mlp_only_layers", None) or [])
+            and config.num_experts > 0 and (layer_index + 1) % step == 0)
+
+
+def renormalizes_top_k(hf_config: Any) -> bool:
+    """Whether the chosen experts' weights are divided by their sum: the config's
+    ``norm_topk_prob``; Qwen3.5-MoE's has none and always does."""
+    return getattr(text_config(hf_config), "norm_topk_prob", True)
 
 
 class Router(nn.Module):
@@ -122,17 +133,21 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         config = text_config(hf_config)
         self.gate = Router(config.num_experts, config.hidden_size, config.num_experts_per_tok,
-                           config.norm_topk_prob, kernels)
+                           renormalizes_top_k(config), kernels)
         self.experts = StackedExperts(config.num_experts, config.hidden_size,
                                       config.moe_intermediate_size, tp_rank, tp_size)
         self.kernels = kernels
         self.tp_size = tp_size
 
+    def partial_forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """This rank's summand of the output ``[T, H]`` from the normed ``hidden [T, H]``."""
+        topk_weights, topk_ids = self.gate(hidden)
+        return self.kernels.fused_moe(hidden, self.experts.w13, self.experts.w2, topk_weights,
+                                      topk_ids)
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[T, H]`` from the normed ``hidden [T, H]``, summed over ranks."""
-        topk_weights, topk_ids = self.gate(hidden)
-        out = self.kernels.fused_moe(hidden, self.experts.w13, self.experts.w2, topk_weights,
-                                     topk_ids)
+        out = self.partial_forward(hidden)
         if self.tp_size > 1:
             dist.all_reduce(out)
         return out
@@ -142,3 +157,38 @@ class SparseMoeBlock(nn.Module):
         """``(self(norm(hidden + residual)), hidden + residual)``, as ``MLP.forward_normed``."""
         normed, residual = norm(hidden, residual)
         return self(normed), residual
+
+
+class SharedExpertMoeBlock(SparseMoeBlock):
+    """The sparse MLP with a shared expert (Qwen3.5-MoE, Qwen3-Next): every token also goes
+    through ``shared_expert``, a gated MLP (``decoder.MLP`` of
+    ``shared_expert_intermediate_size``), whose output is scaled by
+    ``sigmoid(shared_expert_gate(x))``, one number a token, and added to the routed experts'."""
+
+    def __init__(self, hf_config: Any, shared_expert: nn.Module, kernels: KernelBackend,
+                 tp_rank: int, tp_size: int):
+        super().__init__(hf_config, kernels, tp_rank, tp_size)
+        self.shared_expert = shared_expert
+        self.shared_expert_gate = SharedExpertGate(text_config(hf_config).hidden_size, kernels)
+
+    def partial_forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The routed experts' summand plus the shared expert's: scaling a rank's partial sum
+        by the (replicated) gate scales the total alike, so one all-reduce sums both."""
+        activated = silu_and_mul(self.shared_expert.gate_up_proj(hidden))
+        shared = self.shared_expert.down_proj.partial_forward(activated)
+        return super().partial_forward(hidden) + self.shared_expert_gate(hidden) * shared
+
+
+class SharedExpertGate(nn.Module):
+    """``sigmoid(x @ weight.T)``, ``weight [1, H]`` replicated: how much of the shared expert
+    each token takes."""
+
+    def __init__(self, hidden_size: int, kernels: KernelBackend):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(1, hidden_size), requires_grad=False)
+        self.weight.weight_loader = load_replicated
+        self.kernels = kernels
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[T, 1]``."""
+        return torch.sigmoid(self.kernels.linear(hidden, self.weight))

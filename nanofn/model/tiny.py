@@ -107,6 +107,23 @@ _QWEN3_5_TEXT = {
 _QWEN3_MOE = {**_COMMON, **_HEAD_DIM, "num_hidden_layers": 4, "num_experts": 8,
               "num_experts_per_tok": 2, "moe_intermediate_size": 48, "mlp_only_layers": [1],
               "decoder_sparse_step": 1, "norm_topk_prob": True}
+# Qwen3.5-MoE: Qwen3.5's layers with experts on every one (no dense MLP, so no
+# intermediate_size): 8 experts of 48 (unambiguous fused layouts, as Qwen3-MoE's), 2 a token,
+# and a shared expert of 32.
+_QWEN3_5_MOE_TEXT = {
+    **{name: value for name, value in _QWEN3_5_TEXT.items() if name != "intermediate_size"},
+    "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
+    "shared_expert_intermediate_size": 32,
+}
+# Qwen3-Next: the same, but a dense MLP on layer 1 (mlp_only_layers), a plain partial rotary, no
+# state dtype in the config, and the linear attention's projections grouped by key head.
+_QWEN3_NEXT = {
+    **{name: value for name, value in _QWEN3_5_MOE_TEXT.items() if name != "mamba_ssm_dtype"},
+    "intermediate_size": 128, "mlp_only_layers": [1], "decoder_sparse_step": 1,
+    "norm_topk_prob": True,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                        "partial_rotary_factor": 0.25},
+}
 _TINY_VISION = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, patch_size=4,
                     out_hidden_size=64, num_position_embeddings=16)
 # arch -> (transformers config class name, config settings); a config with a ``text_config``
@@ -122,6 +139,10 @@ ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
     # The same language model in a Qwen3_5ForConditionalGeneration checkpoint: its names
     # (model.language_model.*), a vision tower and multi-token-prediction weights (mtp.*).
     "qwen3_5-vl": ("Qwen3_5Config", {"text_config": _QWEN3_5_TEXT, "vision_config": _TINY_VISION}),
+    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", _QWEN3_5_MOE_TEXT),  # as Qwen3_5MoeForCausalLM
+    "qwen3_5_moe-vl": ("Qwen3_5MoeConfig", {"text_config": _QWEN3_5_MOE_TEXT,
+                                            "vision_config": _TINY_VISION}),
+    "qwen3_next": ("Qwen3NextConfig", _QWEN3_NEXT),
 }
 
 # What the released Qwen3 models share.
@@ -138,9 +159,21 @@ _QWEN3_5_9B_TEXT = dict(
     tie_word_embeddings=False,
 )
 
+# Qwen3.5-35B-A3B's language model: transformers' Qwen3_5MoeTextConfig defaults, spelled out.
+_QWEN3_5_35B_A3B_TEXT = dict(
+    vocab_size=248320, hidden_size=2048, num_hidden_layers=40, num_attention_heads=16,
+    num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32,
+    linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+    num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
+    shared_expert_intermediate_size=512, max_position_embeddings=32768, rms_norm_eps=1e-6,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+    tie_word_embeddings=False,
+)
+
 # Shapes of real models, for make_random_checkpoint: Qwen3Config settings, with ``num_experts``
-# Qwen3MoeConfig settings, or with a ``text_config`` Qwen3_5Config settings (a vision-language
-# config; the checkpoint has no vision weights).
+# Qwen3MoeConfig settings, with linear-attention heads Qwen3NextConfig settings, or with a
+# ``text_config`` Qwen3_5Config settings (with experts Qwen3_5MoeConfig settings: a
+# vision-language config; the checkpoint has no vision weights).
 PRESETS: dict[str, dict[str, Any]] = {
     "qwen3-0.6b": dict(**_QWEN3, num_hidden_layers=28, hidden_size=1024,
                        intermediate_size=3072, num_attention_heads=16, tie_word_embeddings=True),
@@ -196,6 +229,43 @@ PRESETS: dict[str, dict[str, Any]] = {
                              "partial_rotary_factor": 0.25},
             rms_norm_eps=1e-6,
         ),
+        tie_word_embeddings=True,
+    ),
+    # Qwen3-Next (Qwen3.5-MoE's layers, the linear attention's projections grouped by key head,
+    # experts on every layer): the 80B-A3B's shape and a tiny one.
+    "qwen3-next-80b-a3b": dict(
+        vocab_size=151936, hidden_size=2048, intermediate_size=5632, num_hidden_layers=48,
+        num_attention_heads=16, num_key_value_heads=2, head_dim=256, linear_num_key_heads=16,
+        linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
+        linear_conv_kernel_dim=4, num_experts=512, num_experts_per_tok=10,
+        moe_intermediate_size=512, shared_expert_intermediate_size=512, norm_topk_prob=True,
+        decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=32768,
+        rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                            "partial_rotary_factor": 0.25},
+        tie_word_embeddings=False),
+    "qwen3-next-tiny": dict(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+        linear_conv_kernel_dim=4, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=32, norm_topk_prob=True, decoder_sparse_step=1,
+        mlp_only_layers=[1], max_position_embeddings=4096, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                         "partial_rotary_factor": 0.25},
+        tie_word_embeddings=True),
+    # Qwen3.5-MoE (Qwen3.5's layers, experts and a shared expert on every one): the 35B-A3B's
+    # shape and a tiny one.
+    "qwen3.5-35b-a3b": dict(text_config=_QWEN3_5_35B_A3B_TEXT, tie_word_embeddings=False),
+    "qwen3.5-moe-tiny": dict(
+        text_config=dict(
+            num_hidden_layers=4, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+            linear_value_head_dim=16, linear_conv_kernel_dim=4, num_experts=8,
+            num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+            vocab_size=512, tie_word_embeddings=True, max_position_embeddings=4096,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                             "partial_rotary_factor": 0.25},
+            rms_norm_eps=1e-6),
         tie_word_embeddings=True,
     ),
 }
@@ -282,12 +352,17 @@ def make_random_checkpoint(path: str | Path, preset: str = "qwen3-0.6b", *,
     settings = PRESETS[preset]
     common = dict(initializer_range=RANDOM_WEIGHT_STD, dtype=dtype, eos_token_id=eos_token_id,
                   pad_token_id=eos_token_id, bos_token_id=None)
-    qwen3_5 = "text_config" in settings
-    if qwen3_5:
-        config = transformers.Qwen3_5Config(
+    hybrid = "text_config" in settings or "linear_num_key_heads" in settings
+    if "text_config" in settings:
+        family = "Qwen3_5Moe" if "num_experts" in settings["text_config"] else "Qwen3_5"
+        config = getattr(transformers, f"{family}Config")(
             **{**settings, "text_config": {**settings["text_config"], **common}},
-            architectures=["Qwen3_5ForConditionalGeneration"], dtype=dtype)
+            architectures=[f"{family}ForConditionalGeneration"], dtype=dtype)
         shapes = _qwen3_5_weight_shapes(config)
+    elif hybrid:
+        config = transformers.Qwen3NextConfig(**settings, architectures=["Qwen3NextForCausalLM"],
+                                              **common)
+        shapes = _qwen3_next_weight_shapes(config)
     elif "num_experts" in settings:
         config = transformers.Qwen3MoeConfig(**settings, architectures=["Qwen3MoeForCausalLM"],
                                              **common)
@@ -300,7 +375,7 @@ def make_random_checkpoint(path: str | Path, preset: str = "qwen3-0.6b", *,
     for name, shape in shapes.items() if weights else ():
         tensor = torch.empty(shape, dtype=getattr(torch, dtype))
         if len(shape) == 1:
-            tensors[name] = tensor.fill_(_vector_value(name, zero_centred_norms=qwen3_5))
+            tensors[name] = tensor.fill_(_vector_value(name, zero_centred_norms=hybrid))
         else:
             tensors[name] = tensor.normal_(0.0, RANDOM_WEIGHT_STD, generator=generator)
     if weights:
@@ -369,16 +444,33 @@ def _qwen3_weight_shapes(c: Any) -> dict[str, tuple[int, ...]]:
 
 
 def _qwen3_5_weight_shapes(config: Any) -> dict[str, tuple[int, ...]]:
-    """Hugging Face parameter names and shapes of a Qwen3.5 vision-language model's language
-    model (vectors are norm weights, and the linear-attention heads' ``A_log`` and ``dt_bias``)."""
-    c, prefix = config.text_config, "model.language_model."
+    """Hugging Face parameter names and shapes of a Qwen3.5 or Qwen3.5-MoE vision-language
+    model's language model (vectors are norm weights, and the linear-attention heads' ``A_log``
+    and ``dt_bias``)."""
+    return _hybrid_weight_shapes(config.text_config, "model.language_model.",
+                                 config.tie_word_embeddings)
+
+
+def _qwen3_next_weight_shapes(config: Any) -> dict[str, tuple[int, ...]]:
+    """Hugging Face parameter names and shapes of a Qwen3-Next model, its experts one by one."""
+    return _hybrid_weight_shapes(config, "model.", config.tie_word_embeddings)
+
+
+def _hybrid_weight_shapes(c: Any, prefix: str, tied: bool) -> dict[str, tuple[int, ...]]:
+    """A hybrid language model's, its names under ``prefix``; experts on the layers that have
+    them, a dense MLP on the others."""
+    from nanofn.model.moe import is_sparse_layer
+
     shapes = {prefix + "embed_tokens.weight": (c.vocab_size, c.hidden_size),
               prefix + "norm.weight": (c.hidden_size,)}
+    grouped = c.model_type == "qwen3_next"
     for i, layer_type in enumerate(c.layer_types):
-        mixer = (_linear_attention_shapes(c) if layer_type == "linear_attention"
+        mixer = (_linear_attention_shapes(c, grouped) if layer_type == "linear_attention"
                  else _attention_shapes(c, gated=True))
-        shapes.update(_layer_shapes(f"{prefix}layers.{i}.", c, mixer))
-    if not config.tie_word_embeddings:
+        sparse = getattr(c, "num_experts", 0) and is_sparse_layer(c, i)
+        shapes.update(_layer_shapes(f"{prefix}layers.{i}.", c, mixer,
+                                    _sparse_mlp_shapes(c) if sparse else None))
+    if not tied:
         shapes["lm_head.weight"] = (c.vocab_size, c.hidden_size)
     return shapes
 
@@ -387,9 +479,8 @@ def _layer_shapes(layer: str, c: Any, mixer: dict[str, tuple[int, ...]],
                   mlp: dict[str, tuple[int, ...]] | None = None) -> dict[str, tuple[int, ...]]:
     """A decoder layer's: its norms, its attention (``mixer``, names within the layer), its MLP
     (``mlp``, names within the layer; None: the dense one)."""
-    hidden, inter = c.hidden_size, c.intermediate_size
-    mlp = mlp or {"mlp.gate_proj.weight": (inter, hidden), "mlp.up_proj.weight": (inter, hidden),
-                  "mlp.down_proj.weight": (hidden, inter)}
+    hidden = c.hidden_size
+    mlp = mlp or _gated_mlp_shapes("mlp.", hidden, c.intermediate_size)
     return {
         layer + "input_layernorm.weight": (hidden,),
         layer + "post_attention_layernorm.weight": (hidden,),
@@ -398,15 +489,23 @@ def _layer_shapes(layer: str, c: Any, mixer: dict[str, tuple[int, ...]],
     }
 
 
+def _gated_mlp_shapes(prefix: str, hidden: int, inter: int) -> dict[str, tuple[int, ...]]:
+    return {prefix + "gate_proj.weight": (inter, hidden),
+            prefix + "up_proj.weight": (inter, hidden),
+            prefix + "down_proj.weight": (hidden, inter)}
+
+
 def _sparse_mlp_shapes(c: Any) -> dict[str, tuple[int, ...]]:
-    """A Qwen3-MoE layer's router and experts, one tensor per expert and projection."""
-    hidden, inter = c.hidden_size, c.moe_intermediate_size
+    """An MoE layer's router and experts, one tensor per expert and projection, and its shared
+    expert and that expert's gate where the config sizes one (Qwen3.5-MoE)."""
+    hidden = c.hidden_size
     shapes = {"mlp.gate.weight": (c.num_experts, hidden)}
     for expert in range(c.num_experts):
-        prefix = f"mlp.experts.{expert}."
-        shapes.update({prefix + "gate_proj.weight": (inter, hidden),
-                       prefix + "up_proj.weight": (inter, hidden),
-                       prefix + "down_proj.weight": (hidden, inter)})
+        shapes.update(_gated_mlp_shapes(f"mlp.experts.{expert}.", hidden, c.moe_intermediate_size))
+    shared = getattr(c, "shared_expert_intermediate_size", 0)
+    if shared:
+        shapes.update(_gated_mlp_shapes("mlp.shared_expert.", hidden, shared))
+        shapes["mlp.shared_expert_gate.weight"] = (1, hidden)
     return shapes
 
 
@@ -424,15 +523,16 @@ def _attention_shapes(c: Any, gated: bool) -> dict[str, tuple[int, ...]]:
     }
 
 
-def _linear_attention_shapes(c: Any) -> dict[str, tuple[int, ...]]:
+def _linear_attention_shapes(c: Any, grouped: bool = False) -> dict[str, tuple[int, ...]]:
+    """``grouped`` (Qwen3-Next): the input projections in two tensors, not four."""
     hidden, v_heads = c.hidden_size, c.linear_num_value_heads
     key_dim = c.linear_num_key_heads * c.linear_key_head_dim
     value_dim = v_heads * c.linear_value_head_dim
+    projections = ({"in_proj_qkvz": 2 * key_dim + 2 * value_dim, "in_proj_ba": 2 * v_heads}
+                   if grouped else {"in_proj_qkv": 2 * key_dim + value_dim, "in_proj_z": value_dim,
+                                    "in_proj_b": v_heads, "in_proj_a": v_heads})
     return {
-        "linear_attn.in_proj_qkv.weight": (2 * key_dim + value_dim, hidden),
-        "linear_attn.in_proj_z.weight": (value_dim, hidden),
-        "linear_attn.in_proj_b.weight": (v_heads, hidden),
-        "linear_attn.in_proj_a.weight": (v_heads, hidden),
+        **{f"linear_attn.{name}.weight": (rows, hidden) for name, rows in projections.items()},
         "linear_attn.conv1d.weight": (2 * key_dim + value_dim, 1, c.linear_conv_kernel_dim),
         "linear_attn.A_log": (v_heads,),
         "linear_attn.dt_bias": (v_heads,),
@@ -474,6 +574,10 @@ def _perturb_norms_and_biases(model: torch.nn.Module, std: float) -> None:
                 param.uniform_(0.5, 1.5)
 
 
+_ZERO_CENTRED_NORMS = ("Qwen3_5RMSNorm", "Qwen3_5MoeRMSNorm", "Qwen3NextRMSNorm")
+_GATED_DELTA_NETS = ("Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet", "Qwen3NextGatedDeltaNet")
+
+
 def _tune_linear_attention(model: torch.nn.Module) -> None:
     """Qwen3.5's weights where the common draw would mislead: its zero-centred norms (which
     scale by ``1 + w``, initialised to 0) moved back around 0, and decays that keep some memory.
@@ -489,11 +593,20 @@ def _tune_linear_attention(model: torch.nn.Module) -> None:
     with torch.no_grad():
         for module in model.modules():
             kind = type(module).__name__
-            if kind == "Qwen3_5RMSNorm":
+            if kind in _ZERO_CENTRED_NORMS:
                 module.weight.sub_(1.0)
-            elif kind == "Qwen3_5GatedDeltaNet":
+            elif kind in _GATED_DELTA_NETS:
                 module.A_log.copy_(torch.empty_like(module.A_log).uniform_(0.01, 0.1).log())
-                module.in_proj_a.weight.mul_(0.05)
+                _decay_projection(module).mul_(0.05)
+
+
+def _decay_projection(net: torch.nn.Module) -> torch.Tensor:
+    """The rows of a Gated DeltaNet's input projection that give ``a``: Qwen3.5's ``in_proj_a``,
+    or in Qwen3-Next's ``in_proj_ba`` the second half of each key head's group."""
+    if hasattr(net, "in_proj_a"):
+        return net.in_proj_a.weight
+    ba = net.in_proj_ba.weight.view(net.num_k_heads, 2, -1, net.hidden_size)
+    return ba[:, 1]
 
 
 def _add_mtp_weights(path: Path, text_config: Any, seed: int) -> None:
