@@ -338,16 +338,18 @@ def test_engine_state_machine():
           mock.patch.object(step_module, "decode_step", _spying_decode_step)):
         EngineMachine.TestCase().runTest()
     print(f"state machine: {dict(coverage)}")
-    # The properties met what they are there for (default runs reach several times these).
-    for what, least in (("plain decode steps", 100),
-                        ("states stepped again after a plain decode step", 50),
-                        ("failed launches that wrote cached blocks", 5),
-                        ("rows widened by decoding", 3),
-                        ("admissions past a hash collision", 10),
-                        ("hybrid states saved", 50),
-                        ("hybrid sequences started from a saved state", 10),
-                        ("hybrid admissions with no free state slot", 25),  # 77-752 seen
-                        ("failed launches that restore or save states", 1)):
+    # The properties met what they are there for. Counts over random runs: each floor is well
+    # under the fewest seen in default runs (in brackets), so that a run falls short only when
+    # the property stopped meeting its case, not by chance.
+    for what, least in (("plain decode steps", 100),  # (2,233)
+                        ("states stepped again after a plain decode step", 50),  # (788)
+                        ("failed launches that wrote cached blocks", 1),  # (3)
+                        ("rows widened by decoding", 3),  # (60)
+                        ("admissions past a hash collision", 10),  # (258)
+                        ("hybrid states saved", 8),  # (28)
+                        ("hybrid sequences started from a saved state", 10),  # (51)
+                        ("hybrid admissions with no free state slot", 25),  # (77)
+                        ("failed launches that restore or save states", 1)):  # (9)
         assert coverage[what] >= coverage_floor(least), f"{what}: {coverage[what]}"
 
 
