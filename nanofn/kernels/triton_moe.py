@@ -58,6 +58,13 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Align
 
 
 @triton.jit
+def _block_pairs(sorted_pairs_ptr, num_pairs, BLOCK_M: tl.constexpr):
+    """Block ``program_id(0)``'s sorted pairs, and which of them are pairs (not padding)."""
+    pairs = tl.load(sorted_pairs_ptr + tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M))
+    return pairs, pairs < num_pairs
+
+
+@triton.jit
 def _gate_up_kernel(x_ptr, w13_ptr, out_ptr, sorted_pairs_ptr, block_experts_ptr, num_pairs,
                     hidden, inter, x_stride, w_stride_e, w_stride_n, out_stride,
                     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -67,8 +74,7 @@ def _gate_up_kernel(x_ptr, w13_ptr, out_ptr, sorted_pairs_ptr, block_experts_ptr
     expert = tl.load(block_experts_ptr + tl.program_id(0))
     if expert < 0:
         return
-    pairs = tl.load(sorted_pairs_ptr + tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M))
-    pair_ok = pairs < num_pairs
+    pairs, pair_ok = _block_pairs(sorted_pairs_ptr, num_pairs, BLOCK_M)
     tokens = (pairs // TOP_K).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < inter
@@ -101,8 +107,7 @@ def _down_kernel(a_ptr, w2_ptr, out_ptr, routing_ptr, sorted_pairs_ptr, block_ex
     expert = tl.load(block_experts_ptr + tl.program_id(0))
     if expert < 0:
         return
-    pairs = tl.load(sorted_pairs_ptr + tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M))
-    pair_ok = pairs < num_pairs
+    pairs, pair_ok = _block_pairs(sorted_pairs_ptr, num_pairs, BLOCK_M)
     rows = pairs.to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < hidden
