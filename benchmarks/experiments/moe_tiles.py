@@ -14,6 +14,7 @@ import itertools
 
 import torch
 import triton
+import triton.runtime.errors
 from triton.testing import do_bench
 
 from nanofn.kernels import moe
@@ -80,8 +81,15 @@ def main() -> None:
         results = {"gate_up": [], "down": []}
         for tile in candidates(num_pairs):
             aligned = align_pairs(ids, EXPERTS, tile[0])
-            activated = gate_up(x, w13, aligned, num_pairs, tile)
-            scaled = down(activated, w2, weights.flatten().contiguous(), aligned, num_pairs, tile)
+            try:
+                activated = gate_up(x, w13, aligned, num_pairs, tile)
+            except triton.runtime.errors.OutOfResources:
+                continue  # (its stages do not fit in shared memory)
+            try:
+                scaled = down(activated, w2, weights.flatten().contiguous(), aligned, num_pairs,
+                              tile)
+            except triton.runtime.errors.OutOfResources:
+                continue
             got = scaled.view(tokens, TOP_K, HIDDEN).sum(1, dtype=torch.float32).to(x.dtype)
             torch.testing.assert_close(got, expected, atol=3e-2, rtol=3e-2)
             results["gate_up"].append(
