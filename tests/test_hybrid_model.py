@@ -331,7 +331,8 @@ def varlen(lens: list[int]) -> tuple[torch.Tensor, list[tuple[int, int]]]:
 
 
 def test_causal_conv1d_matches_transformers_from_and_to_state_slots():
-    """Sequences shorter than the window included; a fresh sequence's slot holds NaN."""
+    """Sequences shorter than the window included; a fresh sequence's slot holds NaN; the output
+    in three contiguous parts."""
     generator = torch.Generator().manual_seed(10)
     channels, kernel_size = 6, 4
     x = torch.randn(sum(LENS), channels, generator=generator)
@@ -341,8 +342,11 @@ def test_causal_conv1d_matches_transformers_from_and_to_state_slots():
     before = states.clone()
     query_start, ranges = varlen(LENS)
 
-    out = causal_conv1d(x, weight, states[:, 1], query_start, torch.tensor(SLOTS),
-                        torch.tensor(RESUME))
+    parts = causal_conv1d(x, weight, states[:, 1], query_start, torch.tensor(SLOTS),
+                          torch.tensor(RESUME), (2, 1, 3))
+    assert [part.shape for part in parts] == [(len(x), 2), (len(x), 1), (len(x), 3)]
+    assert all(part.is_contiguous() for part in parts)
+    out = torch.cat(parts, dim=1)
 
     for (start, end), slot, resume in zip(ranges, SLOTS, RESUME):
         initial = before[slot, 1] if resume else torch.zeros(channels, kernel_size - 1)

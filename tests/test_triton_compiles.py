@@ -183,7 +183,7 @@ def test_hybrid_kernels_compile(compile_for_h100, tokens):
     initial = torch.ones(seqs, dtype=torch.bool)
     query_start = torch.tensor([0, *range(tokens - seqs + 1, tokens + 1)], dtype=torch.int32)
     compile_for_h100(linear.causal_conv1d, empty(tokens, channels), empty(channels, 4),
-                     conv_states, query_start, state_slots, initial)
+                     conv_states, query_start, state_slots, initial, (2048, 2048, 4096))
     compile_for_h100(linear.causal_conv1d_update, empty(seqs, channels), empty(channels, 4),
                      conv_states, state_slots, initial)
     ssm = empty(8, 24, 32, 128, 128, dtype=torch.float32)[:, 1]
@@ -212,11 +212,13 @@ def test_hybrid_kernels_compile(compile_for_h100, tokens):
     compile_for_h100(linear.rms_norm_gated, empty(tokens, 32, 128), z, empty(128), 1e-6)
 
 
-@pytest.mark.parametrize("tokens", [1, 40, 600])
+@pytest.mark.parametrize("tokens", [1, 8, 40, 200, 600, 2000])
 def test_moe_kernels_compile(compile_for_h100, tokens):
-    """The experts' two grouped GEMMs at Qwen3-30B-A3B's sizes (128 experts of 768, 8 a token),
-    in each tile size ``default_tiles`` picks."""
+    """The router's kernel, the pairs' alignment and the experts' two grouped GEMMs at
+    Qwen3-30B-A3B's sizes (128 experts of 768, 8 a token), in each tile size ``default_tiles``
+    picks."""
     hidden, inter, experts, top_k = 2048, 768, 128, 8
+    compile_for_h100(triton_moe.select_experts, empty(tokens, experts), top_k, True)
     topk_ids = torch.zeros(tokens, top_k, dtype=torch.int64)
     compile_for_h100(triton_moe.fused_moe, empty(tokens, hidden),
                      empty(experts, 2 * inter, hidden), empty(experts, hidden, inter),

@@ -53,20 +53,26 @@ def slot_states(shape, dtype, generator):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_causal_conv1d_over_a_batch_of_chunks_matches_reference(interpreter, dtype):
+    """``x`` a strided view (the projection's first columns, as the model passes it); the output
+    in three parts of uneven widths (``q``, ``k``, ``v``), each contiguous."""
     generator = torch.Generator().manual_seed(1)
     lengths = [1, 5, 70]  # one shorter than the window (from its state), one over several tiles
-    channels, width = 96, 3
-    x = torch.randn(sum(lengths), channels, generator=generator).to(dtype)
+    channels, width, parts = 96, 3, (24, 16, 56)
+    x = torch.randn(sum(lengths), channels + 5, generator=generator).to(dtype)[:, :channels]
     weight = torch.randn(channels, width + 1, generator=generator).to(dtype)
     query_start = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     states = slot_states((channels, width), dtype, generator)
     expected_states = states.clone()
-    expected = causal_conv1d(x, weight, layer_of(expected_states), query_start, SLOTS, INITIAL)
+    expected = causal_conv1d(x, weight, layer_of(expected_states), query_start, SLOTS, INITIAL,
+                             parts)
 
     out, states = interpreter(conv_and_states, triton_linear_attention.causal_conv1d, x, weight,
-                              states, query_start, SLOTS, INITIAL)
+                              states, query_start, SLOTS, INITIAL, parts)
 
-    torch.testing.assert_close(out, expected, **TOLERANCES[dtype])
+    assert [part.shape[1] for part in out] == list(parts)
+    assert all(part.is_contiguous() for part in out)
+    torch.testing.assert_close(torch.cat(out, dim=1), torch.cat(expected, dim=1),
+                               **TOLERANCES[dtype])
     torch.testing.assert_close(states, expected_states, equal_nan=True, **TOLERANCES[dtype])
 
 

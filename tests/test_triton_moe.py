@@ -1,5 +1,6 @@
 """The Triton mixture-of-experts kernels (``triton_moe.py``) on CPU through Triton's
-interpreter: the pairs' alignment by expert, and the experts' output against a plain
+interpreter: the router's choice against the torch reference, the pairs' alignment by expert
+(one launch against torch ops, over several programs), and the experts' output against a plain
 per-token computation, for a decode step of one token, batches where some experts get no
 token, sizes that are not multiples of the tiles, and float16."""
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nanofn.kernels import triton_moe
+from nanofn.kernels import moe, triton_moe
 
 TOLERANCES = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float16: dict(atol=2e-2, rtol=2e-2)}
 
@@ -39,22 +40,58 @@ def routed(num_tokens, num_experts, top_k, hidden, inter, dtype, seed, skip_expe
     return x, w13, w2, topk_weights, topk_ids
 
 
-def test_pairs_are_aligned_in_whole_blocks_of_one_expert():
+def aligned_both_ways(topk_ids, num_experts, block_m):
+    """``align_pairs``' one launch (in the interpreter's child) and its torch ops."""
+    num_blocks = -(-topk_ids.numel() // block_m) + min(num_experts, topk_ids.numel())
+    return (triton_moe.align_pairs(topk_ids, num_experts, block_m),
+            triton_moe.sorted_by_expert(topk_ids, num_experts, block_m, num_blocks))
+
+
+def test_pairs_are_aligned_in_whole_blocks_of_one_expert(interpreter):
     topk_ids = torch.tensor([[3, 0], [3, 1], [0, 3], [3, 5], [3, 0]])  # 5 x 2 pairs, 6 experts
-    aligned = triton_moe.align_pairs(topk_ids, num_experts=6, block_m=4)
-    flat = topk_ids.flatten()
-    pairs = aligned.sorted_pairs.view(-1, 4)
-    real = pairs < flat.numel()
-    assert sorted(pairs[real].tolist()) == list(range(flat.numel()))  # each pair once
-    for block, expert in zip(pairs, aligned.block_experts.tolist()):
-        if expert < 0:
-            assert (block == flat.numel()).all()  # past the last expert: padding only
-        else:
-            assert block[0] < flat.numel()  # no block of padding alone
-            assert (flat[block[block < flat.numel()].long()] == expert).all()
-    # experts 0 (3 pairs), 1 (1), 3 (5 -> 2 blocks), 5 (1): 5 blocks; 2 and 4 take none
-    assert aligned.block_experts.tolist()[:5] == [0, 1, 3, 3, 5]
-    assert (aligned.block_experts[5:] == -1).all()
+    for aligned in interpreter(aligned_both_ways, topk_ids, 6, 4):
+        flat = topk_ids.flatten()
+        pairs = aligned.sorted_pairs.view(-1, 4)
+        real = pairs < flat.numel()
+        assert sorted(pairs[real].tolist()) == list(range(flat.numel()))  # each pair once
+        for block, expert in zip(pairs, aligned.block_experts.tolist()):
+            if expert < 0:
+                assert (block == flat.numel()).all()  # past the last expert: padding only
+            else:
+                assert block[0] < flat.numel()  # no block of padding alone
+                assert (flat[block[block < flat.numel()].long()] == expert).all()
+        # experts 0 (3 pairs), 1 (1), 3 (5 -> 2 blocks), 5 (1): 5 blocks; 2 and 4 take none
+        assert aligned.block_experts.tolist()[:5] == [0, 1, 3, 3, 5]
+        assert (aligned.block_experts[5:] == -1).all()
+
+
+@pytest.mark.parametrize("num_tokens, num_experts, top_k, block_m",
+                         [(1, 128, 8, 16), (90, 60, 8, 16), (700, 6, 2, 64)],
+                         ids=["decode-one-token", "three-programs", "few-experts-many-pairs"])
+def test_one_launch_aligns_the_pairs_as_the_torch_ops_do(interpreter, num_tokens, num_experts,
+                                                         top_k, block_m):
+    """Identical layouts (pairs in order within an expert), over programs of 256 pairs each."""
+    generator = torch.Generator().manual_seed(num_tokens)
+    scores = torch.rand(num_tokens, num_experts, generator=generator)
+    scores[:, 1] = -1  # an expert no token chooses
+    topk_ids = scores.topk(top_k, dim=-1).indices
+    one_launch, torch_ops = interpreter(aligned_both_ways, topk_ids, num_experts, block_m)
+    assert torch.equal(one_launch.block_experts, torch_ops.block_experts)
+    assert torch.equal(one_launch.sorted_pairs, torch_ops.sorted_pairs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("num_experts, top_k, renormalize",
+                         [(128, 8, True), (60, 6, False), (6, 1, True)])
+def test_router_kernel_chooses_as_the_reference(interpreter, dtype, num_experts, top_k,
+                                                renormalize):
+    generator = torch.Generator().manual_seed(num_experts)
+    logits = (3 * torch.randn(9, num_experts + 3, generator=generator)).to(dtype)[:, :num_experts]
+    weights, ids = interpreter(triton_moe.select_experts, logits, top_k, renormalize)
+    expected_weights, expected_ids = moe.select_experts(logits, top_k, renormalize)
+    assert torch.equal(ids, expected_ids)
+    assert weights.dtype == dtype
+    torch.testing.assert_close(weights, expected_weights, **TOLERANCES[dtype])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -64,7 +101,8 @@ def test_fused_moe_matches_the_experts_token_by_token(interpreter, dtype, num_to
     x, w13, w2, topk_weights, topk_ids = routed(num_tokens, num_experts=8, top_k=3, hidden=40,
                                                 inter=24, dtype=dtype, seed=num_tokens,
                                                 skip_experts=skip)
-    tiles = triton_moe.MoeTiles(block_m=16, block_n=16, block_k=16)  # several tiles a matrix
+    several = triton_moe.GemmTiles(block_n=16, block_k=16)  # several tiles a matrix
+    tiles = triton_moe.MoeTiles(block_m=16, gate_up=several, down=several)
     out = interpreter(triton_moe.fused_moe, x, w13, w2, topk_weights, topk_ids, tiles)
     expected = experts_one_token_at_a_time(x, w13, w2, topk_weights, topk_ids)
     assert out.dtype == dtype

@@ -1,9 +1,10 @@
 """A prompt's short causal convolution at the Qwen3.5-9B shape (8,192 channels, 4 taps, the
-input a strided view of the layer's projection, as the model passes it): nanofn's tile kernel
-(``_conv_kernel``, every tap a masked load) in each tile size and warp count, against a kernel
-that walks each program's tokens in order and keeps the last three inputs in registers (every
-input read once); then the decode step's update kernel by channel block. Each variant's output
-and new states are checked against the torch reference first.
+input a strided view of the layer's projection, as the model passes it): nanofn's kernel
+(``_conv_kernel``: each program walks its tokens in order, the last three inputs in registers)
+in each tile size and warp count, then the decode step's update kernel by channel block. Each
+variant's output and new states are checked against the torch reference first. (The kernel it
+replaced, a tile of tokens by channels with every tap a masked load, took 536-717 us on an
+H200 where this one takes 274: RESULTS.md, 2026-11-27.)
 
 Usage: python benchmarks/experiments/conv_prefill.py [--prompts 29] [--prompt-len 560]
        [--decode-seqs 256]
@@ -17,89 +18,26 @@ import os
 
 import torch
 import triton
-import triton.language as tl
 
 from nanofn.kernels import causal_conv
 from nanofn.kernels.triton_linear_attention import (_conv_kernel, _conv_state_kernel,
                                                     _conv_update_kernel)
 
-
-@triton.jit
-def _conv_window_kernel(x_ptr, weight_ptr, states_ptr, out_ptr, seq_of_token_ptr, starts_ptr,
-                        slots_ptr, initial_ptr, num_tokens, channels, x_stride, out_stride,
-                        state_slot_stride, state_channel_stride, state_tap_stride,
-                        BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
-    """``silu(conv(x))`` of tokens ``program_id(0) * BLOCK_T ...`` in order, for ``BLOCK_C``
-    channels, 4 taps: the window of the three inputs before a token is carried in registers,
-    reloaded from the sequence's state (or zeros) where a sequence starts."""
-    first = tl.program_id(0) * BLOCK_T
-    channels_ = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    ok = channels_ < channels
-    w0 = tl.load(weight_ptr + channels_ * 4 + 0, mask=ok, other=0.0).to(tl.float32)
-    w1 = tl.load(weight_ptr + channels_ * 4 + 1, mask=ok, other=0.0).to(tl.float32)
-    w2 = tl.load(weight_ptr + channels_ * 4 + 2, mask=ok, other=0.0).to(tl.float32)
-    w3 = tl.load(weight_ptr + channels_ * 4 + 3, mask=ok, other=0.0).to(tl.float32)
-    seq = tl.load(seq_of_token_ptr + first)
-    start = tl.load(starts_ptr + seq)
-    slot = tl.load(slots_ptr + seq).to(tl.int64)
-    initial = tl.load(initial_ptr + seq) != 0
-    state = states_ptr + slot * state_slot_stride + channels_ * state_channel_stride
-    # the three inputs before ``first``: from x inside the sequence, else from its state
-    h1 = tl.where(first - 3 >= start,
-                  tl.load(x_ptr + (first - 3) * x_stride + channels_,
-                          mask=ok & (first - 3 >= start), other=0.0).to(tl.float32),
-                  tl.load(state + (first - start) * state_tap_stride,
-                          mask=ok & (first - 3 < start) & initial, other=0.0).to(tl.float32))
-    h2 = tl.where(first - 2 >= start,
-                  tl.load(x_ptr + (first - 2) * x_stride + channels_,
-                          mask=ok & (first - 2 >= start), other=0.0).to(tl.float32),
-                  tl.load(state + (first - start + 1) * state_tap_stride,
-                          mask=ok & (first - 2 < start) & initial, other=0.0).to(tl.float32))
-    h3 = tl.where(first - 1 >= start,
-                  tl.load(x_ptr + (first - 1) * x_stride + channels_,
-                          mask=ok & (first - 1 >= start), other=0.0).to(tl.float32),
-                  tl.load(state + (first - start + 2) * state_tap_stride,
-                          mask=ok & (first - 1 < start) & initial, other=0.0).to(tl.float32))
-    for step in range(BLOCK_T):
-        token = first + step
-        live = token < num_tokens
-        seq = tl.load(seq_of_token_ptr + token, mask=live, other=0)
-        fresh = (tl.load(starts_ptr + seq) == token) & (step != 0) & live
-        slot = tl.load(slots_ptr + seq).to(tl.int64)
-        reload = ok & fresh & (tl.load(initial_ptr + seq) != 0)
-        state = states_ptr + slot * state_slot_stride + channels_ * state_channel_stride
-        h1 = tl.where(fresh, tl.load(state, mask=reload, other=0.0).to(tl.float32), h1)
-        h2 = tl.where(fresh, tl.load(state + state_tap_stride, mask=reload,
-                                     other=0.0).to(tl.float32), h2)
-        h3 = tl.where(fresh, tl.load(state + 2 * state_tap_stride, mask=reload,
-                                     other=0.0).to(tl.float32), h3)
-        x = tl.load(x_ptr + token * x_stride + channels_, mask=ok & live,
-                    other=0.0).to(tl.float32)
-        acc = w0 * h1 + w1 * h2 + w2 * h3 + w3 * x
-        out = acc / (1.0 + tl.exp(-acc))
-        tl.store(out_ptr + token * out_stride + channels_, out.to(out_ptr.dtype.element_ty),
-                 mask=ok & live)
-        h1, h2, h3 = h2, h3, x
+PARTS = (2048, 2048, 4096)  # q, k, v
 
 
-def conv(x, weight, states, query_start, slots, initial, kernel, block_t, block_c, warps):
-    """``causal_conv1d`` with the chosen prompt kernel and tiles (the state kernel as nanofn's)."""
+def conv(x, weight, states, query_start, slots, initial, block_t, block_c, warps, parts):
+    """``causal_conv1d`` in the chosen tiles (the state kernel as nanofn's): its output's parts
+    end to end, flat."""
     num_tokens, channels = x.shape
     starts, ends = query_start[:-1].contiguous(), query_start[1:].contiguous()
     seq_of_token = torch.searchsorted(ends.long(), torch.arange(num_tokens, device=x.device),
                                       right=True).clamp_(max=len(slots) - 1)
-    out = torch.empty_like(x)
+    out = x.new_empty(num_tokens * channels)
     grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(channels, block_c))
-    if kernel == "window":
-        _conv_window_kernel[grid](
-            x, weight, states, out, seq_of_token, starts, slots, initial, num_tokens, channels,
-            x.stride(0), out.stride(0), *states.stride(), BLOCK_T=block_t, BLOCK_C=block_c,
-            num_warps=warps)
-    else:
-        _conv_kernel[grid](
-            x, weight, states, out, seq_of_token, starts, slots, initial, num_tokens, channels,
-            x.stride(0), out.stride(0), *states.stride(), WIDTH=3, BLOCK_T=block_t,
-            BLOCK_C=block_c, num_warps=warps)
+    _conv_kernel[grid](x, weight, states, out, seq_of_token, starts, slots, initial, num_tokens,
+                       channels, parts[0], 0, x.stride(0), *states.stride(), BLOCK_T=block_t,
+                       BLOCK_C=block_c, num_warps=warps)
     _conv_state_kernel[(len(slots), triton.cdiv(channels, 64))](
         x, states, starts, ends, slots, initial, channels, x.stride(0), *states.stride(),
         WIDTH=3, WIDTH_P2=4, BLOCK_C=64)
@@ -135,9 +73,9 @@ def check(variant, lengths, channels, device, dtype, tolerance):
     x, weight, states, query_start, slots, initial = inputs(lengths, channels, device, dtype)
     expected_states = states.clone()
     expected = causal_conv.causal_conv1d(x, weight, expected_states[:, 1], query_start, slots,
-                                         initial)
-    out = conv(x, weight, states[:, 1], query_start, slots, initial, *variant)
-    torch.testing.assert_close(out, expected, atol=tolerance, rtol=tolerance)
+                                         initial, (channels,))[0]
+    out = conv(x, weight, states[:, 1], query_start, slots, initial, *variant, (channels,))
+    torch.testing.assert_close(out.view_as(expected), expected, atol=tolerance, rtol=tolerance)
     torch.testing.assert_close(states, expected_states, atol=tolerance, rtol=tolerance)
 
 
@@ -151,7 +89,7 @@ def main() -> None:
     if args.check:
         if os.environ.get("TRITON_INTERPRET") != "1":
             raise SystemExit("--check runs in Triton's interpreter: TRITON_INTERPRET=1")
-        for variant in (("tile", 32, 64, 4), ("window", 4, 64, 1), ("window", 8, 32, 1)):
+        for variant in ((16, 256, 2), (4, 64, 1), (8, 32, 1)):
             check(variant, [1, 2, 5, 13, 3], 96, "cpu", torch.float32, 1e-5)
         print("every variant matches the reference")
         return
@@ -164,16 +102,15 @@ def main() -> None:
                                                             torch.bfloat16)
     print(f"{args.prompts} x {args.prompt_len} tokens, {channels} channels: "
           f"{moved / 1e6:.0f} MB read and written, {torch.cuda.get_device_name()}")
-    variants = [("tile", t, c, w) for t in (16, 32, 64) for c in (64, 128, 256) for w in (4, 8)
-                if t * c <= 8192]
-    variants += [("window", t, c, w) for t in (16, 32, 64, 128) for c in (128, 256, 512, 1024)
-                 for w in (1, 2, 4) if c // (32 * w) >= 1]
+    variants = [(t, c, w) for t in (16, 32, 64, 128) for c in (128, 256, 512, 1024)
+                for w in (1, 2, 4) if c // (32 * w) >= 1]
     for variant in variants:
         check(variant, [3, 70, 1, 200], channels, "cuda", torch.bfloat16, 2e-2)
         layer = states[:, 1]
-        ms = do_bench(lambda: conv(x, weight, layer, query_start, slots, initial, *variant))
-        print(f"{variant[0]:>6} BLOCK_T {variant[1]:>3} BLOCK_C {variant[2]:>4} "
-              f"{variant[3]} warps {ms * 1e3:8.1f} us {moved / ms / 1e6:6.0f} GB/s")
+        ms = do_bench(lambda: conv(x, weight, layer, query_start, slots, initial, *variant,
+                                   PARTS))
+        print(f"BLOCK_T {variant[0]:>3} BLOCK_C {variant[1]:>4} {variant[2]} warps "
+              f"{ms * 1e3:8.1f} us {moved / ms / 1e6:6.0f} GB/s")
     n = args.decode_seqs
     x = torch.randn(n, channels + 320, device="cuda", dtype=torch.bfloat16)[:, :channels]
     states = torch.randn(n + 3, 24, channels, 3, device="cuda", dtype=torch.bfloat16)

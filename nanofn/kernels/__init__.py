@@ -45,14 +45,15 @@ class KernelBackend:
     # A hybrid model's linear-attention layers (Gated DeltaNet), reading and writing the state
     # slots of a ``RecurrentState``: the causal convolution and the gated delta rule over a
     # step's sequences, and over one token a sequence (a decode step); the gated output norm.
-    causal_conv1d: Callable[..., torch.Tensor]
+    causal_conv1d: Callable[..., list[torch.Tensor]]
     causal_conv1d_update: Callable[..., torch.Tensor]
     delta_rule_gates: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     gated_delta_rule: Callable[..., torch.Tensor]
     gated_delta_rule_update: Callable[..., torch.Tensor]
     rms_norm_gated: Callable[..., torch.Tensor]
-    # A mixture-of-experts layer's experts (Qwen3-MoE): each token through its top-k experts'
-    # gated MLPs, weighted and summed (the router, ``select_experts``, is plain torch)
+    # A mixture-of-experts layer (Qwen3-MoE): the router's choice of each token's top-k experts
+    # from its logits, then each token through its experts' gated MLPs, weighted and summed
+    select_experts: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     fused_moe: Callable[..., torch.Tensor]
 
 
@@ -69,6 +70,7 @@ TORCH_KERNELS = KernelBackend(
     gated_delta_rule=gated_delta_rule,
     gated_delta_rule_update=gated_delta_rule_update,
     rms_norm_gated=rms_norm_gated,
+    select_experts=select_experts,
     fused_moe=fused_moe,
 )
 

@@ -21,10 +21,13 @@ def causal_conv1d(
     query_start: torch.Tensor,
     state_slots: torch.Tensor,
     has_initial_state: torch.Tensor,
-) -> torch.Tensor:
+    parts: tuple[int, ...],
+) -> list[torch.Tensor]:
     """``silu(conv(x))`` of a flattened batch: sequence ``i``'s new inputs are the rows
     ``query_start[i] : query_start[i + 1]`` of ``x [T, C]``, its state is slot
-    ``state_slots[i]``. ``weight`` is ``[C, K]``. Returns ``[T, C]`` in ``x``'s dtype.
+    ``state_slots[i]``. ``weight`` is ``[C, K]``. Returns the ``[T, C]`` output in ``x``'s dtype
+    split into ``parts`` (their channel counts, e.g. ``q``, ``k`` and ``v``), each contiguous:
+    flash-linear-attention's chunked kernel reads its inputs contiguous, and would copy views.
 
     The inputs are laid out again with each sequence's ``K - 1`` earlier inputs before its new
     ones, so that every token's window is ``K`` consecutive rows, and a sequence's new state is
@@ -48,7 +51,7 @@ def causal_conv1d(
     out = (windows.float() * weight.float().T).sum(dim=1)
     conv_states[state_slots] = extended[state_rows + (ends - starts)[:, None]].transpose(1, 2).to(
         conv_states.dtype)
-    return F.silu(out).to(x.dtype)
+    return [part.contiguous() for part in F.silu(out).to(x.dtype).split(parts, dim=-1)]
 
 
 def causal_conv1d_update(

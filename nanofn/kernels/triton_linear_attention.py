@@ -26,37 +26,68 @@ from nanofn.kernels.delta_rule import L2_NORM_EPS, gated_delta_rule
 
 @triton.jit
 def _conv_kernel(x_ptr, weight_ptr, states_ptr, out_ptr, seq_of_token_ptr, starts_ptr,
-                 slots_ptr, initial_ptr, num_tokens, channels,
-                 x_stride, out_stride, state_slot_stride, state_channel_stride,
-                 state_tap_stride, WIDTH: tl.constexpr, BLOCK_T: tl.constexpr,
-                 BLOCK_C: tl.constexpr):
-    """``silu(conv(x))`` of ``BLOCK_T`` tokens by ``BLOCK_C`` channels of a flattened batch;
-    a tap before its sequence's first new token reads the sequence's conv state (or zero)."""
-    tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+                 slots_ptr, initial_ptr, num_tokens, channels, part0, part1, x_stride,
+                 state_slot_stride, state_channel_stride, state_tap_stride,
+                 BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    """``silu(conv(x))`` of the tokens ``program_id(0) * BLOCK_T ...`` in order, for ``BLOCK_C``
+    channels, 4 taps: the three inputs before a token ride along in registers (every input is
+    read once), taken from the sequence's conv state (or zeros) where a sequence starts. The
+    output is ``out_ptr``'s three parts end to end, channels ``[0, part0)``, ``[part0, part0 +
+    part1)`` and the rest, each ``[num_tokens, its channels]``."""
+    first = tl.program_id(0) * BLOCK_T
     channels_ = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    token_ok = tokens < num_tokens
-    channel_ok = channels_ < channels
-    seq = tl.load(seq_of_token_ptr + tokens, mask=token_ok, other=0)
-    start = tl.load(starts_ptr + seq, mask=token_ok, other=0)
-    slot = tl.load(slots_ptr + seq, mask=token_ok, other=0).to(tl.int64)
-    initial = tl.load(initial_ptr + seq, mask=token_ok, other=0) != 0
-    acc = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
-    for tap in tl.static_range(WIDTH + 1):
-        source = tokens - WIDTH + tap  # the input this tap reads
-        weight = tl.load(weight_ptr + channels_ * (WIDTH + 1) + tap, mask=channel_ok,
-                         other=0.0).to(tl.float32)
-        inside = source >= start
-        from_x = tl.load(x_ptr + source[:, None] * x_stride + channels_[None, :],
-                         mask=(token_ok & inside)[:, None] & channel_ok[None, :], other=0.0)
-        state_tap = WIDTH + (source - start)  # where an earlier input lies in the state
-        from_state = tl.load(
-            states_ptr + slot[:, None] * state_slot_stride
-            + channels_[None, :] * state_channel_stride + state_tap[:, None] * state_tap_stride,
-            mask=(token_ok & ~inside & initial)[:, None] & channel_ok[None, :], other=0.0)
-        acc += (from_x.to(tl.float32) + from_state.to(tl.float32)) * weight[None, :]
-    out = acc / (1.0 + tl.exp(-acc))
-    tl.store(out_ptr + tokens[:, None] * out_stride + channels_[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=token_ok[:, None] & channel_ok[None, :])
+    ok = channels_ < channels
+    in_part1, in_part2 = channels_ >= part0, channels_ >= part0 + part1
+    part_start = tl.where(in_part2, part0 + part1, tl.where(in_part1, part0, 0))
+    part_width = tl.where(in_part2, channels - part0 - part1, tl.where(in_part1, part1, part0))
+    out = out_ptr + part_start.to(tl.int64) * num_tokens + channels_ - part_start
+    w0 = tl.load(weight_ptr + channels_ * 4 + 0, mask=ok, other=0.0).to(tl.float32)
+    w1 = tl.load(weight_ptr + channels_ * 4 + 1, mask=ok, other=0.0).to(tl.float32)
+    w2 = tl.load(weight_ptr + channels_ * 4 + 2, mask=ok, other=0.0).to(tl.float32)
+    w3 = tl.load(weight_ptr + channels_ * 4 + 3, mask=ok, other=0.0).to(tl.float32)
+    seq = tl.load(seq_of_token_ptr + first)
+    start = tl.load(starts_ptr + seq)
+    slot = tl.load(slots_ptr + seq).to(tl.int64)
+    initial = tl.load(initial_ptr + seq) != 0
+    state = states_ptr + slot * state_slot_stride + channels_ * state_channel_stride
+    h1 = _input_before(x_ptr, state, first, 3, start, initial, channels_, ok, x_stride,
+                       state_tap_stride)
+    h2 = _input_before(x_ptr, state, first, 2, start, initial, channels_, ok, x_stride,
+                       state_tap_stride)
+    h3 = _input_before(x_ptr, state, first, 1, start, initial, channels_, ok, x_stride,
+                       state_tap_stride)
+    for step in range(BLOCK_T):
+        token = first + step
+        live = token < num_tokens
+        seq = tl.load(seq_of_token_ptr + token, mask=live, other=0)
+        fresh = (tl.load(starts_ptr + seq) == token) & (step != 0) & live  # a sequence starts
+        slot = tl.load(slots_ptr + seq).to(tl.int64)
+        reload = ok & fresh & (tl.load(initial_ptr + seq) != 0)
+        state = states_ptr + slot * state_slot_stride + channels_ * state_channel_stride
+        h1 = tl.where(fresh, tl.load(state, mask=reload, other=0.0).to(tl.float32), h1)
+        h2 = tl.where(fresh, tl.load(state + state_tap_stride, mask=reload,
+                                     other=0.0).to(tl.float32), h2)
+        h3 = tl.where(fresh, tl.load(state + 2 * state_tap_stride, mask=reload,
+                                     other=0.0).to(tl.float32), h3)
+        x = tl.load(x_ptr + token * x_stride + channels_, mask=ok & live,
+                    other=0.0).to(tl.float32)
+        acc = w0 * h1 + w1 * h2 + w2 * h3 + w3 * x
+        tl.store(out + token * part_width, (acc / (1.0 + tl.exp(-acc))).to(
+            out_ptr.dtype.element_ty), mask=ok & live)
+        h1, h2, h3 = h2, h3, x
+
+
+@triton.jit
+def _input_before(x_ptr, state, token, back, start, initial, channels_, ok, x_stride,
+                  state_tap_stride):
+    """The input ``back`` tokens before ``token`` (float32): a row of ``x`` inside the
+    sequence starting at ``start``, else a tap of its conv state (zeros without one)."""
+    source = token - back
+    inside = source >= start
+    from_x = tl.load(x_ptr + source * x_stride + channels_, mask=ok & inside, other=0.0)
+    from_state = tl.load(state + (source - start + 3) * state_tap_stride,
+                         mask=ok & ~inside & initial, other=0.0)
+    return tl.where(inside, from_x.to(tl.float32), from_state.to(tl.float32))
 
 
 @triton.jit
@@ -89,26 +120,30 @@ def _conv_state_kernel(x_ptr, states_ptr, starts_ptr, ends_ptr, slots_ptr, initi
 
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_states: torch.Tensor,
                   query_start: torch.Tensor, state_slots: torch.Tensor,
-                  has_initial_state: torch.Tensor) -> torch.Tensor:
-    """``causal_conv.causal_conv1d``."""
+                  has_initial_state: torch.Tensor, parts: tuple[int, ...]) -> list[torch.Tensor]:
+    """``causal_conv.causal_conv1d``, for a kernel of 4 taps and up to three parts."""
     num_tokens, channels = x.shape
     width = weight.shape[1] - 1
+    if width != 3 or len(parts) > 3 or sum(parts) != channels:
+        raise ValueError(f"the prompt's conv kernel takes 4 taps and up to 3 parts of the "
+                         f"{channels} channels, got {width + 1} taps and parts {parts}")
     num_seqs = state_slots.shape[0]
     starts, ends = query_start[:-1].contiguous(), query_start[1:].contiguous()
     # (rows past the last sequence's, a graph's padding, count as its: no read out of bounds)
     seq_of_token = torch.searchsorted(ends.long(), torch.arange(num_tokens, device=x.device),
                                       right=True).clamp_(max=num_seqs - 1)
-    out = torch.empty_like(x)
-    block_t, block_c = 32, 64
+    out = x.new_empty(num_tokens * channels)
+    part0, part1 = (*parts, 0, 0)[:2]
+    block_t, block_c = 16, 256  # measured: benchmarks/experiments/conv_prefill.py
     _conv_kernel[(triton.cdiv(num_tokens, block_t), triton.cdiv(channels, block_c))](
-        x, weight, conv_states, out, seq_of_token, starts, state_slots, has_initial_state, num_tokens,
-        channels, x.stride(0), out.stride(0), *conv_states.stride(), WIDTH=width,
-        BLOCK_T=block_t, BLOCK_C=block_c)
-    _conv_state_kernel[(num_seqs, triton.cdiv(channels, block_c))](
+        x, weight, conv_states, out, seq_of_token, starts, state_slots, has_initial_state,
+        num_tokens, channels, part0, part1, x.stride(0), *conv_states.stride(), BLOCK_T=block_t,
+        BLOCK_C=block_c, num_warps=2)
+    _conv_state_kernel[(num_seqs, triton.cdiv(channels, 64))](
         x, conv_states, starts, ends, state_slots, has_initial_state, channels, x.stride(0),
-        *conv_states.stride(), WIDTH=width, WIDTH_P2=triton.next_power_of_2(width),
-        BLOCK_C=block_c)
-    return out
+        *conv_states.stride(), WIDTH=width, WIDTH_P2=triton.next_power_of_2(width), BLOCK_C=64)
+    return [part.view(num_tokens, size)
+            for part, size in zip(out.split([num_tokens * size for size in parts]), parts)]
 
 
 @triton.jit
@@ -142,11 +177,11 @@ def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, conv_states: tor
     """``causal_conv.causal_conv1d_update``."""
     num_seqs, channels = x.shape
     out = torch.empty_like(x)
-    block_c = 128
+    block_c = 256  # measured: benchmarks/experiments/conv_prefill.py
     _conv_update_kernel[(num_seqs, triton.cdiv(channels, block_c))](
         x, weight, conv_states, out, state_slots, has_initial_state, channels,
         x.stride(0), out.stride(0), *conv_states.stride(), WIDTH=weight.shape[1] - 1,
-        BLOCK_C=block_c)
+        BLOCK_C=block_c, num_warps=8)
     return out
 
 

@@ -33,12 +33,33 @@ class AlignedPairs:
     block_m: int
 
 
+ALIGN_IN_ONE_LAUNCH_UP_TO = 4096  # pairs: a decode step's (T * k); more go through torch ops
+ALIGN_CHUNK = 256  # pairs an alignment program places
+
+
 def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> AlignedPairs:
     """``AlignedPairs`` of ``topk_ids [T, k]``, with a capacity fixed by ``T * k`` (room for
-    every expert's padding)."""
+    every expert's padding). A decode step's few pairs are placed by one kernel
+    (``_align_kernel``), where a dozen torch ops would cost more than its experts' GEMMs; a
+    prompt's many by those ops (``sorted_by_expert``), whose launches hide behind the GEMMs."""
+    num_pairs = topk_ids.numel()
+    num_blocks = triton.cdiv(num_pairs, block_m) + min(num_experts, num_pairs)
+    if num_pairs > ALIGN_IN_ONE_LAUNCH_UP_TO:
+        return sorted_by_expert(topk_ids, num_experts, block_m, num_blocks)
+    sorted_pairs = topk_ids.new_empty(num_blocks * block_m, dtype=torch.int32)
+    block_experts = topk_ids.new_empty(num_blocks, dtype=torch.int32)
+    _align_kernel[(triton.cdiv(num_pairs, ALIGN_CHUNK),)](
+        topk_ids, sorted_pairs, block_experts, num_pairs, num_experts, num_blocks,
+        BLOCK_M=block_m, EXPERTS=triton.next_power_of_2(num_experts), CHUNK=ALIGN_CHUNK,
+        SUB=32, BLOCKS=64)
+    return AlignedPairs(sorted_pairs, block_experts, block_m)
+
+
+def sorted_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int,
+                     num_blocks: int) -> AlignedPairs:
+    """``align_pairs`` in torch ops (a stable sort by expert)."""
     experts = topk_ids.flatten().long()
     num_pairs = experts.numel()
-    num_blocks = triton.cdiv(num_pairs, block_m) + min(num_experts, num_pairs)
     counts = torch.zeros(num_experts, dtype=torch.int64, device=experts.device).scatter_add_(
         0, experts, torch.ones_like(experts))  # (bincount reads its maximum back on a GPU)
     padded = (counts + block_m - 1) // block_m * block_m
@@ -55,6 +76,104 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Align
     block_experts = torch.searchsorted(padded_ends, block_starts, right=True)
     block_experts = torch.where(block_experts < num_experts, block_experts, -1)
     return AlignedPairs(sorted_pairs, block_experts.to(torch.int32), block_m)
+
+
+@triton.jit
+def _align_kernel(ids_ptr, sorted_pairs_ptr, block_experts_ptr, num_pairs, num_experts,
+                  num_blocks, BLOCK_M: tl.constexpr, EXPERTS: tl.constexpr, CHUNK: tl.constexpr,
+                  SUB: tl.constexpr, BLOCKS: tl.constexpr):
+    """``sorted_by_expert``'s result, in place: program ``p`` places pairs ``p * CHUNK ...``.
+
+    Every program counts all the pairs' experts (so it knows where each expert's run starts)
+    and those of the pairs before its own; it then places its pairs in order, ``SUB`` at a
+    time, each after the earlier pairs of its expert (a pair's rank among a sub-chunk's is a
+    cumulative sum over a one-hot matrix: registers cannot be indexed by a tensor). Program 0
+    writes the padding after each expert's pairs; every program, its share of the blocks'
+    experts and of the slots past the last expert's run."""
+    program = tl.program_id(0)
+    experts = tl.arange(0, EXPERTS)
+    counts = tl.zeros([EXPERTS], dtype=tl.int32)
+    before = tl.zeros([EXPERTS], dtype=tl.int32)  # of the pairs before this program's
+    for first in range(0, num_pairs, CHUNK):
+        pairs = first + tl.arange(0, CHUNK)
+        ids = tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=0).to(tl.int32)
+        counted = tl.histogram(ids, EXPERTS, mask=pairs < num_pairs)
+        counts += counted
+        before += tl.where(first < program * CHUNK, counted, 0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    run_ends = tl.cumsum(padded, 0)
+    next_slot = run_ends - padded + before
+    for sub in tl.static_range(0, CHUNK, SUB):
+        pairs = program * CHUNK + sub + tl.arange(0, SUB)
+        ok = pairs < num_pairs
+        ids = tl.load(ids_ptr + pairs, mask=ok, other=0).to(tl.int32)
+        one_hot = ((ids[:, None] == experts[None, :]) & ok[:, None]).to(tl.int32)
+        rank = tl.cumsum(one_hot, 0) - one_hot
+        slot = tl.sum(one_hot * (next_slot[None, :] + rank), 1)
+        tl.store(sorted_pairs_ptr + slot, pairs, mask=ok)
+        next_slot += tl.sum(one_hot, 0)
+    if program == 0:
+        offsets = tl.arange(0, BLOCK_M)
+        padding = (run_ends - padded + counts)[:, None] + offsets[None, :]
+        tl.store(sorted_pairs_ptr + padding, num_pairs,
+                 mask=offsets[None, :] < (padded - counts)[:, None])
+    used = tl.sum(padded, 0)
+    step = tl.num_programs(0) * BLOCKS
+    for first_block in range(program * BLOCKS, num_blocks, step):
+        blocks = first_block + tl.arange(0, BLOCKS)
+        starts = blocks * BLOCK_M
+        past = (run_ends[None, :] <= starts[:, None]) & (experts < num_experts)[None, :]
+        expert = tl.sum(past.to(tl.int32), 1)
+        tl.store(block_experts_ptr + blocks, tl.where(expert < num_experts, expert, -1),
+                 mask=blocks < num_blocks)
+        offsets = tl.arange(0, BLOCK_M)
+        tl.store(sorted_pairs_ptr + starts[:, None] + offsets[None, :], num_pairs,
+                 mask=((blocks < num_blocks) & (starts >= used))[:, None])
+
+
+@triton.jit
+def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, logits_stride,
+                  TOP_K: tl.constexpr, TOP_K_P2: tl.constexpr, RENORMALIZE: tl.constexpr,
+                  EXPERTS: tl.constexpr):
+    """Token ``program_id(0)``'s experts, as ``moe.select_experts``: softmax in float32, the
+    ``TOP_K`` largest probabilities, largest first (the lower expert first on a tie), divided
+    by their sum where ``RENORMALIZE``."""
+    token = tl.program_id(0)
+    experts = tl.arange(0, EXPERTS)
+    expert_ok = experts < num_experts
+    logits = tl.load(logits_ptr + token * logits_stride + experts, mask=expert_ok,
+                     other=-float("inf")).to(tl.float32)
+    probs = tl.exp(logits - tl.max(logits, 0))
+    probs = tl.where(expert_ok, probs / tl.sum(probs, 0), -1.0)
+    ranks = tl.arange(0, TOP_K_P2)
+    chosen_weights = tl.zeros([TOP_K_P2], dtype=tl.float32)
+    chosen_ids = tl.zeros([TOP_K_P2], dtype=tl.int32)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(probs, 0)
+        expert = tl.min(tl.where(probs == best, experts, EXPERTS), 0)
+        chosen_weights = tl.where(ranks == j, best, chosen_weights)
+        chosen_ids = tl.where(ranks == j, expert, chosen_ids)
+        probs = tl.where(experts == expert, -1.0, probs)
+    if RENORMALIZE:
+        chosen_weights = chosen_weights / tl.sum(chosen_weights, 0)
+    tl.store(weights_ptr + token * TOP_K + ranks,
+             chosen_weights.to(weights_ptr.dtype.element_ty), mask=ranks < TOP_K)
+    tl.store(ids_ptr + token * TOP_K + ranks, chosen_ids.to(ids_ptr.dtype.element_ty),
+             mask=ranks < TOP_K)
+
+
+def select_experts(router_logits: torch.Tensor, top_k: int,
+                   renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``moe.select_experts`` in one launch (a program a token)."""
+    num_tokens, num_experts = router_logits.shape
+    weights = router_logits.new_empty(num_tokens, top_k)
+    ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=router_logits.device)
+    if num_tokens:
+        _route_kernel[(num_tokens,)](
+            router_logits, weights, ids, num_experts, router_logits.stride(0), TOP_K=top_k,
+            TOP_K_P2=triton.next_power_of_2(top_k), RENORMALIZE=renormalize,
+            EXPERTS=triton.next_power_of_2(num_experts))
+    return weights, ids
 
 
 @triton.jit
@@ -128,24 +247,42 @@ def _down_kernel(a_ptr, w2_ptr, out_ptr, routing_ptr, sorted_pairs_ptr, block_ex
 
 
 @dataclass(frozen=True)
-class MoeTiles:
-    """One launch's tiles: ``block_m`` sorted pairs by ``block_n`` output columns, ``block_k``
-    of the reduction at a time."""
+class GemmTiles:
+    """A grouped GEMM's tiles besides ``block_m``: ``block_n`` output columns, ``block_k`` of
+    the reduction at a time."""
 
-    block_m: int
     block_n: int
     block_k: int
     num_warps: int = 4
+    num_stages: int = 3
+
+
+@dataclass(frozen=True)
+class MoeTiles:
+    """``block_m`` sorted pairs a block (both launches read one alignment), and each launch's
+    other tiles."""
+
+    block_m: int
+    gate_up: GemmTiles
+    down: GemmTiles
+
+
+# Measured on an H200 at Qwen3-30B-A3B's sizes (benchmarks/experiments/moe_tiles.py): the
+# fastest tiles by pair count, each within a few percent of the best there.
+TILES_BY_PAIRS = (
+    (16, MoeTiles(16, GemmTiles(64, 128, 2, 4), GemmTiles(64, 256, 4, 3))),  # 1-2 tokens
+    (64, MoeTiles(16, GemmTiles(32, 128, 2, 4), GemmTiles(64, 128, 2, 4))),
+    (512, MoeTiles(16, GemmTiles(128, 128, 4, 3), GemmTiles(64, 128, 4, 4))),
+    (2048, MoeTiles(32, GemmTiles(64, 128, 4, 3), GemmTiles(64, 128, 4, 3))),
+    (8192, MoeTiles(128, GemmTiles(128, 64, 8, 4), GemmTiles(128, 64, 8, 3))),
+)
+PROMPT_TILES = MoeTiles(128, GemmTiles(128, 64, 8, 3), GemmTiles(128, 64, 8, 3))
 
 
 def default_tiles(num_pairs: int) -> MoeTiles:
-    """Tiles for a step of ``num_pairs`` pairs: the smallest ``tl.dot`` block for the few pairs
+    """Tiles for a step of ``num_pairs`` pairs: thin blocks and many programs for the few pairs
     of a decode step (little padding a used expert), larger blocks as pairs grow."""
-    if num_pairs <= 64:
-        return MoeTiles(16, 64, 128)
-    if num_pairs <= 2048:
-        return MoeTiles(32, 64, 64)
-    return MoeTiles(64, 128, 64, num_warps=8)
+    return next((tiles for most, tiles in TILES_BY_PAIRS if num_pairs <= most), PROMPT_TILES)
 
 
 def fused_moe(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
@@ -165,17 +302,18 @@ def fused_moe(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     aligned = align_pairs(topk_ids, num_experts, tiles.block_m)
     num_blocks = aligned.block_experts.numel()
     activated = hidden_states.new_empty(num_pairs, inter)
-    _gate_up_kernel[(num_blocks, triton.cdiv(inter, tiles.block_n))](
+    gate_up, down = tiles.gate_up, tiles.down
+    _gate_up_kernel[(num_blocks, triton.cdiv(inter, gate_up.block_n))](
         hidden_states, w13, activated, aligned.sorted_pairs, aligned.block_experts, num_pairs,
         hidden, inter, hidden_states.stride(0), w13.stride(0), w13.stride(1),
-        activated.stride(0), TOP_K=top_k, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
-        BLOCK_K=tiles.block_k, num_warps=tiles.num_warps)
+        activated.stride(0), TOP_K=top_k, BLOCK_M=tiles.block_m, BLOCK_N=gate_up.block_n,
+        BLOCK_K=gate_up.block_k, num_warps=gate_up.num_warps, num_stages=gate_up.num_stages)
     scaled = hidden_states.new_empty(num_pairs, hidden)
     routing = topk_weights.flatten().contiguous()
-    _down_kernel[(num_blocks, triton.cdiv(hidden, tiles.block_n))](
+    _down_kernel[(num_blocks, triton.cdiv(hidden, down.block_n))](
         activated, w2, scaled, routing, aligned.sorted_pairs, aligned.block_experts, num_pairs,
         hidden, inter, activated.stride(0), w2.stride(0), w2.stride(1), scaled.stride(0),
-        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-        num_warps=tiles.num_warps)
+        BLOCK_M=tiles.block_m, BLOCK_N=down.block_n, BLOCK_K=down.block_k,
+        num_warps=down.num_warps, num_stages=down.num_stages)
     return scaled.view(num_tokens, top_k, hidden).sum(dim=1, dtype=torch.float32).to(
         hidden_states.dtype)

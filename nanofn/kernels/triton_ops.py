@@ -448,5 +448,6 @@ TRITON_KERNELS = KernelBackend(
     gated_delta_rule=linear_attention.chunked_delta_rule(),
     gated_delta_rule_update=linear_attention.gated_delta_rule_update,
     rms_norm_gated=linear_attention.rms_norm_gated,
+    select_experts=triton_moe.select_experts,
     fused_moe=triton_moe.fused_moe,
 )

@@ -86,12 +86,13 @@ class GatedDeltaNet(nn.Module):
                                           self.num_v_heads], dim=-1)
         slots, resume = batch.state_slots, batch.has_initial_state
         weight = self.conv1d.weight[:, 0]
+        parts = [key_dim, key_dim, value_dim]
         if batch.decode_only:
-            mixed = kernels.causal_conv1d_update(mixed, weight, conv_states, slots, resume)
+            q, k, v = kernels.causal_conv1d_update(mixed, weight, conv_states, slots,
+                                                   resume).split(parts, dim=-1)
         else:
-            mixed = kernels.causal_conv1d(mixed, weight, conv_states, batch.query_start, slots,
-                                          resume)
-        q, k, v = mixed.split([key_dim, key_dim, value_dim], dim=-1)
+            q, k, v = kernels.causal_conv1d(mixed, weight, conv_states, batch.query_start, slots,
+                                            resume, parts)
         q = q.view(num_tokens, self.num_k_heads, self.k_head_dim)
         k = k.view(num_tokens, self.num_k_heads, self.k_head_dim)
         v = v.view(num_tokens, self.num_v_heads, self.v_head_dim)

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from nanofn.kernels import KernelBackend, select_experts, silu_and_mul
+from nanofn.kernels import KernelBackend, silu_and_mul
 from nanofn.kernels.partial_sums import PartialSums
 from nanofn.model.config import text_config
 from nanofn.model.layers import RMSNorm
@@ -56,8 +56,8 @@ class Router(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(topk_weights [T, k], topk_ids [T, k])``."""
-        return select_experts(self.kernels.linear(hidden, self.weight), self.top_k,
-                              self.renormalize)
+        return self.kernels.select_experts(self.kernels.linear(hidden, self.weight), self.top_k,
+                                           self.renormalize)
 
 
 class StackedExperts(nn.Module):

@@ -68,3 +68,16 @@ def test_the_fused_experts_replay_from_a_cuda_graph():
         static.copy_(new)
     graph.replay()
     torch.testing.assert_close(out, triton_moe.fused_moe(x, w13, w2, topk_weights, topk_ids))
+
+
+@pytest.mark.parametrize("num_tokens", [1, 300, 2500])
+def test_the_router_kernel_chooses_as_the_reference(num_tokens):
+    """The same experts (up to the order of tied probabilities: bf16 logits tie often) with the
+    same weights."""
+    g = torch.Generator(device="cuda").manual_seed(num_tokens)
+    logits = torch.randn(num_tokens, EXPERTS, generator=g, device="cuda").bfloat16()
+    weights, ids = triton_moe.select_experts(logits, TOP_K, renormalize=True)
+    expected_weights, expected_ids = moe.select_experts(logits, TOP_K, renormalize=True)
+    probs = logits.float().softmax(-1)
+    assert torch.equal(probs.gather(1, ids), probs.gather(1, expected_ids))
+    torch.testing.assert_close(weights, expected_weights)
