@@ -117,3 +117,15 @@ def test_fused_moe_with_its_default_tiles_and_no_tokens(interpreter):
     torch.testing.assert_close(out, expected, **TOLERANCES[torch.float32])
     empty = interpreter(triton_moe.fused_moe, x[:0], w13, w2, topk_weights[:0], topk_ids[:0])
     assert empty.shape == (0, 32)
+
+
+@pytest.mark.parametrize("num_pairs", [8, 64, 512, 2048, 8192, 100_000])
+@pytest.mark.parametrize("element_size", [2, 4])
+def test_default_tiles_fit_in_shared_memory(num_pairs, element_size):
+    """Every stage of both launches within an H100's 227 KB a block, float32 included (a tiny
+    float32 model's prompt once asked for 272 KB)."""
+    tiles = triton_moe.default_tiles(num_pairs, element_size)
+    for gemm, weight_tiles in ((tiles.gate_up, 2), (tiles.down, 1)):
+        stage = (tiles.block_m + weight_tiles * gemm.block_n) * gemm.block_k * element_size
+        assert gemm.num_stages * stage <= 227 * 1024
+        assert gemm.num_stages >= 2 or stage * 2 > 227 * 1024

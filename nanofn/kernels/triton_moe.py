@@ -15,7 +15,7 @@ value read back to the host), so the layer fits a CUDA graph.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -279,10 +279,24 @@ TILES_BY_PAIRS = (
 PROMPT_TILES = MoeTiles(128, GemmTiles(128, 64, 8, 3), GemmTiles(128, 64, 8, 3))
 
 
-def default_tiles(num_pairs: int) -> MoeTiles:
+SHARED_MEMORY_FOR_STAGES = 200 * 1024  # bytes, of an H100's 227 KB a block
+
+
+def default_tiles(num_pairs: int, element_size: int = 2) -> MoeTiles:
     """Tiles for a step of ``num_pairs`` pairs: thin blocks and many programs for the few pairs
-    of a decode step (little padding a used expert), larger blocks as pairs grow."""
-    return next((tiles for most, tiles in TILES_BY_PAIRS if num_pairs <= most), PROMPT_TILES)
+    of a decode step (little padding a used expert), larger blocks as pairs grow; with fewer
+    pipeline stages where wider elements (float32) would not fit in shared memory."""
+    tiles = next((tiles for most, tiles in TILES_BY_PAIRS if num_pairs <= most), PROMPT_TILES)
+    return replace(tiles, gate_up=_fitting(tiles.gate_up, tiles.block_m, 2, element_size),
+                   down=_fitting(tiles.down, tiles.block_m, 1, element_size))
+
+
+def _fitting(tiles: GemmTiles, block_m: int, weight_tiles: int, element_size: int) -> GemmTiles:
+    """``tiles`` with as many stages as fit: each holds a block of the input and
+    ``weight_tiles`` of the weights (gate and up: two)."""
+    stage = (block_m + weight_tiles * tiles.block_n) * tiles.block_k * element_size
+    return replace(tiles, num_stages=max(1, min(tiles.num_stages,
+                                                SHARED_MEMORY_FOR_STAGES // stage)))
 
 
 def fused_moe(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
@@ -298,7 +312,7 @@ def fused_moe(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         raise ValueError("fused_moe reads rows of the inputs and weights with unit stride")
     if num_pairs == 0:
         return hidden_states.new_zeros(num_tokens, hidden)
-    tiles = tiles or default_tiles(num_pairs)
+    tiles = tiles or default_tiles(num_pairs, hidden_states.element_size())
     aligned = align_pairs(topk_ids, num_experts, tiles.block_m)
     num_blocks = aligned.block_experts.numel()
     activated = hidden_states.new_empty(num_pairs, inter)
