@@ -212,11 +212,11 @@ def test_hybrid_kernels_compile(compile_for_h100, tokens):
     compile_for_h100(linear.rms_norm_gated, empty(tokens, 32, 128), z, empty(128), 1e-6)
 
 
-@pytest.mark.parametrize("tokens", [1, 8, 40, 200, 600, 2000])
+@pytest.mark.parametrize("tokens", [1, 4, 8, 40, 200, 600, 2000])
 def test_moe_kernels_compile(compile_for_h100, tokens):
     """The router's kernel, the pairs' alignment and the experts' two grouped GEMMs at
     Qwen3-30B-A3B's sizes (128 experts of 768, 8 a token), in each tile size ``default_tiles``
-    picks."""
+    picks, and the few-token path's matrix-vector products."""
     hidden, inter, experts, top_k = 2048, 768, 128, 8
     compile_for_h100(triton_moe.select_experts, empty(tokens, experts), top_k, True)
     topk_ids = torch.zeros(tokens, top_k, dtype=torch.int64)

@@ -44,7 +44,7 @@ def experts_and_routing(num_tokens: int, seed: int):
     return x, w13, w2, topk_weights, topk_ids
 
 
-@pytest.mark.parametrize("num_tokens", [1, 6, 300, 2500])
+@pytest.mark.parametrize("num_tokens", [1, 3, 6, 300, 2500])
 def test_the_fused_experts_match_the_reference(num_tokens):
     """As close to the float32 computation as the bf16 reference is (it rounds each expert's
     output before adding; the fused kernel adds in float32)."""
@@ -56,14 +56,15 @@ def test_the_fused_experts_match_the_reference(num_tokens):
     assert relative_error(got, exact) <= 2 * relative_error(rounded, exact) + 1e-3
 
 
-def test_the_fused_experts_replay_from_a_cuda_graph():
+@pytest.mark.parametrize("num_tokens", [2, 24], ids=["few-tokens", "aligned"])
+def test_the_fused_experts_replay_from_a_cuda_graph(num_tokens):
     """Captured once (nothing read back to the host), replayed with other tokens and routing."""
-    x, w13, w2, topk_weights, topk_ids = experts_and_routing(24, 1)
+    x, w13, w2, topk_weights, topk_ids = experts_and_routing(num_tokens, 1)
     triton_moe.fused_moe(x, w13, w2, topk_weights, topk_ids)  # compiled before the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = triton_moe.fused_moe(x, w13, w2, topk_weights, topk_ids)
-    new_x, _, _, new_weights, new_ids = experts_and_routing(24, 2)
+    new_x, _, _, new_weights, new_ids = experts_and_routing(num_tokens, 2)
     for static, new in ((x, new_x), (topk_weights, new_weights), (topk_ids, new_ids)):
         static.copy_(new)
     graph.replay()
