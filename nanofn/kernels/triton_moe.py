@@ -382,9 +382,10 @@ def _fitting(tiles: GemmTiles, block_m: int, weight_tiles: int, element_size: in
 
 def fused_moe(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
               topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-              tiles: MoeTiles | None = None) -> torch.Tensor:
+              tiles: MoeTiles | None = None, few_pairs: int = FEW_PAIRS) -> torch.Tensor:
     """``moe.fused_moe``: ``hidden_states [T, H]``, ``w13 [E, 2I, H]``, ``w2 [E, H, I]``,
-    ``topk_weights`` and ``topk_ids`` ``[T, k]``; returns ``[T, H]`` in the input's dtype."""
+    ``topk_weights`` and ``topk_ids`` ``[T, k]``; returns ``[T, H]`` in the input's dtype.
+    Steps of at most ``few_pairs`` pairs take ``few_token_moe`` (unless ``tiles`` are given)."""
     num_tokens, hidden = hidden_states.shape
     num_experts, inter = w2.shape[0], w2.shape[2]
     top_k = topk_ids.shape[1]
@@ -393,7 +394,7 @@ def fused_moe(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         raise ValueError("fused_moe reads rows of the inputs and weights with unit stride")
     if num_pairs == 0:
         return hidden_states.new_zeros(num_tokens, hidden)
-    if num_pairs <= FEW_PAIRS and tiles is None:
+    if num_pairs <= few_pairs and tiles is None:
         return few_token_moe(hidden_states, w13, w2, topk_weights, topk_ids)
     tiles = tiles or default_tiles(num_pairs, hidden_states.element_size())
     aligned = align_pairs(topk_ids, num_experts, tiles.block_m)
