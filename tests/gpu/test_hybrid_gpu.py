@@ -30,8 +30,8 @@ def prompts_for(seed: int) -> list[list[int]]:
 
 @torch.inference_mode()
 def hf_greedy_and_logprobs(model_dir, prompt: list[int]):
-    """transformers' bf16 greedy continuation, and the float32 and bf16 log-softmax of the
-    whole sequence's tokens (teacher-forced)."""
+    """transformers' bf16 greedy continuation, the float32 and bf16 logprobs of the whole
+    sequence's tokens (teacher-forced), and the full log-softmax rows in both dtypes."""
     models = {dtype: transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
               .cuda() for dtype in (torch.bfloat16, torch.float32)}
     ids = torch.tensor([prompt], device="cuda")
@@ -42,7 +42,7 @@ def hf_greedy_and_logprobs(model_dir, prompt: list[int]):
     logprobs = {dtype: model(ids).logits[0, :-1].float().log_softmax(-1) for dtype, model
                 in models.items()}
     chosen = {dtype: lp.gather(-1, targets[:, None])[:, 0] for dtype, lp in logprobs.items()}
-    return ids[0, len(prompt):].tolist(), chosen, logprobs[torch.bfloat16]
+    return ids[0, len(prompt):].tolist(), chosen, logprobs
 
 
 def test_bf16_greedy_tokens_and_prompt_logprobs_match_transformers(hybrid):
@@ -51,13 +51,18 @@ def test_bf16_greedy_tokens_and_prompt_logprobs_match_transformers(hybrid):
 
 def check_bf16_tokens_and_prompt_logprobs(model_dir) -> None:
     """nanofn's bf16 greedy tokens are transformers' but where its best two are within
-    rounding, and its prompt logprobs as close to float32's as transformers' bf16 ones."""
+    rounding, and its prompt logprobs as close to float32's as transformers' bf16 ones.
+
+    "Within rounding": their gap at most 0.1, or at most twice what rounding to bf16 moves it
+    by in transformers itself (float32 against bf16 at that position). A mixture of experts
+    needs the second: a token whose router scores two experts within rounding takes either, and
+    the output moves by far more than a dense layer's rounding."""
     prompts = prompts_for(3)
     with LLM(str(model_dir), dtype="bfloat16", gpu_memory_utilization=0.3,
              max_model_len=512) as llm:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
         for prompt, out in zip(prompts, outs):
-            expected, chosen, rounded_logprobs = hf_greedy_and_logprobs(model_dir, prompt)
+            expected, chosen, rows = hf_greedy_and_logprobs(model_dir, prompt)
             tokens = prompt + expected
             scored = llm.generate([{"prompt_token_ids": tokens}], SamplingParams(
                 max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0].prompt_logprobs
@@ -71,8 +76,12 @@ def check_bf16_tokens_and_prompt_logprobs(model_dir) -> None:
             got = out.outputs[0].token_ids
             i = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), None)
             if i is not None:  # only where the reference's best two are within rounding
-                top2 = rounded_logprobs[len(prompt) - 1 + i].topk(2).values
-                assert top2[0] - top2[1] <= 0.1, (i, float(top2[0] - top2[1]))
+                position = len(prompt) - 1 + i
+                best_two = rows[torch.bfloat16][position].topk(2).indices
+                gaps = {dtype: float(row[position][best_two[0]] - row[position][best_two[1]])
+                        for dtype, row in rows.items()}
+                rounding = abs(gaps[torch.bfloat16] - gaps[torch.float32])
+                assert gaps[torch.bfloat16] <= max(0.1, 2 * rounding), (i, gaps)
 
 
 def run(model_dir, prompts, **options):
