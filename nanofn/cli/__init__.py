@@ -315,6 +315,11 @@ def _add_serve(commands: Any) -> None:
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/ requests")
     p.add_argument("--served-model-name", metavar="NAME",
                    help="the model's name in the API (default: MODEL as given)")
+    p.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
+                   help="N engine replicas, each in a process of its own on its own GPUs "
+                        "(--tensor-parallel-size of them), behind this endpoint; requests "
+                        "sharing a first block of prompt tokens go to the same replica "
+                        "(default: %(default)s)")
     _add_chat_flags(p.add_argument_group("chat completions (vLLM's flags)"))
     add_flags(p, "server limits", SERVER_FLAGS, ServerLimits)
     add_flags(p, "engine options", ENGINE_FLAGS, EngineOptions)
@@ -357,7 +362,6 @@ def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from nanofn.server.app import build_app
-    from nanofn.server.async_engine import AsyncLLM
     from nanofn.server.chat_output import ChatOptions, load_chat_template
 
     with _user_errors():  # before the model loads
@@ -371,7 +375,7 @@ def run_serve(args: argparse.Namespace) -> int:
     served_name = args.served_model_name or args.model or DEMO_MODEL
     server_class = _uvicorn_server(served_name)
     with _user_errors():
-        llm = AsyncLLM(model, **engine_kwargs(args))
+        llm = _serving_engine(model, args)
     try:
         app = build_app(llm, served_name, args.api_key, chat_options, limits)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
@@ -381,6 +385,18 @@ def run_serve(args: argparse.Namespace) -> int:
     finally:
         llm.close()
     return 0
+
+
+def _serving_engine(model: str, args: argparse.Namespace) -> Any:
+    """The server's engine: one ``AsyncLLM``, or ``--data-parallel-size`` of them."""
+    from nanofn.server.async_engine import AsyncLLM
+    from nanofn.server.data_parallel import DataParallelLLM
+
+    if args.data_parallel_size < 1:
+        raise UsageError(f"--data-parallel-size must be positive, got {args.data_parallel_size}")
+    if args.data_parallel_size == 1:
+        return AsyncLLM(model, **engine_kwargs(args))
+    return DataParallelLLM(model, args.data_parallel_size, **engine_kwargs(args))
 
 
 def _uvicorn_server(served_name: str) -> type:
