@@ -85,9 +85,10 @@ def first_event(lines) -> str:
 needs_proc = pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="reads /proc")
 
 
-def engine_pid_of(server_pid: int) -> int:
-    """The server's engine process: its child that multiprocessing spawned to run a target
-    (not multiprocessing's resource tracker)."""
+def spawned_children(parent_pid: int) -> list[int]:
+    """The processes that multiprocessing spawned from ``parent_pid`` to run a target (not its
+    resource tracker)."""
+    pids = []
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
@@ -98,6 +99,13 @@ def engine_pid_of(server_pid: int) -> int:
                 command = f.read()
         except OSError:
             continue
-        if parent == server_pid and b"spawn_main" in command:
-            return int(entry.name)
-    raise AssertionError(f"process {server_pid} has no engine process")
+        if parent == parent_pid and b"spawn_main" in command:
+            pids.append(int(entry.name))
+    return pids
+
+
+def engine_pid_of(server_pid: int) -> int:
+    """The server's engine process."""
+    children = spawned_children(server_pid)
+    assert children, f"process {server_pid} has no engine process"
+    return children[0]

@@ -13,7 +13,8 @@ import signal
 
 import httpx
 import pytest
-from server_helpers import (API_KEY, HEADERS, metric, needs_proc, serving, start_server,
+from server_helpers import (API_KEY, HEADERS, metric, needs_proc, serving, spawned_children,
+                            start_server,
                             wait_until_idle)
 
 from nanofn.engine.options import EngineOptions
@@ -98,23 +99,6 @@ def test_the_replicas_metrics_add_up_to_the_servers(server, client):
     assert replica_metric(server, "nanofn:replica_up") == [1.0, 1.0]
 
 
-def engine_pids_of(server_pid: int) -> list[int]:
-    """The server's engine processes: its children that multiprocessing spawned to run a
-    target (not multiprocessing's resource tracker)."""
-    pids = []
-    for entry in os.scandir("/proc"):
-        try:
-            with open(f"/proc/{entry.name}/stat") as f:
-                parent = int(f.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{entry.name}/cmdline", "rb") as f:
-                command = f.read()
-        except (OSError, ValueError, IndexError):
-            continue
-        if parent == server_pid and b"spawn_main" in command:
-            pids.append(int(entry.name))
-    return pids
-
-
 def start_stream(url: str, prompt: list[int]):
     """A long streamed completion, once its first event came: (its response context, its
     remaining lines)."""
@@ -136,7 +120,7 @@ def test_a_killed_replica_fails_its_requests_and_the_other_serves_on(tiny_qwen3)
         prompts = [next([t, 5, 6] for t in range(1, 1000) if preferred([t, 5, 6]) == replica)
                    for replica in (0, 1)]
         streams = [start_stream(url, prompt) for prompt in prompts]
-        pids = engine_pids_of(process.pid)
+        pids = spawned_children(process.pid)
         assert len(pids) == 2
         os.kill(pids[0], signal.SIGKILL)
         rests = []
