@@ -26,14 +26,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model, *flags: str) -> tuple[subprocess.Popen, str]:
-    """``nanofn serve MODEL`` (as "tiny", with ``API_KEY`` and ``SMALL_ENGINE``) on a free
+def start_server(model, *flags: str, api_key: str | None = API_KEY) -> tuple[subprocess.Popen,
+                                                                              str]:
+    """``nanofn serve MODEL`` (as "tiny", with ``api_key`` and ``SMALL_ENGINE``) on a free
     port, once its /health answers: (process, url). ``flags`` come last (a flag given twice
     takes its last value)."""
     port = free_port()
+    key = ["--api-key", api_key] if api_key is not None else []
     process = subprocess.Popen(
-        [sys.executable, "-m", "nanofn", "serve", str(model), "--port", str(port),
-         "--api-key", API_KEY, "--served-model-name", "tiny", *SMALL_ENGINE, *flags],
+        [sys.executable, "-m", "nanofn", "serve", str(model), "--port", str(port), *key,
+         "--served-model-name", "tiny", *SMALL_ENGINE, *flags],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
