@@ -164,3 +164,12 @@ def test_too_few_gpus_or_a_fixed_gpu_is_a_clear_error():
                              ["0", "1", "2"])
     with pytest.raises(ValueError, match="device 'cuda:1'.*give device 'cuda'"):
         replica_environments(2, EngineOptions(model="m", device="cuda:1"), ["0", "1"])
+
+
+def test_replicas_that_cannot_start_are_a_clear_error(tmp_path):
+    from nanofn.server.data_parallel import DataParallelLLM
+
+    with pytest.raises(OSError, match="data-parallel replica 0: .*config.json"):
+        DataParallelLLM(str(tmp_path), 2)
+    with pytest.raises(ValueError, match="nnodes > 1 is not supported"):
+        DataParallelLLM(str(tmp_path), 2, nnodes=2, tensor_parallel_size=2, master_port=1)

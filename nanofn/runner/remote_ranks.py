@@ -237,6 +237,8 @@ def run_node(tensor_parallel_size: int, nnodes: int, node_rank: int, master_addr
         rank, tensor_parallel_size, nnodes, master_addr, master_port)) for rank in ranks]
     for process in processes:
         process.start()
+    # SIGTERM (a job manager's stop) ends the ranks too, through the ``finally`` below
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     print(f"nanofn worker: node {node_rank} of {nnodes}, tensor-parallel ranks {ranks.start} to "
           f"{ranks.stop - 1}, for the engine at {master_addr}:{master_port}", file=sys.stderr,
           flush=True)

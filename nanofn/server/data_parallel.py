@@ -79,6 +79,9 @@ class DataParallelLLM:
             raise ValueError(f"data_parallel_size must be an integer of at least 2 here, got "
                              f"{data_parallel_size!r}")
         engine_options = EngineOptions.from_kwargs(model, **options)
+        if engine_options.nnodes > 1:
+            raise ValueError("data_parallel_size > 1 with nnodes > 1 is not supported: run one "
+                             "nanofn serve per tensor-parallel group behind a gateway instead")
         environments = replica_environments(data_parallel_size, engine_options,
                                             visible_gpus(engine_options))
         self.replicas = _start_all([lambda env=env: AsyncLLM(model, environment=env, **options)
@@ -147,8 +150,17 @@ def _start_all(starts: list[Callable[[], AsyncLLM]]) -> list[AsyncLLM]:
         for replica in started:
             replica.close()
         index, error = failed[0]
-        raise type(error)(f"data-parallel replica {index}: {error}") from error
+        raise _naming_replica(error, index) from error
     return started
+
+
+def _naming_replica(error: BaseException, index: int) -> BaseException:
+    """``error`` with its message prefixed by the replica it came from, of the same class
+    where the class takes one message (a ``ValueError`` stays a user error), else as it is."""
+    try:
+        return type(error)(f"data-parallel replica {index}: {error}")
+    except Exception:
+        return error
 
 
 def sum_figures(figures: Sequence[Figures], counters: Counters) -> Figures:
