@@ -122,3 +122,26 @@ def test_the_engine_is_not_asked_for_on_a_worker_host(tiny_qwen3):
 def test_bad_cluster_options_are_named(options, problem):
     with pytest.raises(ValueError, match=problem):
         EngineOptions(model="m", **options)
+
+
+@pytest.mark.parametrize("command", ["worker", "serve", "generate", "bench"])
+def test_a_worker_host_runs_its_ranks_whatever_the_command(command, monkeypatch):
+    """``--node-rank`` above 0 makes serve, generate and bench what ``nanofn worker`` is."""
+    import nanofn.runner.remote_ranks as remote_ranks
+    from nanofn.cli import main
+
+    calls = []
+    monkeypatch.setattr(remote_ranks, "run_node", lambda *args: calls.append(args) or 0)
+    assert main([command, "--tensor-parallel-size", "4", "--nnodes", "2", "--node-rank", "1",
+                 "--master-addr", "10.0.0.1", "--master-port", "29500"]) == 0
+    assert calls == [(4, 2, 1, "10.0.0.1", 29500)]
+
+
+def test_the_command_line_checks_a_worker_hosts_flags(capsys):
+    from nanofn.cli import main
+
+    assert main(["worker", "--tensor-parallel-size", "2", "--nnodes", "2",
+                 "--master-port", "29500"]) == 2
+    assert "node_rank 0 runs the engine" in capsys.readouterr().err
+    assert main(["worker", "--tensor-parallel-size", "2", "--node-rank", "1"]) == 2
+    assert "node_rank must be below nnodes (1)" in capsys.readouterr().err
