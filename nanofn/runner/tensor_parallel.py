@@ -99,6 +99,8 @@ class TensorParallelExecutor:
             # (the ranks agreed on the blocks and state slots)
             self.num_blocks, self.num_state_slots, self.dtype = ready[0]
         except BaseException:
+            for worker in self._workers:  # a start that failed: nothing to wait for (ranks
+                worker.kill()  # may be waiting for the group's other members for minutes)
             self.close()
             raise
         finally:
