@@ -71,3 +71,12 @@ def test_bad_input_is_named():
         choose_replica(prompt(0), [0, 0], [True] * 3, POLICY)
     with pytest.raises(ValueError, match="imbalance_factor"):
         RoutingPolicy(imbalance_factor=0.5)
+
+
+def test_a_prompt_routes_by_its_token_ids_only():
+    from nanofn.server.data_parallel import _token_ids
+
+    assert _token_ids({"prompt": "x", "prompt_token_ids": [1, 2]}) == [1, 2]
+    assert _token_ids([3, 4]) == [3, 4]
+    with pytest.raises(TypeError, match="chosen by a prompt's token ids"):
+        _token_ids("a string")

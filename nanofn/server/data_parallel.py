@@ -113,7 +113,7 @@ class DataParallelLLM:
         dict with ``prompt_token_ids``, as the server makes them)."""
         live = [r.failure is None for r in self.replicas]
         try:
-            replica = choose_replica(prompt["prompt_token_ids"], self.loads, live, self.policy)
+            replica = choose_replica(_token_ids(prompt), self.loads, live, self.policy)
         except ValueError:
             raise EngineDead(f"every data-parallel replica stopped: {self.failure!r}") from None
         self.loads[replica] += 1
@@ -137,6 +137,17 @@ class DataParallelLLM:
     @property
     def engine_pids(self) -> list[int]:
         return [r.engine_pid for r in self.replicas]
+
+
+def _token_ids(prompt: Any) -> Sequence[int]:
+    """The token ids that route a prompt: a dict's ``prompt_token_ids`` (the server's
+    prompts), or a list of token ids."""
+    if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+        return prompt["prompt_token_ids"]
+    if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+        return prompt
+    raise TypeError(f"replicas are chosen by a prompt's token ids: give a list of them or "
+                    f"{{'prompt_token_ids': [...]}}, not a {type(prompt).__name__}")
 
 
 def _start_all(starts: list[Callable[[], AsyncLLM]]) -> list[AsyncLLM]:
