@@ -145,3 +145,16 @@ def test_the_command_line_checks_a_worker_hosts_flags(capsys):
     assert "node_rank 0 runs the engine" in capsys.readouterr().err
     assert main(["worker", "--tensor-parallel-size", "2", "--node-rank", "1"]) == 2
     assert "node_rank must be below nnodes (1)" in capsys.readouterr().err
+
+
+def test_a_host_that_never_comes_is_named_with_the_command_to_start_it(tiny_qwen3, monkeypatch):
+    from datetime import timedelta
+
+    import nanofn.runner.remote_ranks as remote_ranks
+
+    monkeypatch.setattr(remote_ranks, "JOIN_TIMEOUT", timedelta(seconds=2))
+    port = free_port()
+    with pytest.raises(TimeoutError, match=f"rank\\(s\\) 1 did not connect within 2 s: on node\\(s\\) "
+                                           f"1 run nanofn worker --nnodes 2 --node-rank NODE "
+                                           f"--master-addr 127.0.0.1 --master-port {port}"):
+        two_host_llm(tiny_qwen3, port)

@@ -84,6 +84,18 @@ class PlanListener:
         A rank of another layout is refused, naming both."""
         expected = range(config.ranks_per_node, config.tp_size)
         halves: dict[tuple[str, int], Connection] = {}
+        try:
+            self._take_halves(halves, expected, config, check)
+        except BaseException:
+            for connection in halves.values():  # the ranks that came see the end, and exit
+                connection.close()
+            raise
+        return [RemoteRank(rank, rank // config.ranks_per_node, halves["plans", rank],
+                           halves["control", rank]) for rank in expected]
+
+    def _take_halves(self, halves: dict, expected: range, config: Any,
+                     check: Callable[[], None]) -> None:
+        """Fill ``halves`` with each expected rank's two connections, by (kind, rank)."""
         deadline = time.monotonic() + JOIN_TIMEOUT.total_seconds()
         while len(halves) < 2 * len(expected):
             check()
@@ -94,12 +106,9 @@ class PlanListener:
             except queue.Empty:
                 continue
             hello = _hello(connection)
-            if hello is None:
-                continue
-            kind, rank = _checked_hello(hello, connection, config, expected, halves)
-            halves[kind, rank] = connection
-        return [RemoteRank(rank, rank // config.ranks_per_node, halves["plans", rank],
-                           halves["control", rank]) for rank in expected]
+            if hello is not None:
+                kind, rank = _checked_hello(hello, connection, config, expected, halves)
+                halves[kind, rank] = connection
 
     def close(self) -> None:
         self._listener.close()
