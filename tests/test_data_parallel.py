@@ -173,3 +173,10 @@ def test_replicas_that_cannot_start_are_a_clear_error(tmp_path):
         DataParallelLLM(str(tmp_path), 2)
     with pytest.raises(ValueError, match="nnodes > 1 is not supported"):
         DataParallelLLM(str(tmp_path), 2, nnodes=2, tensor_parallel_size=2, master_port=1)
+
+
+def test_a_data_parallel_size_below_one_is_a_usage_error(capsys):
+    from nanofn.cli import main
+
+    assert main(["serve", "--data-parallel-size", "0"]) == 2
+    assert "--data-parallel-size must be positive, got 0" in capsys.readouterr().err

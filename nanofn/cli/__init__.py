@@ -418,6 +418,8 @@ def run_serve(args: argparse.Namespace) -> int:
     from nanofn.server.app import build_app
     from nanofn.server.chat_output import ChatOptions, load_chat_template
 
+    if args.data_parallel_size < 1:
+        raise UsageError(f"--data-parallel-size must be positive, got {args.data_parallel_size}")
     with _user_errors():  # before the model loads
         limits = ServerLimits(**given(args, SERVER_FLAGS))
         chat_options = ChatOptions(
@@ -446,8 +448,6 @@ def _serving_engine(model: str, args: argparse.Namespace) -> Any:
     from nanofn.server.async_engine import AsyncLLM
     from nanofn.server.data_parallel import DataParallelLLM
 
-    if args.data_parallel_size < 1:
-        raise UsageError(f"--data-parallel-size must be positive, got {args.data_parallel_size}")
     if args.data_parallel_size == 1:
         return AsyncLLM(model, **engine_kwargs(args))
     return DataParallelLLM(model, args.data_parallel_size, **engine_kwargs(args))
