@@ -22,6 +22,9 @@ OUT=${OUT:-/tmp/nanofn-out}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 NANOFN_CACHE=/tmp/nanofn-cache
+# NVLink multicast off (issue 37): NCCL's NVLS and torch's symmetric-memory multicast can take
+# the host's GPUs out of service
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 if [ -d /tmp/fa4site ]; then  # flash-attn-4, installed by benchmarks/fa4_install.sh
   export PYTHONPATH=/tmp/fa4site/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH:/tmp/fa4site
 fi
