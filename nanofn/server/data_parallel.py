@@ -99,7 +99,7 @@ class DataParallelLLM:
         return None if any(f is None for f in failures) else failures[0]
 
     def views(self) -> list[ReplicaView]:
-        return [ReplicaView(r.figures(), r.counters(), r.failure) for r in self.replicas]
+        return [view for replica in self.replicas for view in replica.views()]
 
     def figures(self) -> Figures:
         return sum_figures([r.figures() for r in self.replicas], self.counters())
@@ -121,8 +121,10 @@ class DataParallelLLM:
             async for output in self.replicas[replica].generate(prompt, params, request_id):
                 yield output
         except EngineDead as error:
+            others = ("the other replicas go on serving" if self.failure is None
+                      else "no replica is left")
             raise EngineDead(f"data-parallel replica {replica} of {len(self.replicas)} "
-                             f"stopped ({error}); the other replicas go on serving") from error
+                             f"stopped ({error}); {others}") from error
         finally:
             self.loads[replica] -= 1
 
