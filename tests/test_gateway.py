@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -26,12 +27,14 @@ SYSTEM = ("You are a careful assistant. Answer in one short sentence, plainly, w
 @pytest.fixture(scope="module")
 def servers(tiny_qwen3):
     """Two servers (no API key: the gateway is the public endpoint) and the gateway's url."""
-    started = [start_server(tiny_qwen3, api_key=None) for _ in range(2)]
+    with ThreadPoolExecutor(2) as pool:  # side by side: each waits for its engine
+        started = list(pool.map(lambda _: start_server(tiny_qwen3, api_key=None), range(2)))
     port = free_port()
     gateway = subprocess.Popen(
         [SMG, "launch", "--worker-urls", *(url for _, url in started), "--policy", "cache_aware",
          "--host", "127.0.0.1", "--port", str(port), "--prometheus-host", "127.0.0.1",
-         "--prometheus-port", str(free_port()), "--log-level", "warn"],
+         "--prometheus-port", str(free_port()), "--shutdown-grace-period-secs", "1",
+         "--log-level", "warn"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
