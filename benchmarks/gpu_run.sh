@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: the GPU test suite, then the benchmarks, logs under $OUT and a
 # short table last; the logs come back as $OUT/logs-MODE.tgz. Usage: bash benchmarks/gpu_run.sh
-# [tests|tests-1|tests-2|bench|all|kernels|serve|tp|hybrid|hybrid-bench|hybrid-prefix|moe-bench|
-# baseline] (default: all; baseline: the torch reference attention, eager, for comparison)
+# [tests|tests-1|tests-2|bench|all|kernels|serve|dp|tp|multinode|hybrid|hybrid-bench|hybrid-prefix|
+# moe-bench|baseline] (default: all; baseline: the torch reference attention, eager, for
+# comparison; dp and multinode need two GPUs)
 # Expects the wheels of ../shared/tools/gpu-wheels.sh in .whl/ (pyrsistent is missing there),
 # and flash-attn-4 in /tmp/fa4site if it is to be tested and measured (benchmarks/fa4_install.sh);
 # set NANOFN_COMMIT to the commit being measured (the device copy has no .git).
@@ -21,6 +22,9 @@ OUT=${OUT:-/tmp/nanofn-out}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 NANOFN_CACHE=/tmp/nanofn-cache
+# NVLink multicast off (issue 37): NCCL's NVLS and torch's symmetric-memory multicast can take
+# the host's GPUs out of service
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 if [ -d /tmp/fa4site ]; then  # flash-attn-4, installed by benchmarks/fa4_install.sh
   export PYTHONPATH=/tmp/fa4site/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH:/tmp/fa4site
 fi
@@ -91,6 +95,42 @@ if [ "$what" = serve ]; then  # needs fastapi, uvicorn, prometheus_client, opena
     --concurrency 64 --prompt-len 512 --max-tokens 256 --json "$OUT/serve.json" \
     | tee "$OUT/serve.txt"
   kill -TERM $server; wait $server
+fi
+if [ "$what" = dp ]; then  # two GPUs: serve --data-parallel-size 2 against one replica
+  timeout 200 python3 -m pytest tests/gpu/test_multi_gpu.py -q -rs -k data_parallel 2>&1 \
+    | tee "$OUT/gpu_dp_tests.log" | tail -5
+  model=$(python3 -c "from nanofn.model.tiny import random_weights_model as r; print(r('qwen3-0.6b'))")
+  for dp in 1 2; do  # the same load on both: enough streams to fill two engines
+    port=$((8020 + dp))
+    python3 -m nanofn serve "$model" --load-format dummy --port $port --max-model-len 4096 \
+      --data-parallel-size $dp > "$OUT/serve-dp$dp.log" 2>&1 &
+    server=$!
+    for _ in $(seq 1 240); do curl -sf localhost:$port/health > /dev/null && break; sleep 1; done
+    timeout 300 python3 benchmarks/serve.py --url http://127.0.0.1:$port --requests 1024 \
+      --concurrency 256 --prompt-len 512 --max-tokens 256 --json "$OUT/serve-dp$dp.json" \
+      | tee "$OUT/serve-dp$dp.txt"
+    curl -s localhost:$port/metrics | grep -E '^nanofn:sequences_finished_total' \
+      | tee -a "$OUT/serve-dp$dp.txt"  # per replica and summed
+    kill -TERM $server; wait $server
+  done
+  python3 - "$OUT" <<'PY'
+import json, pathlib, sys
+out = pathlib.Path(sys.argv[1])
+one, two = (json.loads((out / f"serve-dp{n}.json").read_text()) for n in (1, 2))
+print(f"serve --data-parallel-size 2: {two['output_tok_s']:,.0f} output tok/s, 1: "
+      f"{one['output_tok_s']:,.0f}; {two['output_tok_s'] / one['output_tok_s']:.2f}x (goal: 1.85x)")
+PY
+fi
+if [ "$what" = multinode ]; then  # two GPUs as two "hosts" of one GPU each, against TP=2
+  timeout 300 python3 -m pytest tests/gpu/test_multi_gpu.py -q -rs -k hosts 2>&1 \
+    | tee "$OUT/gpu_multinode_tests.log" | tail -5
+  bench qwen3-8b-tp2 --random-weights qwen3-8b --tensor-parallel-size 2
+  CUDA_VISIBLE_DEVICES=1 python3 -m nanofn worker --tensor-parallel-size 2 --nnodes 2 \
+    --node-rank 1 --master-addr 127.0.0.1 --master-port 29517 > "$OUT/worker-node1.log" 2>&1 &
+  worker=$!
+  CUDA_VISIBLE_DEVICES=0 bench qwen3-8b-tp2-two-hosts --random-weights qwen3-8b \
+    --tensor-parallel-size 2 --nnodes 2 --node-rank 0 --master-addr 127.0.0.1 --master-port 29517
+  wait $worker; echo "worker host exit code $?" | tee -a "$OUT/worker-node1.log"
 fi
 if [ "$what" = hybrid ] || [ "$what" = hybrid-bench ]; then  # Qwen3.5 (needs fla-core, einops)
   if [ "$what" = hybrid ]; then

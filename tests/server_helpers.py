@@ -26,14 +26,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model, *flags: str) -> tuple[subprocess.Popen, str]:
-    """``nanofn serve MODEL`` (as "tiny", with ``API_KEY`` and ``SMALL_ENGINE``) on a free
+def start_server(model, *flags: str, api_key: str | None = API_KEY) -> tuple[subprocess.Popen,
+                                                                              str]:
+    """``nanofn serve MODEL`` (as "tiny", with ``api_key`` and ``SMALL_ENGINE``) on a free
     port, once its /health answers: (process, url). ``flags`` come last (a flag given twice
     takes its last value)."""
     port = free_port()
+    key = ["--api-key", api_key] if api_key is not None else []
     process = subprocess.Popen(
-        [sys.executable, "-m", "nanofn", "serve", str(model), "--port", str(port),
-         "--api-key", API_KEY, "--served-model-name", "tiny", *SMALL_ENGINE, *flags],
+        [sys.executable, "-m", "nanofn", "serve", str(model), "--port", str(port), *key,
+         "--served-model-name", "tiny", *SMALL_ENGINE, *flags],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
@@ -85,9 +87,10 @@ def first_event(lines) -> str:
 needs_proc = pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="reads /proc")
 
 
-def engine_pid_of(server_pid: int) -> int:
-    """The server's engine process: its child that multiprocessing spawned to run a target
-    (not multiprocessing's resource tracker)."""
+def spawned_children(parent_pid: int) -> list[int]:
+    """The processes that multiprocessing spawned from ``parent_pid`` to run a target (not its
+    resource tracker)."""
+    pids = []
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
@@ -98,6 +101,13 @@ def engine_pid_of(server_pid: int) -> int:
                 command = f.read()
         except OSError:
             continue
-        if parent == server_pid and b"spawn_main" in command:
-            return int(entry.name)
-    raise AssertionError(f"process {server_pid} has no engine process")
+        if parent == parent_pid and b"spawn_main" in command:
+            pids.append(int(entry.name))
+    return pids
+
+
+def engine_pid_of(server_pid: int) -> int:
+    """The server's engine process."""
+    children = spawned_children(server_pid)
+    assert children, f"process {server_pid} has no engine process"
+    return children[0]

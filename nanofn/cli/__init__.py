@@ -86,6 +86,17 @@ ENGINE_FLAGS: dict[str, dict[str, Any]] = {
     "generation_config": dict(metavar="auto|vllm|FOLDER",
                               help="sampling defaults: auto, the model's generation_config.json; "
                                    "vllm, none; or a folder's (default: {default})"),
+    "nnodes": dict(type=int, metavar="N",
+                   help="hosts to split the tensor-parallel ranks over (default: {default}); "
+                        "node 0 runs the engine, the others `nanofn worker`"),
+    "node_rank": dict(type=int, metavar="K",
+                      help="this host's node (default: {default}); above 0 this command runs "
+                           "this host's workers only, as `nanofn worker` does"),
+    "master_addr": dict(metavar="ADDR", help="node 0's address, where every host meets "
+                                             "(default: {default})"),
+    "master_port": dict(type=int, metavar="PORT",
+                        help="a free port on node 0 for the hosts' rendezvous (torch.distributed's "
+                             "store); needed with --nnodes above 1"),
     "cpu_threads": dict(type=int, metavar="N",
                         help="torch threads on a CPU device (default: 1 for models of hidden "
                              "size under 1024, such as the demo; else torch's, one per core)"),
@@ -212,6 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(commands)
     _add_serve(commands)
     _add_bench(commands)
+    _add_worker(commands)
     _add_replay(commands)
     _add_diff(commands)
     return parser
@@ -280,6 +292,48 @@ def announced_demo_model() -> Path:
     return path
 
 
+# --- worker (a host of tensor-parallel ranks) ------------------------------------------------
+
+CLUSTER_FLAGS = ("tensor_parallel_size", "nnodes", "node_rank", "master_addr", "master_port")
+
+
+def _add_worker(commands: Any) -> None:
+    p = commands.add_parser(
+        "worker", help="run this host's tensor-parallel ranks for an engine on another host",
+        description="Tensor parallelism across hosts: start this host's share of the ranks "
+                    "(--tensor-parallel-size / --nnodes of them) and serve the engine that "
+                    "node 0 runs (nanofn serve, generate or bench with the same --nnodes, "
+                    "--master-addr and --master-port, and --node-rank 0). The model folder "
+                    "must be at the same path on every host. Exits when the engine closes.",
+        epilog="example: nanofn worker --tensor-parallel-size 2 --nnodes 2 --node-rank 1 "
+               "--master-addr 10.0.0.1 --master-port 29500")
+    add_flags(p, "cluster", {name: ENGINE_FLAGS[name] for name in CLUSTER_FLAGS}, EngineOptions)
+    p.set_defaults(run=run_worker)
+
+
+def run_worker(args: argparse.Namespace) -> int:
+    """This host's ranks, until the engine closes (``remote_ranks.run_node``)."""
+    from nanofn.runner.remote_ranks import run_node
+
+    with _user_errors():
+        options = EngineOptions(model="", **{name: getattr(args, name) for name in CLUSTER_FLAGS
+                                             if getattr(args, name) is not None})
+        if options.node_rank == 0:
+            raise ValueError("node_rank 0 runs the engine: use nanofn serve, generate or bench "
+                             "there; give a worker host its --node-rank (1 to nnodes - 1)")
+        return run_node(options.tensor_parallel_size, options.nnodes, options.node_rank,
+                        options.master_addr, options.master_port)
+
+
+def _worker_host(run: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """``run``, except on a worker host (``--node-rank`` above 0): there ``run_worker``."""
+    def run_or_work(args: argparse.Namespace) -> int:
+        if (args.node_rank or 0) > 0:
+            return run_worker(args)
+        return run(args)
+    return run_or_work
+
+
 # --- generate -------------------------------------------------------------------------------
 
 def _add_generate(commands: Any) -> None:
@@ -297,7 +351,7 @@ def _add_generate(commands: Any) -> None:
                    help="send each prompt as a user message through the chat template")
     add_flags(p, "sampling", SAMPLING_FLAGS, SamplingParams)
     add_flags(p, "engine options", ENGINE_FLAGS, EngineOptions)
-    p.set_defaults(run=run_generate)
+    p.set_defaults(run=_worker_host(run_generate))
 
 
 def _add_serve(commands: Any) -> None:
@@ -315,10 +369,15 @@ def _add_serve(commands: Any) -> None:
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/ requests")
     p.add_argument("--served-model-name", metavar="NAME",
                    help="the model's name in the API (default: MODEL as given)")
+    p.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
+                   help="N engine replicas, each in a process of its own on its own GPUs "
+                        "(--tensor-parallel-size of them), behind this endpoint; requests "
+                        "sharing a first block of prompt tokens go to the same replica "
+                        "(default: %(default)s)")
     _add_chat_flags(p.add_argument_group("chat completions (vLLM's flags)"))
     add_flags(p, "server limits", SERVER_FLAGS, ServerLimits)
     add_flags(p, "engine options", ENGINE_FLAGS, EngineOptions)
-    p.set_defaults(run=run_serve)
+    p.set_defaults(run=_worker_host(run_serve))
 
 
 def _add_chat_flags(group: Any) -> None:
@@ -357,9 +416,10 @@ def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from nanofn.server.app import build_app
-    from nanofn.server.async_engine import AsyncLLM
     from nanofn.server.chat_output import ChatOptions, load_chat_template
 
+    if args.data_parallel_size < 1:
+        raise UsageError(f"--data-parallel-size must be positive, got {args.data_parallel_size}")
     with _user_errors():  # before the model loads
         limits = ServerLimits(**given(args, SERVER_FLAGS))
         chat_options = ChatOptions(
@@ -371,7 +431,7 @@ def run_serve(args: argparse.Namespace) -> int:
     served_name = args.served_model_name or args.model or DEMO_MODEL
     server_class = _uvicorn_server(served_name)
     with _user_errors():
-        llm = AsyncLLM(model, **engine_kwargs(args))
+        llm = _serving_engine(model, args)
     try:
         app = build_app(llm, served_name, args.api_key, chat_options, limits)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
@@ -381,6 +441,16 @@ def run_serve(args: argparse.Namespace) -> int:
     finally:
         llm.close()
     return 0
+
+
+def _serving_engine(model: str, args: argparse.Namespace) -> Any:
+    """The server's engine: one ``AsyncLLM``, or ``--data-parallel-size`` of them."""
+    from nanofn.server.async_engine import AsyncLLM
+    from nanofn.server.data_parallel import DataParallelLLM
+
+    if args.data_parallel_size == 1:
+        return AsyncLLM(model, **engine_kwargs(args))
+    return DataParallelLLM(model, args.data_parallel_size, **engine_kwargs(args))
 
 
 def _uvicorn_server(served_name: str) -> type:
@@ -490,7 +560,7 @@ def _add_bench(commands: Any) -> None:
                    help="also measure the GPU's busy time (CUDA events around each step) and "
                         "print the share of the run it sat idle, waiting for the host")
     add_flags(p, "engine options", ENGINE_FLAGS, EngineOptions)
-    p.set_defaults(run=run_bench)
+    p.set_defaults(run=_worker_host(run_bench))
 
 
 def _workload_sizes(args: argparse.Namespace, device: str) -> dict[str, int]:

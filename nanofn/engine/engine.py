@@ -539,14 +539,21 @@ class Engine:
 
 def _runner_config(options: EngineOptions, model_dir: Path, max_model_len: int,
                    hidden_size: int) -> RunnerConfig:
+    if options.node_rank != 0:
+        raise ValueError(f"node_rank {options.node_rank}: the engine runs on node 0; the other "
+                         f"hosts run workers only: nanofn worker --nnodes {options.nnodes} "
+                         f"--node-rank {options.node_rank} --master-addr {options.master_addr} "
+                         f"--master-port {options.master_port} --tensor-parallel-size "
+                         f"{options.tensor_parallel_size}")
     device = torch.device(options.device if options.device != "auto" else
                           "cuda" if torch.cuda.is_available() else "cpu")
+    local_ranks = options.tensor_parallel_size // options.nnodes
     if device.type == "cuda":
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        last = (device.index or 0) + options.tensor_parallel_size
+        last = (device.index or 0) + local_ranks
         if last > count:
-            raise ValueError(f"device {options.device!r} with tensor_parallel_size "
-                             f"{options.tensor_parallel_size} needs GPUs up to cuda:{last - 1}, "
+            raise ValueError(f"device {options.device!r} with {local_ranks} tensor-parallel "
+                             f"rank(s) on this host needs GPUs up to cuda:{last - 1}, "
                              f"but torch sees {count} CUDA GPU(s)")
     elif options.kernel_backend in ("triton", "flash"):
         raise ValueError(f"kernel_backend {options.kernel_backend!r} needs a CUDA device; this "
@@ -568,6 +575,9 @@ def _runner_config(options: EngineOptions, model_dir: Path, max_model_len: int,
         enforce_eager=options.enforce_eager,
         kernel_backend=options.kernel_backend,
         tp_size=options.tensor_parallel_size,
+        nnodes=options.nnodes,
+        master_addr=options.master_addr,
+        master_port=options.master_port,
         cpu_threads=options.cpu_threads_for(hidden_size) if device.type == "cpu" else None,
     )
 

@@ -44,6 +44,13 @@ class EngineOptions:
     # Sampling defaults: "auto" from the model's generation_config.json, "vllm" none (vLLM's
     # SamplingParams defaults), or a folder holding a generation_config.json.
     generation_config: str = "auto"
+    # Tensor parallelism across hosts: ``nnodes`` hosts of tensor_parallel_size / nnodes ranks
+    # each; node 0 runs the engine (and its ranks), the others ``nanofn worker`` only; all
+    # meet at master_addr:master_port (node 0's address and a free port there).
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
 
     def __post_init__(self) -> None:
         for problem in _problems(self):
@@ -128,3 +135,27 @@ def _problems(o: EngineOptions):
             yield f"{name} must be a path or None, got {getattr(o, name)!r}"
     if o.device not in ("auto", "cpu", "cuda") and not o.device.startswith("cuda:"):
         yield f"device must be 'auto', 'cpu' or 'cuda[:N]', got {o.device!r}"
+    yield from _cluster_problems(o)
+
+
+def _cluster_problems(o: EngineOptions):
+    """The multi-host options: counts in range, whole ranks per host, a port to meet at."""
+    for name in ("nnodes", "node_rank"):
+        value = getattr(o, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            yield f"{name} must be a non-negative integer, got {value!r}"
+            return
+    if o.nnodes < 1:
+        yield f"nnodes must be at least 1, got {o.nnodes}"
+    elif o.node_rank >= o.nnodes:
+        yield f"node_rank must be below nnodes ({o.nnodes}), got {o.node_rank}"
+    elif isinstance(o.tensor_parallel_size, int) and o.tensor_parallel_size % o.nnodes:
+        yield (f"tensor_parallel_size {o.tensor_parallel_size} does not split over nnodes "
+               f"{o.nnodes}: every host runs the same number of ranks")
+    if o.master_port is not None and (not isinstance(o.master_port, int)
+                                      or not 0 < o.master_port < 65536):
+        yield f"master_port must be a TCP port (1 to 65535), got {o.master_port!r}"
+    if o.nnodes > 1 and o.master_port is None:
+        yield "nnodes > 1 needs master_port: a free port on node 0's master_addr"
+    if not isinstance(o.master_addr, str) or not o.master_addr:
+        yield f"master_addr must be a host name or address, got {o.master_addr!r}"

@@ -52,6 +52,14 @@ class RunnerConfig:
     cpu_threads: int | None = None  # torch's threads on a CPU; None: torch's (and on a GPU)
     num_state_slots: int | None = None  # a hybrid model's recurrent-state slots; None: from memory
     load_format: str = "auto"  # "dummy": random weights from the config (``init_dummy_weights``)
+    # Tensor parallelism across hosts (see ``tensor_parallel``): hosts, and where they meet
+    nnodes: int = 1
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tp_size // self.nnodes
 
     @property
     def max_blocks_per_seq(self) -> int:

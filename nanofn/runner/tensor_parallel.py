@@ -2,7 +2,8 @@
 
 Every rank holds its shard of the weights and of the KV cache (its share of the KV heads) and
 runs every plan; the layers' collectives go through ``torch.distributed`` (NCCL on GPUs, gloo on
-CPUs). The engine's process pickles each plan once and sends it to every rank through pipes;
+CPUs). The engine's process pickles each plan once and sends it to every rank through pipes
+(through TCP connections to ranks on other hosts: ``remote_ranks``, with ``nnodes > 1``);
 rank 0 alone samples (within the plan's token bitmask, which goes to it alone) and sends its
 tokens back, in launch order.
 
@@ -39,11 +40,11 @@ import torch
 import torch.distributed as dist
 
 from nanofn.runner.model_runner import ModelRunner, RunnerConfig
+from nanofn.runner.remote_ranks import HEARTBEAT_S, PlanListener, exit_description
 from nanofn.state.plan import BatchPlan, SampleOutput, TokenBitmask
 
 COLLECTIVE_TIMEOUT = timedelta(minutes=5)
 STOP = b"stop"  # tells a worker to leave (a pickled plan never equals it)
-HEARTBEAT_S = 0.5
 UNRESPONSIVE_AFTER = 8.0  # seconds without a heartbeat before a worker counts as stopped
 POLL_S = 0.1  # how often a wait for rank 0's tokens looks for a failure
 LEAVE_S = 10.0  # the most close() waits for a worker to leave before killing it
@@ -61,8 +62,12 @@ class TensorParallelExecutor:
         # The rendezvous store lives here, on a port the system picks as it listens: a free
         # port found first and taken later by rank 0 could be taken by another process meanwhile
         # (NCCL opens many), as one was on two H200s. A store is a key-value server, no group.
-        self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                                    timeout=COLLECTIVE_TIMEOUT)
+        # Across hosts it listens on the port they were told (master_port).
+        self._store = dist.TCPStore(config.master_addr, config.master_port or 0, is_master=True,
+                                    wait_for_workers=False, timeout=COLLECTIVE_TIMEOUT)
+        store_address = (config.master_addr, self._store.port)
+        # Ranks on other hosts connect to this listener for their plans (see remote_ranks)
+        listener = PlanListener(config.master_addr, self._store) if config.nnodes > 1 else None
         context = multiprocessing.get_context("spawn")
         self._pipes, self._reports, self._workers, self._hearts = [], [], [], []
         self._failure: str | None = None  # set once, by the first check that finds one
@@ -71,13 +76,13 @@ class TensorParallelExecutor:
         self._closed = threading.Event()
         self._results: dict[int, SampleOutput] = {}  # received, by launch index, not yet taken
         self._num_launched = self._num_received = 0
-        for rank in range(config.tp_size):
+        for rank in range(config.ranks_per_node):  # this host's ranks
             ours, theirs = context.Pipe()
             reports, report_end = context.Pipe(duplex=False)
             heart = context.Value("d", time.monotonic(), lock=False)
             worker = context.Process(target=_worker_main, daemon=True, name=f"nanofn-tp{rank}",
-                                     args=(hf_config, _rank_config(config, rank),
-                                           self._store.port, theirs, report_end, heart))
+                                     args=(hf_config, rank_config(config, rank),
+                                           store_address, theirs, report_end, heart))
             worker.start()
             theirs.close()  # the worker holds its ends: its death reads as an end of file here
             report_end.close()
@@ -86,14 +91,38 @@ class TensorParallelExecutor:
             self._workers.append(worker)
             self._hearts.append(heart)
         try:
+            if listener is not None:
+                self._connect_remote_ranks(listener, hf_config, config)
             self._wait_for_workers()
             threading.Thread(target=self._watch, name="nanofn-tp-watchdog", daemon=True).start()
             ready = [self._receive(pipe) for pipe in self._pipes]  # once each runner is built
             # (the ranks agreed on the blocks and state slots)
             self.num_blocks, self.num_state_slots, self.dtype = ready[0]
         except BaseException:
+            for worker in self._workers:  # a start that failed: nothing to wait for (ranks
+                worker.kill()  # may be waiting for the group's other members for minutes)
             self.close()
             raise
+        finally:
+            if listener is not None:
+                listener.close()
+
+    def _connect_remote_ranks(self, listener: PlanListener, hf_config: Any,
+                              config: RunnerConfig) -> None:
+        """Take the other hosts' ranks as they connect, in rank order after this host's, each
+        sent its part (while this host's own workers start)."""
+        for remote in listener.accept_ranks(config, self._raise_if_local_worker_died):
+            remote.plans.send(("config", hf_config, rank_config(config, remote.rank)))
+            self._pipes.append(remote.plans)
+            self._reports.append(remote.reports)
+            self._workers.append(remote)
+            self._hearts.append(remote.heart)
+
+    def _raise_if_local_worker_died(self) -> None:
+        for rank, worker in enumerate(self._workers):
+            if not worker.is_alive():
+                raise RuntimeError(f"tensor-parallel rank {rank} exited while waiting for the "
+                                   f"other hosts' ranks (code {worker.exitcode})")
 
     @property
     def timeline(self) -> None:
@@ -209,7 +238,7 @@ class TensorParallelExecutor:
             when, report = self._tracebacks.get(rank, (0.0, ""))
             name = f"tensor-parallel rank {rank}"
             if not alive:
-                message = f"{name} exited (code {worker.exitcode})"
+                message = f"{name} {exit_description(worker)}"
                 if report:
                     raised.append((when, f"{message}:\n{report}"))
                 else:
@@ -254,34 +283,43 @@ class RankZeroTokens:
         return self._executor._take(self._index)
 
 
-def _rank_config(config: RunnerConfig, rank: int) -> RunnerConfig:
-    """Rank r runs on the r-th GPU counted from the one asked for (``cuda:N``)."""
+def rank_config(config: RunnerConfig, rank: int) -> RunnerConfig:
+    """Rank r runs on its host's (r mod ranks per host)-th GPU counted from the one asked for
+    (``cuda:N``)."""
     device = config.device
     if device.type == "cuda":
-        device = torch.device("cuda", (device.index or 0) + rank)
+        device = torch.device("cuda", (device.index or 0) + rank % config.ranks_per_node)
     return replace(config, tp_rank=rank, device=device)
 
 
-def _join_group(config: RunnerConfig, store_port: int) -> None:
+def _join_group(config: RunnerConfig, store_address: tuple[str, int]) -> None:
     """Join the process group as ``config.tp_rank``, on ``config.device`` (already the rank's
-    own, see ``_rank_config``), through the engine's store at ``store_port``."""
+    own, see ``rank_config``), through the engine's store at ``store_address``."""
     if config.device.type == "cuda":
         torch.cuda.set_device(config.device)
     backend = "nccl" if config.device.type == "cuda" else "gloo"
-    store = dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=COLLECTIVE_TIMEOUT)
+    store = dist.TCPStore(*store_address, is_master=False, timeout=COLLECTIVE_TIMEOUT)
     dist.init_process_group(backend, store=store, rank=config.tp_rank,
                             world_size=config.tp_size, timeout=COLLECTIVE_TIMEOUT)
 
 
-def _worker_main(hf_config: Any, config: RunnerConfig, store_port: int, pipe, reports,
-                 heart) -> None:
+def _worker_main(hf_config: Any, config: RunnerConfig, store_address: tuple[str, int], pipe,
+                 reports, heart) -> None:
     # Ctrl-C in a terminal reaches the whole process group: it is the engine's to handle.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _dump_stacks_later()
     threading.Thread(target=_beat, args=(heart,), daemon=True).start()
+    run_rank(hf_config, config, store_address, pipe, reports)
+
+
+def run_rank(hf_config: Any, config: RunnerConfig, store_address: tuple[str, int], pipe,
+             reports) -> None:
+    """A rank's life, wherever it runs: join the group, build the runner, run plans from
+    ``pipe`` until told to stop; a failure's traceback goes to ``reports`` and ends the
+    process."""
     try:
         pipe.send("started")
-        _join_group(config, store_port)
+        _join_group(config, store_address)
         runner = ModelRunner(hf_config, config)
         pipe.send((runner.num_blocks, runner.num_state_slots, runner.dtype))
         if config.tp_rank == 0:

@@ -76,8 +76,14 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None,
 
     @app.get("/health")
     async def health() -> Response:
+        """200 while an engine serves: with data parallelism and a replica down, the body
+        names it (the others serve on, so a gateway should keep sending); 503 once none
+        does."""
         if llm.failure is not None:
             return APIError(503, f"the engine stopped: {llm.failure!r}", "server_error").response()
+        down = {i: repr(v.failure) for i, v in enumerate(llm.views()) if v.failure is not None}
+        if down:
+            return JSONResponse({"status": "degraded", "replicas_down": down})
         return Response(status_code=200)
 
     @app.get("/version")

@@ -16,7 +16,7 @@ import itertools
 import multiprocessing
 import pickle
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +24,15 @@ from nanofn.engine.options import EngineOptions
 from nanofn.engine.outputs import RequestOutput
 from nanofn.server.engine_process import EngineFacts, dumps, rebuild, run_engine_process
 from nanofn.state import Counters, Figures, InvalidRequest, SamplingParams
+
+
+@dataclass(frozen=True)
+class ReplicaView:
+    """What the metrics and /health read of one engine (a data-parallel replica)."""
+
+    figures: Figures
+    counters: Counters
+    failure: BaseException | None
 
 if TYPE_CHECKING:
     from nanofn.engine.engine import PromptInput
@@ -56,14 +65,18 @@ class RemoteTraceback(Exception):
 
 
 class AsyncLLM:
-    def __init__(self, model: str, **options: Any):
+    """``environment``: variables to set in the engine process before the engine starts (a
+    data-parallel replica's ``CUDA_VISIBLE_DEVICES``)."""
+
+    def __init__(self, model: str, environment: Mapping[str, str] | None = None,
+                 **options: Any):
         engine_options = EngineOptions.from_kwargs(model, **options)
         context = multiprocessing.get_context("spawn")
         self._conn, theirs = context.Pipe()
         # Not a daemon: it starts tensor-parallel workers of its own. close() stops it, and it
         # stops by itself when this process's end of the pipe closes.
         self._process = context.Process(target=run_engine_process, name="nanofn-engine",
-                                        args=(theirs, engine_options))
+                                        args=(theirs, engine_options, dict(environment or {})))
         self._process.start()
         theirs.close()
         try:
@@ -116,6 +129,10 @@ class AsyncLLM:
     def counters(self) -> Counters:
         """The core's running totals after the engine's latest step."""
         return self._counters
+
+    def views(self) -> list[ReplicaView]:
+        """The one engine, as the metrics and /health read a data-parallel server's replicas."""
+        return [ReplicaView(self._figures, self._counters, self.failure)]
 
     async def generate(self, prompt: PromptInput, params: SamplingParams,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:

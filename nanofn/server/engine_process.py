@@ -21,6 +21,7 @@ so that the server's process starts it before its own slow imports, which then o
 from __future__ import annotations
 
 import builtins
+import os
 import pickle
 import signal
 import threading
@@ -65,9 +66,12 @@ def portable(error: BaseException) -> BaseException:
 
 # --- the engine's process ----------------------------------------------------------------------
 
-def run_engine_process(conn: Connection, options: EngineOptions) -> None:
-    """The engine process's entry point: build the engine, report it ready, serve commands
-    until ``stop`` or until the server's end of the pipe closes (the server died)."""
+def run_engine_process(conn: Connection, options: EngineOptions,
+                       environment: dict[str, str]) -> None:
+    """The engine process's entry point: set ``environment`` (before CUDA starts: a replica's
+    ``CUDA_VISIBLE_DEVICES``), build the engine, report it ready, serve commands until
+    ``stop`` or until the server's end of the pipe closes (the server died)."""
+    os.environ.update(environment)
     # Ctrl-C in a terminal reaches the whole process group; the server stops the engine.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:

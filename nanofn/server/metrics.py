@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.metrics_core import Metric
 
 from nanofn.engine.outputs import RequestOutput
-from nanofn.server.async_engine import AsyncLLM
+from nanofn.server.async_engine import AsyncLLM, ReplicaView
+from nanofn.server.data_parallel import sum_counters, sum_figures
 
 # Why an API request stops before its end: its client went away, or the server's shutdown
 # (--shutdown-timeout) ran out of time for it.
@@ -19,16 +22,7 @@ class Metrics:
     def __init__(self, llm: AsyncLLM):
         self.llm = llm
         self.registry = registry = CollectorRegistry()
-        self.running = Gauge("vllm:num_requests_running", "Requests running", registry=registry)
-        self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting", registry=registry)
-        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV cache usage (1 = full)",
-                              registry=registry)
-        self.kv_blocks_used = Gauge("nanofn:kv_blocks_used", "KV blocks owned by requests",
-                                    registry=registry)
-        self.hit_rate = Gauge("nanofn:prefix_cache_hit_rate",
-                              "Prompt tokens found in the prefix cache, since the start",
-                              registry=registry)
-        registry.register(_CoreCounters(llm))
+        registry.register(_EngineMetrics(llm))
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of finished requests",
                                      registry=registry)
         self.generation_tokens = Counter("vllm:generation_tokens",
@@ -63,29 +57,64 @@ class Metrics:
         self.requests.labels(finished_reason="abort").inc(num_sequences)
 
     def render(self) -> bytes:
-        figures = self.llm.figures()
-        self.running.set(figures.num_running)
-        self.waiting.set(figures.num_waiting)
-        self.kv_usage.set(figures.kv_cache_usage)
-        self.kv_blocks_used.set(figures.kv_blocks_used)
-        self.hit_rate.set(figures.prefix_cache_hit_rate)
         return generate_latest(self.registry)
 
 
-class _CoreCounters:
-    """The core's own running totals, read from its latest (immutable) state at each scrape:
-    preemptions, and prefix-cache queries and hits in tokens, as vLLM counts them."""
+class _EngineMetrics:
+    """The engines' figures (gauges) and the core's running totals (counters: preemptions,
+    prefix-cache queries and hits in tokens, as vLLM counts them; finished sequences), read
+    from each engine's latest (immutable) state at each scrape.
+
+    A data-parallel server shows each replica's under a ``replica`` label and, without the
+    label, their sum (the hit rate and KV usage of the summed counts), so that a dashboard
+    made for one engine reads the whole server; ``nanofn:replica_up`` says which replicas
+    serve. One engine shows its own, unlabelled, as before."""
 
     def __init__(self, llm: AsyncLLM):
         self.llm = llm
 
-    def collect(self):
-        counters = self.llm.counters()
-        for name, documentation, value in (
-                ("vllm:num_preemptions", "Preemptions since the start",
-                 counters.num_preemptions),
-                ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
-                 counters.num_admitted_tokens),
-                ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache",
-                 counters.num_cached_tokens)):
-            yield CounterMetricFamily(name, documentation, value=value)
+    def collect(self) -> Iterator[Metric]:
+        views = self.llm.views()
+        labelled = [({"replica": str(i)}, view) for i, view in enumerate(views)]
+        rows = [({}, _total(views))] + (labelled if len(views) > 1 else [])
+        for name, kind, documentation, value in ENGINE_METRICS:
+            family = Metric(name, documentation, kind)
+            for labels, view in rows:
+                family.add_sample(name + ("_total" if kind == "counter" else ""), labels,
+                                  value(view))
+            yield family
+        if len(views) > 1:
+            up = Metric("nanofn:replica_up", "1 while a data-parallel replica serves, 0 once "
+                                              "its engine stopped", "gauge")
+            for labels, view in labelled:
+                up.add_sample("nanofn:replica_up", labels, float(view.failure is None))
+            yield up
+
+
+def _total(views: list[ReplicaView]) -> ReplicaView:
+    if len(views) == 1:
+        return views[0]
+    counters = sum_counters([v.counters for v in views])
+    return ReplicaView(sum_figures([v.figures for v in views], counters), counters, None)
+
+
+# (name, type, documentation, value of a ReplicaView)
+ENGINE_METRICS: tuple[tuple[str, str, str, Callable[[ReplicaView], float]], ...] = (
+    ("vllm:num_requests_running", "gauge", "Requests running", lambda v: v.figures.num_running),
+    ("vllm:num_requests_waiting", "gauge", "Requests waiting", lambda v: v.figures.num_waiting),
+    ("vllm:kv_cache_usage_perc", "gauge", "KV cache usage (1 = full)",
+     lambda v: v.figures.kv_cache_usage),
+    ("nanofn:kv_blocks_used", "gauge", "KV blocks owned by requests",
+     lambda v: v.figures.kv_blocks_used),
+    ("nanofn:prefix_cache_hit_rate", "gauge",
+     "Prompt tokens found in the prefix cache, since the start",
+     lambda v: v.figures.prefix_cache_hit_rate),
+    ("vllm:num_preemptions", "counter", "Preemptions since the start",
+     lambda v: v.counters.num_preemptions),
+    ("vllm:prefix_cache_queries", "counter", "Prompt tokens looked up in the prefix cache",
+     lambda v: v.counters.num_admitted_tokens),
+    ("vllm:prefix_cache_hits", "counter", "Prompt tokens found in the prefix cache",
+     lambda v: v.counters.num_cached_tokens),
+    ("nanofn:sequences_finished", "counter", "Sequences the engine finished (aborted ones too)",
+     lambda v: v.counters.num_finished),
+)

@@ -1,0 +1,160 @@
+"""Tensor parallelism across hosts, as two "hosts" on one machine (gloo on the CPU): the engine's
+host runs rank 0, a ``nanofn worker --node-rank 1`` process runs rank 1, which takes its plans
+over TCP. TP=2 over the two gives TP=1's tokens; a killed or stopped remote rank is the same
+``WorkerFailure`` naming the rank as a local one's; a worker of another layout, or the engine
+asked for on a worker host, is a clear error."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from server_helpers import free_port, needs_proc, spawned_children
+
+from nanofn import LLM, SamplingParams
+from nanofn.engine.options import EngineOptions
+from nanofn.runner.tensor_parallel import UNRESPONSIVE_AFTER, WorkerFailure
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+LONG = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)
+PROMPTS = [[3 + i, 7, 11, 13] for i in range(4)]
+SMALL = dict(max_model_len=1024, num_kv_blocks=512)
+
+
+def start_worker_host(port: int, tensor_parallel_size: int = 2) -> subprocess.Popen:
+    """``nanofn worker`` as node 1 of 2, for an engine meeting it at ``port``."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "nanofn", "worker", "--tensor-parallel-size",
+         str(tensor_parallel_size), "--nnodes", "2", "--node-rank", "1", "--master-addr",
+         "127.0.0.1", "--master-port", str(port)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def two_host_llm(model, port: int) -> LLM:
+    return LLM(str(model), tensor_parallel_size=2, nnodes=2, master_addr="127.0.0.1",
+               master_port=port, **SMALL)
+
+
+def test_tp2_over_two_hosts_gives_the_tokens_of_tp1(tiny_qwen3):
+    port = free_port()
+    host = start_worker_host(port)
+    with two_host_llm(tiny_qwen3, port) as llm:
+        assert len(llm.engine.runner._workers) == 2  # a local process, a remote rank
+        spread = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    assert host.wait(timeout=30) == 0, host.stdout.read()  # the engine closed: it left cleanly
+    with LLM(str(tiny_qwen3), **SMALL) as llm:
+        single = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    assert spread == single
+
+
+@needs_proc
+@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "stopped"])
+def test_a_failed_remote_rank_is_a_worker_failure_naming_it(tiny_qwen3, signum):
+    port = free_port()
+    host = start_worker_host(port)
+    llm = two_host_llm(tiny_qwen3, port)
+    runner = llm.engine.runner
+    [rank_pid] = spawned_children(host.pid)
+    sent = []
+
+    def send():
+        while runner._num_launched < 20:
+            time.sleep(0.001)
+        sent.append(time.monotonic())
+        os.kill(rank_pid, signum)
+
+    threading.Thread(target=send, daemon=True).start()
+    try:
+        with pytest.raises(WorkerFailure) as failure:
+            llm.generate(PROMPTS, LONG, use_tqdm=False)
+        elapsed = time.monotonic() - sent[0]
+        message = str(failure.value)
+        assert message.startswith("tensor-parallel rank 1 ")
+        if signum == signal.SIGKILL:
+            assert "on node 1 exited or lost its connection" in message
+            assert elapsed < 3
+        else:
+            assert "stopped responding" in message
+            assert elapsed < UNRESPONSIVE_AFTER + 2
+        with pytest.raises(WorkerFailure, match="rank 1"):  # at once, and again
+            llm.generate(PROMPTS[:1], SamplingParams(max_tokens=2), use_tqdm=False)
+        closing = time.monotonic()
+        llm.close()
+        assert time.monotonic() - closing < 1
+        if signum == signal.SIGSTOP:
+            os.kill(rank_pid, signal.SIGCONT)  # it finds its connections cut, and exits
+        assert host.wait(timeout=30) == 1  # the worker host reports its rank's failure
+    finally:
+        llm.close()
+        host.kill()
+
+
+def test_a_worker_of_another_layout_is_refused_naming_both(tiny_qwen3):
+    port = free_port()
+    host = start_worker_host(port, tensor_parallel_size=4)  # ranks 2 and 3 of 4
+    try:
+        with pytest.raises(ValueError, match="--tensor-parallel-size 4 --nnodes 2 connected, "
+                                             "but the engine runs tensor_parallel_size 2"):
+            two_host_llm(tiny_qwen3, port)
+        assert host.wait(timeout=30) != 0
+        assert "the engine refused it" in host.stdout.read()
+    finally:
+        host.kill()
+
+
+def test_the_engine_is_not_asked_for_on_a_worker_host(tiny_qwen3):
+    with pytest.raises(ValueError, match="node_rank 1: the engine runs on node 0.*nanofn worker "
+                                         "--nnodes 2 --node-rank 1"):
+        LLM(str(tiny_qwen3), tensor_parallel_size=2, nnodes=2, node_rank=1, master_port=29500)
+
+
+@pytest.mark.parametrize("options, problem", [
+    (dict(tensor_parallel_size=3, nnodes=2, master_port=1), "does not split over nnodes 2"),
+    (dict(tensor_parallel_size=2, nnodes=2), "nnodes > 1 needs master_port"),
+    (dict(tensor_parallel_size=2, nnodes=2, node_rank=2, master_port=1), "node_rank must be below"),
+    (dict(master_port=70000), "master_port must be a TCP port"),
+])
+def test_bad_cluster_options_are_named(options, problem):
+    with pytest.raises(ValueError, match=problem):
+        EngineOptions(model="m", **options)
+
+
+@pytest.mark.parametrize("command", ["worker", "serve", "generate", "bench"])
+def test_a_worker_host_runs_its_ranks_whatever_the_command(command, monkeypatch):
+    """``--node-rank`` above 0 makes serve, generate and bench what ``nanofn worker`` is."""
+    import nanofn.runner.remote_ranks as remote_ranks
+    from nanofn.cli import main
+
+    calls = []
+    monkeypatch.setattr(remote_ranks, "run_node", lambda *args: calls.append(args) or 0)
+    assert main([command, "--tensor-parallel-size", "4", "--nnodes", "2", "--node-rank", "1",
+                 "--master-addr", "10.0.0.1", "--master-port", "29500"]) == 0
+    assert calls == [(4, 2, 1, "10.0.0.1", 29500)]
+
+
+def test_the_command_line_checks_a_worker_hosts_flags(capsys):
+    from nanofn.cli import main
+
+    assert main(["worker", "--tensor-parallel-size", "2", "--nnodes", "2",
+                 "--master-port", "29500"]) == 2
+    assert "node_rank 0 runs the engine" in capsys.readouterr().err
+    assert main(["worker", "--tensor-parallel-size", "2", "--node-rank", "1"]) == 2
+    assert "node_rank must be below nnodes (1)" in capsys.readouterr().err
+
+
+def test_a_host_that_never_comes_is_named_with_the_command_to_start_it(tiny_qwen3, monkeypatch):
+    from datetime import timedelta
+
+    import nanofn.runner.remote_ranks as remote_ranks
+
+    monkeypatch.setattr(remote_ranks, "JOIN_TIMEOUT", timedelta(seconds=2))
+    port = free_port()
+    with pytest.raises(TimeoutError, match=f"rank\\(s\\) 1 did not connect within 2 s: on node\\(s\\) "
+                                           f"1 run nanofn worker --nnodes 2 --node-rank NODE "
+                                           f"--master-addr 127.0.0.1 --master-port {port}"):
+        two_host_llm(tiny_qwen3, port)
