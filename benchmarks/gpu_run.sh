@@ -88,7 +88,7 @@ if [ "$what" = tp ]; then  # two GPUs: TP=2 parity, worker faults, TP=1 and TP=2
 fi
 if [ "$what" = serve ]; then  # needs fastapi, uvicorn, prometheus_client, openai wheels in .whl/
   model=$(python3 -c "from nanofn.model.tiny import random_weights_model as r; print(r('qwen3-0.6b'))")
-  python3 -m nanofn serve "$model" --port 8011 --max-model-len 4096 > "$OUT/serve.log" 2>&1 &
+  python3 -m nanofn serve "$model" --load-format dummy --port 8011 --max-model-len 4096 > "$OUT/serve.log" 2>&1 &
   server=$!
   for _ in $(seq 1 240); do curl -sf localhost:8011/health > /dev/null && break; sleep 1; done
   timeout 300 python3 benchmarks/serve.py --url http://127.0.0.1:8011 --requests 256 \

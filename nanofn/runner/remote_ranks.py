@@ -15,7 +15,7 @@ apart. Why not a broadcast over the process group: it would put a collective (an
 second communicator on the CPU) into every step of every rank, whose failure modes are the
 group's (a rank stuck for good in a C call); a socket is read by one Python call, fails with an
 end of file, and keeps the engine's process out of the group (see ``tensor_parallel``).
-Measured on a shared 2-core CPU machine (``benchmarks/plan_transport.py``, two runs): a
+Measured on a shared 2-core CPU machine (``benchmarks/experiments/plan_transport.py``, two runs): a
 256-sequence decode plan pickles to 10.5 kB in 33 us (once a step, for all ranks); writing it
 and reading a 1-byte answer takes a median 17-23 us over a pipe and 17-23 us over TCP on
 localhost (p99 24-49 us either way): the transport adds nothing measurable per step. On a real

@@ -3,7 +3,7 @@ a decode plan of N sequences, pickled once, written to a child process that read
 answers one byte, over a pipe (a local rank) and over an authenticated TCP connection on
 localhost (a remote rank, ``nanofn.runner.remote_ranks``). No model, no GPU.
 
-Usage: python benchmarks/plan_transport.py [--num-seqs 256] [--steps 2000]
+Usage: python benchmarks/experiments/plan_transport.py [--num-seqs 256] [--steps 2000]
 
 Prints the plan's size, the pickling time and the median and p99 round trip of each transport
 (the round trip holds one plan write and read and the 1-byte answer; a real step's tokens come
