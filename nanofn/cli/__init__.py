@@ -86,6 +86,14 @@ ENGINE_FLAGS: dict[str, dict[str, Any]] = {
     "generation_config": dict(metavar="auto|vllm|FOLDER",
                               help="sampling defaults: auto, the model's generation_config.json; "
                                    "vllm, none; or a folder's (default: {default})"),
+    "quantization": dict(choices=["fp8"],
+                         help="fp8: quantize a bf16 checkpoint's attention and MLP projections "
+                              "to FP8 as it loads (per output channel, dynamic per-token "
+                              "activations); FP8 checkpoints need no flag"),
+    "kv_cache_dtype": dict(choices=["auto", "fp8", "fp8_e4m3"],
+                           help="KV cache entries: auto, the model's dtype; fp8 (e4m3), one "
+                                "byte each, twice the tokens in the same memory (default: "
+                                "{default})"),
     "cpu_threads": dict(type=int, metavar="N",
                         help="torch threads on a CPU device (default: 1 for models of hidden "
                              "size under 1024, such as the demo; else torch's, one per core)"),
