@@ -561,3 +561,47 @@ def test_fp8_kv_cache_engine_logits_stay_near_and_greedy_tokens_mostly_agree(tin
         relative = (error / logits[torch.float32].abs().max()).item()
         print(f"FP8 KV cache: largest logit error {relative:.1%} of the largest logit")
         assert relative < 0.2
+
+
+# --- the floor and nanofn bench --------------------------------------------------------------
+
+def test_the_fp8_floor_reads_one_byte_projections_and_kv_entries():
+    """Qwen3-0.6B's standard workload: the issue's 5.15 s in bf16; with every byte halved
+    2.66 s (the issue says "about 2.5 s"; prefill stays compute-bound), and 2.71 s with FP8 projections and KV cache while the
+    LM head (tied to the embedding, 311 MB read a step) stays bf16, as nanofn keeps it."""
+    from nanofn.cli.bench import ModelDims, floor, standard_workload
+    from nanofn.model.tiny import PRESETS
+
+    dims, workload = ModelDims.from_config(PRESETS["qwen3-0.6b"]), standard_workload()
+    lens = ([len(p) for p in workload.prompts], workload.max_tokens)
+    bf16, weights, kv, both = (floor(dims, *lens, projection_bytes=p, kv_bytes=k).seconds
+                               for p, k in ((None, None), (1, None), (None, 1), (1, 1)))
+    assert bf16 == pytest.approx(5.15, abs=0.01)
+    all_halved = floor(dims, *lens, bytes_per_param=1).seconds
+    assert all_halved == pytest.approx(2.66, abs=0.01)
+    assert both == pytest.approx(2.71, abs=0.01)
+    assert both < weights < bf16 and both < kv < bf16
+    # decode reads KV bytes far more than weights in this workload (the issue's 4.2 of 5.15 s)
+    assert bf16 - kv > bf16 - weights
+
+
+def test_bench_prints_the_data_types_and_an_fp8_floor(tiny_qwen3, tmp_path, capsys):
+    from nanofn.cli import main
+
+    report = tmp_path / "bench.json"
+    args = ["bench", str(tiny_qwen3), "--num-seqs", "2", "--max-input-len", "20",
+            "--max-output-len", "4", "--bw", "50", "--tflops", "1", "--num-kv-blocks", "32",
+            "--max-model-len", "64", "--json", str(report)]
+    floors = {}
+    for extra in ([], ["--quantization", "fp8", "--kv-cache-dtype", "fp8"]):
+        assert main(args + extra) == 0
+        out = capsys.readouterr().out
+        floors[bool(extra)] = json.loads(report.read_text())
+        types = floors[bool(extra)]["data_types"]
+        if extra:
+            assert "data types: projection weights fp8_e4m3, KV cache fp8_e4m3, activations " \
+                   "fp8_e4m3 into the projections (fp8 per-channel" in out
+            assert types["weights"] == types["kv_cache"] == "fp8_e4m3"
+        else:
+            assert types["weights"] == types["kv_cache"] == "float32"
+    assert floors[True]["floor_decode_s"] < floors[False]["floor_decode_s"]

@@ -547,6 +547,7 @@ def run_bench(args: argparse.Namespace) -> int:
         from nanofn.runner.timeline import DeviceTimeline
         timeline = DeviceTimeline()
     dtype = engine.runner.dtype
+    data_types = bench_data_types(engine.hf_config, engine.options, dtype)
     print(f"workload: {describe_sizes(sizes)}"
           + (" (the CPU default)" if sizes in (CPU_SIZES, CPU_SHARED_PREFIX_SIZES) else ""),
           flush=True)
@@ -559,7 +560,9 @@ def run_bench(args: argparse.Namespace) -> int:
         rates = tuple(rate * engine.options.tensor_parallel_size for rate in rates)
         best = floor(dims, [len(p) for p in workload.prompts], workload.max_tokens,
                      bandwidth_gbps=rates[0], tflops=rates[1], bytes_per_param=dtype.itemsize,
-                     shared_prefix_len=sizes.get("shared_len", 0))
+                     shared_prefix_len=sizes.get("shared_len", 0),
+                     projection_bytes=1 if data_types["fp8"] else None,
+                     kv_bytes=1 if data_types["kv_cache"] == "fp8_e4m3" else None)
     config = engine.scheduler_config
     num_blocks = engine.state.pool.num_blocks
     setup = {"model": str(model), "device": device, "dtype": str(dtype).removeprefix("torch."),
@@ -570,6 +573,7 @@ def run_bench(args: argparse.Namespace) -> int:
               if dims.active_params != dims.num_params else "")
     print(f"model: {model} ({dims.num_layers} layers, {dims.num_params / 1e6:.3g}M parameters"
           f"{active}, {setup['dtype']} on {setup['device']}{parallel})")
+    print(f"data types: {data_types['description']}")
     print(f"requests {result.num_requests}, prompt tokens {result.num_prompt_tokens:,}, "
           f"output tokens {result.num_output_tokens:,}")
     print(f"elapsed {format_seconds(result.elapsed_s)}  ->  {result.output_tok_s:,.0f} output "
@@ -596,6 +600,7 @@ def run_bench(args: argparse.Namespace) -> int:
             **asdict(result), "output_tok_s": result.output_tok_s,
             "device_idle_fraction": result.device_idle_fraction,
             "num_kv_blocks": num_blocks, "block_size": config.block_size,
+            "data_types": {k: v for k, v in data_types.items() if k != "fp8"},
         }
         if best is not None:
             report.update({
@@ -605,6 +610,22 @@ def run_bench(args: argparse.Namespace) -> int:
                 "tflops": rates[1]})
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
     return 0
+
+
+def bench_data_types(hf_config: Any, options: EngineOptions, dtype: Any) -> dict[str, Any]:
+    """The data types a run computes with, in words: the projections' weights, the KV
+    cache's, the activations' (quantized to FP8 with FP8 projections), and the rest."""
+    from nanofn.model.quantization import fp8_scheme
+
+    scheme = fp8_scheme(hf_config, options.quantization)
+    name = str(dtype).removeprefix("torch.")
+    kv_cache = "fp8_e4m3" if options.kv_cache_dtype.startswith("fp8") else name
+    weights = "fp8_e4m3" if scheme else name
+    activations = f"fp8_e4m3 into the projections ({scheme.description})" if scheme else name
+    return {"weights": weights, "kv_cache": kv_cache, "activations": activations,
+            "fp8": scheme is not None,
+            "description": (f"projection weights {weights}, KV cache {kv_cache}, activations "
+                            f"{activations}; embeddings, norms and LM head {name}")}
 
 
 def _device_name(device: str) -> str:
