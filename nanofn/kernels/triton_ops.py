@@ -43,7 +43,7 @@ from nanofn.kernels.triton_overlap import wait_for_previous
 import nanofn.kernels.triton_gemm as triton_gemm
 import nanofn.kernels.triton_gemv as triton_gemv
 from nanofn.kernels.triton_gemv import silu_times_up
-from nanofn.kernels.triton_attention import head_norm_scaled
+from nanofn.kernels.triton_attention import head_norm_scaled, to_cache_dtype
 from nanofn.kernels import KernelBackend
 from nanofn.kernels import triton_linear_attention as linear_attention
 from nanofn.kernels import triton_moe
@@ -125,7 +125,6 @@ def _rotate_heads(
     first_half = x_row_ptr + heads * stride_head + dims
     first = tl.load(first_half, mask=mask, other=0.0).to(tl.float32)
     second = tl.load(first_half + ROT_HALF, mask=mask, other=0.0).to(tl.float32)
-    out_dtype = out_row_ptr.dtype.element_ty
     store_mask = mask & valid
     if ROT_HALF < HALF_DIM:  # the dims that pass unturned
         rest_dims = 2 * ROT_HALF + tl.arange(0, 2 * HALF_DIM)[None, :]
@@ -146,12 +145,13 @@ def _rotate_heads(
                                   other=0.0).to(tl.float32)
             rest = head_norm_scaled(rest, inv_rms, rest_weight, dtype)
     out_first_half = out_row_ptr + heads * out_stride_head + dims
-    tl.store(out_first_half, (first * cos - second * sin).to(dtype).to(out_dtype), mask=store_mask)
-    tl.store(out_first_half + ROT_HALF, (second * cos + first * sin).to(dtype).to(out_dtype),
+    tl.store(out_first_half, to_cache_dtype((first * cos - second * sin).to(dtype), out_row_ptr),
              mask=store_mask)
+    tl.store(out_first_half + ROT_HALF,
+             to_cache_dtype((second * cos + first * sin).to(dtype), out_row_ptr), mask=store_mask)
     if ROT_HALF < HALF_DIM:
         tl.store(out_row_ptr + heads * out_stride_head + rest_dims,
-                 rest.to(dtype).to(out_dtype), mask=rest_mask & valid)
+                 to_cache_dtype(rest.to(dtype), out_row_ptr), mask=rest_mask & valid)
 
 
 @triton.jit
@@ -190,7 +190,7 @@ def _rotate_and_store_kv_kernel(
     mask = (heads < num_kv_heads) & (slot >= 0)
     v = tl.load(v_ptr + token * stride_vt + heads * stride_vh + head_dims, mask=mask)
     tl.store(v_cache_ptr + cache_row + heads * stride_head + head_dims,
-             v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+             to_cache_dtype(v, v_cache_ptr), mask=mask)
 
 
 @triton.jit

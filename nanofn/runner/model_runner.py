@@ -429,17 +429,19 @@ def choose_kernels(config: RunnerConfig, dtype: torch.dtype, shape: ModelShape,
     """The model's kernels (projections, attention, norms, rotary, activation), chosen once per engine.
 
     ``auto``: on CUDA, flash-attn-4's prefill with the Triton kernels (``flash``) where it
-    imports and passes its self-check at this model's shape (``num_heads``: this rank's), else
-    Triton; elsewhere the torch references. Asking for ``flash`` where it cannot run raises,
+    imports and passes its self-check at this model's shape (``num_heads``: this rank's) and
+    the KV cache is not FP8 (flash-attn-4 does not read one), else Triton; elsewhere the torch
+    references. Asking for ``flash`` where it cannot run raises,
     saying why.
     """
     name = config.kernel_backend
-    if config.kv_cache_dtype == "fp8":
-        if name not in ("auto", "torch"):
-            raise RuntimeError(f"kv_cache_dtype {config.kv_cache_dtype!r} runs on the torch "
-                               f"reference kernels only so far (no Triton FP8 attention "
-                               f"yet), not on {name!r}")
-        name = "torch"
+    if name == "auto":
+        name = "flash" if config.device.type == "cuda" else "torch"
+    if name == "flash" and config.kv_cache_dtype == "fp8":
+        if config.kernel_backend == "flash":
+            raise RuntimeError("kernel_backend 'flash' (flash-attn-4) cannot read an FP8 KV "
+                               "cache; use 'triton' or 'auto'")
+        name = "triton"  # (Triton's prefill reads it)
     if name == "flash":
         from nanofn.kernels.device import flash_attention_problem
 

@@ -1,0 +1,142 @@
+"""The Triton kernels on an FP8 KV cache (and FP8 projections), against the torch references,
+on CPU through Triton's interpreter (float32 and float16: see ``test_triton_attention.py``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import nanofn.kernels.attention as reference
+import nanofn.kernels.triton_attention as triton_attention
+from nanofn.kernels import triton_ops
+from nanofn.kernels.fp8 import FP8_DTYPE
+from nanofn.kernels.rotary import apply_rotary
+from nanofn.kernels.rotary import rotary_decode_attention as reference_rotary_decode_attention
+from nanofn.kernels.rotary import rotate_and_store_kv as reference_rotate_and_store_kv
+from test_triton_attention import (PagedCache, attend_and_return_caches, prefill_attention_on,
+                                   random_queries, rotary_decode_inputs)
+from test_triton_compiles import BLOCK, HEAD_DIM, HEADS, KV_HEADS, empty, new_tokens
+from triton_interpreter import compiler_process
+
+TOLERANCES = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.float16: dict(atol=3e-3, rtol=0)}
+
+
+def fp8_paged_cache(seq_lens, block_size, num_kv_heads, head_dim, seed):
+    """``PagedCache`` with its entries in e4m3 (keys of std 4: some past the normal range's
+    top binades, some subnormal)."""
+    cache = PagedCache(seq_lens, block_size, num_kv_heads, head_dim, torch.float32, seed)
+    cache.k_cache = (cache.k_cache * 4).to(FP8_DTYPE)
+    cache.v_cache = cache.v_cache.to(FP8_DTYPE)
+    return cache
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("num_splits", [1, 4], ids=["one-partition", "split-k"])
+def test_decode_attention_reads_an_fp8_cache_as_the_reference(interpreter, dtype, num_splits):
+    cache = fp8_paged_cache([1, 17, 100, 130], 16, 2, 32, seed=0)
+    q = random_queries(4, 4, 32, dtype, seed=1)
+    args = (q, cache.k_cache, cache.v_cache, cache.seq_lens, cache.block_tables, 0.2)
+    scales = dict(k_scale=0.5, v_scale=2.0)
+    expected = reference.decode_attention(*args, **scales)
+    out = interpreter(triton_attention.decode_attention, *args, num_splits=num_splits, **scales)
+    torch.testing.assert_close(out, expected, **TOLERANCES[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_prefill_attention_reads_an_fp8_cache_as_the_reference(interpreter, dtype):
+    seq_lens, query_lens = [5, 40, 70], [5, 9, 33]
+    cache = fp8_paged_cache(seq_lens, 16, 2, 32, seed=2)
+    q = random_queries(sum(query_lens), 8, 32, dtype, seed=3)
+    query_start = torch.tensor([0, 5, 14, 47], dtype=torch.int32)
+    args = (q, cache.k_cache, cache.v_cache, query_start, cache.seq_lens, cache.block_tables,
+            tuple(query_lens), tuple(seq_lens), 0.2)
+    scales = dict(k_scale=0.25, v_scale=0.5)
+    expected = reference.prefill_attention(*args, **scales)
+    out = interpreter(triton_attention.prefill_attention, *args, **scales)
+    torch.testing.assert_close(out, expected, **TOLERANCES[dtype])
+
+
+def fp8_caches_of(inputs: tuple, value_factor: float) -> list:
+    """``rotary_decode_inputs``' arguments (q, k, v, positions, cos_sin, k_cache, v_cache,
+    slots, seq_lens, block_tables, scale) with their caches in e4m3 and the values times
+    ``value_factor`` (300: some saturate at 448)."""
+    inputs = list(inputs)
+    inputs[5], inputs[6] = inputs[5].to(FP8_DTYPE), inputs[6].to(FP8_DTYPE)
+    inputs[2] = inputs[2] * value_factor
+    return inputs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_rotate_and_store_kv_writes_an_fp8_cache_as_the_reference(interpreter, dtype):
+    args = fp8_caches_of(rotary_decode_inputs([3, 20, 47], 2, dtype, seed=4), 300)[:8]
+    expected_caches = [c.clone() for c in args[5:7]]
+    expected_q = reference_rotate_and_store_kv(*args[:5], *expected_caches, args[7])
+    q, k_cache, v_cache = interpreter(_store_and_return_caches, *args)
+    torch.testing.assert_close(q, expected_q, **TOLERANCES[dtype])
+    assert v_cache.float().abs().max() == 448  # saturated, not NaN
+    for actual, expected in zip((k_cache, v_cache), expected_caches):
+        assert_e4m3_close(actual, expected)
+
+
+def assert_e4m3_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """FP8 cache entries that Triton's interpreter wrote equal the reference's, but where its
+    rounding to e4m3 slips as the GPU's conversion does not: a mantissa that rounds up past
+    1.75 loses its carry (2.0 becomes 1.0: its ``_convert_float`` ORs the carry into the
+    exponent), ties round up, not to even, and subnormals (below 2^-6, in steps of 2^-9) are
+    cut, not rounded. Those are a few percent of the entries at most."""
+    actual, expected = actual.float(), expected.float()
+    carry_lost = (actual == expected / 2) & (expected.abs().log2() % 1 == 0)
+    one_step = (actual - expected).abs() <= expected.abs() / 8 + 2.0**-9
+    assert (carry_lost | one_step).all()
+    assert (actual != expected).float().mean() < 0.02
+
+
+def _store_and_return_caches(*args):
+    q = triton_ops.rotate_and_store_kv(*args)
+    return q, args[5], args[6]
+
+
+@pytest.mark.parametrize("num_splits", [1, 4], ids=["one-partition", "split-k"])
+def test_rotary_decode_attention_on_an_fp8_cache_attends_to_what_it_stores(interpreter,
+                                                                           num_splits):
+    """The fused kernel attends to its token's key and value from registers, rounded to e4m3
+    as it stores them: its output is attention over the cache it leaves, and that cache is the
+    reference's."""
+    args = fp8_caches_of(rotary_decode_inputs([3, 20, 47, 64], 2, torch.float32, seed=5), 1)
+    expected_caches = [c.clone() for c in args[5:7]]
+    reference_rotary_decode_attention(*args[:5], *expected_caches, *args[7:])
+    out, k_cache, v_cache = interpreter(attend_and_return_caches,
+                                        triton_attention.rotary_decode_attention, *args,
+                                        num_splits=num_splits)
+    q, _ = apply_rotary(args[0], args[1], args[3], args[4])
+    attended = reference.decode_attention(q, k_cache, v_cache, *args[8:])
+    torch.testing.assert_close(out, attended, **TOLERANCES[torch.float32])
+    assert_e4m3_close(k_cache, expected_caches[0])
+    assert_e4m3_close(v_cache, expected_caches[1])
+
+
+@pytest.fixture(scope="module")
+def compile_for_h100():
+    with compiler_process() as run:
+        yield run
+
+
+@pytest.mark.parametrize("batch, splits", [(64, 1), (2, 4)])
+def test_attention_kernels_on_an_fp8_cache_compile(compile_for_h100, batch, splits):
+    """At Qwen3-0.6B's shapes in bf16 with an e4m3 cache: the rotary KV store, decode (one
+    partition and split-K; fused with the rotary store and not), and prefill."""
+    caches = (empty(64, BLOCK, KV_HEADS, HEAD_DIM, dtype=FP8_DTYPE),
+              empty(64, BLOCK, KV_HEADS, HEAD_DIM, dtype=FP8_DTYPE))
+    seq_lens = torch.ones(batch, dtype=torch.int32)
+    tables = torch.zeros(batch, 256, dtype=torch.int32)
+    q, k, v, positions, cos_sin, slots = new_tokens(batch)
+    norms = (empty(HEAD_DIM), empty(HEAD_DIM))
+    compile_for_h100(triton_ops.rotate_and_store_kv, q, k, v, positions, cos_sin, *caches, slots,
+                     *norms)
+    compile_for_h100(triton_attention.decode_attention, empty(batch, HEADS, HEAD_DIM), *caches,
+                     seq_lens, tables, HEAD_DIM**-0.5, None, splits, k_scale=0.5, v_scale=2.0)
+    compile_for_h100(triton_attention.rotary_decode_attention, q, k, v, positions, cos_sin,
+                     *caches, slots, seq_lens, tables, HEAD_DIM**-0.5, None, *norms, 1e-6, splits)
+    compile_for_h100(prefill_attention_on, 132, empty(5 * batch, HEADS, HEAD_DIM), *caches,
+                     torch.arange(0, 5 * batch + 1, 5, dtype=torch.int32), seq_lens * 5, tables,
+                     (5,) * batch, (5,) * batch, HEAD_DIM**-0.5)
