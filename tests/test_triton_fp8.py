@@ -8,14 +8,15 @@ import torch
 
 import nanofn.kernels.attention as reference
 import nanofn.kernels.triton_attention as triton_attention
-from nanofn.kernels import triton_ops
-from nanofn.kernels.fp8 import FP8_DTYPE
+from nanofn.kernels import triton_fp8, triton_ops
+from nanofn.kernels.fp8 import FP8_DTYPE, Fp8Weight, fp8_linear, quantize_groups, quantize_static
+from nanofn.kernels.triton_fp8 import GROUP
 from nanofn.kernels.rotary import apply_rotary
 from nanofn.kernels.rotary import rotary_decode_attention as reference_rotary_decode_attention
 from nanofn.kernels.rotary import rotate_and_store_kv as reference_rotate_and_store_kv
 from test_triton_attention import (PagedCache, attend_and_return_caches, prefill_attention_on,
                                    random_queries, rotary_decode_inputs)
-from test_triton_compiles import BLOCK, HEAD_DIM, HEADS, KV_HEADS, empty, new_tokens
+from test_triton_compiles import BLOCK, HEAD_DIM, HEADS, HIDDEN, KV_HEADS, empty, new_tokens
 from triton_interpreter import compiler_process
 
 TOLERANCES = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.float16: dict(atol=3e-3, rtol=0)}
@@ -83,12 +84,12 @@ def assert_e4m3_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
     rounding to e4m3 slips as the GPU's conversion does not: a mantissa that rounds up past
     1.75 loses its carry (2.0 becomes 1.0: its ``_convert_float`` ORs the carry into the
     exponent), ties round up, not to even, and subnormals (below 2^-6, in steps of 2^-9) are
-    cut, not rounded. Those are a few percent of the entries at most."""
+    cut, not rounded. Those are a few percent of the entries (a carry: 1 value in 32)."""
     actual, expected = actual.float(), expected.float()
     carry_lost = (actual == expected / 2) & (expected.abs().log2() % 1 == 0)
     one_step = (actual - expected).abs() <= expected.abs() / 8 + 2.0**-9
     assert (carry_lost | one_step).all()
-    assert (actual != expected).float().mean() < 0.02
+    assert (actual != expected).float().mean() < 0.05
 
 
 def _store_and_return_caches(*args):
@@ -140,3 +141,107 @@ def test_attention_kernels_on_an_fp8_cache_compile(compile_for_h100, batch, spli
     compile_for_h100(prefill_attention_on, 132, empty(5 * batch, HEADS, HEAD_DIM), *caches,
                      torch.arange(0, 5 * batch + 1, 5, dtype=torch.int32), seq_lens * 5, tables,
                      (5,) * batch, (5,) * batch, HEAD_DIM**-0.5)
+
+
+# --- FP8 projections -------------------------------------------------------------------------
+
+def fp8_weight(n: int, k: int, kind: str, seed: int) -> Fp8Weight:
+    """Block-wise (groups of 128), per-channel or per-tensor with a static activation scale."""
+    generator = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=generator) * torch.linspace(0.1, 2, n)[:, None]
+    if kind == "block":
+        q, scale = quantize_groups(w, GROUP)  # (rows' own scales per group: layout as blocks')
+        return Fp8Weight(q, scale, GROUP)
+    q, scale = quantize_groups(w, k)
+    input_scale = torch.tensor(0.02) if kind == "static" else None
+    return Fp8Weight(q, scale, k, input_scale)
+
+
+WEIGHT_KINDS = ["block", "channel", "static"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("group_size, static", [(128, False), (300, False), (300, True)])
+def test_activation_quantization_gives_the_references_codes_and_scales(interpreter, dtype,
+                                                                       group_size, static):
+    x = torch.randn(5, 300, generator=torch.Generator().manual_seed(6)).to(dtype)
+    x[1] = 0  # a row of zeros: the smallest scale, codes 0
+    input_scale = torch.tensor(0.01) if static else None
+    q, scales = interpreter(triton_fp8.quantize_activations, x, group_size, input_scale)
+    if static:
+        expected_q, expected_scales = quantize_static(x, 0.01), torch.full((5, 1), 0.01)
+    else:
+        expected_q, expected_scales = quantize_groups(x, group_size)
+    torch.testing.assert_close(scales, expected_scales, rtol=0, atol=0)
+    assert_e4m3_close(q, expected_q)
+
+
+def exactly_quantized_input(rows: int, k: int, group_size: int, static: bool,
+                            dtype: torch.dtype) -> torch.Tensor:
+    """Activations that quantize without rounding: e4m3 values times a power of two per row
+    and group, whose largest magnitude is 448 of them, in its last column (static: times the
+    static scale 2^-6).
+    Their codes do not depend on how a conversion rounds, which in the interpreter slips
+    (``assert_e4m3_close``); the rounding itself is the quantization kernel's test's."""
+    generator = torch.Generator().manual_seed(rows)
+    codes = (torch.randn(rows, k, generator=generator) * 100).to(FP8_DTYPE).float()
+    if static:
+        return (codes * 2.0**-6).to(dtype)
+    groups = -(-k // group_size)
+    group_ends = torch.arange(1, groups + 1).clamp(max=k / group_size) * group_size - 1
+    codes[:, group_ends.long()] = 448.0  # each group's last column: a scan must reach it
+    exponents = torch.randint(-8, 0, (rows, groups), generator=generator).float()
+    return (codes * (2.0**exponents).repeat_interleave(group_size, dim=1)[:, :k]).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("kind", WEIGHT_KINDS)
+@pytest.mark.parametrize("rows", [1, 3, 70])  # the GEMV, and the GEMM over two row tiles
+def test_fp8_projection_kernels_give_the_reference_product(interpreter, dtype, kind, rows):
+    """K = 300 (a short last group) and 200 outputs (a short last tile); with a bias."""
+    weight = fp8_weight(200, 300, kind, seed=7)
+    if kind == "static":
+        weight = Fp8Weight(weight.data, weight.scale, weight.group_size, torch.tensor(2.0**-6))
+    x = exactly_quantized_input(rows, 300, weight.group_size, kind == "static", dtype)
+    bias = torch.randn(200, generator=torch.Generator().manual_seed(8)).to(dtype)
+    out = interpreter(triton_fp8.fp8_linear, x, weight, bias)
+    expected = fp8_linear(x, weight, bias)
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-3  # (the sums' order; float16 output)
+    torch.testing.assert_close(out, expected, rtol=tolerance,
+                               atol=tolerance * expected.float().abs().max().item())
+
+
+@pytest.mark.parametrize("kind", WEIGHT_KINDS)
+def test_fp8_projection_kernels_compile(compile_for_h100, kind):
+    """bf16 activations at Qwen3-0.6B's qkv_proj: the quantization kernel, the GEMV at 1 and 8
+    rows and the GEMM."""
+    k, n = HIDDEN, (HEADS + 2 * KV_HEADS) * HEAD_DIM
+    groups = k // 128 if kind == "block" else 1
+    weight = Fp8Weight(empty(n, k, dtype=FP8_DTYPE), empty(n, groups, dtype=torch.float32),
+                       128 if kind == "block" else k,
+                       empty((), dtype=torch.float32) if kind == "static" else None)
+    for rows in (1, 8, 300):
+        compile_for_h100(triton_fp8.fp8_linear, empty(rows, k), weight, empty(n))
+
+
+def test_the_triton_backend_multiplies_fp8_weights_with_these_kernels(interpreter):
+    """``TRITON_KERNELS``' projections take an ``Fp8Weight`` to the GEMV and the GEMM, and
+    after a norm to the norm kernel, then them."""
+    weight = fp8_weight(64, 256, "block", seed=9)
+    for rows in (2, 20):
+        x = exactly_quantized_input(rows, 256, GROUP, False, torch.float32)
+        expected = fp8_linear(x, weight)
+        torch.testing.assert_close(interpreter(triton_ops.linear, x, weight), expected,
+                                   rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+        residual = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows))
+        norm_weight = torch.rand(256, generator=torch.Generator().manual_seed(1)) + 0.5
+        (out, summed), (normed, expected_summed) = interpreter(
+            _norm_linear_and_parts, x, norm_weight, residual, weight)
+        torch.testing.assert_close(summed, expected_summed, rtol=0, atol=0)
+        torch.testing.assert_close(out, interpreter(triton_fp8.fp8_linear, normed, weight),
+                                   rtol=0, atol=0)
+
+
+def _norm_linear_and_parts(x, norm_weight, residual, weight):
+    return (triton_ops.rms_norm_linear(x, norm_weight, 1e-6, residual, weight),
+            triton_ops.rms_norm(x, norm_weight, 1e-6, residual))

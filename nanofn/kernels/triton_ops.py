@@ -47,7 +47,8 @@ from nanofn.kernels.triton_attention import head_norm_scaled, to_cache_dtype
 from nanofn.kernels import KernelBackend
 from nanofn.kernels import triton_linear_attention as linear_attention
 from nanofn.kernels import triton_moe
-from nanofn.kernels.fp8 import Fp8Weight, fp8_linear
+from nanofn.kernels import triton_fp8
+from nanofn.kernels.fp8 import Fp8Weight
 from nanofn.kernels.linear import norm_then_linear
 from nanofn.kernels.partial_sums import PartialSums, added_up
 
@@ -312,8 +313,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """``x @ weight.T (+ bias)``: a Triton GEMV for at most ``gemv_max_rows`` rows; asked for
     ``partial_sums``, the split-K GEMM's (no bias, at most ``triton_gemm_max_rows`` rows and
     its config's); else cuBLAS."""
-    if isinstance(weight, Fp8Weight):  # no FP8 GEMM on Triton yet: the reference's product
-        return fp8_linear(x, weight, bias)
+    if isinstance(weight, Fp8Weight):  # W8A8: triton_fp8's GEMV or GEMM
+        return triton_fp8.fp8_linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1])
     if 0 < len(rows) <= gemv_max_rows:
         return triton_gemv.gemv(rows, weight, bias).view(*x.shape[:-1], -1)
@@ -355,9 +356,9 @@ def rms_norm_linear(
     the norm before it, made the decode step of 32 sequences 1.96 against 1.91 ms on the H100,
     and no other row count faster beyond the noise: not built. Why the engine disagrees with
     the kernels alone is not found out.)"""
-    if isinstance(weight, Fp8Weight):  # as ``linear``: the norm here, the reference's product
+    if isinstance(weight, Fp8Weight):  # the norm, then triton_fp8's (not fused yet)
         out, summed = norm_then_linear(rms_norm, x, norm_weight, eps, residual, weight, bias,
-                                       fp8_linear)
+                                       triton_fp8.fp8_linear)
         return (silu_and_mul(out) if gated else out), summed
     size = weight.shape[-1]
     num_rows = (x.sums[0] if isinstance(x, PartialSums) else x).numel() // size
