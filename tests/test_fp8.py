@@ -225,6 +225,21 @@ def test_quantizing_at_load_keeps_each_rows_range():
     assert (error <= w.abs().amax(dim=1) / 16).all()  # e4m3: 3 mantissa bits, half a step
 
 
+def test_checkpoint_scales_become_one_per_row_and_group_of_128_columns():
+    config = AutoConfig.for_model("qwen3")
+    config.quantization_config = SCHEMES["qwen-block"][3]
+    block = fp8_scheme(config)
+    scales = block.row_scales(torch.tensor([[1.0, 2.0], [3.0, 4.0]]), rows=200, in_features=129)
+    assert scales.shape == (200, 2)
+    assert scales[127].tolist() == [1, 2] and scales[128].tolist() == [3, 4]
+    config.quantization_config = SCHEMES["ct-channel-dynamic"][3]
+    channel = fp8_scheme(config)
+    for stored in (torch.arange(5.0)[:, None], torch.arange(5.0)):  # [N, 1], or [N]
+        assert channel.row_scales(stored, 5, 64).tolist() == [[0], [1], [2], [3], [4]]
+    with pytest.raises(ValueError, match=r"expected shape \(5, 1\), found \(5, 2\)"):
+        channel.row_scales(torch.ones(5, 2), 5, 64)
+
+
 # --- FP8 checkpoints -------------------------------------------------------------------------
 
 @pytest.mark.parametrize("scheme", SCHEMES)
@@ -318,6 +333,14 @@ def test_an_unsupported_quantized_checkpoint_is_an_error_naming_its_format(tiny_
     config.quantization_config = quantization_config
     with pytest.raises(ValueError, match=f"unsupported .*{message}"):
         build_model(config, dtype="float32", device="cpu")
+
+
+@pytest.mark.parametrize("arch, kind", [("qwen3_moe", "mixture-of-experts"),
+                                        ("qwen3_5", "hybrid")])
+def test_fp8_for_moe_and_hybrid_models_is_refused_naming_them(tiny_checkpoint, arch, kind):
+    config = AutoConfig.from_pretrained(tiny_checkpoint(arch))
+    with pytest.raises(ValueError, match=f"FP8 is not supported for {kind}"):
+        build_model(config, dtype="float32", device="cpu", quantization="fp8")
 
 
 def test_a_checkpoint_keeping_a_projection_unquantized_is_refused(fp8_checkpoints, tmp_path):

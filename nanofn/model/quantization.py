@@ -66,7 +66,8 @@ class Fp8Scheme:
             expected = (-(-rows // BLOCK_SIZE[0]), self.num_groups(in_features))
         else:
             expected = (rows, 1) if self.weight_scales == "channel" else (1,)
-        if tuple(loaded.shape) != expected and not (expected == (1,) and loaded.dim() == 0):
+        flat = tuple(loaded.shape) in ((), (rows,))  # a per-tensor scalar, per-channel [N]
+        if tuple(loaded.shape) != expected and not (flat and loaded.numel() == expected[0]):
             raise ValueError(f"{self.scale_name} of a {rows} x {in_features} weight "
                              f"({self.description}): expected shape {expected}, found "
                              f"{tuple(loaded.shape)}")
