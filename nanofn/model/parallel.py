@@ -140,14 +140,14 @@ class _Linear(nn.Module):
             self.input_scale = nn.Parameter(torch.zeros((), dtype=torch.float32),
                                             requires_grad=False)
             self.input_scale.weight_loader = load_largest
+        # made once: the parameters it holds are filled in place (a record a call would cost
+        # each projection a microsecond or more of host time every eager step)
+        self._fp8_weight = Fp8Weight(self.weight, scale, self.group_size, self.input_scale)
 
     @property
     def matrix(self) -> torch.Tensor | Fp8Weight:
         """What the kernels multiply by: the weight, or with FP8 the weight and its scales."""
-        if self.fp8 is None:
-            return self.weight
-        return Fp8Weight(self.weight, getattr(self, self.fp8.scale_name), self.group_size,
-                         self.input_scale)
+        return self.weight if self.fp8 is None else self._fp8_weight
 
     def full_rows(self, shard_id: Any = None) -> int:
         """The rows of the checkpoint tensor that fills the part ``shard_id`` (all ranks')."""
