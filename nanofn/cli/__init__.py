@@ -24,8 +24,9 @@ from nanofn.engine.options import EngineOptions
 from nanofn.server.limits import ServerLimits
 from nanofn.cli.bench import (CPU_SHARED_PREFIX_SIZES, CPU_SIZES, KNOWN_DEVICE_RATES,
                               SHARED_PREFIX_SIZES, STANDARD_SIZES, ModelDims, Workload,
-                              describe_sizes, device_rates, floor, format_seconds, measure,
-                              shared_prefix_workload, standard_workload)
+                              bench_data_types, describe_sizes, device_rates, floor,
+                              format_seconds, measure, shared_prefix_workload,
+                              standard_workload)
 from nanofn.model.tiny import DEMO_MODEL, demo_model, random_weights_model
 from nanofn.state import (EngineState, SamplingParams, Seq, Trace, TraceError, diff_traces,
                           figures, read_trace, replay, run_series)
@@ -561,8 +562,7 @@ def run_bench(args: argparse.Namespace) -> int:
         best = floor(dims, [len(p) for p in workload.prompts], workload.max_tokens,
                      bandwidth_gbps=rates[0], tflops=rates[1], bytes_per_param=dtype.itemsize,
                      shared_prefix_len=sizes.get("shared_len", 0),
-                     projection_bytes=1 if data_types["fp8"] else None,
-                     kv_bytes=1 if data_types["kv_cache"] == "fp8_e4m3" else None)
+                     **data_types["floor_bytes"])
     config = engine.scheduler_config
     num_blocks = engine.state.pool.num_blocks
     setup = {"model": str(model), "device": device, "dtype": str(dtype).removeprefix("torch."),
@@ -600,7 +600,7 @@ def run_bench(args: argparse.Namespace) -> int:
             **asdict(result), "output_tok_s": result.output_tok_s,
             "device_idle_fraction": result.device_idle_fraction,
             "num_kv_blocks": num_blocks, "block_size": config.block_size,
-            "data_types": {k: v for k, v in data_types.items() if k != "fp8"},
+            "data_types": {k: v for k, v in data_types.items() if k != "floor_bytes"},
         }
         if best is not None:
             report.update({
@@ -610,22 +610,6 @@ def run_bench(args: argparse.Namespace) -> int:
                 "tflops": rates[1]})
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
     return 0
-
-
-def bench_data_types(hf_config: Any, options: EngineOptions, dtype: Any) -> dict[str, Any]:
-    """The data types a run computes with, in words: the projections' weights, the KV
-    cache's, the activations' (quantized to FP8 with FP8 projections), and the rest."""
-    from nanofn.model.quantization import fp8_scheme
-
-    scheme = fp8_scheme(hf_config, options.quantization)
-    name = str(dtype).removeprefix("torch.")
-    kv_cache = "fp8_e4m3" if options.kv_cache_dtype.startswith("fp8") else name
-    weights = "fp8_e4m3" if scheme else name
-    activations = f"fp8_e4m3 into the projections ({scheme.description})" if scheme else name
-    return {"weights": weights, "kv_cache": kv_cache, "activations": activations,
-            "fp8": scheme is not None,
-            "description": (f"projection weights {weights}, KV cache {kv_cache}, activations "
-                            f"{activations}; embeddings, norms and LM head {name}")}
 
 
 def _device_name(device: str) -> str:

@@ -371,6 +371,24 @@ def floor(dims: ModelDims, prompt_lens: Sequence[int], output_lens: Sequence[int
     return Floor(prefill_flops / peak, decode_s, sum(output_lens))
 
 
+def bench_data_types(hf_config: Any, options: Any, dtype: Any) -> dict[str, Any]:
+    """The data types a run computes with (``options``: its ``EngineOptions``), in words: the
+    projections' weights, the KV cache's, the activations' (quantized to FP8 with FP8
+    projections), and the rest; and ``floor``'s byte sizes for them (``floor_bytes``)."""
+    from nanofn.model.quantization import fp8_scheme
+
+    scheme = fp8_scheme(hf_config, options.quantization)
+    name = str(dtype).removeprefix("torch.")
+    kv_cache = "fp8_e4m3" if options.kv_cache_dtype.startswith("fp8") else name
+    weights = "fp8_e4m3" if scheme else name
+    activations = f"fp8_e4m3 into the projections ({scheme.description})" if scheme else name
+    return {"weights": weights, "kv_cache": kv_cache, "activations": activations,
+            "floor_bytes": {"projection_bytes": 1 if scheme else None,
+                            "kv_bytes": 1 if kv_cache == "fp8_e4m3" else None},
+            "description": (f"projection weights {weights}, KV cache {kv_cache}, activations "
+                            f"{activations}; embeddings, norms and LM head {name}")}
+
+
 # --- the measurement ------------------------------------------------------------------------
 
 @dataclass(frozen=True)
