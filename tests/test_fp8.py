@@ -261,6 +261,21 @@ def test_fp8_checkpoint_generates_the_greedy_tokens_of_its_dequantized_weights(f
                                                                       NEW_TOKENS), kwargs
 
 
+@pytest.mark.parametrize("arch, kwargs", [("qwen2", {}), ("llama", {"attention_bias": True,
+                                                                "mlp_bias": True,
+                                                                "tie_word_embeddings": False})],
+                         ids=["qwen2", "llama-bias-untied"])
+def test_fp8_projections_with_biases_give_the_logits_of_their_dequantized_weights(
+        tiny_checkpoint, tmp_path, arch, kwargs):
+    """Biases added after the W8A8 product, an untied LM head kept in full precision."""
+    write_fp8_checkpoint(tiny_checkpoint(arch, **kwargs), tmp_path / "fp8",
+                         tmp_path / "dequantized", "ct-channel-dynamic")
+    expected = reference_logits(reference_model(tmp_path / "dequantized", "ct-channel-dynamic"),
+                                PROMPTS[0])
+    logits = nanofn_logits(tmp_path / "fp8", PROMPTS[0])
+    torch.testing.assert_close(logits, expected, rtol=0, atol=1e-4 * expected.abs().max().item())
+
+
 def corrupt_scales(path, scale_name: str, corrupt) -> None:
     file = path / "model.safetensors"
     tensors = load_file(file)
