@@ -223,29 +223,63 @@ def test_fp8_projection_kernels_compile(compile_for_h100, kind):
                        empty((), dtype=torch.float32) if kind == "static" else None)
     for rows in (1, 8, 300):
         compile_for_h100(triton_fp8.fp8_linear, empty(rows, k), weight, empty(n))
+    for rows, residual in ((1, None), (4, empty(4, k))):
+        for gated in (False, True):
+            compile_for_h100(triton_fp8.fp8_rms_norm_gemv, empty(rows, k), empty(k), 1e-6,
+                             residual, weight, gated=gated)
 
 
 def test_the_triton_backend_multiplies_fp8_weights_with_these_kernels(interpreter):
     """``TRITON_KERNELS``' projections take an ``Fp8Weight`` to the GEMV and the GEMM, and
-    after a norm to the norm kernel, then them."""
+    after a norm, at a few rows, to the fused kernel, else to the norm kernel, then them."""
     weight = fp8_weight(64, 256, "block", seed=9)
     for rows in (2, 20):
         x = exactly_quantized_input(rows, 256, GROUP, False, torch.float32)
         expected = fp8_linear(x, weight)
         torch.testing.assert_close(interpreter(triton_ops.linear, x, weight), expected,
                                    rtol=1e-5, atol=1e-5 * expected.abs().max().item())
-        residual = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows))
-        norm_weight = torch.rand(256, generator=torch.Generator().manual_seed(1)) + 0.5
-        (out, summed), (normed, expected_summed) = interpreter(
-            _norm_linear_and_parts, x, norm_weight, residual, weight)
-        torch.testing.assert_close(summed, expected_summed, rtol=0, atol=0)
-        torch.testing.assert_close(out, interpreter(triton_fp8.fp8_linear, normed, weight),
-                                   rtol=0, atol=0)
+    residual = torch.randn(20, 256, generator=torch.Generator().manual_seed(1))
+    norm_weight = torch.rand(256, generator=torch.Generator().manual_seed(1)) + 0.5
+    (out, summed), (normed, expected_summed) = interpreter(
+        _norm_linear_and_parts, x, norm_weight, residual, weight)
+    torch.testing.assert_close(summed, expected_summed, rtol=0, atol=0)
+    torch.testing.assert_close(out, interpreter(triton_fp8.fp8_linear, normed, weight),
+                               rtol=0, atol=0)
 
 
 def _norm_linear_and_parts(x, norm_weight, residual, weight):
     return (triton_ops.rms_norm_linear(x, norm_weight, 1e-6, residual, weight),
             triton_ops.rms_norm(x, norm_weight, 1e-6, residual))
+
+
+def _unfused_norm_gemv(x, norm_weight, residual, weight, bias, gated):
+    normed, summed = (triton_ops.rms_norm(x, norm_weight, 1e-6, residual) if residual is not None
+                      else (triton_ops.rms_norm(x, norm_weight, 1e-6), x))
+    out = triton_fp8.fp8_gemv(normed, weight, bias)
+    return (triton_ops.silu_and_mul(out) if gated else out), summed
+
+
+@pytest.mark.parametrize("kind", WEIGHT_KINDS)
+@pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
+@pytest.mark.parametrize("add_residual", [False, True], ids=["norm", "add-and-norm"])
+def test_the_fused_norm_and_fp8_gemv_is_the_norm_then_the_gemv(interpreter, kind, gated,
+                                                                add_residual):
+    """One kernel for the norm, the quantization, the product (and the activation): the
+    norm kernel, then ``fp8_gemv`` (then ``silu_and_mul``), up to the sums' order, the residual
+    stream bit for bit. 3 rows of 256 columns (two groups), 40 outputs (a short last tile)."""
+    weight = fp8_weight(80 if gated else 40, 256, kind, seed=10)
+    generator = torch.Generator().manual_seed(11)
+    x, residual = (torch.randn(3, 256, generator=generator) for _ in range(2))
+    norm_weight = torch.rand(256, generator=generator) + 0.5
+    bias = torch.randn(len(weight.data), generator=generator)
+    residual = residual if add_residual else None
+    out, summed = interpreter(triton_fp8.fp8_rms_norm_gemv, x, norm_weight, 1e-6, residual,
+                              weight, bias, gated=gated)
+    expected, expected_summed = interpreter(_unfused_norm_gemv, x, norm_weight, residual,
+                                            weight, bias, gated)
+    torch.testing.assert_close(summed, expected_summed, rtol=0, atol=0)
+    torch.testing.assert_close(out, expected, rtol=1e-5,
+                               atol=1e-5 * expected.abs().max().item())
 
 
 @pytest.mark.parametrize("fp8, bound", [(dict(quantization="fp8"), 1e-5),

@@ -14,6 +14,9 @@ per-tensor scale), times the e4m3 weight, each product scaled by its row's and g
 - ``fp8_gemv``: a few rows (decode). Memory-bound: each program reads ``BLOCK_N`` weight rows
   and quantizes its input tile itself (a group of 128 columns is one step; per token, a first
   pass over the row finds its scale), so no quantization kernel runs ahead of it.
+- ``fp8_rms_norm_gemv``: the same after the norm before the projection (qkv_proj, and
+  gate_up_proj with its activation), in one kernel as ``triton_gemv.rms_norm_gemv`` does in
+  bf16: whole rows a program, normed, quantized and multiplied there.
 
 Launch parameters are first guesses, not tuned on a GPU yet: the tests check results, and
 compile them for SM 9.0.
@@ -27,6 +30,7 @@ import triton.language as tl
 
 from nanofn.kernels import triton_overlap
 from nanofn.kernels.fp8 import FP8_DTYPE, MIN_SCALE, Fp8Weight
+from nanofn.kernels.triton_gemv import NORM, input_tile, gemv_epilogue
 from nanofn.kernels.triton_overlap import wait_for_previous
 
 GEMV_MAX_ROWS = 8  # rows up to which the GEMV runs (the GEMM's tiles are 64 rows at least)
@@ -34,6 +38,11 @@ GROUP = 128  # the one group size of block-wise scales (``quantization.BLOCK_SIZ
 QUANTIZE_BLOCK = 1024  # columns a quantization step
 GEMM_BLOCKS = (64, 128, 128)  # (rows, outputs, columns) a GEMM tile
 GEMV_BLOCKS = (16, 128)  # (outputs, columns) a GEMV program
+# The GEMV with the norm before it: whole rows a program, so few rows and few outputs (as
+# ``triton_gemv.gemv_config``'s at one row)
+NORM_GEMV_MAX_ROWS = 4
+NORM_GEMV_OUTPUTS = 4
+NORM_PROLOGUE = tl.constexpr(NORM)  # (a global a kernel reads must be a constexpr)
 
 
 @triton.jit
@@ -237,6 +246,108 @@ def fp8_gemv(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = Non
             BLOCK_K=GROUP if per_group else block_k, PER_GROUP=per_group, STATIC=static,
             HAS_BIAS=bias is not None, num_warps=4, **triton_overlap.launch_options(x.device))
     return out
+
+
+@triton.jit
+def _quantized_row_groups(x, static_scale, min_scale, BLOCK_M: tl.constexpr,
+                          BLOCK_K: tl.constexpr, GROUP_COLS: tl.constexpr, STATIC: tl.constexpr):
+    """Whole rows ``x [BLOCK_M, 1, BLOCK_K]`` (float32, zeros past K) as the W8A8 product sees
+    them: quantized and dequantized per group of ``GROUP_COLS`` columns, or statically."""
+    if STATIC:
+        return _quantized(x, static_scale).to(tl.float32) * static_scale
+    groups = tl.reshape(x, (BLOCK_M, BLOCK_K // GROUP_COLS, GROUP_COLS))
+    scale = tl.maximum(tl.max(tl.abs(groups), 2) / 448.0, min_scale)[:, :, None]
+    dequantized = _quantized(groups, scale).to(tl.float32) * scale
+    return tl.reshape(dequantized, (BLOCK_M, 1, BLOCK_K))
+
+
+@triton.jit
+def _group_scaled_sum(a, w, w_scale, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, GROUP_COLS: tl.constexpr):
+    """``sum_k a * w`` for ``a [BLOCK_M, 1, BLOCK_K]`` and weight codes ``w [1, BLOCK_N,
+    BLOCK_K]``, each group's sum times its scale ``w_scale [BLOCK_N, groups]``."""
+    products = a * w.to(tl.float32)
+    groups = tl.reshape(products, (BLOCK_M, BLOCK_N, BLOCK_K // GROUP_COLS, GROUP_COLS))
+    return tl.sum(tl.sum(groups, 3) * w_scale[None, :, :], 2)
+
+
+@triton.jit
+def _fp8_norm_gemv_kernel(
+    x_ptr, residual_ptr, norm_weight_ptr, residual_out_ptr, w_ptr, w_scale_ptr, static_scale_ptr,
+    bias_ptr, out_ptr, rows, n, k, num_groups, stride_x, stride_residual, stride_residual_out,
+    stride_w, stride_w_scale, stride_out, eps, min_scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_COLS: tl.constexpr, STATIC: tl.constexpr, ADD_RESIDUAL: tl.constexpr,
+    HAS_BIAS: tl.constexpr, GATED: tl.constexpr, OVERLAP: tl.constexpr,
+):
+    """``rms_norm_linear`` of a few rows on FP8 weights, one program per ``BLOCK_N`` outputs
+    (``GATED``: of each half of ``[gate | up]``, stored as ``silu(gate) * up``): the norm of
+    whole rows as ``triton_gemv``'s prologue computes it (program 0 also writes ``x +
+    residual``), the rows quantized here, times the weight codes, scaled per group. The weight
+    (and its scales) are loaded before waiting for the kernel ahead."""
+    program = tl.program_id(0)
+    m = tl.arange(0, BLOCK_M)[:, None, None]
+    outputs = program * BLOCK_N + tl.arange(0, BLOCK_N)
+    output_mask = outputs < n
+    columns = tl.arange(0, BLOCK_K)[None, None, :]
+    w_mask = output_mask[None, :, None] & (columns < k)
+    w_rows = w_ptr + outputs[None, :, None].to(tl.int64) * stride_w
+    w = tl.load(w_rows + columns, mask=w_mask, other=0.0)
+    groups = tl.arange(0, BLOCK_K // GROUP_COLS)[None, :]
+    scale_mask = output_mask[:, None] & (groups < num_groups)
+    scale_rows = w_scale_ptr + outputs[:, None].to(tl.int64) * stride_w_scale + groups
+    w_scale = tl.load(scale_rows, mask=scale_mask, other=0.0)
+    if GATED:
+        w_up = tl.load(w_rows + n * stride_w + columns, mask=w_mask, other=0.0)
+        w_up_scale = tl.load(scale_rows + n * stride_w_scale, mask=scale_mask, other=0.0)
+    static_scale = 1.0
+    if STATIC:
+        static_scale = tl.load(static_scale_ptr)
+    wait_for_previous(OVERLAP)
+    x = input_tile(x_ptr + m * stride_x, residual_ptr + m * stride_residual, norm_weight_ptr,
+                    residual_out_ptr + m * stride_residual_out, columns,
+                    (m < rows) & (columns < k), k, eps, program == 0, NORM_PROLOGUE,
+                    ADD_RESIDUAL)
+    a = _quantized_row_groups(x, static_scale, min_scale, BLOCK_M, BLOCK_K, GROUP_COLS, STATIC)
+    acc = _group_scaled_sum(a, w, w_scale, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_COLS)
+    if GATED:
+        up = _group_scaled_sum(a, w_up, w_up_scale, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_COLS)
+    else:
+        up = acc  # (unread)
+    gemv_epilogue(acc, up, bias_ptr, out_ptr, outputs, n, rows, stride_out, BLOCK_M, HAS_BIAS,
+                  GATED)
+
+
+def fp8_rms_norm_gemv(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                      residual: torch.Tensor | None, weight: Fp8Weight,
+                      bias: torch.Tensor | None = None,
+                      gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``linear.rms_norm_linear`` for ``x [M, K]`` (contiguous rows, at most ``NORM_GEMV_MAX_ROWS``)
+    on an FP8 weight, in one kernel (``gated``: the weight is ``[gate | up]`` and the output
+    ``silu(gate) * up``). Returns ``(out, x + residual)`` (``x`` without a residual)."""
+    rows, k = x.shape
+    assert rows <= NORM_GEMV_MAX_ROWS and x.stride(-1) == 1
+    n = weight.shape[0] // (2 if gated else 1)
+    per_group = _per_group(weight, k)
+    block_k = triton.next_power_of_2(k)
+    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    residual_out = torch.empty_like(x) if residual is not None else None
+    static = weight.input_scale is not None
+    block_n = NORM_GEMV_OUTPUTS // (2 if gated else 1)
+    if rows > 0:
+        _fp8_norm_gemv_kernel[(triton.cdiv(n, block_n),)](
+            x, residual if residual is not None else x, norm_weight,
+            residual_out if residual_out is not None else out, weight.data, weight.scale,
+            weight.input_scale if static else weight.scale, bias if bias is not None else out,
+            out, rows, n, k, weight.scale.shape[1], x.stride(0),
+            residual.stride(0) if residual is not None else 0,
+            residual_out.stride(0) if residual_out is not None else 0,
+            weight.data.stride(0), weight.scale.stride(0), out.stride(0), eps, MIN_SCALE,
+            BLOCK_M=max(1, triton.next_power_of_2(rows)), BLOCK_N=block_n, BLOCK_K=block_k,
+            GROUP_COLS=GROUP if per_group else block_k, STATIC=static,
+            ADD_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, GATED=gated,
+            num_warps=8 if block_k >= 4096 else 4, **triton_overlap.launch_options(x.device))
+    return out, (x if residual_out is None else residual_out)
 
 
 def fp8_linear(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = None,

@@ -356,10 +356,9 @@ def rms_norm_linear(
     the norm before it, made the decode step of 32 sequences 1.96 against 1.91 ms on the H100,
     and no other row count faster beyond the noise: not built. Why the engine disagrees with
     the kernels alone is not found out.)"""
-    if isinstance(weight, Fp8Weight):  # the norm, then triton_fp8's (not fused yet)
-        out, summed = norm_then_linear(rms_norm, x, norm_weight, eps, residual, weight, bias,
-                                       triton_fp8.fp8_linear)
-        return (silu_and_mul(out) if gated else out), summed
+    if isinstance(weight, Fp8Weight):
+        return _fp8_rms_norm_linear(x, norm_weight, eps, residual, weight, bias, gated,
+                                    gemv_max_rows)
     size = weight.shape[-1]
     num_rows = (x.sums[0] if isinstance(x, PartialSums) else x).numel() // size
     if 0 < num_rows <= gemv_max_rows:
@@ -378,6 +377,26 @@ def rms_norm_linear(
         return out.view(*normed.shape[:-1], -1)
 
     out, summed = norm_then_linear(rms_norm, x, norm_weight, eps, residual, weight, bias, project)
+    return (silu_and_mul(out) if gated else out), summed
+
+
+def _fp8_rms_norm_linear(x: torch.Tensor | PartialSums, norm_weight: torch.Tensor, eps: float,
+                         residual: torch.Tensor | None, weight: Fp8Weight,
+                         bias: torch.Tensor | None, gated: bool,
+                         gemv_max_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rms_norm_linear`` on an FP8 weight: one kernel for a few rows
+    (``triton_fp8.fp8_rms_norm_gemv``), else the norm kernel, the W8A8 product and, gated, the
+    activation kernel."""
+    x = added_up(x)
+    size = weight.shape[-1]
+    rows = x.reshape(-1, size)
+    if 0 < len(rows) <= min(gemv_max_rows, triton_fp8.NORM_GEMV_MAX_ROWS):
+        residual_rows = None if residual is None else residual.reshape(-1, size)
+        out, summed = triton_fp8.fp8_rms_norm_gemv(rows, norm_weight, eps, residual_rows, weight,
+                                                   bias, gated=gated)
+        return out.view(*x.shape[:-1], -1), summed.view(x.shape)
+    out, summed = norm_then_linear(rms_norm, x, norm_weight, eps, residual, weight, bias,
+                                   triton_fp8.fp8_linear)
     return (silu_and_mul(out) if gated else out), summed
 
 

@@ -12,12 +12,12 @@ import torch
 import nanofn.kernels.attention as reference
 import nanofn.kernels.triton_attention as triton_attention
 from nanofn import LLM, SamplingParams
-from nanofn.kernels import triton_fp8, triton_ops
+from nanofn.kernels import rms_norm_linear, triton_fp8, triton_ops
 from nanofn.kernels.fp8 import FP8_DTYPE, Fp8Weight, fp8_linear, quantize_groups
 from nanofn.model.tiny import random_weights_model
 from test_gpu_engine import nanofn_teacher_forced, prompts_for
-from test_triton_gemv_gpu import SHAPES, TOLERANCE, relative_error
-from test_triton_ops_gpu import randn
+from test_triton_gemv_gpu import EPS, SHAPES, TOLERANCE, relative_error
+from test_triton_ops_gpu import norm_weight, randn
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -54,6 +54,22 @@ def test_fp8_gemv_and_gemm_match_the_reference(name, kind, rows):
     out = triton_fp8.fp8_linear(x, weight)
     assert out.dtype == torch.bfloat16
     assert relative_error(out, fp8_linear(x.float(), weight)) < TOLERANCE
+
+
+@pytest.mark.usefixtures("nan_filled_allocations")
+@pytest.mark.parametrize("rows", [1, 4])
+@pytest.mark.parametrize("name, gated", [("qkv", False), ("gate_up", True)])
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_fused_norm_and_fp8_gemv_match_the_reference(name, gated, kind, rows):
+    """``rms_norm_linear`` on the Triton backend at a few rows (one kernel: the norm, the
+    quantization, the product, gated the activation) against the reference's."""
+    weight = fp8_weight(name, kind)
+    k = SHAPES[name][1]
+    x, residual, scale = randn(rows, k, seed=4), randn(rows, k, seed=5), norm_weight(k, seed=6)
+    out, summed = triton_ops.rms_norm_linear(x, scale, EPS, residual, weight, gated=gated)
+    expected, expected_summed = rms_norm_linear(x, scale, EPS, residual, weight, gated=gated)
+    assert torch.equal(summed, expected_summed)
+    assert relative_error(out, expected.float()) < TOLERANCE
 
 
 def test_fp8_projections_replay_from_a_cuda_graph():
