@@ -20,7 +20,7 @@ from dataclasses import fields
 from pathlib import Path
 
 from nanofn import LLM, SamplingParams
-from nanofn.cli.bench import ModelDims, floor
+from nanofn.cli.bench import ModelDims, bench_data_types, floor
 from nanofn.engine.options import EngineOptions
 
 from kernel_switches import (add_model_and_switches, load_options,  # (benchmarks/)
@@ -48,11 +48,13 @@ def main() -> None:
     total_s = _time(llm, prompts[1], NEW_TOKENS + 1)
     decode_tok_s = NEW_TOKENS / (total_s - prefill_s)
     dims = ModelDims.from_config(json.loads((Path(model) / "config.json").read_text()))
-    floor_tok_s = NEW_TOKENS / floor(dims, [PROMPT_LEN], [NEW_TOKENS + 1]).decode_s
+    types = bench_data_types(llm.engine.hf_config, llm.engine.options, llm.engine.runner.dtype)
+    floor_tok_s = NEW_TOKENS / floor(dims, [PROMPT_LEN], [NEW_TOKENS + 1],
+                                     **types["floor_bytes"]).decode_s
     result = {"prefill_ms": prefill_s * 1e3, "prefills_ms": [t * 1e3 for t in prefills],
               "decode_tok_s": decode_tok_s,
               "floor_tok_s": floor_tok_s, "fraction_of_floor": decode_tok_s / floor_tok_s,
-              "options": options}
+              "options": options, "data_types": types["description"]}
     print(f"single request: prefill of {PROMPT_LEN} tokens {prefill_s * 1e3:.1f} ms (of "
           f"{', '.join(f'{t * 1e3:.1f}' for t in prefills)}), decode "
           f"{decode_tok_s:,.0f} tok/s ({decode_tok_s / floor_tok_s:.1%} of the floor "

@@ -72,3 +72,16 @@ def test_auto_on_cuda_without_flash_attention_takes_triton(a_hopper_gpu, no_flas
 
     assert choose_kernels(config("auto", CUDA), torch.bfloat16, SHAPE, 4) is TRITON_KERNELS
     assert choose_kernels(config("triton", CUDA), torch.bfloat16, SHAPE, 4) is TRITON_KERNELS
+
+
+def test_an_fp8_kv_cache_takes_triton_where_flash_attention_would_run(a_hopper_gpu):
+    """flash-attn-4 reads no FP8 cache: ``auto`` takes Triton (whose kernels read one) without
+    asking flash-attn-4, and asking for ``flash`` says why not."""
+    from dataclasses import replace
+
+    from nanofn.kernels.triton_ops import TRITON_KERNELS
+
+    fp8 = replace(config("auto", CUDA), kv_cache_dtype="fp8")
+    assert choose_kernels(fp8, torch.bfloat16, SHAPE, 4) is TRITON_KERNELS
+    with pytest.raises(RuntimeError, match="cannot read an FP8 KV cache"):
+        choose_kernels(replace(fp8, kernel_backend="flash"), torch.bfloat16, SHAPE, 4)

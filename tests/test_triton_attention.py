@@ -297,13 +297,16 @@ BACKENDS = {
 }
 
 
-def hidden_states_of_steps(checkpoint, backend, steps, block_size=16):
-    """A model's hidden states over a few steps, each ``{sequence: (first position, new tokens)}``."""
+def hidden_states_of_steps(checkpoint, backend, steps, block_size=16, quantization=None,
+                           kv_dtype=torch.float32):
+    """A model's hidden states over a few steps, each ``{sequence: (first position, new tokens)}``
+    (with ``quantization`` and a KV cache of ``kv_dtype``, as the options of those names)."""
     config = AutoConfig.from_pretrained(checkpoint)
-    model = build_model(config, dtype="float32", device="cpu", kernels=BACKENDS[backend])
+    model = build_model(config, dtype="float32", device="cpu", kernels=BACKENDS[backend],
+                        quantization=quantization)
     load_weights(model, checkpoint)
     cache_shape = model_shape(config).kv_cache_shape(num_blocks=12, block_size=block_size)
-    kv_cache = torch.randn(cache_shape, generator=torch.Generator().manual_seed(7))
+    kv_cache = torch.randn(cache_shape, generator=torch.Generator().manual_seed(7)).to(kv_dtype)
     tables = {"a": [9, 2, 5], "b": [0, 7, 11], "c": [4, 1, 0]}  # shuffled blocks; c's last is padding
     hidden = []
     for step in steps:

@@ -24,8 +24,9 @@ from nanofn.engine.options import EngineOptions
 from nanofn.server.limits import ServerLimits
 from nanofn.cli.bench import (CPU_SHARED_PREFIX_SIZES, CPU_SIZES, KNOWN_DEVICE_RATES,
                               SHARED_PREFIX_SIZES, STANDARD_SIZES, ModelDims, Workload,
-                              describe_sizes, device_rates, floor, format_seconds, measure,
-                              shared_prefix_workload, standard_workload)
+                              bench_data_types, describe_sizes, device_rates, floor,
+                              format_seconds, measure, shared_prefix_workload,
+                              standard_workload)
 from nanofn.model.tiny import DEMO_MODEL, demo_model, random_weights_model
 from nanofn.state import (EngineState, SamplingParams, Seq, Trace, TraceError, diff_traces,
                           figures, read_trace, replay, run_series)
@@ -97,6 +98,14 @@ ENGINE_FLAGS: dict[str, dict[str, Any]] = {
     "master_port": dict(type=int, metavar="PORT",
                         help="a free port on node 0 for the hosts' rendezvous (torch.distributed's "
                              "store); needed with --nnodes above 1"),
+    "quantization": dict(choices=["fp8"],
+                         help="fp8: quantize a bf16 checkpoint's attention and MLP projections "
+                              "to FP8 as it loads (per output channel, dynamic per-token "
+                              "activations); FP8 checkpoints need no flag"),
+    "kv_cache_dtype": dict(choices=["auto", "fp8", "fp8_e4m3"],
+                           help="KV cache entries: auto, the model's dtype; fp8 (e4m3), one "
+                                "byte each, twice the tokens in the same memory (default: "
+                                "{default})"),
     "cpu_threads": dict(type=int, metavar="N",
                         help="torch threads on a CPU device (default: 1 for models of hidden "
                              "size under 1024, such as the demo; else torch's, one per core)"),
@@ -609,6 +618,7 @@ def run_bench(args: argparse.Namespace) -> int:
         from nanofn.runner.timeline import DeviceTimeline
         timeline = DeviceTimeline()
     dtype = engine.runner.dtype
+    data_types = bench_data_types(engine.hf_config, engine.options, dtype)
     print(f"workload: {describe_sizes(sizes)}"
           + (" (the CPU default)" if sizes in (CPU_SIZES, CPU_SHARED_PREFIX_SIZES) else ""),
           flush=True)
@@ -621,7 +631,8 @@ def run_bench(args: argparse.Namespace) -> int:
         rates = tuple(rate * engine.options.tensor_parallel_size for rate in rates)
         best = floor(dims, [len(p) for p in workload.prompts], workload.max_tokens,
                      bandwidth_gbps=rates[0], tflops=rates[1], bytes_per_param=dtype.itemsize,
-                     shared_prefix_len=sizes.get("shared_len", 0))
+                     shared_prefix_len=sizes.get("shared_len", 0),
+                     **data_types["floor_bytes"])
     config = engine.scheduler_config
     num_blocks = engine.state.pool.num_blocks
     setup = {"model": str(model), "device": device, "dtype": str(dtype).removeprefix("torch."),
@@ -632,6 +643,7 @@ def run_bench(args: argparse.Namespace) -> int:
               if dims.active_params != dims.num_params else "")
     print(f"model: {model} ({dims.num_layers} layers, {dims.num_params / 1e6:.3g}M parameters"
           f"{active}, {setup['dtype']} on {setup['device']}{parallel})")
+    print(f"data types: {data_types['description']}")
     print(f"requests {result.num_requests}, prompt tokens {result.num_prompt_tokens:,}, "
           f"output tokens {result.num_output_tokens:,}")
     print(f"elapsed {format_seconds(result.elapsed_s)}  ->  {result.output_tok_s:,.0f} output "
@@ -658,6 +670,7 @@ def run_bench(args: argparse.Namespace) -> int:
             **asdict(result), "output_tok_s": result.output_tok_s,
             "device_idle_fraction": result.device_idle_fraction,
             "num_kv_blocks": num_blocks, "block_size": config.block_size,
+            "data_types": {k: v for k, v in data_types.items() if k != "floor_bytes"},
         }
         if best is not None:
             report.update({

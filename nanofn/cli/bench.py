@@ -317,11 +317,16 @@ def format_seconds(x: float) -> str:
 
 def floor(dims: ModelDims, prompt_lens: Sequence[int], output_lens: Sequence[int], *,
           bandwidth_gbps: float = DEFAULT_BANDWIDTH_GBPS, tflops: float = DEFAULT_TFLOPS,
-          bytes_per_param: int = 2, shared_prefix_len: int = 0) -> Floor:
+          bytes_per_param: int = 2, shared_prefix_len: int = 0,
+          projection_bytes: int | None = None, kv_bytes: int | None = None) -> Floor:
     """The least time any engine needs for this workload on a device with these rates.
 
     ``bytes_per_param`` is the size of a weight and of a cached K or V element (2, bf16, in
-    ``shared/tools/roofline.py``). The first output token of a request comes from its prefill; each later one from a decode
+    ``shared/tools/roofline.py``); ``projection_bytes`` that of the decoder layers' matmul
+    weights and ``kv_bytes`` that of a cached element where they differ from it (1 with FP8
+    projections or an FP8 KV cache: the LM head stays in the model's dtype; the FP8 scales,
+    3 % of the weights at most, are left out). The matmul rate is the same: the FP8 tensor
+    cores' is twice bf16's, but this floor is a bf16 one made cheaper in bytes alone. The first output token of a request comes from its prefill; each later one from a decode
     step that runs every unfinished request at once. The first ``shared_prefix_len`` tokens of
     every prompt are the same: computed once, and their K/V read once per decode step.
 
@@ -333,8 +338,10 @@ def floor(dims: ModelDims, prompt_lens: Sequence[int], output_lens: Sequence[int
     """
     layers, heads, head_dim = dims.num_attention_layers, dims.num_heads, dims.head_dim
     lm_head = dims.lm_head_params
-    shared_weight_bytes = bytes_per_param * (dims.shared_body_params + lm_head)
-    kv_bytes_per_token = layers * 2 * dims.num_kv_heads * head_dim * bytes_per_param
+    projection_bytes = bytes_per_param if projection_bytes is None else projection_bytes
+    kv_bytes = bytes_per_param if kv_bytes is None else kv_bytes
+    shared_weight_bytes = projection_bytes * dims.shared_body_params + bytes_per_param * lm_head
+    kv_bytes_per_token = layers * 2 * dims.num_kv_heads * head_dim * kv_bytes
     # all but attention's and the LM head's
     token_flops = 2 * dims.active_body_params + dims.state_flops_per_token
     bandwidth, peak = bandwidth_gbps * 1e9, tflops * 1e12
@@ -356,12 +363,30 @@ def floor(dims: ModelDims, prompt_lens: Sequence[int], output_lens: Sequence[int
             break
         flops = (len(contexts) * (token_flops + 2 * lm_head)
                  + sum(attention_flops(1, c) for c in contexts))
-        weight_bytes = shared_weight_bytes + bytes_per_param * dims.experts_read(len(contexts))
+        weight_bytes = shared_weight_bytes + projection_bytes * dims.experts_read(len(contexts))
         step_bytes = (weight_bytes + kv_bytes_per_token * (sum(contexts)
                                                            - (len(contexts) - 1) * shared)
                       + 2 * dims.state_bytes * len(contexts))
         decode_s += max(flops / peak, step_bytes / bandwidth)
     return Floor(prefill_flops / peak, decode_s, sum(output_lens))
+
+
+def bench_data_types(hf_config: Any, options: Any, dtype: Any) -> dict[str, Any]:
+    """The data types a run computes with (``options``: its ``EngineOptions``), in words: the
+    projections' weights, the KV cache's, the activations' (quantized to FP8 with FP8
+    projections), and the rest; and ``floor``'s byte sizes for them (``floor_bytes``)."""
+    from nanofn.model.quantization import fp8_scheme
+
+    scheme = fp8_scheme(hf_config, options.quantization)
+    name = str(dtype).removeprefix("torch.")
+    kv_cache = "fp8_e4m3" if options.kv_cache_dtype.startswith("fp8") else name
+    weights = "fp8_e4m3" if scheme else name
+    activations = f"fp8_e4m3 into the projections ({scheme.description})" if scheme else name
+    return {"weights": weights, "kv_cache": kv_cache, "activations": activations,
+            "floor_bytes": {"projection_bytes": 1 if scheme else None,
+                            "kv_bytes": 1 if kv_cache == "fp8_e4m3" else None},
+            "description": (f"projection weights {weights}, KV cache {kv_cache}, activations "
+                            f"{activations}; embeddings, norms and LM head {name}")}
 
 
 # --- the measurement ------------------------------------------------------------------------

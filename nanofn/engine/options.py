@@ -11,6 +11,8 @@ from nanofn.state import SchedulerConfig
 
 KERNEL_BACKENDS = ("auto", "torch", "triton", "flash")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
+QUANTIZATIONS = (None, "fp8")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # fp8 is e4m3, as in vLLM
 SMALL_HIDDEN_SIZE = 1024  # narrower models run on one CPU thread by default
 
 
@@ -51,6 +53,10 @@ class EngineOptions:
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int | None = None
+    # "fp8": quantize a bf16 checkpoint's attention and MLP projections at load (per output
+    # channel, dynamic per-token activations); an FP8 checkpoint needs none (its config says)
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"  # "auto": the model's dtype; "fp8" (e4m3): 1 byte an entry
 
     def __post_init__(self) -> None:
         for problem in _problems(self):
@@ -116,6 +122,10 @@ def _problems(o: EngineOptions):
             yield f"{name} must be a positive integer or None, got {value!r}"
     if o.load_format not in LOAD_FORMATS:
         yield f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {o.load_format!r}"
+    if o.quantization not in QUANTIZATIONS:
+        yield f"quantization must be None or 'fp8', got {o.quantization!r}"
+    if o.kv_cache_dtype not in KV_CACHE_DTYPES:
+        yield f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {o.kv_cache_dtype!r}"
     if o.kernel_backend not in KERNEL_BACKENDS:
         yield (f"kernel_backend must be one of {', '.join(KERNEL_BACKENDS)}, "
                f"got {o.kernel_backend!r}")

@@ -7,11 +7,17 @@ a token's slot is ``block * block_size + offset``. Sequence ``i`` owns the block
 
 These functions are the yardstick the Triton kernels are tested against: they favour being
 obviously right over being fast, and compute scores and softmax in float32.
+
+An FP8 cache (float8_e4m3fn, ``kv_cache_dtype="fp8"``) holds ``key / k_scale`` and ``value /
+v_scale`` (``fp8.quantize_kv``): one scale per tensor, 1 unless calibrated scales are given,
+as vLLM's default. The writes quantize and attention dequantizes, in float32.
 """
 
 from __future__ import annotations
 
 import torch
+
+from nanofn.kernels.fp8 import FP8_DTYPE, dequantize_kv, quantize_kv
 
 
 def store_kv(
@@ -20,16 +26,20 @@ def store_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
-    """Write token ``t`` of ``k``/``v`` (``[T, Hkv, D]``) to slot ``slot_mapping[t]``, in place.
+    """Write token ``t`` of ``k``/``v`` (``[T, Hkv, D]``) to slot ``slot_mapping[t]``, in place
+    (an FP8 cache: quantized with ``k_scale`` and ``v_scale``).
 
     Negative slots (padding tokens) are skipped.
     """
     num_kv_heads, head_dim = k.shape[1:]
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
-    k_cache.view(-1, num_kv_heads, head_dim)[slots] = k[keep].to(k_cache.dtype)
-    v_cache.view(-1, num_kv_heads, head_dim)[slots] = v[keep].to(v_cache.dtype)
+    for x, cache, scale in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+        entries = quantize_kv(x[keep], scale) if cache.dtype == FP8_DTYPE else x[keep].to(cache.dtype)
+        cache.view(-1, num_kv_heads, head_dim)[slots] = entries
 
 
 def gather_context(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -51,6 +61,8 @@ def prefill_attention(
     seq_lens_host: tuple[int, ...],
     scale: float,
     tiles: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal attention for a flattened batch of query chunks; returns ``[T, H, D]``.
 
@@ -65,8 +77,8 @@ def prefill_attention(
     start = 0
     for i, (query_len, seq_len) in enumerate(zip(query_lens_host, seq_lens_host)):
         end = start + query_len
-        k = gather_context(k_cache, block_tables[i], seq_len)
-        v = gather_context(v_cache, block_tables[i], seq_len)
+        k = dequantize_kv(gather_context(k_cache, block_tables[i], seq_len), k_scale)
+        v = dequantize_kv(gather_context(v_cache, block_tables[i], seq_len), v_scale)
         query_positions = torch.arange(seq_len - query_len, seq_len, device=q.device)
         key_positions = torch.arange(seq_len, device=q.device)
         visible = key_positions[None, :] <= query_positions[:, None]  # [query_len, seq_len]
@@ -83,6 +95,8 @@ def decode_attention(
     block_tables: torch.Tensor,
     scale: float,
     order: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Attention of one query per sequence (``q`` is ``[B, H, D]``) at its last position.
 
@@ -94,8 +108,8 @@ def decode_attention(
     batch_size, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
-    k = k_cache[block_tables.long()].flatten(1, 2).float()  # [B, L, Hkv, D]
-    v = v_cache[block_tables.long()].flatten(1, 2).float()
+    k = dequantize_kv(k_cache[block_tables.long()].flatten(1, 2), k_scale)  # [B, L, Hkv, D]
+    v = dequantize_kv(v_cache[block_tables.long()].flatten(1, 2), v_scale)
     queries = q.float().view(batch_size, num_kv_heads, group, head_dim)
     scores = torch.einsum("bkgd,blkd->bkgl", queries, k) * scale
     key_positions = torch.arange(k.shape[1], device=q.device)

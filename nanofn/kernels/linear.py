@@ -7,6 +7,9 @@ A projection whose output goes only to a norm (a decoder layer's ``o_proj`` and 
 is asked for with ``partial_sums=True``: a backend may then return ``PartialSums``, the product
 as float32 sums over ranges of K that the norm adds up (``rms_norm`` and ``rms_norm_linear``
 take either). These references always return the tensor.
+
+A projection's weight may come as an ``Fp8Weight`` (``fp8.py``): these references then multiply
+as the W8A8 GEMM does (``fp8_linear``).
 """
 
 from __future__ import annotations
@@ -17,13 +20,16 @@ import torch
 import torch.nn.functional as F
 
 from nanofn.kernels.activation import silu_and_mul
+from nanofn.kernels.fp8 import Fp8Weight, fp8_linear
 from nanofn.kernels.norm import rms_norm
 from nanofn.kernels.partial_sums import PartialSums, added_up
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+def linear(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torch.Tensor | None = None,
            partial_sums: bool = False) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` for ``weight [N, K]`` and ``x [..., K]``."""
+    if isinstance(weight, Fp8Weight):
+        return fp8_linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
@@ -32,7 +38,7 @@ def rms_norm_linear(
     norm_weight: torch.Tensor,
     eps: float,
     residual: torch.Tensor | None,
-    weight: torch.Tensor,
+    weight: torch.Tensor | Fp8Weight,
     bias: torch.Tensor | None = None,
     gated: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -42,7 +48,7 @@ def rms_norm_linear(
 
     ``gated``: the projection is the MLP's ``[gate | up]`` (``weight [2I, K]``) and the first
     result its activation, ``silu_and_mul`` of the product (``[..., I]``)."""
-    out, summed = norm_then_linear(rms_norm, x, norm_weight, eps, residual, weight, bias)
+    out, summed = norm_then_linear(rms_norm, x, norm_weight, eps, residual, weight, bias, linear)
     return (silu_and_mul(out) if gated else out), summed
 
 

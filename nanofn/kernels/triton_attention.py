@@ -22,6 +22,12 @@ rotates the queries too.)
   group's heads, again reading K/V once per group: 128 rows, at two programs an SM, or 64 for
   a step too small to fill the GPU with those (``prefill_block_m``).
 
+An FP8 cache (float8_e4m3fn) is read into the queries' dtype tile by tile (exact: e4m3 values
+are bf16 and fp16 values), and written saturating at +-448 (``to_cache_dtype``). The kernels
+store and read at scale 1; ``decode_attention`` and ``prefill_attention`` take other scales of
+a cache written with them by folding ``k_scale`` into the score scale and ``v_scale`` into the
+output.
+
 Key tiles are gathered row by row through the block table, so a tile may span several cache
 blocks. Softmax runs in float32 and in base 2: scores are pre-multiplied by log2(e). Grids
 depend only on shapes and host tuples, never on device values: no host sync, and decode can be
@@ -64,6 +70,15 @@ RESIDENT_DECODE_PROGRAMS_PER_SM = 5
 
 
 @triton.jit
+def to_cache_dtype(x, cache_ptr):
+    """``x`` in the element type of ``cache_ptr``: for an FP8 cache, clamped to e4m3's +-448
+    first (a plain conversion may give NaN past it)."""
+    if cache_ptr.dtype.element_ty == tl.float8e4nv:
+        x = tl.clamp(x.to(tl.float32), -448.0, 448.0)
+    return x.to(cache_ptr.dtype.element_ty)
+
+
+@triton.jit
 def _load_kv_tile(
     k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, keys, in_range,
     stride_block, stride_slot, stride_head, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -94,7 +109,10 @@ def _attend_tile(acc, row_sum, row_max, q, k, v, visible, qk_scale, MASKED: tl.c
     values; with ``MASKED`` row ``r`` sees key ``n`` only where ``visible[r, n]``.
 
     ``row_max`` is in scaled units; the scale is applied to the row's max and then inside the
-    exponent's argument (one fused multiply-add a score), not to every score first."""
+    exponent's argument (one fused multiply-add a score), not to every score first. Keys and
+    values of an FP8 cache are converted to the queries' dtype here."""
+    k = k.to(q.dtype)
+    v = v.to(q.dtype)
     if k.dtype == tl.float32:  # a float32 model gets float32 products, not TF32's 10 bits
         scores = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
@@ -297,10 +315,12 @@ def _decode_kernel(
         cache_row = ((slot // BLOCK_SIZE) * stride_block + (slot % BLOCK_SIZE) * stride_slot
                      + kv_head * stride_head)
         written = holds_newest & (slot >= 0)
-        tl.store(k_cache_ptr + cache_row + dims[None, :], new_k.to(k_cache_ptr.dtype.element_ty),
-                 mask=written)
-        tl.store(v_cache_ptr + cache_row + dims[None, :], new_v.to(v_cache_ptr.dtype.element_ty),
-                 mask=written)
+        # as the cache holds them (FP8: rounded), so that attending from registers reads what
+        # a later step reads from the cache
+        new_k = to_cache_dtype(new_k, k_cache_ptr)
+        new_v = to_cache_dtype(new_v, v_cache_ptr)
+        tl.store(k_cache_ptr + cache_row + dims[None, :], new_k, mask=written)
+        tl.store(v_cache_ptr + cache_row + dims[None, :], new_v, mask=written)
         # The newest key first: its score is the row's max so far, its weight exp2(0) = 1.
         new_score = tl.sum(q.to(tl.float32) * new_k.to(tl.float32), 1) * qk_scale
         row_max = tl.where(holds_newest, new_score, row_max)
@@ -444,6 +464,8 @@ def decode_attention(
     scale: float,
     order: torch.Tensor | None = None,
     num_splits: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Attention of one query per sequence (``q`` is ``[B, H, D]``) at its last position.
 
@@ -451,9 +473,12 @@ def decode_attention(
     sequences up: longest context first keeps a long one from running alone at the end. It
     does not change the result. ``num_splits`` asks for that many context partitions (split-K;
     no more than the block table has tiles of keys); by default ``decode_num_splits`` picks it.
-    A padding row with ``seq_len == 0`` yields zeros.
+    A padding row with ``seq_len == 0`` yields zeros. ``k_scale``, ``v_scale``: an FP8 cache's
+    scales (see the module's docstring).
     """
-    return _decode(q, k_cache, v_cache, seq_lens, block_tables, scale, order, num_splits, None)
+    out = _decode(q, k_cache, v_cache, seq_lens, block_tables, scale * k_scale, order,
+                  num_splits, None)
+    return out if v_scale == 1.0 else out.mul_(v_scale)
 
 
 def rotary_decode_attention(
@@ -613,6 +638,8 @@ def prefill_attention(
     seq_lens_host: tuple[int, ...],
     scale: float,
     tiles: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal attention for a flattened batch of query chunks; returns ``[T, H, D]``.
 
@@ -620,7 +647,8 @@ def prefill_attention(
     ``seq_lens_host[i]`` tokens, all of which are already in the cache. ``tiles``: the work
     map (``prefill_tile_map``, padded with ``(-1, 0)`` rows) when a CUDA graph fixes it in
     advance; otherwise it is built from the host tuples. Rows of no tile (padding tokens) are
-    left as they were.
+    left as they were. ``k_scale``, ``v_scale``: an FP8 cache's scales (see the module's
+    docstring).
     """
     num_tokens, num_heads, head_dim = q.shape
     check_cache_layout(k_cache, v_cache, q)
@@ -638,13 +666,13 @@ def prefill_attention(
         q, k_cache, v_cache, out, query_start, seq_lens, block_tables, tiles,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        scale * LOG2_E,
+        scale * k_scale * LOG2_E,
         KV_HEADS=num_kv_heads, GROUP=group, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=PREFILL_BLOCK_N,
         num_warps=8 if large and head_dim >= 128 else 4, num_stages=3 if large else 2,
         maxnreg=PREFILL_MAX_REGISTERS if large and head_dim == 128 else None,
     )
-    return out
+    return out if v_scale == 1.0 else out.mul_(v_scale)
 
 
 @functools.lru_cache(maxsize=8)

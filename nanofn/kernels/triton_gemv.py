@@ -56,7 +56,7 @@ def silu_times_up(gate, up, dtype: tl.constexpr):
 
 
 @triton.jit
-def _input_tile(
+def input_tile(
     x_rows, residual_rows, norm_weight_ptr, residual_out_rows, cols, mask, k, eps, write,
     PROLOGUE: tl.constexpr, ADD_RESIDUAL: tl.constexpr,
 ):
@@ -109,24 +109,38 @@ def _gemv_kernel(
     if GATED:
         w_up = tl.load(up_rows + columns, mask=n_mask & (columns < k), other=0.0)
     wait_for_previous(OVERLAP)
-    a = _input_tile(x_rows, residual_rows, norm_weight_ptr, residual_out_rows, columns,
+    a = input_tile(x_rows, residual_rows, norm_weight_ptr, residual_out_rows, columns,
                     (m < rows) & (columns < k), k, eps, program == 0, PROLOGUE, ADD_RESIDUAL)
     acc = tl.sum(a * w.to(tl.float32), 2)
     if GATED:
         up = tl.sum(a * w_up.to(tl.float32), 2)
     for start in range(BLOCK_K, k, BLOCK_K):  # none with NORM, nor up to 4,096 columns
         cols = start + columns
-        a = _input_tile(x_rows, residual_rows, norm_weight_ptr, residual_out_rows, cols,
+        a = input_tile(x_rows, residual_rows, norm_weight_ptr, residual_out_rows, cols,
                         (m < rows) & (cols < k), k, eps, program == 0, PROLOGUE, ADD_RESIDUAL)
         w_tile = tl.load(weight_rows + cols, mask=n_mask & (cols < k), other=0.0)
         acc += tl.sum(a * w_tile.to(tl.float32), 2)
         if GATED:
             up_tile = tl.load(up_rows + cols, mask=n_mask & (cols < k), other=0.0)
             up += tl.sum(a * up_tile.to(tl.float32), 2)
+    if not GATED:
+        up = acc  # (unread)
+    gemv_epilogue(acc, up, bias_ptr, out_ptr, outputs, n, rows, stride_out, BLOCK_M, HAS_BIAS,
+                  GATED)
+
+
+@triton.jit
+def gemv_epilogue(acc, up, bias_ptr, out_ptr, outputs, n, rows, stride_out,
+                  BLOCK_M: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr):
+    """A GEMV program's sums ``acc [BLOCK_M, len(outputs)]`` (float32; ``GATED``: the gate
+    half's, ``up`` the up half's, ``n`` rows of the weight further) plus the bias, activated
+    (``GATED``: ``silu(gate) * up``), stored to the rows below ``rows`` and outputs below ``n``."""
+    output_mask = outputs < n
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + outputs, mask=outputs < n, other=0.0).to(tl.float32)[None, :]
+        acc += tl.load(bias_ptr + outputs, mask=output_mask, other=0.0).to(tl.float32)[None, :]
         if GATED:
-            up += tl.load(bias_ptr + n + outputs, mask=outputs < n, other=0.0).to(tl.float32)[None, :]
+            up += tl.load(bias_ptr + n + outputs, mask=output_mask,
+                          other=0.0).to(tl.float32)[None, :]
     dtype = out_ptr.dtype.element_ty
     if GATED:
         out = silu_times_up(acc.to(dtype), up.to(dtype), dtype)
@@ -134,7 +148,7 @@ def _gemv_kernel(
         out = acc.to(dtype)
     out_rows = tl.arange(0, BLOCK_M)[:, None]
     tl.store(out_ptr + out_rows * stride_out + outputs[None, :], out,
-             mask=(out_rows < rows) & (outputs[None, :] < n))
+             mask=(out_rows < rows) & output_mask[None, :])
 
 
 def gemv_config(n: int, k: int, rows: int, prologue: int = PLAIN, gated: bool = False) -> GemvConfig:

@@ -43,10 +43,12 @@ from nanofn.kernels.triton_overlap import wait_for_previous
 import nanofn.kernels.triton_gemm as triton_gemm
 import nanofn.kernels.triton_gemv as triton_gemv
 from nanofn.kernels.triton_gemv import silu_times_up
-from nanofn.kernels.triton_attention import head_norm_scaled
+from nanofn.kernels.triton_attention import head_norm_scaled, to_cache_dtype
 from nanofn.kernels import KernelBackend
 from nanofn.kernels import triton_linear_attention as linear_attention
 from nanofn.kernels import triton_moe
+from nanofn.kernels import triton_fp8
+from nanofn.kernels.fp8 import Fp8Weight
 from nanofn.kernels.linear import norm_then_linear
 from nanofn.kernels.partial_sums import PartialSums, added_up
 
@@ -124,7 +126,6 @@ def _rotate_heads(
     first_half = x_row_ptr + heads * stride_head + dims
     first = tl.load(first_half, mask=mask, other=0.0).to(tl.float32)
     second = tl.load(first_half + ROT_HALF, mask=mask, other=0.0).to(tl.float32)
-    out_dtype = out_row_ptr.dtype.element_ty
     store_mask = mask & valid
     if ROT_HALF < HALF_DIM:  # the dims that pass unturned
         rest_dims = 2 * ROT_HALF + tl.arange(0, 2 * HALF_DIM)[None, :]
@@ -145,12 +146,13 @@ def _rotate_heads(
                                   other=0.0).to(tl.float32)
             rest = head_norm_scaled(rest, inv_rms, rest_weight, dtype)
     out_first_half = out_row_ptr + heads * out_stride_head + dims
-    tl.store(out_first_half, (first * cos - second * sin).to(dtype).to(out_dtype), mask=store_mask)
-    tl.store(out_first_half + ROT_HALF, (second * cos + first * sin).to(dtype).to(out_dtype),
+    tl.store(out_first_half, to_cache_dtype((first * cos - second * sin).to(dtype), out_row_ptr),
              mask=store_mask)
+    tl.store(out_first_half + ROT_HALF,
+             to_cache_dtype((second * cos + first * sin).to(dtype), out_row_ptr), mask=store_mask)
     if ROT_HALF < HALF_DIM:
         tl.store(out_row_ptr + heads * out_stride_head + rest_dims,
-                 rest.to(dtype).to(out_dtype), mask=rest_mask & valid)
+                 to_cache_dtype(rest.to(dtype), out_row_ptr), mask=rest_mask & valid)
 
 
 @triton.jit
@@ -189,7 +191,7 @@ def _rotate_and_store_kv_kernel(
     mask = (heads < num_kv_heads) & (slot >= 0)
     v = tl.load(v_ptr + token * stride_vt + heads * stride_vh + head_dims, mask=mask)
     tl.store(v_cache_ptr + cache_row + heads * stride_head + head_dims,
-             v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+             to_cache_dtype(v, v_cache_ptr), mask=mask)
 
 
 @triton.jit
@@ -311,6 +313,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """``x @ weight.T (+ bias)``: a Triton GEMV for at most ``gemv_max_rows`` rows; asked for
     ``partial_sums``, the split-K GEMM's (no bias, at most ``triton_gemm_max_rows`` rows and
     its config's); else cuBLAS."""
+    if isinstance(weight, Fp8Weight):  # W8A8: triton_fp8's GEMV or GEMM
+        return triton_fp8.fp8_linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1])
     if 0 < len(rows) <= gemv_max_rows:
         return triton_gemv.gemv(rows, weight, bias).view(*x.shape[:-1], -1)
@@ -352,6 +356,9 @@ def rms_norm_linear(
     the norm before it, made the decode step of 32 sequences 1.96 against 1.91 ms on the H100,
     and no other row count faster beyond the noise: not built. Why the engine disagrees with
     the kernels alone is not found out.)"""
+    if isinstance(weight, Fp8Weight):
+        return _fp8_rms_norm_linear(x, norm_weight, eps, residual, weight, bias, gated,
+                                    gemv_max_rows)
     size = weight.shape[-1]
     num_rows = (x.sums[0] if isinstance(x, PartialSums) else x).numel() // size
     if 0 < num_rows <= gemv_max_rows:
@@ -370,6 +377,26 @@ def rms_norm_linear(
         return out.view(*normed.shape[:-1], -1)
 
     out, summed = norm_then_linear(rms_norm, x, norm_weight, eps, residual, weight, bias, project)
+    return (silu_and_mul(out) if gated else out), summed
+
+
+def _fp8_rms_norm_linear(x: torch.Tensor | PartialSums, norm_weight: torch.Tensor, eps: float,
+                         residual: torch.Tensor | None, weight: Fp8Weight,
+                         bias: torch.Tensor | None, gated: bool,
+                         gemv_max_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rms_norm_linear`` on an FP8 weight: one kernel for a few rows
+    (``triton_fp8.fp8_rms_norm_gemv``), else the norm kernel, the W8A8 product and, gated, the
+    activation kernel."""
+    x = added_up(x)
+    size = weight.shape[-1]
+    rows = x.reshape(-1, size)
+    if 0 < len(rows) <= min(gemv_max_rows, triton_fp8.NORM_GEMV_MAX_ROWS):
+        residual_rows = None if residual is None else residual.reshape(-1, size)
+        out, summed = triton_fp8.fp8_rms_norm_gemv(rows, norm_weight, eps, residual_rows, weight,
+                                                   bias, gated=gated)
+        return out.view(*x.shape[:-1], -1), summed.view(x.shape)
+    out, summed = norm_then_linear(rms_norm, x, norm_weight, eps, residual, weight, bias,
+                                   triton_fp8.fp8_linear)
     return (silu_and_mul(out) if gated else out), summed
 
 

@@ -28,6 +28,7 @@ from nanofn.model.batch import AttentionBatch
 from nanofn.model.config import head_dim, num_kv_heads, rope_settings, rotary_dim, text_config
 from nanofn.model.layers import RMSNorm, RotaryEmbedding
 from nanofn.model.moe import SharedExpertMoeBlock, SparseMoeBlock, is_sparse_layer
+from nanofn.model.quantization import Fp8Scheme
 from nanofn.model.parallel import (
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -39,7 +40,7 @@ from nanofn.model.parallel import (
 
 @dataclass(frozen=True)
 class DecoderOptions:
-    """Where the supported architectures differ."""
+    """Where the supported architectures differ, and how the checkpoint stores projections."""
 
     qkv_bias: bool
     o_proj_bias: bool
@@ -51,6 +52,8 @@ class DecoderOptions:
     # A sparse MLP (router and experts) on the layers ``moe.is_sparse_layer`` picks (Qwen3-MoE),
     # with a shared expert where the config sizes one (Qwen3.5-MoE)
     sparse_moe: bool = False
+    # The attention and MLP projections in FP8 (``quantization.py``), else None
+    fp8: Fp8Scheme | None = None
 
 
 def _qwen3_options(hf_config: Any) -> DecoderOptions:
@@ -140,6 +143,7 @@ class Attention(nn.Module):
             tp_size=tp_size,
             kernels=kernels,
             output_gate=options.output_gate,
+            fp8=options.fp8,
         )
         self.o_proj = RowParallelLinear(
             hf_config.num_attention_heads * dim,
@@ -148,6 +152,7 @@ class Attention(nn.Module):
             tp_rank=tp_rank,
             tp_size=tp_size,
             kernels=kernels,
+            fp8=options.fp8,
         )
         # Qwen3's per-head norms: weight holders here, applied inside the rotary kernel.
         self.q_norm = self.k_norm = None
@@ -215,10 +220,11 @@ class MLP(nn.Module):
         intermediate = intermediate_size or hf_config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(
             hidden, [intermediate, intermediate], bias=options.mlp_bias, tp_rank=tp_rank, tp_size=tp_size,
-            kernels=kernels,
+            kernels=kernels, fp8=options.fp8,
         )
         self.down_proj = RowParallelLinear(
-            intermediate, hidden, bias=options.mlp_bias, tp_rank=tp_rank, tp_size=tp_size, kernels=kernels
+            intermediate, hidden, bias=options.mlp_bias, tp_rank=tp_rank, tp_size=tp_size, kernels=kernels,
+            fp8=options.fp8,
         )
 
     def forward(self, activated: torch.Tensor) -> torch.Tensor | PartialSums:

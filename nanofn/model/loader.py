@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import re
 from collections.abc import Iterable, Iterator
@@ -13,10 +14,12 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from nanofn.kernels import TORCH_KERNELS, KernelBackend
+from nanofn.kernels.fp8 import FP8_DTYPE
 from nanofn.model.config import (check_activation, check_context_fits_window, num_linear_layers,
                                  text_config)
 from nanofn.model.decoder import CausalLM, decoder_options
 from nanofn.model.hybrid import HybridCausalLM
+from nanofn.model.quantization import Fp8Scheme, fp8_scheme
 
 DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
@@ -81,6 +84,7 @@ def build_model(
     tp_size: int = 1,
     max_model_len: int | None = None,
     kernels: KernelBackend = TORCH_KERNELS,
+    quantization: str | None = None,
 ) -> CausalLM:
     """An uninitialised model holding this rank's shard; fill it with ``load_weights``. A config
     with linear-attention layers gives a ``HybridCausalLM``, whose ``forward`` takes state slots.
@@ -88,15 +92,47 @@ def build_model(
     ``max_model_len``, the longest context the caller will run, sizes the rotary table (default:
     the config's ``max_position_embeddings``) and is checked against a sliding window.
     ``kernels`` are the kernels every layer calls (projections, attention, norms, rotary, activation).
+    An FP8 checkpoint (its ``quantization_config``), or ``quantization="fp8"``, gives FP8
+    attention and MLP projections (``quantization.py``); the embeddings, norms and LM head keep
+    ``dtype``.
     """
     options = decoder_options(hf_config)
     check_activation(hf_config)
     check_context_fits_window(hf_config, max_model_len)
     max_positions = max_model_len or text_config(hf_config).max_position_embeddings
     model_class = HybridCausalLM if num_linear_layers(hf_config) else CausalLM
+    scheme = fp8_scheme(hf_config, quantization)
+    if scheme is not None:
+        check_fp8_supported(scheme, options, model_class)
+        options = dataclasses.replace(options, fp8=scheme)
     with torch.device(device), _default_dtype(resolve_dtype(hf_config, dtype)):
         model = model_class(hf_config, options, kernels, max_positions, tp_rank, tp_size)
+    if scheme is not None:
+        check_ignored_modules(model, scheme)
     return model.eval()
+
+
+def check_fp8_supported(scheme: Fp8Scheme, options: Any, model_class: type) -> None:
+    """FP8 is read for dense decoders (Qwen3, Qwen2, Llama, Mistral) only, so far."""
+    if options.sparse_moe or model_class is HybridCausalLM:
+        kind = "mixture-of-experts" if options.sparse_moe else "hybrid (linear-attention)"
+        raise ValueError(f"{scheme.description}: FP8 is not supported for {kind} models yet; "
+                         f"only dense decoders (Qwen3, Qwen2, Llama, Mistral)")
+
+
+def check_ignored_modules(model: CausalLM, scheme: Fp8Scheme) -> None:
+    """A checkpoint that keeps one of the projections nanofn makes FP8 in full precision (its
+    ignore list names it) is refused, naming it: every attention and MLP projection is FP8 or
+    none is."""
+    for name, param in model.named_parameters():
+        if not name.endswith(".weight") or param.dtype != FP8_DTYPE:
+            continue
+        for checkpoint_name in _checkpoint_names(name, param):
+            module = checkpoint_name.removesuffix(".weight")
+            if scheme.is_ignored(module):
+                raise ValueError(f"unsupported FP8 checkpoint: it keeps {module} unquantized "
+                                 f"(its ignore list), and nanofn quantizes every attention and "
+                                 f"MLP projection or none")
 
 
 @contextlib.contextmanager
@@ -120,11 +156,29 @@ def init_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
     ones already folded to ``1 + w``), a linear-attention head's ``dt_bias`` of 1, ``A_log`` and
     biases of 0. The text a model so filled writes is noise: it is for benchmarks."""
     generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    quantized = _init_dummy_fp8(model, generator)
     for name, param in model.named_parameters():
+        if any(param is done for done in quantized):
+            continue
         if param.dim() > 1:
             param.normal_(0.0, DUMMY_WEIGHT_STD, generator=generator)
         else:
             param.fill_(0.0 if name.endswith(("A_log", "bias")) else 1.0)
+
+
+def _init_dummy_fp8(model: torch.nn.Module, generator: torch.Generator) -> list[torch.Tensor]:
+    """FP8 projections' dummy weights: drawn as ``init_dummy_weights`` draws the others, then
+    quantized as their scheme stores them. Returns the parameters so filled."""
+    filled = []
+    for module in model.modules():
+        if isinstance(getattr(module, "fp8", None), Fp8Scheme):  # an FP8 linear layer
+            weight = torch.empty(module.weight.shape, device=module.weight.device)
+            weight.normal_(0.0, DUMMY_WEIGHT_STD, generator=generator)
+            q, scale = module.fp8.quantize(weight)
+            module.weight.copy_(q)
+            getattr(module, module.fp8.scale_name).copy_(scale)
+            filled += [module.weight, getattr(module, module.fp8.scale_name)]
+    return filled
 
 
 def load_weights(model: CausalLM, model_dir: str | Path) -> None:
@@ -138,6 +192,7 @@ def load_weights(model: CausalLM, model_dir: str | Path) -> None:
     files = checkpoint_files(model_dir)
     params = dict(model.named_parameters())  # a tied lm_head shares, so omits, its weight
     missing = {name for param_name, param in params.items()
+               if not getattr(param, "filled_by_weight", False)  # (FP8 scales made at load)
                for name in _checkpoint_names(param_name, param)}
     for path in files:
         with _open_checkpoint(path) as checkpoint:

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from nanofn.kernels import TORCH_KERNELS, KernelBackend
+from nanofn.kernels.fp8 import FP8_DTYPE
 from nanofn.model import ModelShape, build_model, load_weights, model_shape, resolve_dtype
 from nanofn.model.batch import RecurrentState
 from nanofn.model.config import text_config
@@ -56,6 +57,8 @@ class RunnerConfig:
     nnodes: int = 1
     master_addr: str = "127.0.0.1"
     master_port: int | None = None
+    quantization: str | None = None  # "fp8": a bf16 checkpoint's projections quantized at load
+    kv_cache_dtype: str = "auto"  # "auto": the model's dtype; "fp8": float8_e4m3fn (e4m3)
 
     @property
     def ranks_per_node(self) -> int:
@@ -92,13 +95,15 @@ class ModelRunner:
         if self.device.type == "cpu" and config.cpu_threads is not None:
             torch.set_num_threads(config.cpu_threads)
         self.dtype = resolve_dtype(hf_config, config.dtype)
+        self.kv_dtype = kv_cache_dtype(config.kv_cache_dtype, self.dtype)
         self.shape = model_shape(hf_config, config.tp_size)
         text = text_config(hf_config)  # a vision-language config's language model, else the same
         self.kernels = choose_kernels(config, self.dtype, self.shape,
                                       text.num_attention_heads // config.tp_size)
         self.model = build_model(hf_config, dtype=self.dtype, device=config.device,
                                  tp_rank=config.tp_rank, tp_size=config.tp_size,
-                                 max_model_len=config.max_model_len, kernels=self.kernels)
+                                 max_model_len=config.max_model_len, kernels=self.kernels,
+                                 quantization=config.quantization)
         if config.load_format == "dummy":
             init_dummy_weights(self.model, config.seed or 0)
         else:
@@ -112,7 +117,7 @@ class ModelRunner:
             self.num_blocks = int(agreed[0].item())
             self.num_state_slots = int(agreed[1].item()) or None
         self.kv_cache = torch.zeros(self.shape.kv_cache_shape(self.num_blocks, config.block_size),
-                                    dtype=self.dtype, device=config.device)
+                                    dtype=self.kv_dtype, device=config.device)
         hybrid = self.shape.recurrent is not None
         # (a hybrid model's states have one slot more, the spare runner slot's: a decode
         # graph's padding rows update it, and nothing reads it)
@@ -278,7 +283,7 @@ class ModelRunner:
         """The KV blocks and, for a hybrid model, the recurrent-state slots: given, or from
         one memory budget (``cache_sizes``)."""
         c = self.config
-        block_bytes = self.shape.block_bytes(c.block_size, self.dtype)
+        block_bytes = self.shape.block_bytes(c.block_size, self.kv_dtype)
         state_bytes = self.shape.state_bytes(self.dtype)
         if c.num_kv_blocks is not None:
             budget = None
@@ -323,7 +328,7 @@ class ModelRunner:
         lens = [tokens // num_seqs + (i < tokens % num_seqs) for i in range(num_seqs)]
         blocks_per_seq = blocks_for(max(lens), c.block_size)
         scratch = torch.zeros(self.shape.kv_cache_shape(num_seqs * blocks_per_seq, c.block_size),
-                              dtype=self.dtype, device=self.device)
+                              dtype=self.kv_dtype, device=self.device)
         hybrid = self.shape.recurrent is not None
         # (every sequence starts from zeros in one scratch slot: their states are not kept)
         states = (RecurrentState.zeros(self.shape.recurrent, 1, self.dtype, self.device)
@@ -377,7 +382,8 @@ def check_kv_cache_size(hf_config: Any, config: RunnerConfig) -> None:
         shape = model_shape(hf_config, config.tp_size)
         dtype = resolve_dtype(hf_config, config.dtype)
         blocks, _ = cache_sizes(config, config.kv_cache_memory_bytes,
-                                shape.block_bytes(config.block_size, dtype),
+                                shape.block_bytes(config.block_size,
+                                                  kv_cache_dtype(config.kv_cache_dtype, dtype)),
                                 shape.state_bytes(dtype))
     else:
         return
@@ -421,18 +427,29 @@ def prompt_logprobs(logits: torch.Tensor, plan: BatchPlan) -> tuple:
     return tuple(entries)
 
 
+def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's dtype: the model's (``auto``), or float8_e4m3fn (``fp8``)."""
+    return FP8_DTYPE if name == "fp8" else model_dtype
+
+
 def choose_kernels(config: RunnerConfig, dtype: torch.dtype, shape: ModelShape,
                    num_heads: int) -> KernelBackend:
     """The model's kernels (projections, attention, norms, rotary, activation), chosen once per engine.
 
     ``auto``: on CUDA, flash-attn-4's prefill with the Triton kernels (``flash``) where it
-    imports and passes its self-check at this model's shape (``num_heads``: this rank's), else
-    Triton; elsewhere the torch references. Asking for ``flash`` where it cannot run raises,
+    imports and passes its self-check at this model's shape (``num_heads``: this rank's) and
+    the KV cache is not FP8 (flash-attn-4 does not read one), else Triton; elsewhere the torch
+    references. Asking for ``flash`` where it cannot run raises,
     saying why.
     """
     name = config.kernel_backend
     if name == "auto":
         name = "flash" if config.device.type == "cuda" else "torch"
+    if name == "flash" and config.kv_cache_dtype == "fp8":
+        if config.kernel_backend == "flash":
+            raise RuntimeError("kernel_backend 'flash' (flash-attn-4) cannot read an FP8 KV "
+                               "cache; use 'triton' or 'auto'")
+        name = "triton"  # (Triton's prefill reads it)
     if name == "flash":
         from nanofn.kernels.device import flash_attention_problem
 

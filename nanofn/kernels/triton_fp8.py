@@ -1,0 +1,363 @@
+"""FP8 (W8A8) projections as Triton kernels, with the contract of ``fp8.fp8_linear``: the
+activations quantized to e4m3 per token and group of ``group_size`` columns (or with a static
+per-tensor scale), times the e4m3 weight, each product scaled by its row's and group's scales.
+
+- ``quantize_activations``: one program per (row, group): the group's largest magnitude, then
+  its values divided by ``amax / 448`` and rounded to e4m3 (a second pass over the group, from
+  L1/L2). Divided, not multiplied by a reciprocal, so that the codes are the reference's.
+- ``fp8_gemm``: many rows (prefill). Tiles of ``[BLOCK_M, BLOCK_K]`` codes times
+  ``[BLOCK_N, BLOCK_K]`` weight codes on the FP8 tensor cores (``tl.dot`` on float8e4nv, float32
+  sums). With groups of 128 columns (block-wise weights) each step of 128 columns is one group:
+  its product is scaled by the activations' and the weight's scales before it is added; with
+  one group a row (per-channel or per-tensor weights, per-token activations) the scales apply
+  once, after the K loop.
+- ``fp8_gemv``: a few rows (decode). Memory-bound: each program reads ``BLOCK_N`` weight rows
+  and quantizes its input tile itself (a group of 128 columns is one step; per token, a first
+  pass over the row finds its scale), so no quantization kernel runs ahead of it.
+- ``fp8_rms_norm_gemv``: the same after the norm before the projection (qkv_proj, and
+  gate_up_proj with its activation), in one kernel as ``triton_gemv.rms_norm_gemv`` does in
+  bf16: whole rows a program, normed, quantized and multiplied there.
+
+Launch parameters are first guesses, not tuned on a GPU yet: the tests check results, and
+compile them for SM 9.0.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from nanofn.kernels import triton_overlap
+from nanofn.kernels.fp8 import FP8_DTYPE, MIN_SCALE, Fp8Weight
+from nanofn.kernels.triton_gemv import NORM, input_tile, gemv_epilogue
+from nanofn.kernels.triton_overlap import wait_for_previous
+
+GEMV_MAX_ROWS = 8  # rows up to which the GEMV runs (the GEMM's tiles are 64 rows at least)
+GROUP = 128  # the one group size of block-wise scales (``quantization.BLOCK_SIZE``)
+QUANTIZE_BLOCK = 1024  # columns a quantization step
+GEMM_BLOCKS = (64, 128, 128)  # (rows, outputs, columns) a GEMM tile
+GEMV_BLOCKS = (16, 128)  # (outputs, columns) a GEMV program
+# The GEMV with the norm before it: whole rows a program, so few rows and few outputs (as
+# ``triton_gemv.gemv_config``'s at one row)
+NORM_GEMV_MAX_ROWS = 4
+NORM_GEMV_OUTPUTS = 4
+NORM_PROLOGUE = tl.constexpr(NORM)  # (a global a kernel reads must be a constexpr)
+
+
+@triton.jit
+def _quantized(x, scale):
+    """``x / scale`` rounded to e4m3, saturating at +-448 (``fp8.FP8_MAX``)."""
+    return tl.clamp(x / scale, -448.0, 448.0).to(tl.float8e4nv)
+
+
+@triton.jit
+def _quantize_kernel(
+    x_ptr, q_ptr, scale_ptr, static_scale_ptr, k, group_size, stride_x, stride_q, stride_scale,
+    min_scale, BLOCK: tl.constexpr, STATIC: tl.constexpr, OVERLAP: tl.constexpr,
+):
+    """Program ``(row, group)``: the group's codes, and its scale (unless ``STATIC``: the
+    static scale's codes)."""
+    row, group = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    begin = group * group_size
+    end = tl.minimum(begin + group_size, k)
+    x_row, q_row = x_ptr + row * stride_x, q_ptr + row * stride_q
+    wait_for_previous(OVERLAP)
+    if STATIC:
+        scale = tl.load(static_scale_ptr)
+    else:
+        amax = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(begin, end, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            x = tl.load(x_row + cols, mask=cols < end, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(x))
+        scale = tl.maximum(tl.max(amax, 0) / 448.0, min_scale)
+        tl.store(scale_ptr + row * stride_scale + group, scale)
+    for start in range(begin, end, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x = tl.load(x_row + cols, mask=cols < end, other=0.0).to(tl.float32)
+        tl.store(q_row + cols, _quantized(x, scale), mask=cols < end)
+
+
+def quantize_activations(x: torch.Tensor, group_size: int,
+                         input_scale: torch.Tensor | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [M, K]`` (contiguous rows) as e4m3 codes and float32 scales ``[M, ceil(K /
+    group_size)]`` (``fp8.quantize_groups``), or with a static ``input_scale`` its codes and
+    that scale as ``[M, 1]``."""
+    rows, k = x.shape
+    assert x.stride(-1) == 1, "rows must be contiguous"
+    q = torch.empty(rows, k, dtype=FP8_DTYPE, device=x.device)
+    static = input_scale is not None
+    groups = 1 if static else -(-k // group_size)
+    if static:
+        scales = input_scale.float().reshape(1, 1).expand(rows, 1)
+    else:
+        scales = torch.empty(rows, groups, dtype=torch.float32, device=x.device)
+    if rows > 0:
+        _quantize_kernel[(rows, groups)](
+            x, q, scales, scales, k, k if static else group_size, x.stride(0), q.stride(0),
+            scales.stride(0), MIN_SCALE,
+            BLOCK=min(QUANTIZE_BLOCK, triton.next_power_of_2(min(group_size, k))),
+            STATIC=static, **triton_overlap.launch_options(x.device))
+    return q, scales
+
+
+@triton.jit
+def _fp8_gemm_kernel(
+    q_ptr, x_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, rows, n, k,
+    stride_q, stride_x_scale, stride_w, stride_w_scale, stride_out,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PER_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
+):
+    """Program ``(row tile, output tile)``: ``out = (q * x_scale) @ (w * w_scale).T (+ bias)``;
+    with ``PER_GROUP`` a scale per ``BLOCK_K`` columns, else one a row."""
+    m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    outputs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask, output_mask = m < rows, outputs < n
+    columns = tl.arange(0, BLOCK_K)
+    q_tile = q_ptr + m[:, None].to(tl.int64) * stride_q + columns[None, :]
+    w_tile = w_ptr + outputs[:, None].to(tl.int64) * stride_w + columns[None, :]
+    x_scales = x_scale_ptr + m.to(tl.int64) * stride_x_scale
+    w_scales = w_scale_ptr + outputs.to(tl.int64) * stride_w_scale
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for start in range(0, k, BLOCK_K):
+        in_k = (start + columns < k)[None, :]
+        a = tl.load(q_tile, mask=row_mask[:, None] & in_k, other=0.0)
+        w = tl.load(w_tile, mask=output_mask[:, None] & in_k, other=0.0)
+        product = tl.dot(a, tl.trans(w))
+        if PER_GROUP:
+            group = start // BLOCK_K
+            a_scale = tl.load(x_scales + group, mask=row_mask, other=0.0)
+            w_scale = tl.load(w_scales + group, mask=output_mask, other=0.0)
+            acc += product * a_scale[:, None] * w_scale[None, :]
+        else:
+            acc += product
+        q_tile += BLOCK_K
+        w_tile += BLOCK_K
+    if not PER_GROUP:
+        a_scale = tl.load(x_scales, mask=row_mask, other=0.0)
+        w_scale = tl.load(w_scales, mask=output_mask, other=0.0)
+        acc = acc * a_scale[:, None] * w_scale[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + outputs, mask=output_mask, other=0.0).to(tl.float32)[None, :]
+    out = out_ptr + m[:, None].to(tl.int64) * stride_out + outputs[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & output_mask[None, :])
+
+
+def fp8_gemm(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``fp8.fp8_linear`` of ``x [M, K]`` (contiguous rows): the activations quantized
+    (``quantize_activations``), then the W8A8 GEMM, in x's dtype."""
+    rows, k = x.shape
+    n = weight.shape[0]
+    per_group = _per_group(weight, k)
+    q, x_scales = quantize_activations(x, weight.group_size, weight.input_scale)
+    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    block_m, block_n, block_k = GEMM_BLOCKS
+    if rows > 0:
+        _fp8_gemm_kernel[(triton.cdiv(rows, block_m), triton.cdiv(n, block_n))](
+            q, x_scales, weight.data, weight.scale, bias if bias is not None else out, out,
+            rows, n, k, q.stride(0), x_scales.stride(0), weight.data.stride(0),
+            weight.scale.stride(0), out.stride(0),
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=GROUP if per_group else block_k,
+            PER_GROUP=per_group, HAS_BIAS=bias is not None, num_warps=8, num_stages=3)
+    return out
+
+
+def _per_group(weight: Fp8Weight, k: int) -> bool:
+    """Whether the scales change along K (groups of 128 columns), else one a row."""
+    per_group = weight.scale.shape[1] > 1
+    assert not per_group or weight.group_size == GROUP, (
+        f"groups of {weight.group_size} columns: the kernels take 128 or one group a row")
+    assert weight.input_scale is None or not per_group, "a static scale comes with one group"
+    return per_group
+
+
+@triton.jit
+def _fp8_gemv_kernel(
+    x_ptr, w_ptr, w_scale_ptr, static_scale_ptr, bias_ptr, out_ptr, rows, n, k,
+    stride_x, stride_w, stride_w_scale, stride_out, min_scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PER_GROUP: tl.constexpr, STATIC: tl.constexpr, HAS_BIAS: tl.constexpr,
+    OVERLAP: tl.constexpr,
+):
+    """Program ``p``: outputs ``p * BLOCK_N ..`` of every row, its input tiles quantized and
+    dequantized here (as ``quantize_activations`` does), times the weight's codes in float32,
+    scaled by the weight's scales per group (``PER_GROUP``: a step of ``BLOCK_K`` columns) or
+    once. Tiles are 3-d, ``[rows, outputs, columns]``, as ``triton_gemv``'s."""
+    m = tl.arange(0, BLOCK_M)[:, None, None]
+    outputs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    output_mask = outputs < n
+    columns = tl.arange(0, BLOCK_K)[None, None, :]
+    x_rows = x_ptr + m * stride_x
+    w_rows = w_ptr + outputs[None, :, None].to(tl.int64) * stride_w
+    w_scales = w_scale_ptr + outputs.to(tl.int64) * stride_w_scale
+    wait_for_previous(OVERLAP)
+    if STATIC:
+        row_scale = tl.load(static_scale_ptr) + tl.zeros([BLOCK_M, 1, 1], dtype=tl.float32)
+    elif not PER_GROUP:  # per token: the row's largest magnitude first
+        amax = tl.zeros([BLOCK_M, 1, 1], dtype=tl.float32)
+        for start in range(0, k, BLOCK_K):
+            cols = start + columns
+            x = tl.load(x_rows + cols, mask=(m < rows) & (cols < k), other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.max(tl.abs(x), 2)[:, :, None])
+        row_scale = tl.maximum(amax / 448.0, min_scale)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for start in range(0, k, BLOCK_K):
+        cols = start + columns
+        x = tl.load(x_rows + cols, mask=(m < rows) & (cols < k), other=0.0).to(tl.float32)
+        if PER_GROUP and not STATIC:
+            scale = tl.maximum(tl.max(tl.abs(x), 2)[:, :, None] / 448.0, min_scale)
+        else:
+            scale = row_scale
+        a = _quantized(x, scale).to(tl.float32) * scale
+        w = tl.load(w_rows + cols, mask=output_mask[None, :, None] & (cols < k), other=0.0)
+        product = tl.sum(a * w.to(tl.float32), 2)
+        if PER_GROUP:
+            w_scale = tl.load(w_scales + start // BLOCK_K, mask=output_mask, other=0.0)
+            acc += product * w_scale[None, :]
+        else:
+            acc += product
+    if not PER_GROUP:
+        acc = acc * tl.load(w_scales, mask=output_mask, other=0.0)[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + outputs, mask=output_mask, other=0.0).to(tl.float32)[None, :]
+    out_rows = tl.arange(0, BLOCK_M)[:, None]
+    tl.store(out_ptr + out_rows * stride_out + outputs[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=(out_rows < rows) & output_mask[None, :])
+
+
+def fp8_gemv(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``fp8.fp8_linear`` of ``x [M, K]`` (contiguous rows, at most ``GEMV_MAX_ROWS``), the
+    activations quantized inside, in x's dtype."""
+    rows, k = x.shape
+    assert rows <= GEMV_MAX_ROWS and x.stride(-1) == 1
+    n = weight.shape[0]
+    per_group = _per_group(weight, k)
+    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    block_n, block_k = GEMV_BLOCKS
+    static = weight.input_scale is not None
+    if rows > 0:
+        _fp8_gemv_kernel[(triton.cdiv(n, block_n),)](
+            x, weight.data, weight.scale, weight.input_scale if static else weight.scale,
+            bias if bias is not None else out, out, rows, n, k, x.stride(0),
+            weight.data.stride(0), weight.scale.stride(0), out.stride(0), MIN_SCALE,
+            BLOCK_M=max(1, triton.next_power_of_2(rows)), BLOCK_N=block_n,
+            BLOCK_K=GROUP if per_group else block_k, PER_GROUP=per_group, STATIC=static,
+            HAS_BIAS=bias is not None, num_warps=4, **triton_overlap.launch_options(x.device))
+    return out
+
+
+@triton.jit
+def _quantized_row_groups(x, static_scale, min_scale, BLOCK_M: tl.constexpr,
+                          BLOCK_K: tl.constexpr, GROUP_COLS: tl.constexpr, STATIC: tl.constexpr):
+    """Whole rows ``x [BLOCK_M, 1, BLOCK_K]`` (float32, zeros past K) as the W8A8 product sees
+    them: quantized and dequantized per group of ``GROUP_COLS`` columns, or statically."""
+    if STATIC:
+        return _quantized(x, static_scale).to(tl.float32) * static_scale
+    groups = tl.reshape(x, (BLOCK_M, BLOCK_K // GROUP_COLS, GROUP_COLS))
+    scale = tl.maximum(tl.max(tl.abs(groups), 2) / 448.0, min_scale)[:, :, None]
+    dequantized = _quantized(groups, scale).to(tl.float32) * scale
+    return tl.reshape(dequantized, (BLOCK_M, 1, BLOCK_K))
+
+
+@triton.jit
+def _group_scaled_sum(a, w, w_scale, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, GROUP_COLS: tl.constexpr):
+    """``sum_k a * w`` for ``a [BLOCK_M, 1, BLOCK_K]`` and weight codes ``w [1, BLOCK_N,
+    BLOCK_K]``, each group's sum times its scale ``w_scale [BLOCK_N, groups]``."""
+    products = a * w.to(tl.float32)
+    groups = tl.reshape(products, (BLOCK_M, BLOCK_N, BLOCK_K // GROUP_COLS, GROUP_COLS))
+    return tl.sum(tl.sum(groups, 3) * w_scale[None, :, :], 2)
+
+
+@triton.jit
+def _fp8_norm_gemv_kernel(
+    x_ptr, residual_ptr, norm_weight_ptr, residual_out_ptr, w_ptr, w_scale_ptr, static_scale_ptr,
+    bias_ptr, out_ptr, rows, n, k, num_groups, stride_x, stride_residual, stride_residual_out,
+    stride_w, stride_w_scale, stride_out, eps, min_scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_COLS: tl.constexpr, STATIC: tl.constexpr, ADD_RESIDUAL: tl.constexpr,
+    HAS_BIAS: tl.constexpr, GATED: tl.constexpr, OVERLAP: tl.constexpr,
+):
+    """``rms_norm_linear`` of a few rows on FP8 weights, one program per ``BLOCK_N`` outputs
+    (``GATED``: of each half of ``[gate | up]``, stored as ``silu(gate) * up``): the norm of
+    whole rows as ``triton_gemv``'s prologue computes it (program 0 also writes ``x +
+    residual``), the rows quantized here, times the weight codes, scaled per group. The weight
+    (and its scales) are loaded before waiting for the kernel ahead."""
+    program = tl.program_id(0)
+    m = tl.arange(0, BLOCK_M)[:, None, None]
+    outputs = program * BLOCK_N + tl.arange(0, BLOCK_N)
+    output_mask = outputs < n
+    columns = tl.arange(0, BLOCK_K)[None, None, :]
+    w_mask = output_mask[None, :, None] & (columns < k)
+    w_rows = w_ptr + outputs[None, :, None].to(tl.int64) * stride_w
+    w = tl.load(w_rows + columns, mask=w_mask, other=0.0)
+    groups = tl.arange(0, BLOCK_K // GROUP_COLS)[None, :]
+    scale_mask = output_mask[:, None] & (groups < num_groups)
+    scale_rows = w_scale_ptr + outputs[:, None].to(tl.int64) * stride_w_scale + groups
+    w_scale = tl.load(scale_rows, mask=scale_mask, other=0.0)
+    if GATED:
+        w_up = tl.load(w_rows + n * stride_w + columns, mask=w_mask, other=0.0)
+        w_up_scale = tl.load(scale_rows + n * stride_w_scale, mask=scale_mask, other=0.0)
+    static_scale = 1.0
+    if STATIC:
+        static_scale = tl.load(static_scale_ptr)
+    wait_for_previous(OVERLAP)
+    x = input_tile(x_ptr + m * stride_x, residual_ptr + m * stride_residual, norm_weight_ptr,
+                    residual_out_ptr + m * stride_residual_out, columns,
+                    (m < rows) & (columns < k), k, eps, program == 0, NORM_PROLOGUE,
+                    ADD_RESIDUAL)
+    a = _quantized_row_groups(x, static_scale, min_scale, BLOCK_M, BLOCK_K, GROUP_COLS, STATIC)
+    acc = _group_scaled_sum(a, w, w_scale, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_COLS)
+    if GATED:
+        up = _group_scaled_sum(a, w_up, w_up_scale, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_COLS)
+    else:
+        up = acc  # (unread)
+    gemv_epilogue(acc, up, bias_ptr, out_ptr, outputs, n, rows, stride_out, BLOCK_M, HAS_BIAS,
+                  GATED)
+
+
+def fp8_rms_norm_gemv(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                      residual: torch.Tensor | None, weight: Fp8Weight,
+                      bias: torch.Tensor | None = None,
+                      gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``linear.rms_norm_linear`` for ``x [M, K]`` (contiguous rows, at most ``NORM_GEMV_MAX_ROWS``)
+    on an FP8 weight, in one kernel (``gated``: the weight is ``[gate | up]`` and the output
+    ``silu(gate) * up``). Returns ``(out, x + residual)`` (``x`` without a residual)."""
+    rows, k = x.shape
+    assert rows <= NORM_GEMV_MAX_ROWS and x.stride(-1) == 1
+    n = weight.shape[0] // (2 if gated else 1)
+    per_group = _per_group(weight, k)
+    block_k = triton.next_power_of_2(k)
+    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    residual_out = torch.empty_like(x) if residual is not None else None
+    static = weight.input_scale is not None
+    block_n = NORM_GEMV_OUTPUTS // (2 if gated else 1)
+    if rows > 0:
+        _fp8_norm_gemv_kernel[(triton.cdiv(n, block_n),)](
+            x, residual if residual is not None else x, norm_weight,
+            residual_out if residual_out is not None else out, weight.data, weight.scale,
+            weight.input_scale if static else weight.scale, bias if bias is not None else out,
+            out, rows, n, k, weight.scale.shape[1], x.stride(0),
+            residual.stride(0) if residual is not None else 0,
+            residual_out.stride(0) if residual_out is not None else 0,
+            weight.data.stride(0), weight.scale.stride(0), out.stride(0), eps, MIN_SCALE,
+            BLOCK_M=max(1, triton.next_power_of_2(rows)), BLOCK_N=block_n, BLOCK_K=block_k,
+            GROUP_COLS=GROUP if per_group else block_k, STATIC=static,
+            ADD_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, GATED=gated,
+            num_warps=8 if block_k >= 4096 else 4, **triton_overlap.launch_options(x.device))
+    return out, (x if residual_out is None else residual_out)
+
+
+def fp8_linear(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = None,
+               gemv_max_rows: int = GEMV_MAX_ROWS) -> torch.Tensor:
+    """``fp8.fp8_linear`` for ``x [..., K]``: the GEMV up to ``gemv_max_rows`` rows, else the
+    quantization kernel and the GEMM."""
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    if len(rows) <= gemv_max_rows:
+        out = fp8_gemv(rows, weight, bias)
+    else:
+        out = fp8_gemm(rows, weight, bias)
+    return out.view(*x.shape[:-1], -1)
+
