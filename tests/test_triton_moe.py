@@ -40,6 +40,20 @@ def routed(num_tokens, num_experts, top_k, hidden, inter, dtype, seed, skip_expe
     return x, w13, w2, topk_weights, topk_ids
 
 
+def test_a_row_of_nan_logits_still_names_distinct_experts_in_range(interpreter):
+    """A CUDA graph's padding row may hold NaN: its experts must be real ones (an id past them
+    would misplace real pairs in the alignment); real rows choose as the reference."""
+    logits = torch.randn(4, 60, generator=torch.Generator().manual_seed(3))
+    logits[1] = float("nan")
+    logits[2, 7] = float("nan")
+    weights, ids = interpreter(triton_moe.select_experts, logits, 8, True)
+    for row in (1, 2):
+        assert ((ids[row] >= 0) & (ids[row] < 60)).all() and ids[row].unique().numel() == 8
+    expected_weights, expected_ids = moe.select_experts(logits[[0, 3]], 8, True)
+    assert torch.equal(ids[[0, 3]], expected_ids)
+    torch.testing.assert_close(weights[[0, 3]], expected_weights)
+
+
 def aligned_both_ways(topk_ids, num_experts, block_m):
     """``align_pairs``' one launch (in the interpreter's child) and its torch ops."""
     num_blocks = -(-topk_ids.numel() // block_m) + min(num_experts, topk_ids.numel())

@@ -141,14 +141,21 @@ def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, logits_stride,
                   EXPERTS: tl.constexpr):
     """Token ``program_id(0)``'s experts, as ``moe.select_experts``: softmax in float32, the
     ``TOP_K`` largest probabilities, largest first (the lower expert first on a tie), divided
-    by their sum where ``RENORMALIZE``."""
+    by their sum where ``RENORMALIZE``.
+
+    A NaN probability ranks below every number (torch's top-k ranks it above), so that a row
+    of NaN, such as a CUDA graph's padding row whose attention output is left unwritten, still
+    names ``TOP_K`` distinct experts in range: an id past the experts would have the alignment
+    place the row's pairs over real pairs' slots."""
     token = tl.program_id(0)
     experts = tl.arange(0, EXPERTS)
     expert_ok = experts < num_experts
     logits = tl.load(logits_ptr + token * logits_stride + experts, mask=expert_ok,
                      other=-float("inf")).to(tl.float32)
     probs = tl.exp(logits - tl.max(logits, 0))
-    probs = tl.where(expert_ok, probs / tl.sum(probs, 0), -1.0)
+    probs = probs / tl.sum(probs, 0)
+    probs = tl.where(probs == probs, probs, -1.0)  # NaN: below every probability
+    probs = tl.where(expert_ok, probs, -3.0)  # past the experts: never chosen
     ranks = tl.arange(0, TOP_K_P2)
     chosen_weights = tl.zeros([TOP_K_P2], dtype=tl.float32)
     chosen_ids = tl.zeros([TOP_K_P2], dtype=tl.int32)
@@ -157,7 +164,7 @@ def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, logits_stride,
         expert = tl.min(tl.where(probs == best, experts, EXPERTS), 0)
         chosen_weights = tl.where(ranks == j, best, chosen_weights)
         chosen_ids = tl.where(ranks == j, expert, chosen_ids)
-        probs = tl.where(experts == expert, -1.0, probs)
+        probs = tl.where(experts == expert, -2.0, probs)  # chosen: below NaN's, above none
     if RENORMALIZE:
         chosen_weights = chosen_weights / tl.sum(chosen_weights, 0)
     tl.store(weights_ptr + token * TOP_K + ranks,
