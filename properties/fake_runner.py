@@ -223,14 +223,14 @@ class FakeRunner:
         self.num_launches = 0
         self.failed_launches: set[int] = set()
         self._fail_after: int | None = None  # positions the next launch to fail computes
-        self._fail_if: Callable[[set[int]], bool] | None = None
+        self._fail_if: Callable[[BatchPlan, set[int]], bool] | None = None
 
     def fail(self, after: int | None,
-             handing_out: Callable[[set[int]], bool] | None = None) -> None:
+             only_if: Callable[[BatchPlan, set[int]], bool] | None = None) -> None:
         """Fail the next launch once it has computed ``after`` positions (or all of them, if
-        fewer); None: don't. ``handing_out``: only a launch for whose new blocks (not
+        fewer); None: don't. ``only_if``: only a launch for whose plan and new blocks (not
         prefix-cache hits) this is true."""
-        self._fail_after, self._fail_if = after, handing_out
+        self._fail_after, self._fail_if = after, only_if
 
     def launch(self, plan: BatchPlan) -> Sampled:
         """Take the plan's started sequences and new table entries (and a hybrid model's
@@ -247,7 +247,7 @@ class FakeRunner:
                           column * self.block_size >= entries[i].start_pos)
                          for i, column, block in plan.block_entries.tolist()]
         new_blocks = {block for _, _, block, new in table_entries if new}
-        fail_after = self._positions_before_failing(new_blocks)
+        fail_after = self._positions_before_failing(plan, new_blocks)
         states = self.states
         for start in plan.started:
             self.kv.start(start.slot)
@@ -283,11 +283,11 @@ class FakeRunner:
         context = self.kv.context(slot, length)
         return context if self.states is None else context + [self.states.read(slot, length)]
 
-    def _positions_before_failing(self, new_blocks: set[int]) -> int | None:
+    def _positions_before_failing(self, plan: BatchPlan, new_blocks: set[int]) -> int | None:
         """How many positions this launch computes before it fails, or None if it does not
         (``fail``)."""
         after, only_if = self._fail_after, self._fail_if
-        if after is None or (only_if is not None and not only_if(new_blocks)):
+        if after is None or (only_if is not None and not only_if(plan, new_blocks)):
             return None
         self._fail_after = None
         return after

@@ -150,9 +150,17 @@ class EngineMachine(RuleBasedStateMachine):
     def fail_next_eviction(self, after):
         """The runner fails the next launch that hands out a block the prefix cache lists
         (which the loop must drop from the cache) once it has computed ``after`` positions."""
-        def evicts(blocks: set[int]) -> bool:  # (the loop's state is the one before the step)
+        def evicts(_, blocks: set[int]) -> bool:  # (the loop's state is the one before the step)
             return any(block in blocks for block, _ in self.driver.state.pool.cached_blocks())
         self.driver.runner.fail(after, evicts)
+
+    @rule(after=st.integers(0, 40))
+    def fail_next_state_copy(self, after):
+        """The runner fails the next launch that restores a hybrid sequence's saved state or
+        saves one (whose slots the loop must mark dirty) once it has computed ``after``
+        positions: a random failure meets such a launch too seldom (none in some runs)."""
+        self.driver.runner.fail(after, lambda plan, _: bool(plan.state_restores
+                                                            or plan.state_saves))
 
     @rule(times=st.integers(1, 6))
     def advance(self, times):
