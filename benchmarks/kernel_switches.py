@@ -1,13 +1,11 @@
-"""The benchmark scripts' ``--no-gemv``, ``--gemv-max-rows``, ``--no-partial-sums``,
-``--no-overlap`` and ``--no-few-token-moe``: a kernel
+"""The benchmark scripts' ``--no-gemv``, ``--gemv-max-rows``, ``--no-partial-sums`` and
+``--no-overlap``: a kernel
 feature off (or set otherwise) for the rest of the process, for a before/after in one run on
 one machine. The engine has no option for them, each being its default wherever it can run."""
 
 from __future__ import annotations
 
 import argparse
-import functools
-from dataclasses import replace
 
 
 def add_model_and_switches(parser: argparse.ArgumentParser) -> None:
@@ -24,16 +22,12 @@ def add_model_and_switches(parser: argparse.ArgumentParser) -> None:
                              "before/after")
     parser.add_argument("--no-overlap", action="store_true",
                         help="kernels launched one after another (programmatic dependent launch off)")
-    parser.add_argument("--no-few-token-moe", action="store_true",
-                        help="a few tokens' experts aligned in blocks too (triton_moe's "
-                             "matrix-vector path off)")
 
 
 def model_with_switches(args: argparse.Namespace) -> str:
     """Apply the switches ``args`` asks for; returns the model's folder (a random-weight
     checkpoint is built once)."""
     from nanofn.model.tiny import random_weights_model
-    from nanofn.kernels import triton_moe
     from nanofn.kernels.triton_ops import with_triton_gemm_max_rows
 
     if args.no_gemv:
@@ -44,9 +38,6 @@ def model_with_switches(args: argparse.Namespace) -> str:
         _wrap_kernels(lambda kernels: with_triton_gemm_max_rows(kernels, 0))
     if args.no_overlap:
         launches_in_sequence()
-    if args.no_few_token_moe:
-        _wrap_kernels(lambda kernels: replace(
-            kernels, fused_moe=functools.partial(triton_moe.fused_moe, few_pairs=0)))
     return str(args.model or random_weights_model(args.random_weights))
 
 

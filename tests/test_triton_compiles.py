@@ -216,7 +216,7 @@ def test_hybrid_kernels_compile(compile_for_h100, tokens):
 def test_moe_kernels_compile(compile_for_h100, tokens):
     """The router's kernel, the pairs' alignment and the experts' two grouped GEMMs at
     Qwen3-30B-A3B's sizes (128 experts of 768, 8 a token), in each tile size ``default_tiles``
-    picks, and the few-token path's matrix-vector products."""
+    picks."""
     hidden, inter, experts, top_k = 2048, 768, 128, 8
     compile_for_h100(triton_moe.select_experts, empty(tokens, experts), top_k, True)
     topk_ids = torch.zeros(tokens, top_k, dtype=torch.int64)

@@ -123,20 +123,8 @@ def test_fused_moe_matches_the_experts_token_by_token(interpreter, dtype, num_to
     torch.testing.assert_close(out.float(), expected, **TOLERANCES[dtype])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("num_tokens", [1, 3])
-def test_few_token_path_matches_the_experts_token_by_token(interpreter, dtype, num_tokens):
-    """Sizes under one tile (hidden 40, intermediate 24); two tokens may share an expert."""
-    x, w13, w2, topk_weights, topk_ids = routed(num_tokens, num_experts=4, top_k=3, hidden=40,
-                                                inter=24, dtype=dtype, seed=20 + num_tokens)
-    out = interpreter(triton_moe.few_token_moe, x, w13, w2, topk_weights, topk_ids)
-    expected = experts_one_token_at_a_time(x, w13, w2, topk_weights, topk_ids)
-    assert out.dtype == dtype
-    torch.testing.assert_close(out.float(), expected, **TOLERANCES[dtype])
-
-
 def test_fused_moe_with_its_default_tiles_and_no_tokens(interpreter):
-    """A few tokens (the matrix-vector path) and more (aligned blocks)."""
+    """A few tokens and more (other tiles)."""
     for num_tokens in (5, 40):
         x, w13, w2, topk_weights, topk_ids = routed(num_tokens, num_experts=4, top_k=2, hidden=32,
                                                     inter=16, dtype=torch.float32, seed=9)

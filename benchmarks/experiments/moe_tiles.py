@@ -4,11 +4,7 @@ uniformly at random: per token count, every candidate's time, and the bytes of t
 step touches per second and the FLOP/s, best first. Each candidate is checked against the
 torch reference once before it is timed.
 
-With ``--few``, instead: a whole layer's experts at 1 to 8 tokens, the matrix-vector path
-(``few_token_moe``) against the aligned one (alignment, both GEMMs and the sum), to place
-``FEW_PAIRS``.
-
-Usage: python benchmarks/experiments/moe_tiles.py [--tokens 1,8,64,256,1024,8192] [--few]
+Usage: python benchmarks/experiments/moe_tiles.py [--tokens 1,8,64,256,1024,8192]
 """
 
 from __future__ import annotations
@@ -22,8 +18,7 @@ import triton.runtime.errors
 from triton.testing import do_bench
 
 from nanofn.kernels import moe
-from nanofn.kernels.triton_moe import (_down_kernel, _gate_up_kernel, align_pairs, default_tiles,
-                                       few_token_moe, fused_moe)
+from nanofn.kernels.triton_moe import _down_kernel, _gate_up_kernel, align_pairs
 
 EXPERTS, TOP_K, HIDDEN, INTER = 128, 8, 2048, 768
 
@@ -67,7 +62,6 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="1,8,64,256,1024,8192")
     ap.add_argument("--show", type=int, default=4, help="candidates shown per kernel and size")
-    ap.add_argument("--few", action="store_true")
     args = ap.parse_args()
     g = torch.Generator(device="cuda").manual_seed(0)
     w13 = torch.randn(EXPERTS, 2 * INTER, HIDDEN, device="cuda", generator=g).to(torch.bfloat16)
@@ -75,9 +69,6 @@ def main() -> None:
     w13 *= HIDDEN ** -0.5
     w2 *= INTER ** -0.5
     print(torch.cuda.get_device_name())
-    if args.few:
-        compare_few(w13, w2, g)
-        return
     for tokens in map(int, args.tokens.split(",")):
         x = torch.randn(tokens, HIDDEN, device="cuda", generator=g).to(torch.bfloat16)
         logits = torch.randn(tokens, EXPERTS, device="cuda", generator=g)
@@ -115,25 +106,6 @@ def main() -> None:
                       f"{scale * flops / ms / 1e9:6.0f} TFLOP/s")
         aligned_ms = do_bench(lambda: align_pairs(ids, EXPERTS, 16))
         print(f"{tokens:>6} tokens: align_pairs {aligned_ms * 1e3:.1f} us")
-
-
-def compare_few(w13, w2, g) -> None:
-    for tokens in (1, 2, 3, 4, 6, 8):
-        x = torch.randn(tokens, HIDDEN, device="cuda", generator=g).to(torch.bfloat16)
-        logits = torch.randn(tokens, EXPERTS, device="cuda", generator=g)
-        weights, ids = torch.topk(logits.softmax(-1), TOP_K, dim=-1)
-        weights = weights.to(torch.bfloat16)
-        tiles = default_tiles(max(tokens * TOP_K, 33))  # (the aligned path's, even under 33)
-        expected = moe.fused_moe(x, w13, w2, weights, ids)
-        for name, run in (("matrix-vector", lambda: few_token_moe(x, w13, w2, weights, ids)),
-                          ("aligned", lambda: fused_moe(x, w13, w2, weights, ids, tiles))):
-            torch.testing.assert_close(run(), expected, atol=3e-2, rtol=3e-2)
-            graph = torch.cuda.CUDAGraph()  # (from a graph, as the engine runs a decode step)
-            with torch.cuda.graph(graph):
-                run()
-            ms = do_bench(graph.replay)
-            print(f"{tokens} tokens ({ids.unique().numel():>2} experts) {name:>13}: "
-                  f"{ms * 1e3:6.1f} us")
 
 
 if __name__ == "__main__":

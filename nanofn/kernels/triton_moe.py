@@ -10,10 +10,10 @@ of ``BLOCK_M`` sorted pairs belongs to one expert: a grouped GEMM's program mult
 block's tokens by its expert's weights, and reads only the experts some token chose (a decode
 step of a few tokens touches few). The first launch computes gate and up with SiLU-and-mul
 fused in; the second the down projection, scaled by the routing weight; the ``k`` scaled rows
-of a token are then added up (in float32, where the reference adds in the model's dtype). A
-step of a few tokens skips the alignment and the sum: ``few_token_moe`` runs a matrix-vector
-product a pair, then one a token over its pairs. Every size is fixed by the token count alone
-(no value read back to the host), so the layer fits a CUDA graph.
+of a token are then added up (in float32, where the reference adds in the model's dtype). Every
+size is fixed by the token count alone (no value read back to the host), so the layer fits a
+CUDA graph. (A few tokens as matrix-vector products, a program per pair and then per token,
+with no alignment and no separate sum, measured slower: RESULTS.md, twenty-first session.)
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ class AlignedPairs:
     block_m: int
 
 
-FEW_PAIRS = 32  # and fewer: ``few_token_moe`` (a decode step of up to 4 tokens at top 8)
 ALIGN_IN_ONE_LAUNCH_UP_TO = 4096  # pairs: a decode step's (T * k); more go through torch ops
 ALIGN_CHUNK = 256  # pairs an alignment program places
 
@@ -257,83 +256,6 @@ def _down_kernel(a_ptr, w2_ptr, out_ptr, routing_ptr, sorted_pairs_ptr, block_ex
              mask=pair_ok[:, None] & col_ok[None, :])
 
 
-@triton.jit
-def _gate_up_gemv_kernel(x_ptr, w13_ptr, ids_ptr, out_ptr, hidden, inter, x_stride,
-                         w_stride_e, w_stride_n, out_stride, TOP_K: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Pair ``program_id(0)``, intermediate columns ``program_id(1) * BLOCK_N ...``: its
-    token's ``silu(x @ gate.T) * (x @ up.T)`` by its expert, as a matrix-vector product."""
-    pair = tl.program_id(0)
-    expert = tl.load(ids_ptr + pair).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < inter
-    ks = tl.arange(0, BLOCK_K)
-    x_row = x_ptr + (pair // TOP_K).to(tl.int64) * x_stride
-    gate_rows = w13_ptr + expert * w_stride_e + cols[:, None] * w_stride_n
-    up_rows = gate_rows + inter * w_stride_n
-    gate = tl.zeros([BLOCK_N], dtype=tl.float32)
-    up = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, hidden, BLOCK_K):
-        k_ok = k0 + ks < hidden
-        x = tl.load(x_row + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)
-        w_mask = col_ok[:, None] & k_ok[None, :]
-        gate += tl.sum(tl.load(gate_rows + k0 + ks[None, :], mask=w_mask,
-                               other=0.0).to(tl.float32) * x[None, :], 1)
-        up += tl.sum(tl.load(up_rows + k0 + ks[None, :], mask=w_mask,
-                             other=0.0).to(tl.float32) * x[None, :], 1)
-    tl.store(out_ptr + pair * out_stride + cols,
-             (gate / (1.0 + tl.exp(-gate)) * up).to(out_ptr.dtype.element_ty), mask=col_ok)
-
-
-@triton.jit
-def _down_gemv_kernel(a_ptr, w2_ptr, ids_ptr, routing_ptr, out_ptr, hidden, inter, a_stride,
-                      w_stride_e, w_stride_n, out_stride, TOP_K: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Token ``program_id(0)``, hidden columns ``program_id(1) * BLOCK_N ...``: the sum over
-    its ``TOP_K`` pairs of the routing weight times the expert's down projection of the pair's
-    activation, in float32, rounded once."""
-    token = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < hidden
-    ks = tl.arange(0, BLOCK_K)
-    total = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for j in tl.static_range(TOP_K):
-        pair = token * TOP_K + j
-        expert = tl.load(ids_ptr + pair).to(tl.int64)
-        rows = w2_ptr + expert * w_stride_e + cols[:, None] * w_stride_n
-        a_row = a_ptr + pair.to(tl.int64) * a_stride
-        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, inter, BLOCK_K):
-            k_ok = k0 + ks < inter
-            a = tl.load(a_row + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)
-            acc += tl.sum(tl.load(rows + k0 + ks[None, :], mask=col_ok[:, None] & k_ok[None, :],
-                                  other=0.0).to(tl.float32) * a[None, :], 1)
-        total += tl.load(routing_ptr + pair).to(tl.float32) * acc
-    tl.store(out_ptr + token * out_stride + cols, total.to(out_ptr.dtype.element_ty),
-             mask=col_ok)
-
-
-def few_token_moe(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                  topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-    """``fused_moe`` for a few tokens as matrix-vector products: a program per pair (gate and
-    up) and per token (down, over its pairs), so that nothing is aligned nor added up in a
-    launch of its own; a pair reads its expert's weights for itself, which a few tokens seldom
-    share."""
-    num_tokens, hidden = hidden_states.shape
-    inter, top_k = w2.shape[2], topk_ids.shape[1]
-    activated = hidden_states.new_empty(num_tokens * top_k, inter)
-    ids = topk_ids.flatten()
-    _gate_up_gemv_kernel[(num_tokens * top_k, triton.cdiv(inter, 16))](
-        hidden_states, w13, ids, activated, hidden, inter, hidden_states.stride(0),
-        w13.stride(0), w13.stride(1), activated.stride(0), TOP_K=top_k, BLOCK_N=16,
-        BLOCK_K=256)
-    out = hidden_states.new_empty(num_tokens, hidden)
-    _down_gemv_kernel[(num_tokens, triton.cdiv(hidden, 8))](
-        activated, w2, ids, topk_weights.flatten(), out, hidden, inter, activated.stride(0),
-        w2.stride(0), w2.stride(1), out.stride(0), TOP_K=top_k, BLOCK_N=8, BLOCK_K=256)
-    return out
-
-
 @dataclass(frozen=True)
 class GemmTiles:
     """A grouped GEMM's tiles besides ``block_m``: ``block_n`` output columns, ``block_k`` of
@@ -356,9 +278,9 @@ class MoeTiles:
 
 
 # Measured on an H200 at Qwen3-30B-A3B's sizes (benchmarks/experiments/moe_tiles.py): the
-# fastest tiles by pair count, each within a few percent of the best there (up to 16 pairs,
-# had they come here: m16 n64 k128 2 warps 4 stages for gate and up, m16 n64 k256 for down).
+# fastest tiles by pair count, each within a few percent of the best there.
 TILES_BY_PAIRS = (
+    (16, MoeTiles(16, GemmTiles(64, 128, 2, 4), GemmTiles(64, 256, 4, 3))),  # 1-2 tokens
     (64, MoeTiles(16, GemmTiles(32, 128, 2, 4), GemmTiles(64, 128, 2, 4))),
     (512, MoeTiles(16, GemmTiles(128, 128, 4, 3), GemmTiles(64, 128, 4, 4))),
     (2048, MoeTiles(32, GemmTiles(64, 128, 4, 3), GemmTiles(64, 128, 4, 3))),
@@ -389,10 +311,9 @@ def _fitting(tiles: GemmTiles, block_m: int, weight_tiles: int, element_size: in
 
 def fused_moe(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
               topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-              tiles: MoeTiles | None = None, few_pairs: int = FEW_PAIRS) -> torch.Tensor:
+              tiles: MoeTiles | None = None) -> torch.Tensor:
     """``moe.fused_moe``: ``hidden_states [T, H]``, ``w13 [E, 2I, H]``, ``w2 [E, H, I]``,
-    ``topk_weights`` and ``topk_ids`` ``[T, k]``; returns ``[T, H]`` in the input's dtype.
-    Steps of at most ``few_pairs`` pairs take ``few_token_moe`` (unless ``tiles`` are given)."""
+    ``topk_weights`` and ``topk_ids`` ``[T, k]``; returns ``[T, H]`` in the input's dtype."""
     num_tokens, hidden = hidden_states.shape
     num_experts, inter = w2.shape[0], w2.shape[2]
     top_k = topk_ids.shape[1]
@@ -401,8 +322,6 @@ def fused_moe(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         raise ValueError("fused_moe reads rows of the inputs and weights with unit stride")
     if num_pairs == 0:
         return hidden_states.new_zeros(num_tokens, hidden)
-    if num_pairs <= few_pairs and tiles is None:
-        return few_token_moe(hidden_states, w13, w2, topk_weights, topk_ids)
     tiles = tiles or default_tiles(num_pairs, hidden_states.element_size())
     aligned = align_pairs(topk_ids, num_experts, tiles.block_m)
     num_blocks = aligned.block_experts.numel()

@@ -56,7 +56,7 @@ def test_the_fused_experts_match_the_reference(num_tokens):
     assert relative_error(got, exact) <= 2 * relative_error(rounded, exact) + 1e-3
 
 
-@pytest.mark.parametrize("num_tokens", [2, 24], ids=["few-tokens", "aligned"])
+@pytest.mark.parametrize("num_tokens", [2, 24])
 def test_the_fused_experts_replay_from_a_cuda_graph(num_tokens):
     """Captured once (nothing read back to the host), replayed with other tokens and routing."""
     x, w13, w2, topk_weights, topk_ids = experts_and_routing(num_tokens, 1)
