@@ -56,9 +56,8 @@ def test_a_row_of_nan_logits_still_names_distinct_experts_in_range(interpreter):
 
 def aligned_both_ways(topk_ids, num_experts, block_m):
     """``align_pairs``' one launch (in the interpreter's child) and its torch ops."""
-    num_blocks = -(-topk_ids.numel() // block_m) + min(num_experts, topk_ids.numel())
     return (triton_moe.align_pairs(topk_ids, num_experts, block_m),
-            triton_moe.sorted_by_expert(topk_ids, num_experts, block_m, num_blocks))
+            triton_moe.sorted_by_expert(topk_ids, num_experts, block_m))
 
 
 def test_pairs_are_aligned_in_whole_blocks_of_one_expert(interpreter):

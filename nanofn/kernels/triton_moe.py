@@ -46,9 +46,9 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Align
     (``_align_kernel``), where a dozen torch ops would cost more than its experts' GEMMs; a
     prompt's many by those ops (``sorted_by_expert``), whose launches hide behind the GEMMs."""
     num_pairs = topk_ids.numel()
-    num_blocks = triton.cdiv(num_pairs, block_m) + min(num_experts, num_pairs)
     if num_pairs > ALIGN_IN_ONE_LAUNCH_UP_TO:
-        return sorted_by_expert(topk_ids, num_experts, block_m, num_blocks)
+        return sorted_by_expert(topk_ids, num_experts, block_m)
+    num_blocks = capacity_blocks(num_pairs, num_experts, block_m)
     sorted_pairs = topk_ids.new_empty(num_blocks * block_m, dtype=torch.int32)
     block_experts = topk_ids.new_empty(num_blocks, dtype=torch.int32)
     _align_kernel[(triton.cdiv(num_pairs, ALIGN_CHUNK),)](
@@ -58,11 +58,17 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Align
     return AlignedPairs(sorted_pairs, block_experts, block_m)
 
 
-def sorted_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int,
-                     num_blocks: int) -> AlignedPairs:
+def capacity_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Blocks enough for ``num_pairs`` pairs however they fall: whole blocks of them, plus one
+    partly padded block per expert that has any."""
+    return triton.cdiv(num_pairs, block_m) + min(num_experts, num_pairs)
+
+
+def sorted_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> AlignedPairs:
     """``align_pairs`` in torch ops (a stable sort by expert)."""
     experts = topk_ids.flatten().long()
     num_pairs = experts.numel()
+    num_blocks = capacity_blocks(num_pairs, num_experts, block_m)
     counts = torch.zeros(num_experts, dtype=torch.int64, device=experts.device).scatter_add_(
         0, experts, torch.ones_like(experts))  # (bincount reads its maximum back on a GPU)
     padded = (counts + block_m - 1) // block_m * block_m
