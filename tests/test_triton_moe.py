@@ -55,8 +55,8 @@ def test_a_row_of_nan_logits_still_names_distinct_experts_in_range(interpreter):
 
 
 def aligned_both_ways(topk_ids, num_experts, block_m):
-    """``align_pairs``' one launch (in the interpreter's child) and its torch ops."""
-    return (triton_moe.align_pairs(topk_ids, num_experts, block_m),
+    """The alignment's one launch (in the interpreter's child) and its torch ops."""
+    return (triton_moe.aligned_in_one_launch(topk_ids, num_experts, block_m),
             triton_moe.sorted_by_expert(topk_ids, num_experts, block_m))
 
 
@@ -108,12 +108,16 @@ def test_router_kernel_chooses_as_the_reference(interpreter, dtype, num_experts,
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("num_tokens, skip", [(1, ()), (7, (2, 5)), (40, ())],
-                         ids=["decode-one-token", "unused-experts", "many-tokens"])
+@pytest.mark.parametrize("num_tokens, skip", [(1, ()), (3, ()), (7, (2, 5)), (40, ())],
+                         ids=["decode-one-token", "pair-blocks-shared-experts", "unused-experts",
+                              "many-tokens"])
 def test_fused_moe_matches_the_experts_token_by_token(interpreter, dtype, num_tokens, skip):
     x, w13, w2, topk_weights, topk_ids = routed(num_tokens, num_experts=8, top_k=3, hidden=40,
                                                 inter=24, dtype=dtype, seed=num_tokens,
                                                 skip_experts=skip)
+    if num_tokens == 3:  # each pair its own block, and an expert two tokens chose
+        assert num_tokens <= triton_moe.PAIR_BLOCKS_UP_TO
+        assert topk_ids.flatten().unique().numel() < topk_ids.numel()
     several = triton_moe.GemmTiles(block_n=16, block_k=16)  # several tiles a matrix
     tiles = triton_moe.MoeTiles(block_m=16, gate_up=several, down=several)
     out = interpreter(triton_moe.fused_moe, x, w13, w2, topk_weights, topk_ids, tiles)

@@ -4,7 +4,10 @@ uniformly at random: per token count, every candidate's time, and the bytes of t
 step touches per second and the FLOP/s, best first. Each candidate is checked against the
 torch reference once before it is timed.
 
-Usage: python benchmarks/experiments/moe_tiles.py [--tokens 1,8,64,256,1024,8192]
+With ``--pair-blocks``: instead, a whole layer's experts (``fused_moe`` from a CUDA graph) at a
+few tokens, each pair its own block against the pairs aligned by expert in one launch.
+
+Usage: python benchmarks/experiments/moe_tiles.py [--tokens 1,8,64,256,1024,8192] [--pair-blocks]
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import triton
 import triton.runtime.errors
 from triton.testing import do_bench
 
-from nanofn.kernels import moe
+from nanofn.kernels import moe, triton_moe
 from nanofn.kernels.triton_moe import _down_kernel, _gate_up_kernel, align_pairs
 
 EXPERTS, TOP_K, HIDDEN, INTER = 128, 8, 2048, 768
@@ -43,6 +46,7 @@ def gate_up(x, w13, aligned, num_pairs, tile):
     _gate_up_kernel[grid](x, w13, out, aligned.sorted_pairs, aligned.block_experts, num_pairs,
                           HIDDEN, INTER, x.stride(0), w13.stride(0), w13.stride(1), out.stride(0),
                           TOP_K=TOP_K, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                          PAIR_BLOCKS=aligned.pair_blocks,
                           num_warps=warps, num_stages=stages)
     return out
 
@@ -54,14 +58,44 @@ def down(activated, w2, routing, aligned, num_pairs, tile):
     _down_kernel[grid](activated, w2, out, routing, aligned.sorted_pairs, aligned.block_experts,
                        num_pairs, HIDDEN, INTER, activated.stride(0), w2.stride(0), w2.stride(1),
                        out.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                       PAIR_BLOCKS=aligned.pair_blocks,
                        num_warps=warps, num_stages=stages)
     return out
+
+
+def graphed_layer_us(x, w13, w2, weights, ids, pair_blocks_up_to: int) -> float:
+    """A layer's ``fused_moe`` replayed from a CUDA graph, with ``PAIR_BLOCKS_UP_TO`` set."""
+    saved = triton_moe.PAIR_BLOCKS_UP_TO
+    triton_moe.PAIR_BLOCKS_UP_TO = pair_blocks_up_to
+    try:
+        expected = moe.fused_moe(x, w13, w2, weights, ids)
+        torch.testing.assert_close(triton_moe.fused_moe(x, w13, w2, weights, ids), expected,
+                                   atol=3e-2, rtol=3e-2)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            triton_moe.fused_moe(x, w13, w2, weights, ids)
+        return do_bench(graph.replay) * 1e3
+    finally:
+        triton_moe.PAIR_BLOCKS_UP_TO = saved
+
+
+def compare_pair_blocks(w13, w2, tokens_list, g) -> None:
+    for tokens in tokens_list:
+        x = torch.randn(tokens, HIDDEN, device="cuda", generator=g).to(torch.bfloat16)
+        logits = torch.randn(tokens, EXPERTS, device="cuda", generator=g)
+        weights, ids = torch.topk(logits.softmax(-1), TOP_K, dim=-1)
+        weights = weights.to(torch.bfloat16)
+        aligned = graphed_layer_us(x, w13, w2, weights, ids, 0)
+        paired = graphed_layer_us(x, w13, w2, weights, ids, tokens)
+        print(f"{tokens:>3} tokens ({ids.unique().numel():>3} experts): aligned {aligned:6.1f} us, "
+              f"pair blocks {paired:6.1f} us")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="1,8,64,256,1024,8192")
     ap.add_argument("--show", type=int, default=4, help="candidates shown per kernel and size")
+    ap.add_argument("--pair-blocks", action="store_true")
     args = ap.parse_args()
     g = torch.Generator(device="cuda").manual_seed(0)
     w13 = torch.randn(EXPERTS, 2 * INTER, HIDDEN, device="cuda", generator=g).to(torch.bfloat16)
@@ -69,6 +103,9 @@ def main() -> None:
     w13 *= HIDDEN ** -0.5
     w2 *= INTER ** -0.5
     print(torch.cuda.get_device_name())
+    if args.pair_blocks:
+        compare_pair_blocks(w13, w2, [1, 2, 3, 4, 6, 8], g)
+        return
     for tokens in map(int, args.tokens.split(",")):
         x = torch.randn(tokens, HIDDEN, device="cuda", generator=g).to(torch.bfloat16)
         logits = torch.randn(tokens, EXPERTS, device="cuda", generator=g)

@@ -31,9 +31,17 @@ class AlignedPairs:
     blocks. A pair is ``token * k + j`` (``topk_ids.flatten()``'s index); padding is
     ``num_pairs``; blocks past the last expert's are marked ``-1``."""
 
-    sorted_pairs: torch.Tensor  # [capacity] int32
-    block_experts: torch.Tensor  # [capacity // block_m] int32
+    sorted_pairs: torch.Tensor | None  # [capacity] int32; None: block b is pair b alone
+    block_experts: torch.Tensor  # [capacity // block_m] int32 (or the pairs' experts)
     block_m: int
+
+    @property
+    def pair_blocks(self) -> bool:
+        """Whether each block holds one pair (``pair_blocks``'s layout, nothing sorted)."""
+        return self.sorted_pairs is None
+
+
+PAIR_BLOCKS_UP_TO = 4  # tokens: a step this small gives each pair its own block, unsorted
 
 
 ALIGN_IN_ONE_LAUNCH_UP_TO = 4096  # pairs: a decode step's (T * k); more go through torch ops
@@ -44,10 +52,19 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Align
     """``AlignedPairs`` of ``topk_ids [T, k]``, with a capacity fixed by ``T * k`` (room for
     every expert's padding). A decode step's few pairs are placed by one kernel
     (``_align_kernel``), where a dozen torch ops would cost more than its experts' GEMMs; a
-    prompt's many by those ops (``sorted_by_expert``), whose launches hide behind the GEMMs."""
-    num_pairs = topk_ids.numel()
-    if num_pairs > ALIGN_IN_ONE_LAUNCH_UP_TO:
+    prompt's many by those ops (``sorted_by_expert``), whose launches hide behind the GEMMs.
+    Up to ``PAIR_BLOCKS_UP_TO`` tokens, nothing is sorted (``pair_blocks``)."""
+    if topk_ids.shape[0] <= PAIR_BLOCKS_UP_TO:
+        return pair_blocks(topk_ids, block_m)
+    if topk_ids.numel() > ALIGN_IN_ONE_LAUNCH_UP_TO:
         return sorted_by_expert(topk_ids, num_experts, block_m)
+    return aligned_in_one_launch(topk_ids, num_experts, block_m)
+
+
+def aligned_in_one_launch(topk_ids: torch.Tensor, num_experts: int,
+                          block_m: int) -> AlignedPairs:
+    """``sorted_by_expert``'s layout from one launch of ``_align_kernel``."""
+    num_pairs = topk_ids.numel()
     num_blocks = capacity_blocks(num_pairs, num_experts, block_m)
     sorted_pairs = topk_ids.new_empty(num_blocks * block_m, dtype=torch.int32)
     block_experts = topk_ids.new_empty(num_blocks, dtype=torch.int32)
@@ -56,6 +73,14 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Align
         BLOCK_M=block_m, EXPERTS=triton.next_power_of_2(num_experts), CHUNK=ALIGN_CHUNK,
         SUB=32, BLOCKS=64)
     return AlignedPairs(sorted_pairs, block_experts, block_m)
+
+
+def pair_blocks(topk_ids: torch.Tensor, block_m: int) -> AlignedPairs:
+    """Each pair its own block, in the pairs' order, its expert read from ``topk_ids`` itself:
+    no launch before the GEMMs. An expert chosen by two of the step's tokens is read twice,
+    which costs less than sorting up to a few tokens (a layer's alignment took 13.9 us of the
+    single request's 50.8, RESULTS.md, twenty-first session)."""
+    return AlignedPairs(None, topk_ids.reshape(-1), block_m)
 
 
 def capacity_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -193,23 +218,31 @@ def select_experts(router_logits: torch.Tensor, top_k: int,
 
 
 @triton.jit
-def _block_pairs(sorted_pairs_ptr, num_pairs, BLOCK_M: tl.constexpr):
-    """Block ``program_id(0)``'s sorted pairs, and which of them are pairs (not padding)."""
-    pairs = tl.load(sorted_pairs_ptr + tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M))
-    return pairs, pairs < num_pairs
+def _block(sorted_pairs_ptr, block_experts_ptr, num_pairs, BLOCK_M: tl.constexpr,
+           PAIR_BLOCKS: tl.constexpr):
+    """Block ``program_id(0)``'s expert (``-1``: no expert, nothing to do), its pairs, and which
+    of them are pairs (not padding). ``PAIR_BLOCKS``: the block is pair ``program_id(0)`` alone
+    (``sorted_pairs_ptr`` is not read)."""
+    block = tl.program_id(0)
+    expert = tl.load(block_experts_ptr + block)
+    if PAIR_BLOCKS:
+        pairs = tl.where(tl.arange(0, BLOCK_M) == 0, block, num_pairs)
+    else:
+        pairs = tl.load(sorted_pairs_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
+    return expert, pairs, pairs < num_pairs
 
 
 @triton.jit
 def _gate_up_kernel(x_ptr, w13_ptr, out_ptr, sorted_pairs_ptr, block_experts_ptr, num_pairs,
                     hidden, inter, x_stride, w_stride_e, w_stride_n, out_stride,
                     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr):
+                    BLOCK_K: tl.constexpr, PAIR_BLOCKS: tl.constexpr):
     """Block ``program_id(0)`` of sorted pairs, intermediate columns ``program_id(1) *
     BLOCK_N ...``: ``silu(x @ gate.T) * (x @ up.T)`` of the block's expert, to the pairs' rows."""
-    expert = tl.load(block_experts_ptr + tl.program_id(0))
+    expert, pairs, pair_ok = _block(sorted_pairs_ptr, block_experts_ptr, num_pairs, BLOCK_M,
+                                    PAIR_BLOCKS)
     if expert < 0:
         return
-    pairs, pair_ok = _block_pairs(sorted_pairs_ptr, num_pairs, BLOCK_M)
     tokens = (pairs // TOP_K).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < inter
@@ -235,14 +268,15 @@ def _gate_up_kernel(x_ptr, w13_ptr, out_ptr, sorted_pairs_ptr, block_experts_ptr
 @triton.jit
 def _down_kernel(a_ptr, w2_ptr, out_ptr, routing_ptr, sorted_pairs_ptr, block_experts_ptr,
                  num_pairs, hidden, inter, a_stride, w_stride_e, w_stride_n, out_stride,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 PAIR_BLOCKS: tl.constexpr):
     """Block ``program_id(0)`` of sorted pairs, hidden columns ``program_id(1) * BLOCK_N ...``:
     the block's expert's down projection of the pairs' activations, times their routing
     weights, to the pairs' rows."""
-    expert = tl.load(block_experts_ptr + tl.program_id(0))
+    expert, pairs, pair_ok = _block(sorted_pairs_ptr, block_experts_ptr, num_pairs, BLOCK_M,
+                                    PAIR_BLOCKS)
     if expert < 0:
         return
-    pairs, pair_ok = _block_pairs(sorted_pairs_ptr, num_pairs, BLOCK_M)
     rows = pairs.to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < hidden
@@ -337,13 +371,14 @@ def fused_moe(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         hidden_states, w13, activated, aligned.sorted_pairs, aligned.block_experts, num_pairs,
         hidden, inter, hidden_states.stride(0), w13.stride(0), w13.stride(1),
         activated.stride(0), TOP_K=top_k, BLOCK_M=tiles.block_m, BLOCK_N=gate_up.block_n,
-        BLOCK_K=gate_up.block_k, num_warps=gate_up.num_warps, num_stages=gate_up.num_stages)
+        BLOCK_K=gate_up.block_k, PAIR_BLOCKS=aligned.pair_blocks, num_warps=gate_up.num_warps,
+        num_stages=gate_up.num_stages)
     scaled = hidden_states.new_empty(num_pairs, hidden)
     routing = topk_weights.flatten().contiguous()
     _down_kernel[(num_blocks, triton.cdiv(hidden, down.block_n))](
         activated, w2, scaled, routing, aligned.sorted_pairs, aligned.block_experts, num_pairs,
         hidden, inter, activated.stride(0), w2.stride(0), w2.stride(1), scaled.stride(0),
         BLOCK_M=tiles.block_m, BLOCK_N=down.block_n, BLOCK_K=down.block_k,
-        num_warps=down.num_warps, num_stages=down.num_stages)
+        PAIR_BLOCKS=aligned.pair_blocks, num_warps=down.num_warps, num_stages=down.num_stages)
     # (one launch: a half-precision sum adds in float32 and rounds once)
     return scaled.view(num_tokens, top_k, hidden).sum(dim=1)
