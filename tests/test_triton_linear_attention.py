@@ -95,12 +95,13 @@ def test_causal_conv1d_update_matches_reference(interpreter, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("dv", [16, 48, 100], ids=["one-value-block", "value-blocks", "wide"])
-@pytest.mark.parametrize("tiles_from", [1, 16], ids=["wide-tiles", "narrow-tiles"])
+@pytest.mark.parametrize("tiles_from", [1, 16], ids=["two-passes", "tiles-in-registers"])
 def test_gated_delta_rule_update_matches_reference(interpreter, dtype, dv, tiles_from):
-    """Grouped heads (4 value heads read 2 key heads); float32 states, as Qwen3.5's. Tiles of
-    64 values (a batch of many sequences) as well as of 32."""
+    """Grouped heads (4 value heads read 2 key heads); float32 states, as Qwen3.5's. The kernel
+    of a batch of many sequences (two passes over the state's rows, two chunks of 64 here) as
+    well as that of a few (each tile in registers)."""
     generator = torch.Generator().manual_seed(dv)
-    hk, hv, dk = 2, 4, 16
+    hk, hv, dk = 2, 4, 128
     q, k = (torch.randn(3, hk, dk, generator=generator).to(dtype) for _ in range(2))
     v = torch.randn(3, hv, dv, generator=generator).to(dtype)
     g = -torch.rand(3, hv, generator=generator)

@@ -104,7 +104,7 @@ def main() -> None:
     w2 *= INTER ** -0.5
     print(torch.cuda.get_device_name())
     if args.pair_blocks:
-        compare_pair_blocks(w13, w2, [1, 2, 3, 4, 6, 8], g)
+        compare_pair_blocks(w13, w2, [1, 2, 4, 8, 12, 16, 24], g)
         return
     for tokens in map(int, args.tokens.split(",")):
         x = torch.randn(tokens, HIDDEN, device="cuda", generator=g).to(torch.bfloat16)

@@ -305,6 +305,66 @@ def _delta_rule_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, states_ptr, out_ptr
     tl.store(tile, state.to(states_ptr.dtype.element_ty), mask=value_ok[None, :])
 
 
+@triton.jit
+def _delta_rule_decode_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, states_ptr, out_ptr,
+                              slots_ptr, initial_ptr, q_stride_t, q_stride_h, k_stride_t,
+                              k_stride_h, v_stride_t, v_stride_h, gb_stride_t, out_stride_t,
+                              out_stride_h, state_slot_stride, state_head_stride,
+                              state_k_stride, state_v_stride, eps, scale, GROUP: tl.constexpr,
+                              DK: tl.constexpr, DV: tl.constexpr, BLOCK_V: tl.constexpr,
+                              CHUNK_K: tl.constexpr):
+    """A decode step of many sequences, value head ``program_id(0)`` of sequence
+    ``program_id(1)``, values ``program_id(2) * BLOCK_V ...``, in two passes over the state's
+    rows, ``CHUNK_K`` at a time: the first adds up what the state predicts of ``v``, the second
+    (reading the rows again, from L2) decays and updates them, writes them back and adds up the
+    output. Holding a chunk rather than the whole tile in registers lets an SM keep more
+    programs' reads in flight: the whole state moves at ~10% more bytes per second than with
+    ``_delta_rule_kernel`` (benchmarks/experiments/delta_rule_decode.py). Neighbouring
+    programs read one sequence's heads."""
+    head, seq = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    values = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+    value_ok = values < DV
+    key_head = head // GROUP
+    slot = tl.load(slots_ptr + seq).to(tl.int64)
+    initial = tl.load(initial_ptr + seq) != 0
+    rows = states_ptr + slot * state_slot_stride + head * state_head_stride
+    q_row = q_ptr + seq * q_stride_t + key_head * q_stride_h
+    k_row = k_ptr + seq * k_stride_t + key_head * k_stride_h
+    q_scale = tl.rsqrt(_squares(q_row, DK) + eps) * scale
+    k_scale = tl.rsqrt(_squares(k_row, DK) + eps)
+    decay = tl.exp(tl.load(g_ptr + seq * gb_stride_t + head).to(tl.float32))
+    beta = tl.load(beta_ptr + seq * gb_stride_t + head).to(tl.float32)
+    v = tl.load(v_ptr + seq * v_stride_t + head * v_stride_h + values, mask=value_ok,
+                other=0.0).to(tl.float32)
+    predicted = tl.zeros([BLOCK_V], dtype=tl.float32)
+    for first in range(0, DK, CHUNK_K):
+        keys = first + tl.arange(0, CHUNK_K)
+        chunk = rows + keys[:, None] * state_k_stride + values[None, :] * state_v_stride
+        state = tl.load(chunk, mask=value_ok[None, :] & initial, other=0.0).to(tl.float32)
+        k = tl.load(k_row + keys).to(tl.float32) * k_scale
+        predicted += tl.sum(state * k[:, None], axis=0)
+    written = (v - predicted * decay) * beta
+    out = tl.zeros([BLOCK_V], dtype=tl.float32)
+    for first in range(0, DK, CHUNK_K):
+        keys = first + tl.arange(0, CHUNK_K)
+        chunk = rows + keys[:, None] * state_k_stride + values[None, :] * state_v_stride
+        state = tl.load(chunk, mask=value_ok[None, :] & initial, other=0.0).to(tl.float32)
+        k = tl.load(k_row + keys).to(tl.float32) * k_scale
+        q = tl.load(q_row + keys).to(tl.float32) * q_scale
+        state = state * decay + k[:, None] * written[None, :]
+        out += tl.sum(state * q[:, None], axis=0)
+        tl.store(chunk, state.to(states_ptr.dtype.element_ty), mask=value_ok[None, :])
+    tl.store(out_ptr + seq * out_stride_t + head * out_stride_h + values,
+             out.to(out_ptr.dtype.element_ty), mask=value_ok)
+
+
+@triton.jit
+def _squares(row_ptr, SIZE: tl.constexpr):
+    """The sum of the squares of a row of ``SIZE`` values, in float32."""
+    x = tl.load(row_ptr + tl.arange(0, SIZE)).to(tl.float32)
+    return tl.sum(x * x)
+
+
 def recurrent_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                          beta: torch.Tensor, ssm_states: torch.Tensor, query_start: torch.Tensor,
                          state_slots: torch.Tensor, has_initial_state: torch.Tensor,
@@ -317,12 +377,13 @@ def recurrent_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
 
 
 WIDE_TILES_FROM = 16  # sequences in a decode step
+DECODE_TILES = (128, 64, 2)  # values, key rows a chunk, warps: measured, delta_rule_decode.py
 
 
 def _delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                 beta: torch.Tensor, ssm_states: torch.Tensor, query_start: torch.Tensor | None,
                 state_slots: torch.Tensor, has_initial_state: torch.Tensor) -> torch.Tensor:
-    """``_delta_rule_kernel``'s launch; without ``query_start``, one token a sequence."""
+    """The delta rule's launch; without ``query_start``, one token a sequence."""
     num_tokens, num_v_heads, dv = v.shape
     dk = q.shape[-1]
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
@@ -330,17 +391,26 @@ def _delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     g, beta = g.contiguous(), beta.contiguous()
     out = torch.empty(num_tokens, num_v_heads, dv, dtype=v.dtype, device=v.device)
     one_token = query_start is None
-    # A decode step of many sequences moves whole states: tiles of 64 values read and write
-    # them at 2.5 TB/s on an H100, tiles of 32 at 1.6 (256 sequences of the 9B shape,
-    # benchmarks/experiments/delta_rule_decode.py); a few sequences keep twice the programs.
-    wide = one_token and len(state_slots) >= WIDE_TILES_FROM
-    block_v = min(64 if wide else 32, triton.next_power_of_2(dv))
+    strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+               g.stride(0), out.stride(0), out.stride(1), *ssm_states.stride(), L2_NORM_EPS,
+               dk ** -0.5)
+    group = num_v_heads // q.shape[1]
+    if one_token and len(state_slots) >= WIDE_TILES_FROM:
+        # A decode step of many sequences moves whole states: in two passes, 128 values a
+        # program, at 3.2 TB/s on an H200 against 2.9 for the tile held in registers (256
+        # sequences of the 9B shape, benchmarks/experiments/delta_rule_decode.py).
+        values, chunk, warps = DECODE_TILES
+        block_v = min(values, triton.next_power_of_2(dv))
+        _delta_rule_decode_kernel[(num_v_heads, len(state_slots), triton.cdiv(dv, block_v))](
+            q, k, v, g, beta, ssm_states, out, state_slots, has_initial_state, *strides,
+            GROUP=group, DK=dk, DV=dv, BLOCK_V=block_v, CHUNK_K=min(chunk, dk), num_warps=warps)
+        return out
+    # A prompt, or a few sequences: twice the programs of 32 values, each tile in registers.
+    block_v = min(32, triton.next_power_of_2(dv))
     _delta_rule_kernel[(len(state_slots), num_v_heads, triton.cdiv(dv, block_v))](
         q, k, v, g, beta, ssm_states, out, state_slots if one_token else query_start,
-        state_slots, has_initial_state, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-        v.stride(0), v.stride(1), g.stride(0), out.stride(0), out.stride(1),
-        *ssm_states.stride(), L2_NORM_EPS, dk ** -0.5, GROUP=num_v_heads // q.shape[1], DK=dk,
-        DV=dv, BLOCK_V=block_v, ONE_TOKEN=one_token)
+        state_slots, has_initial_state, *strides, GROUP=group, DK=dk, DV=dv, BLOCK_V=block_v,
+        ONE_TOKEN=one_token)
     return out
 
 

@@ -41,7 +41,7 @@ class AlignedPairs:
         return self.sorted_pairs is None
 
 
-PAIR_BLOCKS_UP_TO = 4  # tokens: a step this small gives each pair its own block, unsorted
+PAIR_BLOCKS_UP_TO = 8  # tokens: a step this small gives each pair its own block, unsorted
 
 
 ALIGN_IN_ONE_LAUNCH_UP_TO = 4096  # pairs: a decode step's (T * k); more go through torch ops
