@@ -184,21 +184,14 @@ def test_hybrid_kernels_compile(compile_for_h100, tokens):
     query_start = torch.tensor([0, *range(tokens - seqs + 1, tokens + 1)], dtype=torch.int32)
     compile_for_h100(linear.causal_conv1d, empty(tokens, channels), empty(channels, 4),
                      conv_states, query_start, state_slots, initial, (2048, 2048, 4096))
-    compile_for_h100(linear.causal_conv1d_update, empty(seqs, channels), empty(channels, 4),
-                     conv_states, state_slots, initial)
     ssm = empty(8, 24, 32, 128, 128, dtype=torch.float32)[:, 1]
-    mixed = empty(seqs, 2 * 16 * 128 + 32 * 128)
-    q, k, v = mixed.split([16 * 128, 16 * 128, 32 * 128], dim=-1)
-    compile_for_h100(linear.gated_delta_rule_update, q.view(seqs, 16, 128), k.view(seqs, 16, 128),
-                     v.view(seqs, 32, 128), empty(seqs, 32, dtype=torch.float32),
-                     empty(seqs, 32), ssm, state_slots, initial)
-    wide = linear.WIDE_TILES_FROM  # a decode step of many sequences: wider tiles
-    mixed = empty(wide, 2 * 16 * 128 + 32 * 128)
-    q, k, v = mixed.split([16 * 128, 16 * 128, 32 * 128], dim=-1)
-    compile_for_h100(linear.gated_delta_rule_update, q.view(wide, 16, 128), k.view(wide, 16, 128),
-                     v.view(wide, 32, 128), empty(wide, 32, dtype=torch.float32),
-                     empty(wide, 32), ssm, torch.zeros(wide, dtype=torch.int64),
-                     torch.ones(wide, dtype=torch.bool))
+    for decode_seqs in (seqs, linear.FUSED_DECODE_FROM):  # three kernels; one launch
+        projected = empty(decode_seqs, channels + 4096 + 64)
+        mixed, a, b = projected[:, :channels], projected[:, -64:-32], projected[:, -32:]
+        compile_for_h100(linear.gated_delta_net_decode, mixed, a, b, empty(channels, 4),
+                         empty(32, dtype=torch.float32), empty(32, dtype=torch.float32),
+                         conv_states, ssm, torch.zeros(decode_seqs, dtype=torch.int64),
+                         torch.ones(decode_seqs, dtype=torch.bool))
     mixed = empty(tokens, 2 * 16 * 128 + 32 * 128)
     q, k, v = mixed.split([16 * 128, 16 * 128, 32 * 128], dim=-1)
     compile_for_h100(linear.recurrent_delta_rule, q.view(tokens, 16, 128),

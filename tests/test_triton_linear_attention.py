@@ -10,7 +10,8 @@ import torch
 
 import nanofn.kernels.triton_linear_attention as triton_linear_attention
 from nanofn.kernels.causal_conv import causal_conv1d, causal_conv1d_update
-from nanofn.kernels.delta_rule import delta_rule_gates, gated_delta_rule, gated_delta_rule_update
+from nanofn.kernels.delta_rule import (delta_rule_gates, gated_delta_net_decode, gated_delta_rule,
+                                      gated_delta_rule_update)
 from nanofn.kernels.norm import rms_norm_gated
 
 TOLERANCES = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.float16: dict(atol=2e-3, rtol=2e-3)}
@@ -33,15 +34,19 @@ def delta_and_states(function, q, k, v, g, beta, states, *args):
     return out, states
 
 
-def with_wide_tiles_from(sequences, function, *args):
-    """``function(*args)`` in the interpreter's child, with the decode step's wider tiles from
-    ``sequences`` sequences on."""
-    default = triton_linear_attention.WIDE_TILES_FROM
-    triton_linear_attention.WIDE_TILES_FROM = sequences
+def decode_and_states(fused_from, mixed, a, b, weight, a_log, dt_bias, conv_states, ssm_states,
+                      slots, initial):
+    """The decode step of ``gated_delta_net_decode`` in the interpreter's child, fused from
+    ``fused_from`` sequences on; its output and both states afterwards."""
+    default = triton_linear_attention.FUSED_DECODE_FROM
+    triton_linear_attention.FUSED_DECODE_FROM = fused_from
     try:
-        return function(*args)
+        out = triton_linear_attention.gated_delta_net_decode(
+            mixed, a, b, weight, a_log, dt_bias, layer_of(conv_states), layer_of(ssm_states),
+            slots, initial)
+        return out, conv_states, ssm_states
     finally:
-        triton_linear_attention.WIDE_TILES_FROM = default
+        triton_linear_attention.FUSED_DECODE_FROM = default
 
 
 def slot_states(shape, dtype, generator):
@@ -95,13 +100,10 @@ def test_causal_conv1d_update_matches_reference(interpreter, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("dv", [16, 48, 100], ids=["one-value-block", "value-blocks", "wide"])
-@pytest.mark.parametrize("tiles_from", [1, 16], ids=["two-passes", "tiles-in-registers"])
-def test_gated_delta_rule_update_matches_reference(interpreter, dtype, dv, tiles_from):
-    """Grouped heads (4 value heads read 2 key heads); float32 states, as Qwen3.5's. The kernel
-    of a batch of many sequences (two passes over the state's rows, two chunks of 64 here) as
-    well as that of a few (each tile in registers)."""
+def test_gated_delta_rule_update_matches_reference(interpreter, dtype, dv):
+    """Grouped heads (4 value heads read 2 key heads); float32 states, as Qwen3.5's."""
     generator = torch.Generator().manual_seed(dv)
-    hk, hv, dk = 2, 4, 128
+    hk, hv, dk = 2, 4, 16
     q, k = (torch.randn(3, hk, dk, generator=generator).to(dtype) for _ in range(2))
     v = torch.randn(3, hv, dv, generator=generator).to(dtype)
     g = -torch.rand(3, hv, generator=generator)
@@ -111,12 +113,44 @@ def test_gated_delta_rule_update_matches_reference(interpreter, dtype, dv, tiles
     expected = gated_delta_rule_update(q, k, v, g, beta, layer_of(expected_states), SLOTS,
                                        INITIAL)
 
-    out, states = interpreter(with_wide_tiles_from, tiles_from, delta_and_states,
-                              triton_linear_attention.gated_delta_rule_update, q, k, v, g, beta,
-                              states, SLOTS, INITIAL)
+    out, states = interpreter(delta_and_states, triton_linear_attention.gated_delta_rule_update,
+                              q, k, v, g, beta, states, SLOTS, INITIAL)
 
     torch.testing.assert_close(out, expected, **TOLERANCES[dtype])
     torch.testing.assert_close(states, expected_states, equal_nan=True, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dv", [64, 100], ids=["power-of-two", "masked-values"])
+@pytest.mark.parametrize("fused_from", [1, 16], ids=["one-launch", "three-kernels"])
+def test_the_decode_step_of_a_layer_matches_reference(interpreter, dtype, dv, fused_from):
+    """The convolution, the gates and the delta rule of a decode step, from the projection's
+    strided columns (``mixed``, ``a``, ``b``, as the model splits them): in one launch (a
+    program per key head and sequence, its 2 value heads in turn, the state's 128 key rows in
+    two chunks) and as three kernels. Both states written back in their slots; the fresh
+    sequence's slot holds NaN, which must not leak."""
+    generator = torch.Generator().manual_seed(dv)
+    hk, hv, dk, width = 2, 4, 128, 3
+    channels = 2 * hk * dk + hv * dv
+    projected = torch.randn(3, channels + 2 * hv + 7, generator=generator).to(dtype)
+    mixed, a, b = projected[:, :channels], projected[:, channels:channels + hv], \
+        projected[:, channels + hv:channels + 2 * hv]
+    weight = torch.randn(channels, width + 1, generator=generator).to(dtype)
+    a_log, dt_bias = torch.randn(hv, generator=generator), torch.randn(hv, generator=generator)
+    conv_states = slot_states((channels, width), dtype, generator)
+    ssm_states = slot_states((hv, dk, dv), torch.float32, generator) * 0.1
+    expected_conv, expected_ssm = conv_states.clone(), ssm_states.clone()
+    expected = gated_delta_net_decode(mixed, a, b, weight, a_log, dt_bias,
+                                      layer_of(expected_conv), layer_of(expected_ssm), SLOTS,
+                                      INITIAL)
+
+    out, conv_states, ssm_states = interpreter(decode_and_states, fused_from, mixed, a, b, weight,
+                                               a_log, dt_bias, conv_states, ssm_states, SLOTS,
+                                               INITIAL)
+
+    torch.testing.assert_close(out, expected, **TOLERANCES[dtype])
+    torch.testing.assert_close(conv_states, expected_conv, equal_nan=True)
+    torch.testing.assert_close(ssm_states, expected_ssm, equal_nan=True, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

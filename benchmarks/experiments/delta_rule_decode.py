@@ -1,10 +1,14 @@
-"""The delta rule's decode step at the Qwen3.5-9B shape (32 value heads, 16 key heads, 128 x 128
-bf16 states in the slots' layout): ``_delta_rule_kernel`` for each tile width and warp count,
-against an in-place pass over the same bytes (the copy bandwidth), outputs checked against the
-kernel as nanofn launches it; then ``_delta_rule_decode_kernel`` (two passes over the state's
-rows, a chunk of them in registers rather than the whole tile) for each tile width, chunk and
-warp count. (Measured and dropped, RESULTS.md, twenty-second session: programs ordered by
-sequence, cache hints, persistent programs prefetching their next state.)
+"""A Gated DeltaNet layer's decode step at the Qwen3.5-9B shape (16 key and 32 value heads of
+128, conv width 3, bf16 states in the slots' layout), after the input projection: in one launch
+(``gated_delta_net_decode``'s kernel) for each chunk of key rows and warp count, against the
+three kernels it replaces (``in_three_steps``: the conv update, the gates, and the delta rule
+with its tile in registers), each checked against the torch reference once. The bytes moved
+are the delta rule's states read and written (the conv states and inputs add ~1%).
+
+Measured and dropped (RESULTS.md, twenty-second session): the delta rule's programs ordered by
+sequence, cache hints, and persistent programs that prefetch their next state, all slower than
+the tile held in registers; a chunk of rows in registers, in two passes, is what the fused
+kernel keeps.
 
 Usage: python benchmarks/experiments/delta_rule_decode.py [--seqs 256] [--layers 24]
 """
@@ -12,15 +16,35 @@ Usage: python benchmarks/experiments/delta_rule_decode.py [--seqs 256] [--layers
 from __future__ import annotations
 
 import argparse
-import itertools
 
 import torch
-import triton
 from triton.testing import do_bench
 
-from nanofn.kernels.delta_rule import L2_NORM_EPS
-from nanofn.kernels.triton_linear_attention import (_delta_rule_decode_kernel, _delta_rule_kernel,
-                                                    gated_delta_rule_update)
+from nanofn.kernels import delta_rule, triton_linear_attention as linear
+
+KEY_HEADS, VALUE_HEADS, HEAD_DIM, WIDTH = 16, 32, 128, 3
+CHANNELS = 2 * KEY_HEADS * HEAD_DIM + VALUE_HEADS * HEAD_DIM
+
+
+def inputs(num_seqs: int, layers: int):
+    """The projection's columns, conv weight and gates' parameters, and both states' slots
+    (one layer's strided views, as the runner passes them)."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    projected = torch.randn(num_seqs, CHANNELS + 2 * VALUE_HEADS + 4096, generator=g,
+                            device="cuda").bfloat16()
+    mixed = projected[:, :CHANNELS]
+    a = projected[:, CHANNELS:CHANNELS + VALUE_HEADS]
+    b = projected[:, CHANNELS + VALUE_HEADS:CHANNELS + 2 * VALUE_HEADS]
+    weight = torch.randn(CHANNELS, WIDTH + 1, generator=g, device="cuda").bfloat16() * 0.5
+    a_log = torch.randn(VALUE_HEADS, generator=g, device="cuda")
+    dt_bias = torch.randn(VALUE_HEADS, generator=g, device="cuda")
+    conv = torch.randn(num_seqs + 8, layers, CHANNELS, WIDTH, generator=g,
+                       device="cuda").bfloat16()[:, layers // 2]
+    ssm = (torch.randn(num_seqs + 8, layers, VALUE_HEADS, HEAD_DIM, HEAD_DIM, generator=g,
+                       device="cuda") * 0.1).bfloat16()[:, layers // 2]
+    slots = torch.randperm(num_seqs + 8, generator=g, device="cuda")[:num_seqs]
+    initial = torch.ones(num_seqs, dtype=torch.bool, device="cuda")
+    return (mixed, a, b, weight, a_log, dt_bias), conv, ssm, slots, initial
 
 
 def main() -> None:
@@ -28,70 +52,44 @@ def main() -> None:
     ap.add_argument("--seqs", type=int, default=256)
     ap.add_argument("--layers", type=int, default=24)
     args = ap.parse_args()
-    n, heads, key_heads, dk, dv = args.seqs, 32, 16, 128, 128
-    torch.manual_seed(0)
-    dev = "cuda"
-    slots_all = torch.randn(n + 8, args.layers, heads, dk, dv, device=dev, dtype=torch.bfloat16)
-    states = slots_all[:, args.layers // 2]  # one layer's strided view, as the runner passes it
-    slots = torch.randperm(n + 8, device=dev)[:n].int()
-    initial = torch.ones(n, dtype=torch.bool, device=dev)
-    q = torch.randn(n, key_heads, dk, device=dev, dtype=torch.bfloat16)
-    k = torch.randn(n, key_heads, dk, device=dev, dtype=torch.bfloat16)
-    v = torch.randn(n, heads, dv, device=dev, dtype=torch.bfloat16)
-    g = -torch.rand(n, heads, device=dev) * 0.1
-    beta = torch.rand(n, heads, device=dev, dtype=torch.bfloat16)
-    moved = 2 * n * heads * dk * dv * 2  # bytes read and written
-
-    saved = states.clone()
-    expected = gated_delta_rule_update(q, k, v, g, beta, states, slots, initial)
-    expected_states = states.clone()
-    rows = []
-    ms = do_bench(lambda: states.mul_(1.0))
-    whole = 2 * states.numel() * 2
-    rows.append(("in-place pass over the layer (all slots)", ms, whole / ms / 1e6))
-    for block_v in (32, 64, 128):
-        for warps in (2, 4, 8):
-            if block_v * dk // (32 * warps) > 256 or block_v * dk // (32 * warps) < 4:
-                continue
-            out = torch.empty_like(v)
-
-            def launch():
-                _delta_rule_kernel[(n, heads, triton.cdiv(dv, block_v))](
-                    q, k, v, g, beta, states, out, slots, slots, initial, q.stride(0),
-                    q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                    g.stride(0), out.stride(0), out.stride(1), *states.stride(), L2_NORM_EPS,
-                    dk ** -0.5, GROUP=heads // key_heads, DK=dk, DV=dv, BLOCK_V=block_v,
-                    ONE_TOKEN=True, num_warps=warps)
-
-            states.copy_(saved)
-            launch()
-            error = max((out.float() - expected.float()).abs().max().item(),
-                        (states.float() - expected_states.float()).abs().max().item())
-            ms = do_bench(launch)
-            rows.append((f"BLOCK_V {block_v:>3}, {warps:>2} warps (error {error:.1e})", ms,
-                         moved / ms / 1e6))
-    for block_v, chunk_k, warps in itertools.product((32, 64, 128), (16, 32, 64), (1, 2, 4)):
-        out = torch.empty_like(v)
-
-        def launch():
-            _delta_rule_decode_kernel[(heads, n, dv // block_v)](
-                q, k, v, g, beta, states, out, slots, initial, q.stride(0), q.stride(1),
-                k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), out.stride(0),
-                out.stride(1), *states.stride(), L2_NORM_EPS, dk ** -0.5,
-                GROUP=heads // key_heads, DK=dk, DV=dv, BLOCK_V=block_v, CHUNK_K=chunk_k,
-                num_warps=warps)
-
-        states.copy_(saved)
-        launch()
+    n = args.seqs
+    first, conv, ssm, slots, initial = inputs(n, args.layers)
+    saved_conv, saved_ssm = conv.clone(), ssm.clone()
+    expected_conv, expected_ssm = conv.clone(), ssm.clone()
+    expected = delta_rule.gated_delta_net_decode(*first, expected_conv, expected_ssm, slots,
+                                                 initial)
+    moved = 2 * n * VALUE_HEADS * HEAD_DIM * HEAD_DIM * 2
+    candidates = {"three kernels": lambda: delta_rule.in_three_steps(
+        linear.causal_conv1d_update, linear.delta_rule_gates, linear.gated_delta_rule_update,
+        *first, conv, ssm, slots, initial)}
+    for chunk in (16, 32, 64, 128):
+        for warps in (1, 2, 4, 8):
+            candidates[f"one launch, {chunk} rows a chunk, {warps} warps"] = (
+                lambda chunk=chunk, warps=warps: one_launch(chunk, warps, first, conv, ssm,
+                                                            slots, initial))
+    print(f"{n} sequences, one layer, {moved / 1e9:.2f} GB of delta-rule state read and "
+          f"written, {torch.cuda.get_device_name()}")
+    for name, step in candidates.items():
+        conv.copy_(saved_conv)
+        ssm.copy_(saved_ssm)
+        try:
+            out = step()
+        except Exception as failure:  # (a tile that does not compile or fit: reported, skipped)
+            print(f"{name}: {type(failure).__name__}: {str(failure)[:160]}")
+            continue
         error = max((out.float() - expected.float()).abs().max().item(),
-                    (states.float() - expected_states.float()).abs().max().item())
-        ms = do_bench(launch)
-        rows.append((f"two passes V{block_v} K{chunk_k} w{warps} (error {error:.1e})", ms,
-                     moved / ms / 1e6))
-    print(f"{n} sequences, one layer, {moved / 1e9:.2f} GB read and written, "
-          f"{torch.cuda.get_device_name()}")
-    for name, ms, rate in rows:
-        print(f"{name:<48} {ms * 1e3:8.1f} us {rate:8.0f} GB/s")
+                    (ssm.float() - expected_ssm.float()).abs().max().item())
+        ms = do_bench(step)
+        print(f"{name:<44} {ms * 1e3:8.1f} us {moved / ms / 1e6:8.0f} GB/s (error {error:.1e})")
+
+
+def one_launch(chunk: int, warps: int, first, conv, ssm, slots, initial) -> torch.Tensor:
+    """``gated_delta_net_decode``'s kernel with ``DECODE_TILES`` set to ``(chunk, warps)``."""
+    saved, linear.DECODE_TILES = linear.DECODE_TILES, (chunk, warps)
+    try:
+        return linear.gated_delta_net_decode(*first, conv, ssm, slots, initial)
+    finally:
+        linear.DECODE_TILES = saved
 
 
 if __name__ == "__main__":

@@ -15,7 +15,8 @@ import torch
 from nanofn.kernels.activation import silu_and_mul
 from nanofn.kernels.attention import decode_attention, prefill_attention, store_kv
 from nanofn.kernels.causal_conv import causal_conv1d, causal_conv1d_update
-from nanofn.kernels.delta_rule import delta_rule_gates, gated_delta_rule, gated_delta_rule_update
+from nanofn.kernels.delta_rule import (delta_rule_gates, gated_delta_net_decode, gated_delta_rule,
+                                      gated_delta_rule_update)
 from nanofn.kernels.linear import linear, rms_norm_linear
 from nanofn.kernels.moe import fused_moe, select_experts
 from nanofn.kernels.norm import rms_norm, rms_norm_gated
@@ -43,13 +44,13 @@ class KernelBackend:
     linear: Callable[..., torch.Tensor]
     rms_norm_linear: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     # A hybrid model's linear-attention layers (Gated DeltaNet), reading and writing the state
-    # slots of a ``RecurrentState``: the causal convolution and the gated delta rule over a
-    # step's sequences, and over one token a sequence (a decode step); the gated output norm.
+    # slots of a ``RecurrentState``: the causal convolution, the gates and the gated delta rule
+    # over a step's sequences, and all three over one token a sequence (a decode step); the
+    # gated output norm.
     causal_conv1d: Callable[..., list[torch.Tensor]]
-    causal_conv1d_update: Callable[..., torch.Tensor]
     delta_rule_gates: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     gated_delta_rule: Callable[..., torch.Tensor]
-    gated_delta_rule_update: Callable[..., torch.Tensor]
+    gated_delta_net_decode: Callable[..., torch.Tensor]
     rms_norm_gated: Callable[..., torch.Tensor]
     # A mixture-of-experts layer (Qwen3-MoE): the router's choice of each token's top-k experts
     # from its logits, then each token through its experts' gated MLPs, weighted and summed
@@ -65,10 +66,9 @@ TORCH_KERNELS = KernelBackend(
     linear=linear,
     rms_norm_linear=rms_norm_linear,
     causal_conv1d=causal_conv1d,
-    causal_conv1d_update=causal_conv1d_update,
     delta_rule_gates=delta_rule_gates,
     gated_delta_rule=gated_delta_rule,
-    gated_delta_rule_update=gated_delta_rule_update,
+    gated_delta_net_decode=gated_delta_net_decode,
     rms_norm_gated=rms_norm_gated,
     select_experts=select_experts,
     fused_moe=fused_moe,
@@ -85,6 +85,7 @@ __all__ = [
     "causal_conv1d_update",
     "decode_attention",
     "fused_moe",
+    "gated_delta_net_decode",
     "gated_delta_rule",
     "gated_delta_rule_update",
     "linear",

@@ -1,8 +1,10 @@
 """Triton kernels of a Gated DeltaNet layer's recurrent parts, with the signatures and contracts
 of the torch references in ``causal_conv.py`` and ``delta_rule.py``: the short causal
-convolution (a prompt chunk, and the decode step's update in place) and the delta rule's decode
-step, in place in the state slots. A prompt chunk's delta rule is flash-linear-attention's
-chunked kernel (``fla_delta_rule``), the states gathered from their slots and scattered back.
+convolution (a prompt chunk, and the decode step's update in place), the delta rule's gates,
+and its decode step, in place in the state slots; a decode step of many sequences takes all
+three in one launch (``gated_delta_net_decode``). A prompt chunk's delta rule is
+flash-linear-attention's chunked kernel (``fla_delta_rule``), the states gathered from their
+slots and scattered back.
 
 Every kernel reads and writes the states through their strides, so one layer of a
 ``RecurrentState`` (a strided view) is updated where it lies; a sequence whose
@@ -19,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanofn.kernels.delta_rule import L2_NORM_EPS, gated_delta_rule
+from nanofn.kernels.delta_rule import L2_NORM_EPS, gated_delta_rule, in_three_steps
 
 
 # --- the short convolution ---------------------------------------------------------------------
@@ -147,27 +149,46 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_states: torch.Tens
 
 
 @triton.jit
+def _conv_step(x_row_ptr, weight_ptr, state_ptr, channels, ok, initial, state_channel_stride,
+               state_tap_stride, WIDTH: tl.constexpr, WIDTH_P2: tl.constexpr):
+    """One new input of a sequence (row ``x_row_ptr``) on ``channels``: the convolution's output
+    after SiLU, in float32 but rounded to x's dtype (as a kernel that stores it would), and the
+    sequence's conv state (at ``state_ptr``) shifted in place. Every tap is read before any is
+    written (a barrier between): threads holding copies of one channel cannot read a tap that
+    another has already shifted."""
+    taps = tl.arange(0, WIDTH_P2)
+    window_ok = ok[:, None] & (taps < WIDTH)[None, :]
+    x = tl.load(x_row_ptr + channels, mask=ok, other=0.0)
+    window = (state_ptr + channels[:, None] * state_channel_stride
+              + taps[None, :] * state_tap_stride)
+    held = tl.load(window, mask=window_ok & initial, other=0.0)
+    weights = tl.load(weight_ptr + channels[:, None] * (WIDTH + 1) + taps[None, :],
+                      mask=window_ok, other=0.0)
+    newest = tl.load(weight_ptr + channels * (WIDTH + 1) + WIDTH, mask=ok, other=0.0)
+    acc = (tl.sum(held.to(tl.float32) * weights.to(tl.float32), axis=1)
+           + x.to(tl.float32) * newest.to(tl.float32))
+    tl.debug_barrier()
+    tl.store(window - state_tap_stride, held, mask=window_ok & (taps >= 1)[None, :])  # (tap 0 drops out)
+    tl.store(state_ptr + channels * state_channel_stride + (WIDTH - 1) * state_tap_stride,
+             x.to(state_ptr.dtype.element_ty), mask=ok)
+    out = acc / (1.0 + tl.exp(-acc))
+    return out.to(x_row_ptr.dtype.element_ty).to(tl.float32)
+
+
+@triton.jit
 def _conv_update_kernel(x_ptr, weight_ptr, states_ptr, out_ptr, slots_ptr, initial_ptr, channels,
                         x_stride, out_stride, state_slot_stride, state_channel_stride,
-                        state_tap_stride, WIDTH: tl.constexpr, BLOCK_C: tl.constexpr):
+                        state_tap_stride, WIDTH: tl.constexpr, WIDTH_P2: tl.constexpr,
+                        BLOCK_C: tl.constexpr):
     """One new input of a sequence: its output, and its conv state shifted in place."""
     seq = tl.program_id(0)
     channels_ = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     ok = channels_ < channels
     slot = tl.load(slots_ptr + seq).to(tl.int64)
     initial = tl.load(initial_ptr + seq) != 0
-    base = states_ptr + slot * state_slot_stride + channels_ * state_channel_stride
-    x = tl.load(x_ptr + seq * x_stride + channels_, mask=ok, other=0.0)
-    acc = x.to(tl.float32) * tl.load(weight_ptr + channels_ * (WIDTH + 1) + WIDTH, mask=ok,
-                                     other=0.0).to(tl.float32)
-    for tap in tl.static_range(WIDTH):  # (tap 0 drops out of the shifted state)
-        held = tl.load(base + tap * state_tap_stride, mask=ok & initial, other=0.0)
-        acc += held.to(tl.float32) * tl.load(weight_ptr + channels_ * (WIDTH + 1) + tap,
-                                             mask=ok, other=0.0).to(tl.float32)
-        if tap > 0:
-            tl.store(base + (tap - 1) * state_tap_stride, held, mask=ok)
-    tl.store(base + (WIDTH - 1) * state_tap_stride, x.to(states_ptr.dtype.element_ty), mask=ok)
-    out = acc / (1.0 + tl.exp(-acc))
+    out = _conv_step(x_ptr + seq * x_stride, weight_ptr, states_ptr + slot * state_slot_stride,
+                     channels_, ok, initial, state_channel_stride, state_tap_stride, WIDTH,
+                     WIDTH_P2)
     tl.store(out_ptr + seq * out_stride + channels_, out.to(out_ptr.dtype.element_ty), mask=ok)
 
 
@@ -181,7 +202,7 @@ def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, conv_states: tor
     _conv_update_kernel[(num_seqs, triton.cdiv(channels, block_c))](
         x, weight, conv_states, out, state_slots, has_initial_state, channels,
         x.stride(0), out.stride(0), *conv_states.stride(), WIDTH=weight.shape[1] - 1,
-        BLOCK_C=block_c, num_warps=8)
+        WIDTH_P2=triton.next_power_of_2(weight.shape[1] - 1), BLOCK_C=block_c, num_warps=8)
     return out
 
 
@@ -194,14 +215,22 @@ def _gates_kernel(a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, g_ptr, beta_ptr, a_strid
     token = tl.program_id(0)
     heads = tl.arange(0, HEADS)
     ok = heads < num_heads
-    a = tl.load(a_ptr + token * a_stride + heads, mask=ok, other=0.0).to(tl.float32)
-    b = tl.load(b_ptr + token * b_stride + heads, mask=ok, other=0.0).to(tl.float32)
-    x = a + tl.load(dt_bias_ptr + heads, mask=ok, other=0.0).to(tl.float32)
-    softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))  # (torch's threshold)
-    g = -tl.exp(tl.load(a_log_ptr + heads, mask=ok, other=0.0).to(tl.float32)) * softplus
+    g, beta = _gate_values(
+        tl.load(a_ptr + token * a_stride + heads, mask=ok, other=0.0).to(tl.float32),
+        tl.load(b_ptr + token * b_stride + heads, mask=ok, other=0.0).to(tl.float32),
+        tl.load(a_log_ptr + heads, mask=ok, other=0.0).to(tl.float32),
+        tl.load(dt_bias_ptr + heads, mask=ok, other=0.0).to(tl.float32))
     tl.store(g_ptr + token * num_heads + heads, g, mask=ok)
-    beta = 1.0 / (1.0 + tl.exp(-b))
     tl.store(beta_ptr + token * num_heads + heads, beta.to(beta_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _gate_values(a, b, a_log, dt_bias):
+    """The decay in log space, ``-exp(a_log) * softplus(a + dt_bias)``, and the write strength
+    ``sigmoid(b)``, in float32 from float32."""
+    x = a + dt_bias
+    softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))  # (torch's threshold)
+    return -tl.exp(a_log) * softplus, 1.0 / (1.0 + tl.exp(-b))
 
 
 def delta_rule_gates(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor,
@@ -306,63 +335,76 @@ def _delta_rule_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, states_ptr, out_ptr
 
 
 @triton.jit
-def _delta_rule_decode_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, states_ptr, out_ptr,
-                              slots_ptr, initial_ptr, q_stride_t, q_stride_h, k_stride_t,
-                              k_stride_h, v_stride_t, v_stride_h, gb_stride_t, out_stride_t,
-                              out_stride_h, state_slot_stride, state_head_stride,
-                              state_k_stride, state_v_stride, eps, scale, GROUP: tl.constexpr,
-                              DK: tl.constexpr, DV: tl.constexpr, BLOCK_V: tl.constexpr,
-                              CHUNK_K: tl.constexpr):
-    """A decode step of many sequences, value head ``program_id(0)`` of sequence
-    ``program_id(1)``, values ``program_id(2) * BLOCK_V ...``, in two passes over the state's
-    rows, ``CHUNK_K`` at a time: the first adds up what the state predicts of ``v``, the second
-    (reading the rows again, from L2) decays and updates them, writes them back and adds up the
-    output. Holding a chunk rather than the whole tile in registers lets an SM keep more
-    programs' reads in flight: the whole state moves at ~10% more bytes per second than with
-    ``_delta_rule_kernel`` (benchmarks/experiments/delta_rule_decode.py). Neighbouring
-    programs read one sequence's heads."""
-    head, seq = tl.program_id(0), tl.program_id(1).to(tl.int64)
-    values = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
-    value_ok = values < DV
-    key_head = head // GROUP
+def _gated_delta_net_decode_kernel(
+        x_ptr, a_ptr, b_ptr, conv_weight_ptr, a_log_ptr, dt_bias_ptr, conv_states_ptr,
+        ssm_states_ptr, qk_ptr, out_ptr, slots_ptr, initial_ptr, x_stride, a_stride, b_stride,
+        out_stride_t, out_stride_h, conv_slot_stride, conv_channel_stride, conv_tap_stride,
+        state_slot_stride, state_head_stride, state_k_stride, state_v_stride, key_dim, eps, scale,
+        GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_V: tl.constexpr,
+        CHUNK_K: tl.constexpr, WIDTH: tl.constexpr, WIDTH_P2: tl.constexpr):
+    """``gated_delta_net_decode`` for key head ``program_id(0)`` of sequence ``program_id(1)``
+    and the ``GROUP`` value heads that read it: the convolution of their channels (the key
+    head's q and k once, each value head's v), the gates, and the delta rule in two passes over
+    each state's rows, ``CHUNK_K`` at a time: the first adds up what the state predicts of
+    ``v``, the second (reading the rows again, from L2) decays and updates them, writes them
+    back and adds up the output. Holding a chunk rather than the whole state in registers lets
+    an SM keep more programs' reads in flight (benchmarks/experiments/delta_rule_decode.py).
+    The normalised q and k go through ``qk_ptr``'s rows, which the passes read a chunk at a
+    time."""
+    key_head, seq = tl.program_id(0), tl.program_id(1).to(tl.int64)
     slot = tl.load(slots_ptr + seq).to(tl.int64)
     initial = tl.load(initial_ptr + seq) != 0
-    rows = states_ptr + slot * state_slot_stride + head * state_head_stride
-    q_row = q_ptr + seq * q_stride_t + key_head * q_stride_h
-    k_row = k_ptr + seq * k_stride_t + key_head * k_stride_h
-    q_scale = tl.rsqrt(_squares(q_row, DK) + eps) * scale
-    k_scale = tl.rsqrt(_squares(k_row, DK) + eps)
-    decay = tl.exp(tl.load(g_ptr + seq * gb_stride_t + head).to(tl.float32))
-    beta = tl.load(beta_ptr + seq * gb_stride_t + head).to(tl.float32)
-    v = tl.load(v_ptr + seq * v_stride_t + head * v_stride_h + values, mask=value_ok,
-                other=0.0).to(tl.float32)
-    predicted = tl.zeros([BLOCK_V], dtype=tl.float32)
-    for first in range(0, DK, CHUNK_K):
-        keys = first + tl.arange(0, CHUNK_K)
-        chunk = rows + keys[:, None] * state_k_stride + values[None, :] * state_v_stride
-        state = tl.load(chunk, mask=value_ok[None, :] & initial, other=0.0).to(tl.float32)
-        k = tl.load(k_row + keys).to(tl.float32) * k_scale
-        predicted += tl.sum(state * k[:, None], axis=0)
-    written = (v - predicted * decay) * beta
-    out = tl.zeros([BLOCK_V], dtype=tl.float32)
-    for first in range(0, DK, CHUNK_K):
-        keys = first + tl.arange(0, CHUNK_K)
-        chunk = rows + keys[:, None] * state_k_stride + values[None, :] * state_v_stride
-        state = tl.load(chunk, mask=value_ok[None, :] & initial, other=0.0).to(tl.float32)
-        k = tl.load(k_row + keys).to(tl.float32) * k_scale
-        q = tl.load(q_row + keys).to(tl.float32) * q_scale
-        state = state * decay + k[:, None] * written[None, :]
-        out += tl.sum(state * q[:, None], axis=0)
-        tl.store(chunk, state.to(states_ptr.dtype.element_ty), mask=value_ok[None, :])
-    tl.store(out_ptr + seq * out_stride_t + head * out_stride_h + values,
-             out.to(out_ptr.dtype.element_ty), mask=value_ok)
+    x_row = x_ptr + seq * x_stride
+    conv_state = conv_states_ptr + slot * conv_slot_stride
+    keys = tl.arange(0, DK)
+    every_key = keys < DK
+    q = _conv_step(x_row, conv_weight_ptr, conv_state, key_head * DK + keys, every_key, initial,
+                   conv_channel_stride, conv_tap_stride, WIDTH, WIDTH_P2)
+    k = _conv_step(x_row, conv_weight_ptr, conv_state, key_dim + key_head * DK + keys, every_key,
+                   initial, conv_channel_stride, conv_tap_stride, WIDTH, WIDTH_P2)
+    qk_row = qk_ptr + (seq * tl.num_programs(0) + key_head) * (2 * DK)
+    tl.store(qk_row + keys, q * (tl.rsqrt(tl.sum(q * q) + eps) * scale))
+    tl.store(qk_row + DK + keys, k * tl.rsqrt(tl.sum(k * k) + eps))
+    tl.debug_barrier()  # (the passes read q and k in other threads' chunks)
+    values = tl.arange(0, BLOCK_V)
+    value_ok = values < DV
+    for member in tl.static_range(GROUP):
+        head = key_head * GROUP + member
+        v = _conv_step(x_row, conv_weight_ptr, conv_state, 2 * key_dim + head * DV + values,
+                       value_ok, initial, conv_channel_stride, conv_tap_stride, WIDTH, WIDTH_P2)
+        g, beta = _gate_values(tl.load(a_ptr + seq * a_stride + head).to(tl.float32),
+                               tl.load(b_ptr + seq * b_stride + head).to(tl.float32),
+                               tl.load(a_log_ptr + head).to(tl.float32),
+                               tl.load(dt_bias_ptr + head).to(tl.float32))
+        decay = tl.exp(g)
+        beta = beta.to(b_ptr.dtype.element_ty).to(tl.float32)  # (as a kernel storing it rounds)
+        rows = ssm_states_ptr + slot * state_slot_stride + head * state_head_stride
+        predicted = tl.zeros([BLOCK_V], dtype=tl.float32)
+        for first in range(0, DK, CHUNK_K):
+            chunk, state, chunk_keys = _state_rows(rows, first, values, value_ok, initial,
+                                                   state_k_stride, state_v_stride, CHUNK_K)
+            predicted += tl.sum(state * tl.load(qk_row + DK + chunk_keys)[:, None], axis=0)
+        written = (v - predicted * decay) * beta
+        out = tl.zeros([BLOCK_V], dtype=tl.float32)
+        for first in range(0, DK, CHUNK_K):
+            chunk, state, chunk_keys = _state_rows(rows, first, values, value_ok, initial,
+                                                   state_k_stride, state_v_stride, CHUNK_K)
+            state = state * decay + tl.load(qk_row + DK + chunk_keys)[:, None] * written[None, :]
+            out += tl.sum(state * tl.load(qk_row + chunk_keys)[:, None], axis=0)
+            tl.store(chunk, state.to(ssm_states_ptr.dtype.element_ty), mask=value_ok[None, :])
+        tl.store(out_ptr + seq * out_stride_t + head * out_stride_h + values,
+                 out.to(out_ptr.dtype.element_ty), mask=value_ok)
 
 
 @triton.jit
-def _squares(row_ptr, SIZE: tl.constexpr):
-    """The sum of the squares of a row of ``SIZE`` values, in float32."""
-    x = tl.load(row_ptr + tl.arange(0, SIZE)).to(tl.float32)
-    return tl.sum(x * x)
+def _state_rows(rows_ptr, first, values, value_ok, initial, state_k_stride, state_v_stride,
+                CHUNK_K: tl.constexpr):
+    """Rows ``first ...`` of a state (``values`` of each): their pointers, their values in
+    float32 (zeros for a sequence without an initial state), and their key indices."""
+    keys = first + tl.arange(0, CHUNK_K)
+    chunk = rows_ptr + keys[:, None] * state_k_stride + values[None, :] * state_v_stride
+    state = tl.load(chunk, mask=value_ok[None, :] & initial, other=0.0).to(tl.float32)
+    return chunk, state, keys
 
 
 def recurrent_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -376,14 +418,12 @@ def recurrent_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
                        has_initial_state)
 
 
-WIDE_TILES_FROM = 16  # sequences in a decode step
-DECODE_TILES = (128, 64, 2)  # values, key rows a chunk, warps: measured, delta_rule_decode.py
-
-
 def _delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                 beta: torch.Tensor, ssm_states: torch.Tensor, query_start: torch.Tensor | None,
                 state_slots: torch.Tensor, has_initial_state: torch.Tensor) -> torch.Tensor:
-    """The delta rule's launch; without ``query_start``, one token a sequence."""
+    """``_delta_rule_kernel``'s launch; without ``query_start``, one token a sequence. Tiles of
+    32 values: a prompt's or a few sequences' step has few programs to spare (a decode step of
+    many sequences goes through ``gated_delta_net_decode``'s kernel)."""
     num_tokens, num_v_heads, dv = v.shape
     dk = q.shape[-1]
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
@@ -391,26 +431,13 @@ def _delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     g, beta = g.contiguous(), beta.contiguous()
     out = torch.empty(num_tokens, num_v_heads, dv, dtype=v.dtype, device=v.device)
     one_token = query_start is None
-    strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-               g.stride(0), out.stride(0), out.stride(1), *ssm_states.stride(), L2_NORM_EPS,
-               dk ** -0.5)
-    group = num_v_heads // q.shape[1]
-    if one_token and len(state_slots) >= WIDE_TILES_FROM:
-        # A decode step of many sequences moves whole states: in two passes, 128 values a
-        # program, at 3.2 TB/s on an H200 against 2.9 for the tile held in registers (256
-        # sequences of the 9B shape, benchmarks/experiments/delta_rule_decode.py).
-        values, chunk, warps = DECODE_TILES
-        block_v = min(values, triton.next_power_of_2(dv))
-        _delta_rule_decode_kernel[(num_v_heads, len(state_slots), triton.cdiv(dv, block_v))](
-            q, k, v, g, beta, ssm_states, out, state_slots, has_initial_state, *strides,
-            GROUP=group, DK=dk, DV=dv, BLOCK_V=block_v, CHUNK_K=min(chunk, dk), num_warps=warps)
-        return out
-    # A prompt, or a few sequences: twice the programs of 32 values, each tile in registers.
     block_v = min(32, triton.next_power_of_2(dv))
     _delta_rule_kernel[(len(state_slots), num_v_heads, triton.cdiv(dv, block_v))](
         q, k, v, g, beta, ssm_states, out, state_slots if one_token else query_start,
-        state_slots, has_initial_state, *strides, GROUP=group, DK=dk, DV=dv, BLOCK_V=block_v,
-        ONE_TOKEN=one_token)
+        state_slots, has_initial_state, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        v.stride(0), v.stride(1), g.stride(0), out.stride(0), out.stride(1),
+        *ssm_states.stride(), L2_NORM_EPS, dk ** -0.5, GROUP=num_v_heads // q.shape[1], DK=dk,
+        DV=dv, BLOCK_V=block_v, ONE_TOKEN=one_token)
     return out
 
 
@@ -420,6 +447,43 @@ def gated_delta_rule_update(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
                             has_initial_state: torch.Tensor) -> torch.Tensor:
     """``delta_rule.gated_delta_rule_update``: the decode step, each sequence's one token."""
     return _delta_rule(q, k, v, g, beta, ssm_states, None, state_slots, has_initial_state)
+
+
+FUSED_DECODE_FROM = 16  # sequences in a decode step
+DECODE_TILES = (64, 2)  # key rows a chunk, warps: measured, delta_rule_decode.py
+
+
+def gated_delta_net_decode(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                           conv_weight: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,
+                           conv_states: torch.Tensor, ssm_states: torch.Tensor,
+                           state_slots: torch.Tensor,
+                           has_initial_state: torch.Tensor) -> torch.Tensor:
+    """``delta_rule.gated_delta_net_decode``. From ``FUSED_DECODE_FROM`` sequences in one launch
+    (``_gated_delta_net_decode_kernel``, a program per key head and sequence); fewer go
+    through the three kernels, whose smaller programs keep the GPU busier (one sequence would
+    have one program per key head)."""
+    if len(state_slots) < FUSED_DECODE_FROM:
+        return in_three_steps(causal_conv1d_update, delta_rule_gates, gated_delta_rule_update,
+                              mixed, a, b, conv_weight, a_log, dt_bias, conv_states, ssm_states,
+                              state_slots, has_initial_state)
+    num_seqs = mixed.shape[0]
+    num_v_heads, dk, dv = ssm_states.shape[1:]
+    key_dim = (mixed.shape[1] - num_v_heads * dv) // 2
+    if mixed.stride(1) != 1 or conv_weight.stride(1) != 1 or dk & (dk - 1):
+        raise ValueError("the fused decode kernel reads rows of the projection and the conv "
+                         "weight with unit stride, and keys of a power-of-two size")
+    out = torch.empty(num_seqs, num_v_heads, dv, dtype=mixed.dtype, device=mixed.device)
+    qk = torch.empty(num_seqs, key_dim // dk, 2, dk, dtype=torch.float32, device=mixed.device)
+    chunk, warps = DECODE_TILES
+    width = conv_weight.shape[1] - 1
+    _gated_delta_net_decode_kernel[(key_dim // dk, num_seqs)](
+        mixed, a, b, conv_weight, a_log, dt_bias, conv_states, ssm_states, qk, out, state_slots,
+        has_initial_state, mixed.stride(0), a.stride(0), b.stride(0), out.stride(0),
+        out.stride(1), *conv_states.stride(), *ssm_states.stride(), key_dim, L2_NORM_EPS,
+        dk ** -0.5, GROUP=num_v_heads * dk // key_dim, DK=dk, DV=dv,
+        BLOCK_V=triton.next_power_of_2(dv), CHUNK_K=min(chunk, dk), WIDTH=width,
+        WIDTH_P2=triton.next_power_of_2(width), num_warps=warps)
+    return out
 
 
 # --- a prompt chunk's delta rule: flash-linear-attention's chunked kernel ----------------------

@@ -88,18 +88,15 @@ class GatedDeltaNet(nn.Module):
         weight = self.conv1d.weight[:, 0]
         parts = [key_dim, key_dim, value_dim]
         if batch.decode_only:
-            q, k, v = kernels.causal_conv1d_update(mixed, weight, conv_states, slots,
-                                                   resume).split(parts, dim=-1)
+            out = kernels.gated_delta_net_decode(mixed, a, b, weight, self.A_log, self.dt_bias,
+                                                 conv_states, ssm_states, slots, resume)
         else:
             q, k, v = kernels.causal_conv1d(mixed, weight, conv_states, batch.query_start, slots,
                                             resume, parts)
-        q = q.view(num_tokens, self.num_k_heads, self.k_head_dim)
-        k = k.view(num_tokens, self.num_k_heads, self.k_head_dim)
-        v = v.view(num_tokens, self.num_v_heads, self.v_head_dim)
-        g, beta = kernels.delta_rule_gates(a, b, self.A_log, self.dt_bias)
-        if batch.decode_only:
-            out = kernels.gated_delta_rule_update(q, k, v, g, beta, ssm_states, slots, resume)
-        else:
+            q = q.view(num_tokens, self.num_k_heads, self.k_head_dim)
+            k = k.view(num_tokens, self.num_k_heads, self.k_head_dim)
+            v = v.view(num_tokens, self.num_v_heads, self.v_head_dim)
+            g, beta = kernels.delta_rule_gates(a, b, self.A_log, self.dt_bias)
             out = kernels.gated_delta_rule(q, k, v, g, beta, ssm_states, batch.query_start, slots,
                                            resume, batch.query_lens_host, batch.linear_chunks)
         z = z.view(num_tokens, self.num_v_heads, self.v_head_dim)
