@@ -198,6 +198,10 @@ def test_hybrid_kernels_compile(compile_for_h100, tokens):
                      k.view(tokens, 16, 128), v.view(tokens, 32, 128),
                      empty(tokens, 32, dtype=torch.float32), empty(tokens, 32), ssm, query_start,
                      state_slots, initial)
+    slots_of = torch.zeros(seqs, dtype=torch.int64)
+    compile_for_h100(linear.gathered_states, ssm, slots_of, initial, 1)  # around fla's kernel
+    compile_for_h100(linear.scatter_states, empty(seqs + 1, 32, 128, 128, dtype=torch.float32),
+                     ssm, slots_of)
     ab = empty(tokens, 64)
     compile_for_h100(linear.delta_rule_gates, ab[:, :32], ab[:, 32:],
                      empty(32, dtype=torch.float32), empty(32, dtype=torch.float32))

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import nanofn.kernels.triton_linear_attention as triton_linear_attention
-from nanofn.kernels.causal_conv import causal_conv1d, causal_conv1d_update
+from nanofn.kernels.causal_conv import causal_conv1d, causal_conv1d_update, read_states
 from nanofn.kernels.delta_rule import (delta_rule_gates, gated_delta_net_decode, gated_delta_rule,
                                       gated_delta_rule_update)
 from nanofn.kernels.norm import rms_norm_gated
@@ -200,3 +200,33 @@ def test_the_gates_and_the_gated_norm_match_their_references(interpreter, dtype)
     gate, weight = torch.randn(2, 3, 2048, generator=generator).to(dtype), weight.repeat(64)
     out = interpreter(triton_linear_attention.rms_norm_gated, x, gate, weight, 1e-6)
     torch.testing.assert_close(out, rms_norm_gated(x, gate, weight, 1e-6), **TOLERANCES[dtype])
+
+
+def gather_then_scatter(states, slots, initial, final):
+    """``gathered_states`` (with a zero row after the sequences) of one layer, then
+    ``scatter_states`` of ``final`` into it: the gathered rows and the states afterwards."""
+    gathered = triton_linear_attention.gathered_states(layer_of(states), slots, initial,
+                                                       zero_rows=1)
+    triton_linear_attention.scatter_states(final, layer_of(states), slots)
+    return gathered, states
+
+
+def test_states_gathered_for_a_chunked_kernel_and_scattered_back(interpreter):
+    """float32 rows, zeros for the fresh sequence (its slot holds NaN) and the extra row; the
+    final states back in their slots in the states' dtype (float16 here: the interpreter
+    rounds to bf16 otherwise than a GPU), other slots and layers untouched. A state of 4 x 32
+    x 40 values takes two programs of ``STATE_BLOCK``."""
+    generator = torch.Generator().manual_seed(5)
+    states = slot_states((4, 32, 40), torch.float16, generator)
+    final = torch.randn(3, 4, 32, 40, generator=generator)
+    expected_states = states.clone()
+    expected = torch.cat([read_states(layer_of(expected_states), SLOTS, INITIAL).float(),
+                          torch.zeros(1, 4, 32, 40)])
+    layer_of(expected_states)[SLOTS] = final.to(torch.float16)
+
+    gathered, states = interpreter(gather_then_scatter, states, SLOTS, INITIAL, final)
+
+    assert gathered.dtype == torch.float32
+    assert torch.equal(gathered, expected)
+    assert torch.equal(states.isnan(), expected_states.isnan())
+    assert torch.equal(states.nan_to_num(), expected_states.nan_to_num())

@@ -52,7 +52,10 @@ def quantize_groups(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, tor
     groups = -(-width // group_size)
     padded = F.pad(x.float(), (0, groups * group_size - width))
     grouped = padded.unflatten(-1, (groups, group_size))
-    scale = (grouped.abs().amax(-1) / FP8_MAX).clamp(min=MIN_SCALE)
+    # amax times the float32 reciprocal of 448, a product Triton's kernels compute exactly so
+    # (a division by a Python number is already that product in torch on a GPU; an exact
+    # division there would differ from it by an ulp now and then)
+    scale = (grouped.abs().amax(-1) * (1 / FP8_MAX)).clamp(min=MIN_SCALE)
     q = (grouped / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q.flatten(-2)[..., :width], scale
 

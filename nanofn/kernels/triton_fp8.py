@@ -3,8 +3,9 @@ activations quantized to e4m3 per token and group of ``group_size`` columns (or 
 per-tensor scale), times the e4m3 weight, each product scaled by its row's and group's scales.
 
 - ``quantize_activations``: one program per (row, group): the group's largest magnitude, then
-  its values divided by ``amax / 448`` and rounded to e4m3 (a second pass over the group, from
-  L1/L2). Divided, not multiplied by a reciprocal, so that the codes are the reference's.
+  its values divided by its scale ``amax * (1 / 448)`` and rounded to e4m3 (a second pass over
+  the group, from L1/L2). Divided (IEEE's division), not multiplied by a reciprocal, so that
+  the codes are the reference's.
 - ``fp8_gemm``: many rows (prefill). Tiles of ``[BLOCK_M, BLOCK_K]`` codes times
   ``[BLOCK_N, BLOCK_K]`` weight codes on the FP8 tensor cores (``tl.dot`` on float8e4nv, float32
   sums). With groups of 128 columns (block-wise weights) each step of 128 columns is one group:
@@ -48,8 +49,10 @@ NORM_PROLOGUE = tl.constexpr(NORM)  # (a global a kernel reads must be a constex
 @triton.jit
 def _quantized(x, scale):
     """``x / scale`` rounded to e4m3, saturating at +-448 (``fp8.FP8_MAX``). The division is
-    IEEE's, as torch's: Triton's ``/`` on float32 is approximate (within 2 ulp), which put a
-    few codes of a 1,024-column group on the other side of a rounding boundary on an H200."""
+    IEEE's, as torch's: Triton's ``/`` on float32 is approximate (``div.full.f32``), which put a
+    few codes of a 1,024-column group on the other side of a rounding boundary on an H200.
+    (A scale is ``amax * (1.0 / 448.0)``: Triton folds the reciprocal into a float32 constant,
+    and the product is exact, as in ``fp8.quantize_groups``.)"""
     return tl.clamp(tl.div_rn(x, scale), -448.0, 448.0).to(tl.float8e4nv)
 
 
@@ -73,7 +76,7 @@ def _quantize_kernel(
             cols = start + tl.arange(0, BLOCK)
             x = tl.load(x_row + cols, mask=cols < end, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(x))
-        scale = tl.maximum(tl.div_rn(tl.max(amax, 0), 448.0), min_scale)
+        scale = tl.maximum(tl.max(amax, 0) * (1.0 / 448.0), min_scale)
         tl.store(scale_ptr + row * stride_scale + group, scale)
     for start in range(begin, end, BLOCK):
         cols = start + tl.arange(0, BLOCK)
@@ -203,13 +206,13 @@ def _fp8_gemv_kernel(
             cols = start + columns
             x = tl.load(x_rows + cols, mask=(m < rows) & (cols < k), other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.max(tl.abs(x), 2)[:, :, None])
-        row_scale = tl.maximum(tl.div_rn(amax, 448.0), min_scale)
+        row_scale = tl.maximum(amax * (1.0 / 448.0), min_scale)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for start in range(0, k, BLOCK_K):
         cols = start + columns
         x = tl.load(x_rows + cols, mask=(m < rows) & (cols < k), other=0.0).to(tl.float32)
         if PER_GROUP and not STATIC:
-            scale = tl.maximum(tl.div_rn(tl.max(tl.abs(x), 2)[:, :, None], 448.0), min_scale)
+            scale = tl.maximum(tl.max(tl.abs(x), 2)[:, :, None] * (1.0 / 448.0), min_scale)
         else:
             scale = row_scale
         a = _quantized(x, scale).to(tl.float32) * scale
@@ -258,7 +261,7 @@ def _quantized_row_groups(x, static_scale, min_scale, BLOCK_M: tl.constexpr,
     if STATIC:
         return _quantized(x, static_scale).to(tl.float32) * static_scale
     groups = tl.reshape(x, (BLOCK_M, BLOCK_K // GROUP_COLS, GROUP_COLS))
-    scale = tl.maximum(tl.div_rn(tl.max(tl.abs(groups), 2), 448.0), min_scale)[:, :, None]
+    scale = tl.maximum(tl.max(tl.abs(groups), 2) * (1.0 / 448.0), min_scale)[:, :, None]
     dequantized = _quantized(groups, scale).to(tl.float32) * scale
     return tl.reshape(dequantized, (BLOCK_M, 1, BLOCK_K))
 

@@ -511,23 +511,79 @@ def fla_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
     the batch's, where every program of the kernel returns at once."""
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-    held = ssm_states[state_slots]
-    initial = torch.where(has_initial_state.view(-1, 1, 1, 1), held.float(),
-                          torch.zeros((), device=held.device))
-    num_seqs = len(state_slots)
     if chunks is None:
         ends = list(itertools.accumulate(query_lens_host, initial=0))  # (no wait for the device)
         cu_seqlens, options = query_start.long(), {"cu_seqlens_cpu": torch.tensor(ends)}
+        initial = gathered_states(ssm_states, state_slots, has_initial_state)
     else:
         cu_seqlens = torch.cat([query_start, query_start[-1:]]).long()  # + the empty sequence
-        initial = torch.cat([initial, initial.new_zeros(1, *initial.shape[1:])])
+        initial = gathered_states(ssm_states, state_slots, has_initial_state, zero_rows=1)
         options = {"chunk_indices": chunks}
     out, final = chunk_gated_delta_rule(
         q[None], k[None], v[None], g[None].float(), beta[None].to(v.dtype),
         initial_state=initial, output_final_state=True, use_qk_l2norm_in_kernel=True,
         cu_seqlens=cu_seqlens, chunk_size=FLA_CHUNK, **options)
-    ssm_states[state_slots] = final[:num_seqs].to(ssm_states.dtype)
+    scatter_states(final, ssm_states, state_slots)
     return out[0].to(v.dtype)
+
+
+STATE_BLOCK = 4096  # values of a state a program moves
+
+
+@triton.jit
+def _gather_states_kernel(states_ptr, out_ptr, slots_ptr, initial_ptr, num_seqs, size,
+                          state_slot_stride, BLOCK: tl.constexpr):
+    """Row ``program_id(0)`` of ``gathered_states``, values ``program_id(1) * BLOCK ...``."""
+    row = tl.program_id(0)
+    values = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = values < size
+    live = row < num_seqs
+    slot = tl.load(slots_ptr + row, mask=live, other=0).to(tl.int64)
+    initial = tl.load(initial_ptr + row, mask=live, other=0) != 0
+    held = tl.load(states_ptr + slot * state_slot_stride + values, mask=ok & live & initial,
+                   other=0.0)
+    tl.store(out_ptr + row.to(tl.int64) * size + values, held.to(tl.float32), mask=ok)
+
+
+def gathered_states(ssm_states: torch.Tensor, state_slots: torch.Tensor,
+                    has_initial_state: torch.Tensor, zero_rows: int = 0) -> torch.Tensor:
+    """The sequences' states in float32, ``[B + zero_rows, Hv, Dk, Dv]``: slot ``state_slots[i]``
+    where ``has_initial_state[i]``, zeros elsewhere and in the ``zero_rows`` rows after them
+    (``causal_conv.read_states`` in float32): one pass, where indexing a layer's strided view
+    and converting took several at a fifth of the bandwidth."""
+    num_seqs, size = len(state_slots), ssm_states[0].numel()
+    if not ssm_states[0].is_contiguous():
+        raise ValueError("a slot's state must be contiguous within its layer")
+    out = torch.empty(num_seqs + zero_rows, *ssm_states.shape[1:], dtype=torch.float32,
+                      device=ssm_states.device)
+    _gather_states_kernel[(num_seqs + zero_rows, triton.cdiv(size, STATE_BLOCK))](
+        ssm_states, out, state_slots, has_initial_state, num_seqs, size, ssm_states.stride(0),
+        BLOCK=STATE_BLOCK)
+    return out
+
+
+@triton.jit
+def _scatter_states_kernel(final_ptr, states_ptr, slots_ptr, size, state_slot_stride,
+                           BLOCK: tl.constexpr):
+    """Row ``program_id(0)`` of ``scatter_states``, values ``program_id(1) * BLOCK ...``."""
+    row = tl.program_id(0)
+    values = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = values < size
+    slot = tl.load(slots_ptr + row).to(tl.int64)
+    final = tl.load(final_ptr + row.to(tl.int64) * size + values, mask=ok)
+    tl.store(states_ptr + slot * state_slot_stride + values,
+             final.to(states_ptr.dtype.element_ty), mask=ok)
+
+
+def scatter_states(final: torch.Tensor, ssm_states: torch.Tensor,
+                   state_slots: torch.Tensor) -> None:
+    """``ssm_states[state_slots] = final[:B]`` in the states' dtype, in one pass."""
+    num_seqs, size = len(state_slots), ssm_states[0].numel()
+    if not ssm_states[0].is_contiguous() or not final.is_contiguous():
+        raise ValueError("a slot's state must be contiguous within its layer, and the final "
+                         "states contiguous")
+    _scatter_states_kernel[(num_seqs, triton.cdiv(size, STATE_BLOCK))](
+        final, ssm_states, state_slots, size, ssm_states.stride(0), BLOCK=STATE_BLOCK)
 
 
 def prefill_chunks(query_lens: list[int], num_seqs: int, num_chunks: int) -> list[tuple[int, int]]:
