@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: the GPU test suite, then the benchmarks, logs under $OUT and a
 # short table last; the logs come back as $OUT/logs-MODE.tgz. Usage: bash benchmarks/gpu_run.sh
-# [tests|tests-1|tests-2|bench|all|kernels|serve|dp|tp|multinode|hybrid|hybrid-bench|hybrid-prefix|
-# moe-bench|baseline] (default: all; baseline: the torch reference attention, eager, for
-# comparison; dp and multinode need two GPUs)
+# [tests|tests-1|tests-2|tests-3|bench|all|kernels|serve|dp|tp|multinode|hybrid|hybrid-bench|
+# hybrid-prefix|moe-bench|fp8-bench|baseline] (default: all; baseline: the torch reference
+# attention, eager, for comparison; dp and multinode need two GPUs)
 # Expects the wheels of ../shared/tools/gpu-wheels.sh in .whl/ (pyrsistent is missing there),
 # and flash-attn-4 in /tmp/fa4site if it is to be tested and measured (benchmarks/fa4_install.sh);
 # set NANOFN_COMMIT to the commit being measured (the device copy has no .git).
@@ -31,15 +31,16 @@ fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 echo "${NANOFN_COMMIT:-unknown commit}" | tee "$OUT/commit.txt"  # the device copy has no .git
 
-case $what in  # the whole suite outgrew one call's 600 s: tests-1 and tests-2 split it
+case $what in  # the whole suite outgrew one call's 600 s: tests-1, -2 and -3 split it
   tests|all) suite=(tests/gpu) ;;
-  tests-1) suite=(tests/gpu/test_[a-g]*.py) ;;  # flash-attn-4, clean runs, the engine
-  tests-2) suite=(tests/gpu/test_[h-z]*.py) ;;  # hybrids, the Triton kernels
+  tests-1) suite=(tests/gpu/test_[a-g]*.py) ;;  # flash-attn-4, clean runs, the engine, FP8
+  tests-2) suite=(tests/gpu/test_[h-m]*.py) ;;  # hybrids, MoE, two GPUs (~400 s on a fresh H200)
+  tests-3) suite=(tests/gpu/test_[n-z]*.py) ;;  # the Triton kernels (~150 s)
   *) suite=() ;;
 esac
-if [ ${#suite[@]} -gt 0 ]; then
-  timeout 480 python3 -m pytest "${suite[@]}" -q -rs --durations=12 2>&1 \
-    | tee "$OUT/gpu_$what.log" | tail -40
+if [ ${#suite[@]} -gt 0 ]; then  # (a test past 300 s fails alone, its stacks dumped)
+  timeout 480 python3 -m pytest "${suite[@]}" -q -rs --durations=12 --timeout 300 \
+    --timeout-method=thread 2>&1 | tee "$OUT/gpu_$what.log" | tail -40
 fi
 bench() {  # name, then nanofn bench flags
   local name=$1; shift
@@ -137,12 +138,22 @@ if [ "$what" = hybrid ] || [ "$what" = hybrid-bench ]; then  # Qwen3.5 (needs fl
     timeout 300 python3 -m pytest tests/gpu/test_hybrid_gpu.py -q -rs 2>&1 \
       | tee "$OUT/gpu_hybrid_tests.log" | tail -15
   fi
+  # a linear layer's decode step: one launch per chunk and warp count, against three kernels
+  timeout 120 python3 benchmarks/experiments/delta_rule_decode.py --seqs 256 2>&1 \
+    | tee "$OUT/delta_rule_decode.txt" | tail -20
   single qwen3.5-9b --random-weights qwen3.5-9b-shape
   bench qwen3.5-9b --random-weights qwen3.5-9b-shape --profile
 fi
 if [ "$what" = moe-bench ]; then  # Qwen3-30B-A3B's shape: 61 GB of weights, ~10 GB of KV on an H100
   single qwen3-30b-a3b --random-weights qwen3-30b-a3b
   bench qwen3-30b-a3b --random-weights qwen3-30b-a3b --profile
+fi
+if [ "$what" = fp8-bench ]; then  # FP8 weights and KV cache (issue 36), beside bf16 for the 8B
+  single qwen3-0.6b-fp8 --quantization=fp8 --kv-cache-dtype=fp8
+  bench qwen3-0.6b-fp8 --quantization fp8 --kv-cache-dtype fp8 --profile
+  single qwen3-8b-bf16 --random-weights qwen3-8b
+  single qwen3-8b-fp8 --random-weights qwen3-8b --quantization=fp8 --kv-cache-dtype=fp8
+  bench qwen3-8b-fp8 --random-weights qwen3-8b --quantization fp8 --kv-cache-dtype fp8
 fi
 if [ "$what" = hybrid-prefix ]; then  # the shared-prefix workload, prefix caching on and off
   bench qwen3.5-9b-shared-prefix --random-weights qwen3.5-9b-shape --workload shared-prefix
