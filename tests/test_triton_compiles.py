@@ -187,10 +187,11 @@ def test_hybrid_kernels_compile(compile_for_h100, tokens):
     ssm = empty(8, 24, 32, 128, 128, dtype=torch.float32)[:, 1]
     for decode_seqs in (seqs, linear.FUSED_DECODE_FROM):  # three kernels; one launch
         projected = empty(decode_seqs, channels + 4096 + 64)
-        mixed, a, b = projected[:, :channels], projected[:, -64:-32], projected[:, -32:]
-        compile_for_h100(linear.gated_delta_net_decode, mixed, a, b, empty(channels, 4),
+        mixed, z, a, b = projected.split([channels, 4096, 32, 32], dim=-1)
+        compile_for_h100(linear.gated_delta_net_decode, mixed, a, b, z, empty(channels, 4),
                          empty(32, dtype=torch.float32), empty(32, dtype=torch.float32),
-                         conv_states, ssm, torch.zeros(decode_seqs, dtype=torch.int64),
+                         empty(128), 1e-6, conv_states, ssm,
+                         torch.zeros(decode_seqs, dtype=torch.int64),
                          torch.ones(decode_seqs, dtype=torch.bool))
     mixed = empty(tokens, 2 * 16 * 128 + 32 * 128)
     q, k, v = mixed.split([16 * 128, 16 * 128, 32 * 128], dim=-1)

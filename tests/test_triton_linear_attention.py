@@ -34,16 +34,15 @@ def delta_and_states(function, q, k, v, g, beta, states, *args):
     return out, states
 
 
-def decode_and_states(fused_from, mixed, a, b, weight, a_log, dt_bias, conv_states, ssm_states,
-                      slots, initial):
-    """The decode step of ``gated_delta_net_decode`` in the interpreter's child, fused from
-    ``fused_from`` sequences on; its output and both states afterwards."""
+def decode_and_states(fused_from, conv_states, ssm_states, slots, initial, *args):
+    """The decode step of ``gated_delta_net_decode`` (``args``: its arguments up to ``eps``) in
+    the interpreter's child, fused from ``fused_from`` sequences on; its output and both states
+    afterwards."""
     default = triton_linear_attention.FUSED_DECODE_FROM
     triton_linear_attention.FUSED_DECODE_FROM = fused_from
     try:
         out = triton_linear_attention.gated_delta_net_decode(
-            mixed, a, b, weight, a_log, dt_bias, layer_of(conv_states), layer_of(ssm_states),
-            slots, initial)
+            *args, layer_of(conv_states), layer_of(ssm_states), slots, initial)
         return out, conv_states, ssm_states
     finally:
         triton_linear_attention.FUSED_DECODE_FROM = default
@@ -124,29 +123,28 @@ def test_gated_delta_rule_update_matches_reference(interpreter, dtype, dv):
 @pytest.mark.parametrize("dv", [64, 100], ids=["power-of-two", "masked-values"])
 @pytest.mark.parametrize("fused_from", [1, 16], ids=["one-launch", "three-kernels"])
 def test_the_decode_step_of_a_layer_matches_reference(interpreter, dtype, dv, fused_from):
-    """The convolution, the gates and the delta rule of a decode step, from the projection's
-    strided columns (``mixed``, ``a``, ``b``, as the model splits them): in one launch (a
-    program per key head and sequence, its 2 value heads in turn, the state's 128 key rows in
-    two chunks) and as three kernels. Both states written back in their slots; the fresh
-    sequence's slot holds NaN, which must not leak."""
+    """The convolution, the gates, the delta rule and the gated norm of a decode step, from the
+    projection's strided columns (``mixed``, ``z``, ``a``, ``b``, as the model splits them): in
+    one launch (a program per key head and sequence, its 2 value heads in turn, the state's 128
+    key rows in two chunks) and as four kernels. Both states written back in their slots; the
+    fresh sequence's slot holds NaN, which must not leak."""
     generator = torch.Generator().manual_seed(dv)
     hk, hv, dk, width = 2, 4, 128, 3
     channels = 2 * hk * dk + hv * dv
-    projected = torch.randn(3, channels + 2 * hv + 7, generator=generator).to(dtype)
-    mixed, a, b = projected[:, :channels], projected[:, channels:channels + hv], \
-        projected[:, channels + hv:channels + 2 * hv]
+    projected = torch.randn(3, channels + hv * dv + 2 * hv + 7, generator=generator).to(dtype)
+    mixed, z, a, b = projected[:, :-7].split([channels, hv * dv, hv, hv], dim=-1)
     weight = torch.randn(channels, width + 1, generator=generator).to(dtype)
     a_log, dt_bias = torch.randn(hv, generator=generator), torch.randn(hv, generator=generator)
+    norm_weight = (torch.rand(dv, generator=generator) + 0.5).to(dtype)
+    args = (mixed, a, b, z, weight, a_log, dt_bias, norm_weight, 1e-6)
     conv_states = slot_states((channels, width), dtype, generator)
     ssm_states = slot_states((hv, dk, dv), torch.float32, generator) * 0.1
     expected_conv, expected_ssm = conv_states.clone(), ssm_states.clone()
-    expected = gated_delta_net_decode(mixed, a, b, weight, a_log, dt_bias,
-                                      layer_of(expected_conv), layer_of(expected_ssm), SLOTS,
-                                      INITIAL)
+    expected = gated_delta_net_decode(*args, layer_of(expected_conv), layer_of(expected_ssm),
+                                      SLOTS, INITIAL)
 
-    out, conv_states, ssm_states = interpreter(decode_and_states, fused_from, mixed, a, b, weight,
-                                               a_log, dt_bias, conv_states, ssm_states, SLOTS,
-                                               INITIAL)
+    out, conv_states, ssm_states = interpreter(decode_and_states, fused_from, conv_states,
+                                               ssm_states, SLOTS, INITIAL, *args)
 
     torch.testing.assert_close(out, expected, **TOLERANCES[dtype])
     torch.testing.assert_close(conv_states, expected_conv, equal_nan=True)

@@ -1,8 +1,8 @@
 """A Gated DeltaNet layer's decode step at the Qwen3.5-9B shape (16 key and 32 value heads of
-128, conv width 3, bf16 states in the slots' layout), after the input projection: in one launch
+128, conv width 3, bf16 states in the slots' layout), between its projections: in one launch
 (``gated_delta_net_decode``'s kernel) for each chunk of key rows and warp count, against the
-three kernels it replaces (``in_three_steps``: the conv update, the gates, and the delta rule
-with its tile in registers), each checked against the torch reference once. The bytes moved
+four kernels it replaces (``in_steps``: the conv update, the gates, the delta rule with its
+tile in registers, the gated norm), each checked against the torch reference once. The bytes moved
 are the delta rule's states read and written (the conv states and inputs add ~1%).
 
 Measured and dropped (RESULTS.md, twenty-second session): the delta rule's programs ordered by
@@ -30,21 +30,21 @@ def inputs(num_seqs: int, layers: int):
     """The projection's columns, conv weight and gates' parameters, and both states' slots
     (one layer's strided views, as the runner passes them)."""
     g = torch.Generator(device="cuda").manual_seed(0)
-    projected = torch.randn(num_seqs, CHANNELS + 2 * VALUE_HEADS + 4096, generator=g,
+    value_dim = VALUE_HEADS * HEAD_DIM
+    projected = torch.randn(num_seqs, CHANNELS + value_dim + 2 * VALUE_HEADS, generator=g,
                             device="cuda").bfloat16()
-    mixed = projected[:, :CHANNELS]
-    a = projected[:, CHANNELS:CHANNELS + VALUE_HEADS]
-    b = projected[:, CHANNELS + VALUE_HEADS:CHANNELS + 2 * VALUE_HEADS]
+    mixed, z, a, b = projected.split([CHANNELS, value_dim, VALUE_HEADS, VALUE_HEADS], dim=-1)
     weight = torch.randn(CHANNELS, WIDTH + 1, generator=g, device="cuda").bfloat16() * 0.5
     a_log = torch.randn(VALUE_HEADS, generator=g, device="cuda")
     dt_bias = torch.randn(VALUE_HEADS, generator=g, device="cuda")
+    norm_weight = (torch.rand(HEAD_DIM, generator=g, device="cuda") + 0.5).bfloat16()
     conv = torch.randn(num_seqs + 8, layers, CHANNELS, WIDTH, generator=g,
                        device="cuda").bfloat16()[:, layers // 2]
     ssm = (torch.randn(num_seqs + 8, layers, VALUE_HEADS, HEAD_DIM, HEAD_DIM, generator=g,
                        device="cuda") * 0.1).bfloat16()[:, layers // 2]
     slots = torch.randperm(num_seqs + 8, generator=g, device="cuda")[:num_seqs]
     initial = torch.ones(num_seqs, dtype=torch.bool, device="cuda")
-    return (mixed, a, b, weight, a_log, dt_bias), conv, ssm, slots, initial
+    return (mixed, a, b, z, weight, a_log, dt_bias, norm_weight, 1e-6), conv, ssm, slots, initial
 
 
 def main() -> None:
@@ -59,9 +59,9 @@ def main() -> None:
     expected = delta_rule.gated_delta_net_decode(*first, expected_conv, expected_ssm, slots,
                                                  initial)
     moved = 2 * n * VALUE_HEADS * HEAD_DIM * HEAD_DIM * 2
-    candidates = {"three kernels": lambda: delta_rule.in_three_steps(
+    candidates = {"four kernels": lambda: delta_rule.in_steps(
         linear.causal_conv1d_update, linear.delta_rule_gates, linear.gated_delta_rule_update,
-        *first, conv, ssm, slots, initial)}
+        linear.rms_norm_gated, *first, conv, ssm, slots, initial)}
     for chunk in (16, 32, 64, 128):
         for warps in (1, 2, 4, 8):
             candidates[f"one launch, {chunk} rows a chunk, {warps} warps"] = (

@@ -45,8 +45,8 @@ class KernelBackend:
     rms_norm_linear: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     # A hybrid model's linear-attention layers (Gated DeltaNet), reading and writing the state
     # slots of a ``RecurrentState``: the causal convolution, the gates and the gated delta rule
-    # over a step's sequences, and all three over one token a sequence (a decode step); the
-    # gated output norm.
+    # over a step's sequences, then the gated output norm; all four over one token a sequence
+    # (a decode step).
     causal_conv1d: Callable[..., list[torch.Tensor]]
     delta_rule_gates: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     gated_delta_rule: Callable[..., torch.Tensor]

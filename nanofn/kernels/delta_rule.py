@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from nanofn.kernels.causal_conv import causal_conv1d_update, read_states
+from nanofn.kernels.norm import rms_norm_gated
 
 L2_NORM_EPS = 1e-6  # flash-linear-attention's and transformers'
 
@@ -97,42 +98,50 @@ def gated_delta_net_decode(
     mixed: torch.Tensor,
     a: torch.Tensor,
     b: torch.Tensor,
+    z: torch.Tensor,
     conv_weight: torch.Tensor,
     a_log: torch.Tensor,
     dt_bias: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
     conv_states: torch.Tensor,
     ssm_states: torch.Tensor,
     state_slots: torch.Tensor,
     has_initial_state: torch.Tensor,
 ) -> torch.Tensor:
-    """A Gated DeltaNet layer's decode step after its input projection, each sequence's one
-    token: the causal convolution of ``mixed [B, 2 * Hk * Dk + Hv * Dv]`` (channels ``[q | k |
-    v]``, conv state in ``conv_states``), the gates from ``a, b [B, Hv]`` and the delta rule
-    (state in ``ssm_states [num_slots, Hv, Dk, Dv]``); returns ``[B, Hv, Dv]`` in ``mixed``'s
-    dtype. The three steps as ``causal_conv1d_update``, ``delta_rule_gates`` and
-    ``gated_delta_rule_update`` (``in_three_steps``)."""
-    return in_three_steps(causal_conv1d_update, delta_rule_gates, gated_delta_rule_update, mixed,
-                          a, b, conv_weight, a_log, dt_bias, conv_states, ssm_states, state_slots,
-                          has_initial_state)
+    """A Gated DeltaNet layer's decode step between its input and output projections, each
+    sequence's one token: the causal convolution of ``mixed [B, 2 * Hk * Dk + Hv * Dv]``
+    (channels ``[q | k | v]``, conv state in ``conv_states``), the gates from ``a, b [B, Hv]``,
+    the delta rule (state in ``ssm_states [num_slots, Hv, Dk, Dv]``), and each head's output
+    RMS-normed (``norm_weight``, ``eps``) and gated by ``z [B, Hv * Dv]``; returns ``[B, Hv,
+    Dv]`` in ``mixed``'s dtype. The four steps as ``causal_conv1d_update``,
+    ``delta_rule_gates``, ``gated_delta_rule_update`` and ``norm.rms_norm_gated`` do them
+    (``in_steps``)."""
+    return in_steps(causal_conv1d_update, delta_rule_gates, gated_delta_rule_update,
+                    rms_norm_gated, mixed, a, b, z, conv_weight, a_log, dt_bias, norm_weight, eps,
+                    conv_states, ssm_states, state_slots, has_initial_state)
 
 
-def in_three_steps(conv_update: Callable[..., torch.Tensor],
-                   gates: Callable[..., tuple[torch.Tensor, torch.Tensor]],
-                   update: Callable[..., torch.Tensor], mixed: torch.Tensor, a: torch.Tensor,
-                   b: torch.Tensor, conv_weight: torch.Tensor, a_log: torch.Tensor,
-                   dt_bias: torch.Tensor, conv_states: torch.Tensor, ssm_states: torch.Tensor,
-                   state_slots: torch.Tensor, has_initial_state: torch.Tensor) -> torch.Tensor:
-    """``gated_delta_net_decode`` by the three functions given: the convolution, the gates,
-    the delta rule."""
+def in_steps(conv_update: Callable[..., torch.Tensor],
+             gates: Callable[..., tuple[torch.Tensor, torch.Tensor]],
+             update: Callable[..., torch.Tensor], gated_norm: Callable[..., torch.Tensor],
+             mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, z: torch.Tensor,
+             conv_weight: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,
+             norm_weight: torch.Tensor, eps: float, conv_states: torch.Tensor,
+             ssm_states: torch.Tensor, state_slots: torch.Tensor,
+             has_initial_state: torch.Tensor) -> torch.Tensor:
+    """``gated_delta_net_decode`` by the four functions given: the convolution, the gates, the
+    delta rule, the gated norm."""
     num_seqs = mixed.shape[0]
     num_v_heads, dk, dv = ssm_states.shape[1:]
     key_dim = (mixed.shape[1] - num_v_heads * dv) // 2
     q, k, v = conv_update(mixed, conv_weight, conv_states, state_slots,
                           has_initial_state).split([key_dim, key_dim, num_v_heads * dv], dim=-1)
     g, beta = gates(a, b, a_log, dt_bias)
-    return update(q.view(num_seqs, -1, dk), k.view(num_seqs, -1, dk),
-                  v.view(num_seqs, num_v_heads, dv), g, beta, ssm_states, state_slots,
-                  has_initial_state)
+    out = update(q.view(num_seqs, -1, dk), k.view(num_seqs, -1, dk),
+                 v.view(num_seqs, num_v_heads, dv), g, beta, ssm_states, state_slots,
+                 has_initial_state)
+    return gated_norm(out, z.view(num_seqs, num_v_heads, dv), norm_weight, eps)
 
 
 def _step(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,

@@ -1,8 +1,8 @@
 """Triton kernels of a Gated DeltaNet layer's recurrent parts, with the signatures and contracts
 of the torch references in ``causal_conv.py`` and ``delta_rule.py``: the short causal
 convolution (a prompt chunk, and the decode step's update in place), the delta rule's gates,
-and its decode step, in place in the state slots; a decode step of many sequences takes all
-three in one launch (``gated_delta_net_decode``). A prompt chunk's delta rule is
+its decode step in place in the state slots, and the gated output norm; a decode step of many
+sequences takes all four in one launch (``gated_delta_net_decode``). A prompt chunk's delta rule is
 flash-linear-attention's chunked kernel (``fla_delta_rule``), the states gathered from their
 slots and scattered back.
 
@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanofn.kernels.delta_rule import L2_NORM_EPS, gated_delta_rule, in_three_steps
+from nanofn.kernels.delta_rule import L2_NORM_EPS, gated_delta_rule, in_steps
 
 
 # --- the short convolution ---------------------------------------------------------------------
@@ -248,24 +248,32 @@ def delta_rule_gates(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor,
 @triton.jit
 def _norm_gated_kernel(x_ptr, gate_ptr, weight_ptr, out_ptr, x_stride_t, x_stride_h,
                        gate_stride_t, gate_stride_h, num_heads, eps, SIZE: tl.constexpr,
-                       BLOCK_H: tl.constexpr):
+                       BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr):
     """Token ``program_id(0)``, heads ``program_id(1) * BLOCK_H ...``: ``rms_norm(x) * weight``
-    rounded to x's dtype, times ``silu(gate)``, each head normalized on its own."""
+    rounded to x's dtype, times ``silu(gate)``, each head of ``SIZE`` normalized on its own."""
     token = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    cols = tl.arange(0, SIZE)
-    ok = (heads < num_heads)[:, None]
+    cols = tl.arange(0, BLOCK_S)
+    ok = (heads < num_heads)[:, None] & (cols < SIZE)[None, :]
     x = tl.load(x_ptr + token * x_stride_t + heads[:, None] * x_stride_h + cols[None, :],
                 mask=ok, other=0.0).to(tl.float32)
-    dtype = x_ptr.dtype.element_ty
-    inverse = tl.rsqrt(tl.sum(x * x, axis=1) / SIZE + eps)
-    normed = (x * inverse[:, None]).to(dtype).to(tl.float32)
-    weighted = (normed * tl.load(weight_ptr + cols).to(tl.float32)[None, :]).to(dtype)
     gate = tl.load(gate_ptr + token * gate_stride_t + heads[:, None] * gate_stride_h
                    + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-    out = weighted.to(tl.float32) * gate / (1.0 + tl.exp(-gate))
+    weight = tl.load(weight_ptr + cols, mask=cols < SIZE, other=0.0).to(tl.float32)
+    out = _gated_norm(x, gate, weight, eps, SIZE, x_ptr.dtype.element_ty)
     tl.store(out_ptr + (token * num_heads + heads[:, None]) * SIZE + cols[None, :],
              out.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _gated_norm(x, gate, weight, eps, SIZE: tl.constexpr, dtype: tl.constexpr):
+    """Rows ``x [R, B]`` of ``SIZE`` values (float32, zeros past them), each RMS-normed and
+    times ``weight [B]``, rounded to ``dtype`` as ``norm.rms_norm_gated`` rounds, then times
+    ``silu(gate)``: float32."""
+    inverse = tl.rsqrt(tl.sum(x * x, axis=1) / SIZE + eps)
+    normed = (x * inverse[:, None]).to(dtype).to(tl.float32)
+    weighted = (normed * weight[None, :]).to(dtype).to(tl.float32)
+    return weighted * gate / (1.0 + tl.exp(-gate))
 
 
 def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
@@ -274,15 +282,16 @@ def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
     heads; ``gate`` may be a strided view), up to 4,096 values of a token a program (one head a
     program made a prompt's programs too small to keep the memory busy)."""
     num_tokens, num_heads, size = x.shape
-    if size & (size - 1) or x.stride(-1) != 1 or gate.stride(-1) != 1:
-        raise ValueError("the gated norm's kernel takes heads of a power-of-two size, with "
-                         "unit stride")
+    if x.stride(-1) != 1 or gate.stride(-1) != 1:
+        raise ValueError("the gated norm's kernel reads heads with unit stride")
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    block_h = min(triton.next_power_of_2(num_heads), max(1, 4096 // size))
+    block_s = triton.next_power_of_2(size)
+    block_h = min(triton.next_power_of_2(num_heads), max(1, 4096 // block_s))
     if num_tokens:
         _norm_gated_kernel[(num_tokens, triton.cdiv(num_heads, block_h))](
             x, gate, weight, out, x.stride(0), x.stride(1), gate.stride(0), gate.stride(1),
-            num_heads, eps, SIZE=size, BLOCK_H=block_h, num_warps=8 if block_h * size > 1024 else 4)
+            num_heads, eps, SIZE=size, BLOCK_S=block_s, BLOCK_H=block_h,
+            num_warps=8 if block_h * block_s > 1024 else 4)
     return out
 
 
@@ -336,21 +345,22 @@ def _delta_rule_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, states_ptr, out_ptr
 
 @triton.jit
 def _gated_delta_net_decode_kernel(
-        x_ptr, a_ptr, b_ptr, conv_weight_ptr, a_log_ptr, dt_bias_ptr, conv_states_ptr,
-        ssm_states_ptr, qk_ptr, out_ptr, slots_ptr, initial_ptr, x_stride, a_stride, b_stride,
-        out_stride_t, out_stride_h, conv_slot_stride, conv_channel_stride, conv_tap_stride,
-        state_slot_stride, state_head_stride, state_k_stride, state_v_stride, key_dim, eps, scale,
-        GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_V: tl.constexpr,
-        CHUNK_K: tl.constexpr, WIDTH: tl.constexpr, WIDTH_P2: tl.constexpr):
+        x_ptr, a_ptr, b_ptr, z_ptr, conv_weight_ptr, a_log_ptr, dt_bias_ptr, norm_weight_ptr,
+        conv_states_ptr, ssm_states_ptr, qk_ptr, out_ptr, slots_ptr, initial_ptr, x_stride,
+        a_stride, b_stride, z_stride, out_stride_t, out_stride_h, conv_slot_stride,
+        conv_channel_stride, conv_tap_stride, state_slot_stride, state_head_stride,
+        state_k_stride, state_v_stride, key_dim, eps, norm_eps, scale, GROUP: tl.constexpr,
+        DK: tl.constexpr, DV: tl.constexpr, BLOCK_V: tl.constexpr, CHUNK_K: tl.constexpr,
+        WIDTH: tl.constexpr, WIDTH_P2: tl.constexpr):
     """``gated_delta_net_decode`` for key head ``program_id(0)`` of sequence ``program_id(1)``
     and the ``GROUP`` value heads that read it: the convolution of their channels (the key
-    head's q and k once, each value head's v), the gates, and the delta rule in two passes over
-    each state's rows, ``CHUNK_K`` at a time: the first adds up what the state predicts of
-    ``v``, the second (reading the rows again, from L2) decays and updates them, writes them
-    back and adds up the output. Holding a chunk rather than the whole state in registers lets
-    an SM keep more programs' reads in flight (benchmarks/experiments/delta_rule_decode.py).
-    The normalised q and k go through ``qk_ptr``'s rows, which the passes read a chunk at a
-    time."""
+    head's q and k once, each value head's v), the gates, the delta rule in two passes over
+    each state's rows, ``CHUNK_K`` at a time, and the gated norm of each head's output. The
+    first pass adds up what the state predicts of ``v``, the second (reading the rows again,
+    from L2) decays and updates them, writes them back and adds up the output. Holding a chunk
+    rather than the whole state in registers lets an SM keep more programs' reads in flight
+    (benchmarks/experiments/delta_rule_decode.py). The normalised q and k go through
+    ``qk_ptr``'s rows, which the passes read a chunk at a time."""
     key_head, seq = tl.program_id(0), tl.program_id(1).to(tl.int64)
     slot = tl.load(slots_ptr + seq).to(tl.int64)
     initial = tl.load(initial_ptr + seq) != 0
@@ -368,6 +378,8 @@ def _gated_delta_net_decode_kernel(
     tl.debug_barrier()  # (the passes read q and k in other threads' chunks)
     values = tl.arange(0, BLOCK_V)
     value_ok = values < DV
+    norm_weight = tl.load(norm_weight_ptr + values, mask=value_ok, other=0.0).to(tl.float32)
+    dtype = out_ptr.dtype.element_ty
     for member in tl.static_range(GROUP):
         head = key_head * GROUP + member
         v = _conv_step(x_row, conv_weight_ptr, conv_state, 2 * key_dim + head * DV + values,
@@ -392,8 +404,11 @@ def _gated_delta_net_decode_kernel(
             state = state * decay + tl.load(qk_row + DK + chunk_keys)[:, None] * written[None, :]
             out += tl.sum(state * tl.load(qk_row + chunk_keys)[:, None], axis=0)
             tl.store(chunk, state.to(ssm_states_ptr.dtype.element_ty), mask=value_ok[None, :])
-        tl.store(out_ptr + seq * out_stride_t + head * out_stride_h + values,
-                 out.to(out_ptr.dtype.element_ty), mask=value_ok)
+        gate = tl.load(z_ptr + seq * z_stride + head * DV + values, mask=value_ok, other=0.0)
+        gated = _gated_norm(out.to(dtype).to(tl.float32)[None, :], gate.to(tl.float32)[None, :],
+                            norm_weight, norm_eps, DV, dtype)
+        tl.store(out_ptr + seq * out_stride_t + head * out_stride_h + values[None, :],
+                 gated.to(dtype), mask=value_ok[None, :])
 
 
 @triton.jit
@@ -454,33 +469,35 @@ DECODE_TILES = (64, 2)  # key rows a chunk, warps: measured, delta_rule_decode.p
 
 
 def gated_delta_net_decode(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-                           conv_weight: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,
+                           z: torch.Tensor, conv_weight: torch.Tensor, a_log: torch.Tensor,
+                           dt_bias: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                            conv_states: torch.Tensor, ssm_states: torch.Tensor,
                            state_slots: torch.Tensor,
                            has_initial_state: torch.Tensor) -> torch.Tensor:
     """``delta_rule.gated_delta_net_decode``. From ``FUSED_DECODE_FROM`` sequences in one launch
     (``_gated_delta_net_decode_kernel``, a program per key head and sequence); fewer go
-    through the three kernels, whose smaller programs keep the GPU busier (one sequence would
+    through the four kernels, whose smaller programs keep the GPU busier (one sequence would
     have one program per key head)."""
     if len(state_slots) < FUSED_DECODE_FROM:
-        return in_three_steps(causal_conv1d_update, delta_rule_gates, gated_delta_rule_update,
-                              mixed, a, b, conv_weight, a_log, dt_bias, conv_states, ssm_states,
-                              state_slots, has_initial_state)
+        return in_steps(causal_conv1d_update, delta_rule_gates, gated_delta_rule_update,
+                        rms_norm_gated, mixed, a, b, z, conv_weight, a_log, dt_bias, norm_weight,
+                        eps, conv_states, ssm_states, state_slots, has_initial_state)
     num_seqs = mixed.shape[0]
     num_v_heads, dk, dv = ssm_states.shape[1:]
     key_dim = (mixed.shape[1] - num_v_heads * dv) // 2
-    if mixed.stride(1) != 1 or conv_weight.stride(1) != 1 or dk & (dk - 1):
-        raise ValueError("the fused decode kernel reads rows of the projection and the conv "
+    if (mixed.stride(1) != 1 or z.stride(1) != 1 or conv_weight.stride(1) != 1
+            or dk & (dk - 1)):
+        raise ValueError("the fused decode kernel reads rows of the projection, z and the conv "
                          "weight with unit stride, and keys of a power-of-two size")
     out = torch.empty(num_seqs, num_v_heads, dv, dtype=mixed.dtype, device=mixed.device)
     qk = torch.empty(num_seqs, key_dim // dk, 2, dk, dtype=torch.float32, device=mixed.device)
     chunk, warps = DECODE_TILES
     width = conv_weight.shape[1] - 1
     _gated_delta_net_decode_kernel[(key_dim // dk, num_seqs)](
-        mixed, a, b, conv_weight, a_log, dt_bias, conv_states, ssm_states, qk, out, state_slots,
-        has_initial_state, mixed.stride(0), a.stride(0), b.stride(0), out.stride(0),
-        out.stride(1), *conv_states.stride(), *ssm_states.stride(), key_dim, L2_NORM_EPS,
-        dk ** -0.5, GROUP=num_v_heads * dk // key_dim, DK=dk, DV=dv,
+        mixed, a, b, z, conv_weight, a_log, dt_bias, norm_weight, conv_states, ssm_states, qk,
+        out, state_slots, has_initial_state, mixed.stride(0), a.stride(0), b.stride(0),
+        z.stride(0), out.stride(0), out.stride(1), *conv_states.stride(), *ssm_states.stride(),
+        key_dim, L2_NORM_EPS, eps, dk ** -0.5, GROUP=num_v_heads * dk // key_dim, DK=dk, DV=dv,
         BLOCK_V=triton.next_power_of_2(dv), CHUNK_K=min(chunk, dk), WIDTH=width,
         WIDTH_P2=triton.next_power_of_2(width), num_warps=warps)
     return out

@@ -88,17 +88,18 @@ class GatedDeltaNet(nn.Module):
         weight = self.conv1d.weight[:, 0]
         parts = [key_dim, key_dim, value_dim]
         if batch.decode_only:
-            out = kernels.gated_delta_net_decode(mixed, a, b, weight, self.A_log, self.dt_bias,
-                                                 conv_states, ssm_states, slots, resume)
-        else:
-            q, k, v = kernels.causal_conv1d(mixed, weight, conv_states, batch.query_start, slots,
-                                            resume, parts)
-            q = q.view(num_tokens, self.num_k_heads, self.k_head_dim)
-            k = k.view(num_tokens, self.num_k_heads, self.k_head_dim)
-            v = v.view(num_tokens, self.num_v_heads, self.v_head_dim)
-            g, beta = kernels.delta_rule_gates(a, b, self.A_log, self.dt_bias)
-            out = kernels.gated_delta_rule(q, k, v, g, beta, ssm_states, batch.query_start, slots,
-                                           resume, batch.query_lens_host, batch.linear_chunks)
+            out = kernels.gated_delta_net_decode(mixed, a, b, z, weight, self.A_log, self.dt_bias,
+                                                 self.norm.weight, self.norm.eps, conv_states,
+                                                 ssm_states, slots, resume)
+            return self.out_proj(out.flatten(1), for_norm=True)
+        q, k, v = kernels.causal_conv1d(mixed, weight, conv_states, batch.query_start, slots,
+                                        resume, parts)
+        q = q.view(num_tokens, self.num_k_heads, self.k_head_dim)
+        k = k.view(num_tokens, self.num_k_heads, self.k_head_dim)
+        v = v.view(num_tokens, self.num_v_heads, self.v_head_dim)
+        g, beta = kernels.delta_rule_gates(a, b, self.A_log, self.dt_bias)
+        out = kernels.gated_delta_rule(q, k, v, g, beta, ssm_states, batch.query_start, slots,
+                                       resume, batch.query_lens_host, batch.linear_chunks)
         z = z.view(num_tokens, self.num_v_heads, self.v_head_dim)
         out = kernels.rms_norm_gated(out, z, self.norm.weight, self.norm.eps)
         return self.out_proj(out.flatten(1), for_norm=True)

@@ -194,19 +194,21 @@ def test_the_delta_rule_kernels_match_their_references():
 @pytest.mark.parametrize("num_seqs", [4, linear.FUSED_DECODE_FROM + 3],
                          ids=["three-kernels", "one-launch"])
 def test_a_layer_s_decode_step_matches_its_reference(num_seqs):
-    """The convolution, the gates and the delta rule of a decode step from the projection's
-    strided columns, at Qwen3.5-9B's head sizes: as three kernels for a few sequences, in one
-    launch for many; outputs and both states in their slots (a fresh sequence's slot holds
-    NaN)."""
+    """The convolution, the gates, the delta rule and the gated norm of a decode step from the
+    projection's strided columns, at Qwen3.5-9B's head sizes: as four kernels for a few
+    sequences, in one launch for many; outputs and both states in their slots (a fresh
+    sequence's slot holds NaN)."""
     g = torch.Generator(device="cuda").manual_seed(num_seqs)
     channels = 2 * K_HEADS * HEAD_DIM + V_HEADS * HEAD_DIM
-    projected = torch.randn(num_seqs, channels + 2 * V_HEADS + 8, generator=g,
-                            device="cuda").bfloat16()
-    mixed = projected[:, :channels]
-    a, b = projected[:, channels:channels + V_HEADS], projected[:, channels + V_HEADS:-8]
+    projected = torch.randn(num_seqs, channels + V_HEADS * HEAD_DIM + 2 * V_HEADS + 8,
+                            generator=g, device="cuda").bfloat16()
+    mixed, z, a, b = projected[:, :-8].split(
+        [channels, V_HEADS * HEAD_DIM, V_HEADS, V_HEADS], dim=-1)
     weight = torch.randn(channels, WIDTH + 1, generator=g, device="cuda").bfloat16() * 0.5
     a_log = torch.randn(V_HEADS, generator=g, device="cuda")
     dt_bias = torch.randn(V_HEADS, generator=g, device="cuda")
+    norm_weight = (torch.rand(HEAD_DIM, generator=g, device="cuda") + 0.5).bfloat16()
+    args = (mixed, a, b, z, weight, a_log, dt_bias, norm_weight, 1e-6)
     slots = torch.randperm(num_seqs + 2, generator=g, device="cuda")[:num_seqs]
     initial = torch.rand(num_seqs, generator=g, device="cuda") > 0.2
     slots[0], initial[0] = 0, False  # slot 0 holds NaN
@@ -216,11 +218,10 @@ def test_a_layer_s_decode_step_matches_its_reference(num_seqs):
                              device="cuda") * 0.1
     conv_states[0], ssm_states[0] = float("nan"), float("nan")
     expected_conv, expected_ssm = conv_states.clone(), ssm_states.clone()
-    expected = delta_rule.gated_delta_net_decode(mixed, a, b, weight, a_log, dt_bias,
-                                                 expected_conv[:, 1], expected_ssm[:, 1], slots,
-                                                 initial)
-    got = linear.gated_delta_net_decode(mixed, a, b, weight, a_log, dt_bias, conv_states[:, 1],
-                                        ssm_states[:, 1], slots, initial)
+    expected = delta_rule.gated_delta_net_decode(*args, expected_conv[:, 1], expected_ssm[:, 1],
+                                                 slots, initial)
+    got = linear.gated_delta_net_decode(*args, conv_states[:, 1], ssm_states[:, 1], slots,
+                                        initial)
     assert relative_error(got, expected) < 1e-2
     assert torch.equal(conv_states.nan_to_num(), expected_conv.nan_to_num())
     assert relative_error(ssm_states.nan_to_num(), expected_ssm.nan_to_num()) < 1e-3
