@@ -139,8 +139,8 @@ if [ "$what" = hybrid ] || [ "$what" = hybrid-bench ]; then  # Qwen3.5 (needs fl
       | tee "$OUT/gpu_hybrid_tests.log" | tail -15
   fi
   # a linear layer's decode step: one launch per chunk and warp count, against three kernels
-  timeout 120 python3 benchmarks/experiments/delta_rule_decode.py --seqs 256 2>&1 \
-    | tee "$OUT/delta_rule_decode.txt" | tail -20
+  timeout 180 python3 benchmarks/experiments/delta_rule_decode.py --seqs 16,64,256 2>&1 \
+    | tee "$OUT/delta_rule_decode.txt" | tail -60
   single qwen3.5-9b --random-weights qwen3.5-9b-shape
   bench qwen3.5-9b --random-weights qwen3.5-9b-shape --profile
 fi

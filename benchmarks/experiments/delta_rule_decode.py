@@ -10,7 +10,7 @@ sequence, cache hints, and persistent programs that prefetch their next state, a
 the tile held in registers; a chunk of rows in registers, in two passes, is what the fused
 kernel keeps.
 
-Usage: python benchmarks/experiments/delta_rule_decode.py [--seqs 256] [--layers 24]
+Usage: python benchmarks/experiments/delta_rule_decode.py [--seqs 16,256] [--layers 24]
 """
 
 from __future__ import annotations
@@ -49,11 +49,16 @@ def inputs(num_seqs: int, layers: int):
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--seqs", type=int, default=256)
+    ap.add_argument("--seqs", default="256", help="sequence counts, comma-separated")
     ap.add_argument("--layers", type=int, default=24)
     args = ap.parse_args()
-    n = args.seqs
-    first, conv, ssm, slots, initial = inputs(n, args.layers)
+    for n in map(int, args.seqs.split(",")):
+        compare(n, args.layers)
+
+
+def compare(n: int, layers: int) -> None:
+    """Every candidate at ``n`` sequences."""
+    first, conv, ssm, slots, initial = inputs(n, layers)
     saved_conv, saved_ssm = conv.clone(), ssm.clone()
     expected_conv, expected_ssm = conv.clone(), ssm.clone()
     expected = delta_rule.gated_delta_net_decode(*first, expected_conv, expected_ssm, slots,
