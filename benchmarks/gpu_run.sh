@@ -138,7 +138,7 @@ if [ "$what" = hybrid ] || [ "$what" = hybrid-bench ]; then  # Qwen3.5 (needs fl
     timeout 300 python3 -m pytest tests/gpu/test_hybrid_gpu.py -q -rs 2>&1 \
       | tee "$OUT/gpu_hybrid_tests.log" | tail -15
   fi
-  # a linear layer's decode step: one launch per chunk and warp count, against three kernels
+  # a linear layer's decode step: one launch per chunk and warp count, against four kernels
   timeout 180 python3 benchmarks/experiments/delta_rule_decode.py --seqs 16,64,256 2>&1 \
     | tee "$OUT/delta_rule_decode.txt" | tail -60
   single qwen3.5-9b --random-weights qwen3.5-9b-shape

@@ -185,7 +185,7 @@ def test_hybrid_kernels_compile(compile_for_h100, tokens):
     compile_for_h100(linear.causal_conv1d, empty(tokens, channels), empty(channels, 4),
                      conv_states, query_start, state_slots, initial, (2048, 2048, 4096))
     ssm = empty(8, 24, 32, 128, 128, dtype=torch.float32)[:, 1]
-    for decode_seqs in (seqs, linear.FUSED_DECODE_FROM):  # three kernels; one launch
+    for decode_seqs in (seqs, linear.FUSED_DECODE_FROM):  # four kernels; one launch
         projected = empty(decode_seqs, channels + 4096 + 64)
         mixed, z, a, b = projected.split([channels, 4096, 32, 32], dim=-1)
         compile_for_h100(linear.gated_delta_net_decode, mixed, a, b, z, empty(channels, 4),

@@ -121,7 +121,7 @@ def test_gated_delta_rule_update_matches_reference(interpreter, dtype, dv):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("dv", [64, 100], ids=["power-of-two", "masked-values"])
-@pytest.mark.parametrize("fused_from", [1, 16], ids=["one-launch", "three-kernels"])
+@pytest.mark.parametrize("fused_from", [1, 16], ids=["one-launch", "four-kernels"])
 def test_the_decode_step_of_a_layer_matches_reference(interpreter, dtype, dv, fused_from):
     """The convolution, the gates, the delta rule and the gated norm of a decode step, from the
     projection's strided columns (``mixed``, ``z``, ``a``, ``b``, as the model splits them): in

@@ -168,7 +168,8 @@ def _conv_step(x_row_ptr, weight_ptr, state_ptr, channels, ok, initial, state_ch
     acc = (tl.sum(held.to(tl.float32) * weights.to(tl.float32), axis=1)
            + x.to(tl.float32) * newest.to(tl.float32))
     tl.debug_barrier()
-    tl.store(window - state_tap_stride, held, mask=window_ok & (taps >= 1)[None, :])  # (tap 0 drops out)
+    # each tap one place down (tap 0 drops out), the new input last
+    tl.store(window - state_tap_stride, held, mask=window_ok & (taps >= 1)[None, :])
     tl.store(state_ptr + channels * state_channel_stride + (WIDTH - 1) * state_tap_stride,
              x.to(state_ptr.dtype.element_ty), mask=ok)
     out = acc / (1.0 + tl.exp(-acc))

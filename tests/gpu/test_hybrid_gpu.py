@@ -192,7 +192,7 @@ def test_the_delta_rule_kernels_match_their_references():
 
 
 @pytest.mark.parametrize("num_seqs", [4, linear.FUSED_DECODE_FROM + 3],
-                         ids=["three-kernels", "one-launch"])
+                         ids=["four-kernels", "one-launch"])
 def test_a_layer_s_decode_step_matches_its_reference(num_seqs):
     """The convolution, the gates, the delta rule and the gated norm of a decode step from the
     projection's strided columns, at Qwen3.5-9B's head sizes: as four kernels for a few
