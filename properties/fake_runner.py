@@ -222,15 +222,19 @@ class FakeRunner:
         self.last_sampled: dict[int, int] = {}  # the previous plan's tokens by slot
         self.num_launches = 0
         self.failed_launches: set[int] = set()
-        self._fail_after: int | None = None  # positions the next launch to fail computes
-        self._fail_if: Callable[[BatchPlan, set[int]], bool] | None = None
+        # the failures asked for and still to come, by kind: (positions computed first, which
+        # launch), in the order asked for
+        self._failures: dict[str, tuple[int, Callable[[BatchPlan, set[int]], bool] | None]] = {}
 
-    def fail(self, after: int | None,
-             only_if: Callable[[BatchPlan, set[int]], bool] | None = None) -> None:
+    def fail(self, after: int, only_if: Callable[[BatchPlan, set[int]], bool] | None = None,
+             kind: str = "any launch") -> None:
         """Fail the next launch once it has computed ``after`` positions (or all of them, if
-        fewer); None: don't. ``only_if``: only a launch for whose plan and new blocks (not
-        prefix-cache hits) this is true."""
-        self._fail_after, self._fail_if = after, only_if
+        fewer). ``only_if``: only a launch for whose plan and new blocks (not prefix-cache hits)
+        this is true. One failure of each ``kind`` waits for its launch; asking again for a
+        kind replaces it, while a failure of another kind (say, of any launch) leaves it
+        waiting: a rare launch's failure is not lost to a common one's."""
+        self._failures.pop(kind, None)
+        self._failures[kind] = (after, only_if)
 
     def launch(self, plan: BatchPlan) -> Sampled:
         """Take the plan's started sequences and new table entries (and a hybrid model's
@@ -286,11 +290,11 @@ class FakeRunner:
     def _positions_before_failing(self, plan: BatchPlan, new_blocks: set[int]) -> int | None:
         """How many positions this launch computes before it fails, or None if it does not
         (``fail``)."""
-        after, only_if = self._fail_after, self._fail_if
-        if after is None or (only_if is not None and not only_if(plan, new_blocks)):
-            return None
-        self._fail_after = None
-        return after
+        for kind, (after, only_if) in self._failures.items():
+            if only_if is None or only_if(plan, new_blocks):
+                del self._failures[kind]
+                return after
+        return None
 
     def holds_computed(self, held: Computed | None) -> bool:
         """Whether a position holds KV that a launch which did not fail computed."""

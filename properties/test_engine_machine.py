@@ -75,8 +75,8 @@ def _step_checking_the_shortcut(state, events):
 
 
 class EngineMachine(RuleBasedStateMachine):
-    @initialize(setup=setups(), pipelined=st.booleans(), plain=st.sampled_from([None, True]),
-                twice=st.booleans())
+    """The machine; ``machine_for`` gives it the setups its runs start from."""
+
     def start(self, setup, pipelined, plain, twice):
         """``plain``: True for a run whose requests all suit the plain decode step; ``twice``:
         every state that took a delivery is stepped a second time (``step_again``)."""
@@ -152,7 +152,7 @@ class EngineMachine(RuleBasedStateMachine):
         (which the loop must drop from the cache) once it has computed ``after`` positions."""
         def evicts(_, blocks: set[int]) -> bool:  # (the loop's state is the one before the step)
             return any(block in blocks for block, _ in self.driver.state.pool.cached_blocks())
-        self.driver.runner.fail(after, evicts)
+        self.driver.runner.fail(after, evicts, kind="eviction")
 
     @rule(after=st.integers(0, 40))
     def fail_next_state_copy(self, after):
@@ -160,7 +160,8 @@ class EngineMachine(RuleBasedStateMachine):
         saves one (whose slots the loop must mark dirty) once it has computed ``after``
         positions: a random failure meets such a launch too seldom (none in some runs)."""
         self.driver.runner.fail(after, lambda plan, _: bool(plan.state_restores
-                                                            or plan.state_saves))
+                                                            or plan.state_saves),
+                                kind="state copy")
 
     @rule(times=st.integers(1, 6))
     def advance(self, times):
@@ -334,9 +335,29 @@ def _met_a_hash_collision(old, new, plan) -> bool:
     return False
 
 
-EngineMachine.TestCase.settings = settings(
-    max_examples=examples(300), stateful_step_count=steps(40), deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+def machine_for(setup_strategy: st.SearchStrategy) -> type[EngineMachine]:
+    """``EngineMachine`` whose runs start from setups drawn from ``setup_strategy``."""
+
+    class Machine(EngineMachine):
+        @initialize(setup=setup_strategy, pipelined=st.booleans(),
+                    plain=st.sampled_from([None, True]), twice=st.booleans())
+        def begin(self, setup, pipelined, plain, twice):
+            self.start(setup, pipelined, plain, twice)
+
+    Machine.TestCase.settings = settings(
+        max_examples=examples(300 // len(SETUP_FAMILIES)), stateful_step_count=steps(40),
+        deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    return Machine
+
+
+# The machine runs a quarter of its examples in each family of setups. Drawn from one strategy,
+# a run's examples crowded into some families now and then (Hypothesis builds examples from
+# earlier ones), and a count below fell from hundreds to a handful: CI runs failed floors of
+# hybrid admissions without a free slot (3 of 5) and of failed launches that copy states (0).
+SETUP_FAMILIES = (setups(caching=st.just(False), hybrid=st.none()),
+                  setups(caching=st.just(True), hybrid=st.none()),
+                  setups(caching=st.just(False), hybrid=st.integers(1, 8)),
+                  setups(caching=st.just(True), hybrid=st.integers(1, 8)))
 
 
 def test_engine_state_machine():
@@ -344,20 +365,22 @@ def test_engine_state_machine():
     with (mock.patch.object(scheduler, "preempt", _spying_preempt),
           mock.patch.object(loop, "step", _step_checking_the_shortcut),
           mock.patch.object(step_module, "decode_step", _spying_decode_step)):
-        EngineMachine.TestCase().runTest()
+        for family in SETUP_FAMILIES:
+            machine_for(family).TestCase().runTest()
     print(f"state machine: {dict(coverage)}")
     # The properties met what they are there for. Counts over random runs: each floor is well
     # under the fewest seen in default runs (in brackets), so that a run falls short only when
     # the property stopped meeting its case, not by chance.
-    for what, least in (("plain decode steps", 100),  # (2,233)
-                        ("states stepped again after a plain decode step", 50),  # (788)
-                        ("failed launches that wrote cached blocks", 1),  # (3)
-                        ("rows widened by decoding", 3),  # (60)
-                        ("admissions past a hash collision", 10),  # (258)
-                        ("hybrid states saved", 1),  # (28)
-                        ("hybrid sequences started from a saved state", 1),  # (5)
-                        ("hybrid admissions with no free state slot", 5),  # (77)
-                        ("failed launches that restore or save states", 1)):  # (9)
+    # (The fewest of six runs with the setups in families, 2026-11-27, in brackets.)
+    for what, least in (("plain decode steps", 100),  # (1,544)
+                        ("states stepped again after a plain decode step", 50),  # (481)
+                        ("failed launches that wrote cached blocks", 1),  # (32)
+                        ("rows widened by decoding", 3),  # (49)
+                        ("admissions past a hash collision", 10),  # (44)
+                        ("hybrid states saved", 1),  # (7)
+                        ("hybrid sequences started from a saved state", 1),  # (3)
+                        ("hybrid admissions with no free state slot", 5),  # (152)
+                        ("failed launches that restore or save states", 1)):  # (7)
         assert coverage[what] >= coverage_floor(least), f"{what}: {coverage[what]}"
 
 
