@@ -333,8 +333,8 @@ def _delta_rule_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, states_ptr, out_ptr
                     other=0.0).to(tl.float32)
         decay = tl.exp(tl.load(g_ptr + token * gb_stride_t + head).to(tl.float32))
         beta = tl.load(beta_ptr + token * gb_stride_t + head).to(tl.float32)
-        q = q * tl.rsqrt(tl.sum(q * q) + eps) * scale
-        k = k * tl.rsqrt(tl.sum(k * k) + eps)
+        q = _l2_normalised(q, eps) * scale
+        k = _l2_normalised(k, eps)
         state = state * decay
         predicted = tl.sum(state * k[:, None], axis=0)
         state += k[:, None] * ((v - predicted) * beta)[None, :]
@@ -374,8 +374,8 @@ def _gated_delta_net_decode_kernel(
     k = _conv_step(x_row, conv_weight_ptr, conv_state, key_dim + key_head * DK + keys, every_key,
                    initial, conv_channel_stride, conv_tap_stride, WIDTH, WIDTH_P2)
     qk_row = qk_ptr + (seq * tl.num_programs(0) + key_head) * (2 * DK)
-    tl.store(qk_row + keys, q * (tl.rsqrt(tl.sum(q * q) + eps) * scale))
-    tl.store(qk_row + DK + keys, k * tl.rsqrt(tl.sum(k * k) + eps))
+    tl.store(qk_row + keys, _l2_normalised(q, eps) * scale)
+    tl.store(qk_row + DK + keys, _l2_normalised(k, eps))
     tl.debug_barrier()  # (the passes read q and k in other threads' chunks)
     values = tl.arange(0, BLOCK_V)
     value_ok = values < DV
@@ -410,6 +410,12 @@ def _gated_delta_net_decode_kernel(
                             norm_weight, norm_eps, DV, dtype)
         tl.store(out_ptr + seq * out_stride_t + head * out_stride_h + values[None, :],
                  gated.to(dtype), mask=value_ok[None, :])
+
+
+@triton.jit
+def _l2_normalised(x, eps):
+    """A query's or key's head ``x`` (float32) over its L2 norm, as ``delta_rule`` does."""
+    return x * tl.rsqrt(tl.sum(x * x) + eps)
 
 
 @triton.jit
@@ -486,19 +492,20 @@ def gated_delta_net_decode(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor
     num_seqs = mixed.shape[0]
     num_v_heads, dk, dv = ssm_states.shape[1:]
     key_dim = (mixed.shape[1] - num_v_heads * dv) // 2
+    num_k_heads = key_dim // dk
     if (mixed.stride(1) != 1 or z.stride(1) != 1 or conv_weight.stride(1) != 1
             or dk & (dk - 1)):
         raise ValueError("the fused decode kernel reads rows of the projection, z and the conv "
                          "weight with unit stride, and keys of a power-of-two size")
     out = torch.empty(num_seqs, num_v_heads, dv, dtype=mixed.dtype, device=mixed.device)
-    qk = torch.empty(num_seqs, key_dim // dk, 2, dk, dtype=torch.float32, device=mixed.device)
+    qk = torch.empty(num_seqs, num_k_heads, 2, dk, dtype=torch.float32, device=mixed.device)
     chunk, warps = DECODE_TILES
     width = conv_weight.shape[1] - 1
-    _gated_delta_net_decode_kernel[(key_dim // dk, num_seqs)](
+    _gated_delta_net_decode_kernel[(num_k_heads, num_seqs)](
         mixed, a, b, z, conv_weight, a_log, dt_bias, norm_weight, conv_states, ssm_states, qk,
         out, state_slots, has_initial_state, mixed.stride(0), a.stride(0), b.stride(0),
         z.stride(0), out.stride(0), out.stride(1), *conv_states.stride(), *ssm_states.stride(),
-        key_dim, L2_NORM_EPS, eps, dk ** -0.5, GROUP=num_v_heads * dk // key_dim, DK=dk, DV=dv,
+        key_dim, L2_NORM_EPS, eps, dk ** -0.5, GROUP=num_v_heads // num_k_heads, DK=dk, DV=dv,
         BLOCK_V=triton.next_power_of_2(dv), CHUNK_K=min(chunk, dk), WIDTH=width,
         WIDTH_P2=triton.next_power_of_2(width), num_warps=warps)
     return out
@@ -532,11 +539,11 @@ def fla_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
     if chunks is None:
         ends = list(itertools.accumulate(query_lens_host, initial=0))  # (no wait for the device)
         cu_seqlens, options = query_start.long(), {"cu_seqlens_cpu": torch.tensor(ends)}
-        initial = gathered_states(ssm_states, state_slots, has_initial_state)
     else:
         cu_seqlens = torch.cat([query_start, query_start[-1:]]).long()  # + the empty sequence
-        initial = gathered_states(ssm_states, state_slots, has_initial_state, zero_rows=1)
         options = {"chunk_indices": chunks}
+    initial = gathered_states(ssm_states, state_slots, has_initial_state,
+                              zero_rows=0 if chunks is None else 1)
     out, final = chunk_gated_delta_rule(
         q[None], k[None], v[None], g[None].float(), beta[None].to(v.dtype),
         initial_state=initial, output_final_state=True, use_qk_l2norm_in_kernel=True,
