@@ -6,6 +6,7 @@ one machine. The engine has no option for them, each being its default wherever 
 from __future__ import annotations
 
 import argparse
+from dataclasses import fields
 
 
 def add_model_and_switches(parser: argparse.ArgumentParser) -> None:
@@ -45,6 +46,31 @@ def load_options(args: argparse.Namespace) -> dict[str, str]:
     """``LLM`` options for the model ``model_with_switches`` gives: random weights (a preset's
     config alone) are made on the device."""
     return {} if args.model else {"load_format": "dummy"}
+
+
+def llm_options(extra: list[str]) -> dict:
+    """``--key=value`` arguments as LLM options (ints, floats and true/false understood), e.g.
+    ``--quantization=fp8 --kv-cache-dtype=fp8``; any other argument is an error."""
+    from nanofn.engine.options import EngineOptions
+
+    known = {f.name for f in fields(EngineOptions)}
+    options = {}
+    for arg in extra:
+        key, sep, value = arg.removeprefix("--").partition("=")
+        key = key.replace("-", "_")
+        if not arg.startswith("--") or not sep or key not in known:
+            raise SystemExit(f"{arg!r} is not --OPTION=VALUE with an LLM option")
+        options[key] = _parsed(value)
+    return options
+
+
+def _parsed(value: str) -> int | float | bool | str:
+    for parse in (int, float, {"true": True, "false": False}.__getitem__):
+        try:
+            return parse(value)
+        except (ValueError, KeyError):
+            continue
+    return value
 
 
 def projections_on_cublas() -> None:

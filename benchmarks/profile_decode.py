@@ -18,7 +18,7 @@ import torch
 from nanofn import LLM, SamplingParams
 from nanofn.engine.collector import fewer_gc_pauses
 
-from kernel_switches import (add_model_and_switches, load_options,  # (benchmarks/)
+from kernel_switches import (add_model_and_switches, llm_options, load_options,  # (benchmarks/)
                              model_with_switches)
 
 
@@ -32,8 +32,9 @@ def main() -> None:
                     help="skip the device profile; list the host's functions by own time")
     ap.add_argument("--timeline", action="store_true",
                     help="also each kernel's share of the device's critical path (see below)")
-    args = ap.parse_args()
-    llm = LLM(model_with_switches(args), max_model_len=4096, **load_options(args))
+    args, extra = ap.parse_known_args()  # and LLM options as --key=value
+    llm = LLM(model_with_switches(args), max_model_len=4096, **llm_options(extra),
+              **load_options(args))
     engine = llm.engine
     rng = random.Random(0)
     params = SamplingParams(temperature=0.6, max_tokens=1000, ignore_eos=True)

@@ -21,7 +21,7 @@ import torch
 
 from nanofn import LLM, SamplingParams
 
-from kernel_switches import (add_model_and_switches, load_options,  # (benchmarks/)
+from kernel_switches import (add_model_and_switches, llm_options, load_options,  # (benchmarks/)
                              model_with_switches)
 
 
@@ -31,8 +31,9 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=29)
     ap.add_argument("--prompt-len", type=int, default=560)
     ap.add_argument("--gaps", action="store_true", help="list the device's idle gaps in the step")
-    args = ap.parse_args()
-    llm = LLM(model_with_switches(args), max_model_len=4096, **load_options(args))
+    args, extra = ap.parse_known_args()  # and LLM options as --key=value
+    llm = LLM(model_with_switches(args), max_model_len=4096, **llm_options(extra),
+              **load_options(args))
     rng = random.Random(0)
     params = SamplingParams(temperature=0.6, max_tokens=1, ignore_eos=True)
 

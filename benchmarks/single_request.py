@@ -16,15 +16,13 @@ import argparse
 import json
 import random
 import time
-from dataclasses import fields
 from pathlib import Path
 
 from nanofn import LLM, SamplingParams
 from nanofn.cli.bench import ModelDims, bench_data_types, floor
-from nanofn.engine.options import EngineOptions
 
-from kernel_switches import (add_model_and_switches, load_options,  # (benchmarks/)
-                             model_with_switches)
+from kernel_switches import (add_model_and_switches, llm_options,  # (benchmarks/)
+                             load_options, model_with_switches)
 
 PROMPT_LEN, NEW_TOKENS, PREFILL_REPEATS = 512, 512, 5
 
@@ -35,7 +33,7 @@ def main() -> None:
     ap.add_argument("--json")
     ap.add_argument("--trace", help="a folder for a torch.profiler record of one more prefill")
     args, extra = ap.parse_known_args()
-    options = {"max_model_len": 4096, **_options(extra)}
+    options = {"max_model_len": 4096, **llm_options(extra)}
     model = model_with_switches(args)
     llm = LLM(model, **options, **load_options(args))
     vocab = llm.engine.text_config.vocab_size
@@ -92,29 +90,6 @@ def _trace_prefill(llm: LLM, prompt: list[int], folder: Path) -> None:
                         for title, key in sections)
     (folder / "prefill-ops.txt").write_text(text)
     record.export_chrome_trace(str(folder / "prefill-trace.json"))
-
-
-def _options(extra: list[str]) -> dict:
-    """``--key=value`` arguments as LLM options (ints, floats and true/false understood); any
-    other argument is an error."""
-    known = {f.name for f in fields(EngineOptions)}
-    options = {}
-    for arg in extra:
-        key, sep, value = arg.removeprefix("--").partition("=")
-        key = key.replace("-", "_")
-        if not arg.startswith("--") or not sep or key not in known:
-            raise SystemExit(f"single_request.py: {arg!r} is not --OPTION=VALUE with an LLM option")
-        options[key] = _parse(value)
-    return options
-
-
-def _parse(value: str):
-    for parse in (int, float, {"true": True, "false": False}.__getitem__):
-        try:
-            return parse(value)
-        except (ValueError, KeyError):
-            continue
-    return value
 
 
 if __name__ == "__main__":
