@@ -11,6 +11,7 @@ import nanofn.kernels.triton_attention as triton_attention
 from nanofn.kernels import triton_fp8, triton_ops
 from nanofn.kernels.fp8 import FP8_DTYPE, Fp8Weight, fp8_linear, quantize_groups, quantize_static
 from nanofn.kernels.triton_fp8 import GROUP
+from nanofn.kernels.triton_gemv import GemvConfig
 from nanofn.kernels.rotary import apply_rotary
 from nanofn.kernels.rotary import rotary_decode_attention as reference_rotary_decode_attention
 from nanofn.kernels.rotary import rotate_and_store_kv as reference_rotate_and_store_kv
@@ -213,6 +214,23 @@ def test_fp8_projection_kernels_give_the_reference_product(interpreter, dtype, k
 
 
 @pytest.mark.parametrize("kind", WEIGHT_KINDS)
+@pytest.mark.parametrize("rows", [1, 3])
+def test_the_fp8_gemv_over_several_tiles_a_row_gives_the_reference_product(interpreter, kind,
+                                                                         rows):
+    """Tiles of 128 columns over K = 300: a per-token scale from a first pass over the whole
+    row (whose largest magnitude is in its last tile), block-wise groups one a tile, the short
+    last tile masked; 40 outputs in programs of 16 (a short last one)."""
+    weight = fp8_weight(40, 300, kind, seed=12)
+    if kind == "static":
+        weight = Fp8Weight(weight.data, weight.scale, weight.group_size, torch.tensor(2.0**-6))
+    x = exactly_quantized_input(rows, 300, weight.group_size, kind == "static", torch.float32)
+    out = interpreter(triton_fp8.fp8_gemv, x, weight, None, GemvConfig(16, 128, 4))
+    expected = fp8_linear(x, weight)
+    torch.testing.assert_close(out, expected, rtol=1e-5,
+                               atol=1e-5 * expected.abs().max().item())
+
+
+@pytest.mark.parametrize("kind", WEIGHT_KINDS)
 def test_fp8_projection_kernels_compile(compile_for_h100, kind):
     """bf16 activations at Qwen3-0.6B's qkv_proj: the quantization kernel, the GEMV at 1 and 8
     rows and the GEMM."""
@@ -221,8 +239,13 @@ def test_fp8_projection_kernels_compile(compile_for_h100, kind):
     weight = Fp8Weight(empty(n, k, dtype=FP8_DTYPE), empty(n, groups, dtype=torch.float32),
                        128 if kind == "block" else k,
                        empty((), dtype=torch.float32) if kind == "static" else None)
-    for rows in (1, 8, 300):
+    for rows in (1, 8, 64, 300):  # the GEMV, the GEMM's small and large tiles
         compile_for_h100(triton_fp8.fp8_linear, empty(rows, k), weight, empty(n))
+    wide = 12288  # Qwen3-8B's down_proj: three tiles of 4,096 columns a row
+    wide_weight = Fp8Weight(empty(n, wide, dtype=FP8_DTYPE),
+                            empty(n, wide // 128 if kind == "block" else 1, dtype=torch.float32),
+                            128 if kind == "block" else wide, weight.input_scale)
+    compile_for_h100(triton_fp8.fp8_linear, empty(1, wide), wide_weight)
     for rows, residual in ((1, None), (4, empty(4, k))):
         for gated in (False, True):
             compile_for_h100(triton_fp8.fp8_rms_norm_gemv, empty(rows, k), empty(k), 1e-6,

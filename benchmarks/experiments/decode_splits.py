@@ -9,9 +9,12 @@ head_dim 128), bf16, 16-token blocks, block tables 4,096 keys wide as in the eng
 Each call is replayed from a CUDA graph (``triton.testing.do_bench_cudagraph``).
 
 With ``--longest-first`` the fixed split counts take the rows longest context first too.
+With ``--tiles 64x2x4,128x2x4,...`` the columns are decode tiles instead (keys a tile, tiles in
+flight, warps; ``triton_attention.DECODE_TILES``), each at the heuristic's split count,
+longest context first. ``--kv-dtype fp8`` keeps the cache in e4m3 (its floor at 1 byte).
 
 Usage: python benchmarks/experiments/decode_splits.py [--bandwidth 3028] [--steps 50,300,...]
-       [--longest-first]
+       [--longest-first] [--kv-dtype bf16|fp8] [--tiles BxSxW,...]
 """
 
 from __future__ import annotations
@@ -37,14 +40,15 @@ def workload_contexts(step: int, num_requests: int = 256) -> list[int]:
     return [p + step for p, o in zip(prompts, outputs) if step < o]
 
 
-def decode_inputs(contexts: list[int], device: torch.device) -> tuple:
+def decode_inputs(contexts: list[int], device: torch.device,
+                  kv_dtype: torch.dtype = torch.bfloat16) -> tuple:
     """Queries and a paged cache in shuffled blocks holding ``contexts``: the arguments of
     ``decode_attention`` but ``num_splits``."""
     g = torch.Generator(device=device).manual_seed(0)
     blocks = [-(-n // BLOCK_SIZE) for n in contexts]
     num_blocks = sum(blocks) + 1
     shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
-    k_cache, v_cache = (torch.randn(shape, generator=g, device=device, dtype=torch.bfloat16)
+    k_cache, v_cache = (torch.randn(shape, generator=g, device=device).to(kv_dtype)
                         for _ in range(2))
     free = torch.randperm(num_blocks, generator=g, device=device)
     tables = torch.zeros(len(contexts), TABLE_KEYS // BLOCK_SIZE, dtype=torch.int32, device=device)
@@ -71,24 +75,47 @@ def main() -> None:
     ap.add_argument("--steps", default="1,50,150,300,450,600,700,800,900,950,1000")
     ap.add_argument("--longest-first", action="store_true",
                     help="the fixed split counts too take the rows longest context first")
+    ap.add_argument("--kv-dtype", choices=["bf16", "fp8"], default="bf16")
+    ap.add_argument("--tiles", help="decode tiles to compare, as KEYSxSTAGESxWARPS,...")
     args = ap.parse_args()
     device = torch.device("cuda")
+    kv_dtype = torch.float8_e4m3fn if args.kv_dtype == "fp8" else torch.bfloat16
+    tiles = [tuple(map(int, t.split("x"))) for t in args.tiles.split(",")] if args.tiles else []
+    columns = ([f"tile {'x'.join(map(str, t))}" for t in tiles] if tiles else
+               ["heuristic"] + [f"{n} split{'s' * (n > 1)}" for n in SPLIT_COUNTS])
+    print(f"{args.kv_dtype} cache")
     print("| step | batch | keys (max) | floor | heuristic, longest first (as in the engine) | "
-          "heuristic | " + " | ".join(f"{n} split{'s' * (n > 1)}" for n in SPLIT_COUNTS) + " |")
-    print("|---" * (6 + len(SPLIT_COUNTS)) + "|")
+          + " | ".join(columns) + " |")
+    print("|---" * (5 + len(columns)) + "|")
     for step in map(int, args.steps.split(",")):
         contexts = workload_contexts(step)
-        inputs = decode_inputs(contexts, device)
-        floor = sum(contexts) * NUM_KV_HEADS * HEAD_DIM * 2 * 2 / (args.bandwidth * 1e3)
+        inputs = decode_inputs(contexts, device, kv_dtype)
+        floor = (sum(contexts) * NUM_KV_HEADS * HEAD_DIM * 2 * kv_dtype.itemsize
+                 / (args.bandwidth * 1e3))
         longest_first = torch.argsort(inputs[3], descending=True, stable=True).to(torch.int32)
         cells = [f"{microseconds(inputs, None, longest_first):.1f}"]
-        fixed_order = longest_first if args.longest_first else None
-        cells += [f"{microseconds(inputs, None):.1f}"]
-        cells += [f"{microseconds(inputs, n, fixed_order):.1f}" for n in SPLIT_COUNTS]
+        if tiles:
+            cells += [f"{_with_tile(tile, kv_dtype, inputs, longest_first):.1f}" for tile in tiles]
+        else:
+            fixed_order = longest_first if args.longest_first else None
+            cells += [f"{microseconds(inputs, None):.1f}"]
+            cells += [f"{microseconds(inputs, n, fixed_order):.1f}" for n in SPLIT_COUNTS]
         print(f"| {step} | {len(contexts)} | {sum(contexts):,} ({max(contexts):,}) | {floor:.1f} | "
               + " | ".join(cells) + " |")
         del inputs
         torch.cuda.empty_cache()
+
+
+def _with_tile(tile: tuple[int, int, int], kv_dtype: torch.dtype, inputs: tuple,
+               order: torch.Tensor) -> float:
+    """``microseconds`` with ``tile`` as the decode tile of ``kv_dtype``'s caches."""
+    tiles = triton_attention.DECODE_TILES
+    kept = tiles[kv_dtype.itemsize]
+    tiles[kv_dtype.itemsize] = tile
+    try:
+        return microseconds(inputs, None, order)
+    finally:
+        tiles[kv_dtype.itemsize] = kept
 
 
 if __name__ == "__main__":

@@ -22,8 +22,11 @@ rotates the queries too.)
   group's heads, again reading K/V once per group: 128 rows, at two programs an SM, or 64 for
   a step too small to fill the GPU with those (``prefill_block_m``).
 
-An FP8 cache (float8_e4m3fn) is read into the queries' dtype tile by tile (exact: e4m3 values
-are bf16 and fp16 values), and written saturating at +-448 (``to_cache_dtype``). The kernels
+An FP8 cache (float8_e4m3fn) is read into float16 tile by tile (exact: e4m3 values are fp16
+values; one conversion instruction per two elements, where bf16 takes three), the queries and
+the probabilities multiplied in float16 too (``product_dtype``; queries past fp16's 65,504 would
+overflow, far beyond a normed or projected head's values), and written saturating at +-448
+(``to_cache_dtype``). The kernels
 store and read at scale 1; ``decode_attention`` and ``prefill_attention`` take other scales of
 a cache written with them by folding ``k_scale`` into the score scale and ``v_scale`` into the
 output.
@@ -49,8 +52,9 @@ from nanofn.kernels.device import num_sms
 from nanofn.kernels.triton_overlap import wait_for_previous
 
 LOG2_E = 1.4426950408889634
-DECODE_BLOCK_N = 64  # keys per decode tile
-DECODE_STAGES = 2  # tiles in flight a decode program: fewer buffers, more programs per SM
+# A decode program's (keys a tile, tiles in flight, warps), by the cache's bytes an element:
+# fewer buffers, more programs per SM (benchmarks/experiments/decode_splits.py --tiles)
+DECODE_TILES = {2: (64, 2, 4), 4: (64, 2, 4), 1: (64, 2, 4)}
 PREFILL_ROWS = 128  # rows per prefill tile, (queries of one sequence) x (heads of one group)...
 PREFILL_SMALL_ROWS = 64  # ...or these, for steps too small to fill the GPU (``prefill_block_m``)
 PREFILL_BLOCK_N = 64  # keys per prefill tile
@@ -67,6 +71,16 @@ RESIDENT_DECODE_PROGRAMS_PER_SM = 5
 
 # ---------------------------------------------------------------------------------------------
 # Kernels
+
+
+@triton.jit
+def product_dtype(q, cache_ptr):
+    """The queries in the dtype of the matrix products with the cache's keys and values: their
+    own, or float16 for an FP8 cache under 16-bit queries (e4m3 values convert to fp16 in one
+    instruction per pair, to bf16 in three more per element). Float32 queries stay float32."""
+    if cache_ptr.dtype.element_ty == tl.float8e4nv and q.dtype != tl.float32:
+        q = q.to(tl.float16)
+    return q
 
 
 @triton.jit
@@ -110,7 +124,7 @@ def _attend_tile(acc, row_sum, row_max, q, k, v, visible, qk_scale, MASKED: tl.c
 
     ``row_max`` is in scaled units; the scale is applied to the row's max and then inside the
     exponent's argument (one fused multiply-add a score), not to every score first. Keys and
-    values of an FP8 cache are converted to the queries' dtype here."""
+    values of an FP8 cache are converted to the queries' dtype (``product_dtype``) here."""
     k = k.to(q.dtype)
     v = v.to(q.dtype)
     if k.dtype == tl.float32:  # a float32 model gets float32 products, not TF32's 10 bits
@@ -308,8 +322,8 @@ def _decode_kernel(
             (one_row == 0) & holds_newest, HEAD_DIM)
         new_v = tl.load(new_v_ptr + seq * stride_vb + kv_head * stride_vh + dims[None, :],
                         mask=holds_newest, other=0.0)
-        q = _rotated_heads(q, q_partner, q_weight, q_partner_weight, cos, sin, norm_eps,
-                           HEAD_DIM, NORM)
+        q = product_dtype(_rotated_heads(q, q_partner, q_weight, q_partner_weight, cos, sin,
+                                         norm_eps, HEAD_DIM, NORM), k_cache_ptr)
         new_k = _rotated_heads(new_k, new_k_partner, k_weight, k_partner_weight, cos, sin,
                                norm_eps, HEAD_DIM, NORM)
         cache_row = ((slot // BLOCK_SIZE) * stride_block + (slot % BLOCK_SIZE) * stride_slot
@@ -328,7 +342,8 @@ def _decode_kernel(
         acc = tl.where(holds_newest, acc + new_v.to(tl.float32), acc)
     else:
         q_offsets = seq * stride_qb + heads[:, None] * stride_qh + dims[None, :]
-        q = tl.load(q_ptr + q_offsets, mask=row_mask[:, None], other=0.0)
+        q = product_dtype(tl.load(q_ptr + q_offsets, mask=row_mask[:, None], other=0.0),
+                          k_cache_ptr)
 
     if SPLIT_K:
         acc, row_sum, row_max = _attend_tile(acc, row_sum, row_max, q, k, v,
@@ -412,7 +427,8 @@ def _prefill_kernel(
     tokens = query_begin + queries
     dims = tl.arange(0, HEAD_DIM)
     q_offsets = tokens[:, None] * stride_qt + heads[:, None] * stride_qh + dims[None, :]
-    q = tl.load(q_ptr + q_offsets, mask=row_mask[:, None], other=0.0)
+    q = product_dtype(tl.load(q_ptr + q_offsets, mask=row_mask[:, None], other=0.0),
+                      k_cache_ptr)
 
     query_pos = seq_len - query_len + queries
     first_pos = seq_len - query_len + q_tile * BLOCK_Q
@@ -547,7 +563,18 @@ def decode_partition_count(q: torch.Tensor, k_cache: torch.Tensor, block_tables:
     if num_splits is None:
         sms = num_sms(q.device, elsewhere=132)  # an H100's, so the interpreter splits alike
         num_splits = decode_num_splits(q.shape[0], k_cache.shape[2], max_context, sms)
-    return max(1, min(num_splits, -(-max_context // DECODE_BLOCK_N)))
+    return max(1, min(num_splits, -(-max_context // decode_tile(k_cache).block_n)))
+
+
+class DecodeTile(NamedTuple):
+    block_n: int
+    stages: int
+    warps: int
+
+
+def decode_tile(k_cache: torch.Tensor) -> DecodeTile:
+    """The decode kernel's tile for a cache of ``k_cache``'s dtype (``DECODE_TILES``)."""
+    return DecodeTile(*DECODE_TILES[k_cache.element_size()])
 
 
 def fuses_rotary(q: torch.Tensor, k_cache: torch.Tensor, num_splits: int) -> bool:
@@ -586,11 +613,12 @@ def decode_partitions(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 
 def _launch_decode(q, k_cache, v_cache, seq_lens, block_tables, order, scale, num_splits, out,
                    partials, new: NewTokens | None) -> None:
-    """One program per (row x kv head, partition), ``DECODE_BLOCK_N`` keys a tile and
-    ``DECODE_STAGES`` tiles in flight: on the H100, with the kv heads first, 64-key tiles two
-    deep match or beat 128-key tiles three deep from 4 to 256 sequences."""
+    """One program per (row x kv head, partition), in ``decode_tile``'s tiles: on the H100,
+    with the kv heads first, 64-key bf16 tiles two deep match or beat 128-key tiles three deep
+    from 4 to 256 sequences."""
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
+    tile = decode_tile(k_cache)
     if new is None:  # placeholders, never read
         rotation = (q, q, seq_lens, seq_lens, q, q, q, 0, 0, 0, 0, 0, 0.0)
         norm = False
@@ -608,8 +636,8 @@ def _launch_decode(q, k_cache, v_cache, seq_lens, block_tables, order, scale, nu
         scale * LOG2_E, *rotation,
         KV_HEADS=num_kv_heads, GROUP=group, BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=q.shape[2],
         BLOCK_M=max(16, triton.next_power_of_2(group)),
-        BLOCK_N=DECODE_BLOCK_N, SPLIT_K=num_splits > 1, HAS_ORDER=order is not None,
-        ROTATE=new is not None, NORM=norm, num_warps=4, num_stages=DECODE_STAGES,
+        BLOCK_N=tile.block_n, SPLIT_K=num_splits > 1, HAS_ORDER=order is not None,
+        ROTATE=new is not None, NORM=norm, num_warps=tile.warps, num_stages=tile.stages,
         **triton_overlap.launch_options(q.device),
     )
 

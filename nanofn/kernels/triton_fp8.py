@@ -13,17 +13,19 @@ per-tensor scale), times the e4m3 weight, each product scaled by its row's and g
   one group a row (per-channel or per-tensor weights, per-token activations) the scales apply
   once, after the K loop.
 - ``fp8_gemv``: a few rows (decode). Memory-bound: each program reads ``BLOCK_N`` weight rows
-  and quantizes its input tile itself (a group of 128 columns is one step; per token, a first
-  pass over the row finds its scale), so no quantization kernel runs ahead of it.
+  and quantizes its input tiles itself (per group of 128 columns, or per token: over the row
+  in one tile, or in a first pass over a longer row), so no quantization kernel runs ahead.
 - ``fp8_rms_norm_gemv``: the same after the norm before the projection (qkv_proj, and
   gate_up_proj with its activation), in one kernel as ``triton_gemv.rms_norm_gemv`` does in
   bf16: whole rows a program, normed, quantized and multiplied there.
 
-Launch parameters are first guesses, not tuned on a GPU yet: the tests check results, and
-compile them for SM 9.0.
+The GEMVs take ``triton_gemv.gemv_config``'s tiles (whole rows of up to 4,096 columns, a few
+outputs a program); the GEMM's tiles were measured on the H100 (``gemm_tile``).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -31,19 +33,39 @@ import triton.language as tl
 
 from nanofn.kernels import triton_overlap
 from nanofn.kernels.fp8 import FP8_DTYPE, MIN_SCALE, Fp8Weight
-from nanofn.kernels.triton_gemv import NORM, input_tile, gemv_epilogue
+from nanofn.kernels.triton_gemv import (NORM, PLAIN, GemvConfig, gemv_config, gemv_epilogue,
+                                        input_tile)
 from nanofn.kernels.triton_overlap import wait_for_previous
 
 GEMV_MAX_ROWS = 8  # rows up to which the GEMV runs (the GEMM's tiles are 64 rows at least)
 GROUP = 128  # the one group size of block-wise scales (``quantization.BLOCK_SIZE``)
+GROUP_COLUMNS = tl.constexpr(GROUP)  # (a global a kernel reads must be a constexpr)
 QUANTIZE_BLOCK = 1024  # columns a quantization step
-GEMM_BLOCKS = (64, 128, 128)  # (rows, outputs, columns) a GEMM tile
-GEMV_BLOCKS = (16, 128)  # (outputs, columns) a GEMV program
-# The GEMV with the norm before it: whole rows a program, so few rows and few outputs (as
-# ``triton_gemv.gemv_config``'s at one row)
-NORM_GEMV_MAX_ROWS = 4
-NORM_GEMV_OUTPUTS = 4
-NORM_PROLOGUE = tl.constexpr(NORM)  # (a global a kernel reads must be a constexpr)
+
+
+class GemmTile(NamedTuple):
+    """The W8A8 GEMM's launch: rows, outputs and columns a tile (columns: 128 with block-wise
+    scales, whatever this says), warps, pipeline stages."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+# Measured on the H100 at Qwen3-0.6B's projections (benchmarks/experiments/fp8_gemm.py): at
+# 64-256 rows 64-output tiles, more programs, 1-6 us faster than 128 (~7 against ~9 us a
+# GEMM); at 8,192 rows 128-output tiles, 8 warps, 3 stages
+SMALL_GEMM_TILE = GemmTile(64, 64, 128, 4, 4)
+GEMM_TILE = GemmTile(64, 128, 128, 8, 3)
+SMALL_GEMM_MAX_ROWS = 256
+
+
+def gemm_tile(rows: int) -> GemmTile:
+    """The W8A8 GEMM's tile for ``rows`` rows."""
+    return SMALL_GEMM_TILE if rows <= SMALL_GEMM_MAX_ROWS else GEMM_TILE
+NORM_GEMV_MAX_ROWS = 4  # the GEMV with the norm before it (whole rows a program)
 
 
 @triton.jit
@@ -150,22 +172,32 @@ def _fp8_gemm_kernel(
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & output_mask[None, :])
 
 
-def fp8_gemm(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+def fp8_gemm(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = None,
+             tile: GemmTile | None = None) -> torch.Tensor:
     """``fp8.fp8_linear`` of ``x [M, K]`` (contiguous rows): the activations quantized
     (``quantize_activations``), then the W8A8 GEMM, in x's dtype."""
-    rows, k = x.shape
+    q, x_scales = quantize_activations(x, weight.group_size, weight.input_scale)
+    return quantized_gemm(q, x_scales, weight, bias, x.dtype, tile)
+
+
+def quantized_gemm(q: torch.Tensor, x_scales: torch.Tensor, weight: Fp8Weight,
+                   bias: torch.Tensor | None, dtype: torch.dtype,
+                   tile: GemmTile | None = None) -> torch.Tensor:
+    """The W8A8 GEMM of activations already quantized (``quantize_activations``' codes
+    ``q [M, K]`` and scales), in ``dtype``, in ``gemm_tile``'s tiles unless ``tile`` says."""
+    rows, k = q.shape
+    tile = tile or gemm_tile(rows)
     n = weight.shape[0]
     per_group = _per_group(weight, k)
-    q, x_scales = quantize_activations(x, weight.group_size, weight.input_scale)
-    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
-    block_m, block_n, block_k = GEMM_BLOCKS
+    out = torch.empty(rows, n, dtype=dtype, device=q.device)
     if rows > 0:
-        _fp8_gemm_kernel[(triton.cdiv(rows, block_m), triton.cdiv(n, block_n))](
+        _fp8_gemm_kernel[(triton.cdiv(rows, tile.block_m), triton.cdiv(n, tile.block_n))](
             q, x_scales, weight.data, weight.scale, bias if bias is not None else out, out,
             rows, n, k, q.stride(0), x_scales.stride(0), weight.data.stride(0),
             weight.scale.stride(0), out.stride(0),
-            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=GROUP if per_group else block_k,
-            PER_GROUP=per_group, HAS_BIAS=bias is not None, num_warps=8, num_stages=3)
+            BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
+            BLOCK_K=GROUP if per_group else tile.block_k, PER_GROUP=per_group,
+            HAS_BIAS=bias is not None, num_warps=tile.num_warps, num_stages=tile.num_stages)
     return out
 
 
@@ -180,147 +212,172 @@ def _per_group(weight: Fp8Weight, k: int) -> bool:
 
 @triton.jit
 def _fp8_gemv_kernel(
-    x_ptr, w_ptr, w_scale_ptr, static_scale_ptr, bias_ptr, out_ptr, rows, n, k,
-    stride_x, stride_w, stride_w_scale, stride_out, min_scale,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PER_GROUP: tl.constexpr, STATIC: tl.constexpr, HAS_BIAS: tl.constexpr,
-    OVERLAP: tl.constexpr,
-):
-    """Program ``p``: outputs ``p * BLOCK_N ..`` of every row, its input tiles quantized and
-    dequantized here (as ``quantize_activations`` does), times the weight's codes in float32,
-    scaled by the weight's scales per group (``PER_GROUP``: a step of ``BLOCK_K`` columns) or
-    once. Tiles are 3-d, ``[rows, outputs, columns]``, as ``triton_gemv``'s."""
-    m = tl.arange(0, BLOCK_M)[:, None, None]
-    outputs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    output_mask = outputs < n
-    columns = tl.arange(0, BLOCK_K)[None, None, :]
-    x_rows = x_ptr + m * stride_x
-    w_rows = w_ptr + outputs[None, :, None].to(tl.int64) * stride_w
-    w_scales = w_scale_ptr + outputs.to(tl.int64) * stride_w_scale
-    wait_for_previous(OVERLAP)
-    if STATIC:
-        row_scale = tl.load(static_scale_ptr) + tl.zeros([BLOCK_M, 1, 1], dtype=tl.float32)
-    elif not PER_GROUP:  # per token: the row's largest magnitude first
-        amax = tl.zeros([BLOCK_M, 1, 1], dtype=tl.float32)
-        for start in range(0, k, BLOCK_K):
-            cols = start + columns
-            x = tl.load(x_rows + cols, mask=(m < rows) & (cols < k), other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.max(tl.abs(x), 2)[:, :, None])
-        row_scale = tl.maximum(amax * (1.0 / 448.0), min_scale)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for start in range(0, k, BLOCK_K):
-        cols = start + columns
-        x = tl.load(x_rows + cols, mask=(m < rows) & (cols < k), other=0.0).to(tl.float32)
-        if PER_GROUP and not STATIC:
-            scale = tl.maximum(tl.max(tl.abs(x), 2)[:, :, None] * (1.0 / 448.0), min_scale)
-        else:
-            scale = row_scale
-        a = _quantized(x, scale).to(tl.float32) * scale
-        w = tl.load(w_rows + cols, mask=output_mask[None, :, None] & (cols < k), other=0.0)
-        product = tl.sum(a * w.to(tl.float32), 2)
-        if PER_GROUP:
-            w_scale = tl.load(w_scales + start // BLOCK_K, mask=output_mask, other=0.0)
-            acc += product * w_scale[None, :]
-        else:
-            acc += product
-    if not PER_GROUP:
-        acc = acc * tl.load(w_scales, mask=output_mask, other=0.0)[None, :]
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + outputs, mask=output_mask, other=0.0).to(tl.float32)[None, :]
-    out_rows = tl.arange(0, BLOCK_M)[:, None]
-    tl.store(out_ptr + out_rows * stride_out + outputs[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=(out_rows < rows) & output_mask[None, :])
-
-
-def fp8_gemv(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``fp8.fp8_linear`` of ``x [M, K]`` (contiguous rows, at most ``GEMV_MAX_ROWS``), the
-    activations quantized inside, in x's dtype."""
-    rows, k = x.shape
-    assert rows <= GEMV_MAX_ROWS and x.stride(-1) == 1
-    n = weight.shape[0]
-    per_group = _per_group(weight, k)
-    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
-    block_n, block_k = GEMV_BLOCKS
-    static = weight.input_scale is not None
-    if rows > 0:
-        _fp8_gemv_kernel[(triton.cdiv(n, block_n),)](
-            x, weight.data, weight.scale, weight.input_scale if static else weight.scale,
-            bias if bias is not None else out, out, rows, n, k, x.stride(0),
-            weight.data.stride(0), weight.scale.stride(0), out.stride(0), MIN_SCALE,
-            BLOCK_M=max(1, triton.next_power_of_2(rows)), BLOCK_N=block_n,
-            BLOCK_K=GROUP if per_group else block_k, PER_GROUP=per_group, STATIC=static,
-            HAS_BIAS=bias is not None, num_warps=4, **triton_overlap.launch_options(x.device))
-    return out
-
-
-@triton.jit
-def _quantized_row_groups(x, static_scale, min_scale, BLOCK_M: tl.constexpr,
-                          BLOCK_K: tl.constexpr, GROUP_COLS: tl.constexpr, STATIC: tl.constexpr):
-    """Whole rows ``x [BLOCK_M, 1, BLOCK_K]`` (float32, zeros past K) as the W8A8 product sees
-    them: quantized and dequantized per group of ``GROUP_COLS`` columns, or statically."""
-    if STATIC:
-        return _quantized(x, static_scale).to(tl.float32) * static_scale
-    groups = tl.reshape(x, (BLOCK_M, BLOCK_K // GROUP_COLS, GROUP_COLS))
-    scale = tl.maximum(tl.max(tl.abs(groups), 2) * (1.0 / 448.0), min_scale)[:, :, None]
-    dequantized = _quantized(groups, scale).to(tl.float32) * scale
-    return tl.reshape(dequantized, (BLOCK_M, 1, BLOCK_K))
-
-
-@triton.jit
-def _group_scaled_sum(a, w, w_scale, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr, GROUP_COLS: tl.constexpr):
-    """``sum_k a * w`` for ``a [BLOCK_M, 1, BLOCK_K]`` and weight codes ``w [1, BLOCK_N,
-    BLOCK_K]``, each group's sum times its scale ``w_scale [BLOCK_N, groups]``."""
-    products = a * w.to(tl.float32)
-    groups = tl.reshape(products, (BLOCK_M, BLOCK_N, BLOCK_K // GROUP_COLS, GROUP_COLS))
-    return tl.sum(tl.sum(groups, 3) * w_scale[None, :, :], 2)
-
-
-@triton.jit
-def _fp8_norm_gemv_kernel(
     x_ptr, residual_ptr, norm_weight_ptr, residual_out_ptr, w_ptr, w_scale_ptr, static_scale_ptr,
     bias_ptr, out_ptr, rows, n, k, num_groups, stride_x, stride_residual, stride_residual_out,
     stride_w, stride_w_scale, stride_out, eps, min_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_COLS: tl.constexpr, STATIC: tl.constexpr, ADD_RESIDUAL: tl.constexpr,
-    HAS_BIAS: tl.constexpr, GATED: tl.constexpr, OVERLAP: tl.constexpr,
+    PER_GROUP: tl.constexpr, STATIC: tl.constexpr, WHOLE_ROWS: tl.constexpr,
+    PROLOGUE: tl.constexpr, ADD_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
+    GATED: tl.constexpr, OVERLAP: tl.constexpr,
 ):
-    """``rms_norm_linear`` of a few rows on FP8 weights, one program per ``BLOCK_N`` outputs
-    (``GATED``: of each half of ``[gate | up]``, stored as ``silu(gate) * up``): the norm of
-    whole rows as ``triton_gemv``'s prologue computes it (program 0 also writes ``x +
-    residual``), the rows quantized here, times the weight codes, scaled per group. The weight
-    (and its scales) are loaded before waiting for the kernel ahead."""
+    """``fp8.fp8_linear`` of a few rows, one program per ``BLOCK_N`` outputs of every row
+    (``GATED``: of each half of ``[gate | up]``, stored as ``silu(gate) * up``), in tiles of
+    ``BLOCK_K`` columns as ``triton_gemv._gemv_kernel``'s (``WHOLE_ROWS``: one tile; with
+    ``NORM`` the tile is normed as that kernel's prologue does, and program 0 also writes ``x
+    + residual``). Each input tile is quantized here: per group of 128 columns
+    (``PER_GROUP``), with the static scale, or per row (over the tile, or with a first pass
+    over a row of several tiles), times the weight's codes in float32, scaled per group or once. The first weight
+    tile and its scales are loaded before waiting for the kernel ahead."""
     program = tl.program_id(0)
     m = tl.arange(0, BLOCK_M)[:, None, None]
     outputs = program * BLOCK_N + tl.arange(0, BLOCK_N)
-    output_mask = outputs < n
     columns = tl.arange(0, BLOCK_K)[None, None, :]
-    w_mask = output_mask[None, :, None] & (columns < k)
     w_rows = w_ptr + outputs[None, :, None].to(tl.int64) * stride_w
-    w = tl.load(w_rows + columns, mask=w_mask, other=0.0)
-    groups = tl.arange(0, BLOCK_K // GROUP_COLS)[None, :]
-    scale_mask = output_mask[:, None] & (groups < num_groups)
-    scale_rows = w_scale_ptr + outputs[:, None].to(tl.int64) * stride_w_scale + groups
-    w_scale = tl.load(scale_rows, mask=scale_mask, other=0.0)
+    scale_rows = w_scale_ptr + outputs[:, None].to(tl.int64) * stride_w_scale
+    w, w_scale = _weight_tile(w_rows, scale_rows, 0, columns, outputs < n, k, num_groups,
+                              BLOCK_K, PER_GROUP)
     if GATED:
-        w_up = tl.load(w_rows + n * stride_w + columns, mask=w_mask, other=0.0)
-        w_up_scale = tl.load(scale_rows + n * stride_w_scale, mask=scale_mask, other=0.0)
-    static_scale = 1.0
+        w_up, w_up_scale = _weight_tile(w_rows + n * stride_w, scale_rows + n * stride_w_scale,
+                                        0, columns, outputs < n, k, num_groups, BLOCK_K,
+                                        PER_GROUP)
+    row_scale = tl.zeros([BLOCK_M, 1, 1], dtype=tl.float32)
     if STATIC:
-        static_scale = tl.load(static_scale_ptr)
+        row_scale += tl.load(static_scale_ptr)
+    x_rows, residual_rows = x_ptr + m * stride_x, residual_ptr + m * stride_residual
+    residual_out_rows = residual_out_ptr + m * stride_residual_out
     wait_for_previous(OVERLAP)
-    x = input_tile(x_ptr + m * stride_x, residual_ptr + m * stride_residual, norm_weight_ptr,
-                    residual_out_ptr + m * stride_residual_out, columns,
-                    (m < rows) & (columns < k), k, eps, program == 0, NORM_PROLOGUE,
-                    ADD_RESIDUAL)
-    a = _quantized_row_groups(x, static_scale, min_scale, BLOCK_M, BLOCK_K, GROUP_COLS, STATIC)
-    acc = _group_scaled_sum(a, w, w_scale, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_COLS)
+    if not STATIC and not PER_GROUP and not WHOLE_ROWS:  # per row, over several tiles
+        row_scale = _row_scale(x_rows, m < rows, k, min_scale, BLOCK_M, BLOCK_K)
+    x = input_tile(x_rows, residual_rows, norm_weight_ptr, residual_out_rows, columns,
+                   (m < rows) & (columns < k), k, eps, program == 0, PROLOGUE, ADD_RESIDUAL)
+    a = _quantized_tile(x, row_scale, min_scale, BLOCK_M, BLOCK_K, PER_GROUP,
+                        STATIC or not WHOLE_ROWS)
+    acc = _tile_sum(a, w, w_scale, BLOCK_M, BLOCK_N, BLOCK_K, PER_GROUP)
     if GATED:
-        up = _group_scaled_sum(a, w_up, w_up_scale, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_COLS)
-    else:
+        up = _tile_sum(a, w_up, w_up_scale, BLOCK_M, BLOCK_N, BLOCK_K, PER_GROUP)
+    for start in range(BLOCK_K, k, BLOCK_K):  # none with NORM, nor up to 4,096 columns
+        cols = start + columns
+        w, w_scale = _weight_tile(w_rows, scale_rows, start, columns, outputs < n, k,
+                                  num_groups, BLOCK_K, PER_GROUP)
+        x = tl.load(x_rows + cols, mask=(m < rows) & (cols < k), other=0.0).to(tl.float32)
+        a = _quantized_tile(x, row_scale, min_scale, BLOCK_M, BLOCK_K, PER_GROUP, True)
+        acc += _tile_sum(a, w, w_scale, BLOCK_M, BLOCK_N, BLOCK_K, PER_GROUP)
+        if GATED:
+            w_up, w_up_scale = _weight_tile(w_rows + n * stride_w, scale_rows + n * stride_w_scale,
+                                            start, columns, outputs < n, k, num_groups, BLOCK_K,
+                                            PER_GROUP)
+            up += _tile_sum(a, w_up, w_up_scale, BLOCK_M, BLOCK_N, BLOCK_K, PER_GROUP)
+    if not PER_GROUP:  # one scale a weight row
+        acc = acc * tl.reshape(w_scale, (1, BLOCK_N))
+        if GATED:
+            up = up * tl.reshape(w_up_scale, (1, BLOCK_N))
+    if not GATED:
         up = acc  # (unread)
     gemv_epilogue(acc, up, bias_ptr, out_ptr, outputs, n, rows, stride_out, BLOCK_M, HAS_BIAS,
                   GATED)
+
+
+@triton.jit
+def _weight_tile(w_rows, scale_rows, start, columns, output_mask, k, num_groups,
+                 BLOCK_K: tl.constexpr, PER_GROUP: tl.constexpr):
+    """Columns ``start ..`` of the weight's rows: their codes ``[1, BLOCK_N, BLOCK_K]`` and
+    scales, ``[BLOCK_N, BLOCK_K // 128]`` per group or ``[BLOCK_N, 1]``."""
+    cols = start + columns
+    w = tl.load(w_rows + cols, mask=output_mask[None, :, None] & (cols < k), other=0.0)
+    if PER_GROUP:
+        groups = start // GROUP_COLUMNS + tl.arange(0, BLOCK_K // GROUP_COLUMNS)[None, :]
+        scale = tl.load(scale_rows + groups, mask=output_mask[:, None] & (groups < num_groups),
+                        other=0.0)
+    else:
+        scale = tl.load(scale_rows, mask=output_mask[:, None], other=0.0)
+    return w, scale
+
+
+@triton.jit
+def _row_scale(x_rows, row_mask, k, min_scale, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Each row's dynamic scale over all its ``k`` columns, ``[BLOCK_M, 1, 1]``."""
+    columns = tl.arange(0, BLOCK_K)[None, None, :]
+    amax = tl.zeros([BLOCK_M, 1, 1], dtype=tl.float32)
+    for start in range(0, k, BLOCK_K):
+        cols = start + columns
+        x = tl.load(x_rows + cols, mask=row_mask & (cols < k), other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.max(tl.abs(x), 2, keep_dims=True))
+    return tl.maximum(amax * (1.0 / 448.0), min_scale)
+
+
+@triton.jit
+def _quantized_tile(x, row_scale, min_scale, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                    PER_GROUP: tl.constexpr, SCALE_GIVEN: tl.constexpr):
+    """An input tile ``x [BLOCK_M, 1, BLOCK_K]`` (float32, zeros past K) as the W8A8 product
+    sees it: quantized and dequantized per group of 128 columns (``PER_GROUP``), with
+    ``row_scale [BLOCK_M, 1, 1]`` (``SCALE_GIVEN``: static, or a row's over several tiles),
+    or per row over the tile (which then holds whole rows)."""
+    if PER_GROUP:
+        groups = tl.reshape(x, (BLOCK_M, BLOCK_K // GROUP_COLUMNS, GROUP_COLUMNS))
+        scale = tl.maximum(tl.max(tl.abs(groups), 2) * (1.0 / 448.0), min_scale)[:, :, None]
+        dequantized = _quantized(groups, scale).to(tl.float32) * scale
+        return tl.reshape(dequantized, (BLOCK_M, 1, BLOCK_K))
+    if SCALE_GIVEN:
+        scale = row_scale
+    else:
+        scale = tl.maximum(tl.max(tl.abs(x), 2, keep_dims=True) * (1.0 / 448.0), min_scale)
+    return _quantized(x, scale).to(tl.float32) * scale
+
+
+@triton.jit
+def _tile_sum(a, w, w_scale, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr, PER_GROUP: tl.constexpr):
+    """``sum_k a * w`` for ``a [BLOCK_M, 1, BLOCK_K]`` and weight codes ``w [1, BLOCK_N,
+    BLOCK_K]``: with ``PER_GROUP`` each group's sum times its scale ``w_scale [BLOCK_N,
+    groups]``; otherwise unscaled (the caller scales the total)."""
+    products = a * w.to(tl.float32)
+    if PER_GROUP:
+        groups = tl.reshape(products, (BLOCK_M, BLOCK_N, BLOCK_K // GROUP_COLUMNS, GROUP_COLUMNS))
+        return tl.sum(tl.sum(groups, 3) * w_scale[None, :, :], 2)
+    return tl.sum(products, 2)
+
+
+def _launch_gemv(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None, prologue: int,
+                 residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
+                 eps: float = 0.0, gated: bool = False,
+                 config: GemvConfig | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``_fp8_gemv_kernel`` on ``x [M, K]`` (contiguous rows), in the bf16 GEMV's tiles
+    (``triton_gemv.gemv_config``): ``[M, N]`` outputs (gated: ``N`` is half the weight's rows)
+    and with ``NORM`` and a ``residual`` the new residual stream ``[M, K]``."""
+    rows, k = x.shape
+    assert x.stride(-1) == 1, "rows must be contiguous"
+    n = weight.shape[0] // (2 if gated else 1)
+    per_group = _per_group(weight, k)
+    config = config or gemv_config(n, k, rows, prologue, gated)
+    assert prologue != NORM or config.block_k >= k, "a norm's tile holds whole rows"
+    assert not per_group or config.block_k % GROUP == 0, "a tile holds whole groups"
+    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    residual_out = torch.empty_like(x) if residual is not None else None
+    static = weight.input_scale is not None
+    if rows > 0:
+        _fp8_gemv_kernel[(triton.cdiv(n, config.block_n),)](
+            x, residual if residual is not None else x,
+            norm_weight if norm_weight is not None else x,
+            residual_out if residual_out is not None else out, weight.data, weight.scale,
+            weight.input_scale if static else weight.scale, bias if bias is not None else out,
+            out, rows, n, k, weight.scale.shape[1], x.stride(0),
+            residual.stride(0) if residual is not None else 0,
+            residual_out.stride(0) if residual_out is not None else 0,
+            weight.data.stride(0), weight.scale.stride(0), out.stride(0), eps, MIN_SCALE,
+            BLOCK_M=max(1, triton.next_power_of_2(rows)), BLOCK_N=config.block_n,
+            BLOCK_K=config.block_k, PER_GROUP=per_group, STATIC=static,
+            WHOLE_ROWS=config.block_k >= k, PROLOGUE=prologue,
+            ADD_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, GATED=gated,
+            num_warps=config.num_warps, **triton_overlap.launch_options(x.device))
+    return out, residual_out
+
+
+def fp8_gemv(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = None,
+             config: GemvConfig | None = None) -> torch.Tensor:
+    """``fp8.fp8_linear`` of ``x [M, K]`` (contiguous rows, at most ``GEMV_MAX_ROWS``), the
+    activations quantized inside, in x's dtype."""
+    assert len(x) <= GEMV_MAX_ROWS
+    return _launch_gemv(x, weight, bias, PLAIN, config=config)[0]
 
 
 def fp8_rms_norm_gemv(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
@@ -330,29 +387,9 @@ def fp8_rms_norm_gemv(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
     """``linear.rms_norm_linear`` for ``x [M, K]`` (contiguous rows, at most ``NORM_GEMV_MAX_ROWS``)
     on an FP8 weight, in one kernel (``gated``: the weight is ``[gate | up]`` and the output
     ``silu(gate) * up``). Returns ``(out, x + residual)`` (``x`` without a residual)."""
-    rows, k = x.shape
-    assert rows <= NORM_GEMV_MAX_ROWS and x.stride(-1) == 1
-    n = weight.shape[0] // (2 if gated else 1)
-    per_group = _per_group(weight, k)
-    block_k = triton.next_power_of_2(k)
-    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
-    residual_out = torch.empty_like(x) if residual is not None else None
-    static = weight.input_scale is not None
-    block_n = NORM_GEMV_OUTPUTS // (2 if gated else 1)
-    if rows > 0:
-        _fp8_norm_gemv_kernel[(triton.cdiv(n, block_n),)](
-            x, residual if residual is not None else x, norm_weight,
-            residual_out if residual_out is not None else out, weight.data, weight.scale,
-            weight.input_scale if static else weight.scale, bias if bias is not None else out,
-            out, rows, n, k, weight.scale.shape[1], x.stride(0),
-            residual.stride(0) if residual is not None else 0,
-            residual_out.stride(0) if residual_out is not None else 0,
-            weight.data.stride(0), weight.scale.stride(0), out.stride(0), eps, MIN_SCALE,
-            BLOCK_M=max(1, triton.next_power_of_2(rows)), BLOCK_N=block_n, BLOCK_K=block_k,
-            GROUP_COLS=GROUP if per_group else block_k, STATIC=static,
-            ADD_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, GATED=gated,
-            num_warps=8 if block_k >= 4096 else 4, **triton_overlap.launch_options(x.device))
-    return out, (x if residual_out is None else residual_out)
+    assert len(x) <= NORM_GEMV_MAX_ROWS
+    out, summed = _launch_gemv(x, weight, bias, NORM, residual, norm_weight, eps, gated)
+    return out, (x if summed is None else summed)
 
 
 def fp8_linear(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = None,

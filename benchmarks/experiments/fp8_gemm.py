@@ -1,0 +1,75 @@
+"""W8A8 projections of many rows (decode batches and prompts) on the H100: where the time of
+``triton_fp8.fp8_gemm`` goes (the activations' quantization kernel, then the GEMM), its tiles
+swept, and ``torch._scaled_mm`` (cuBLASLt's FP8 GEMM with a scale per row of each operand) on
+the same codes, beside bf16 cuBLAS.
+
+Qwen3-0.6B's four projections (qkv 4096 x 1024, o 1024 x 2048, gate-up 6144 x 1024, down
+1024 x 3072), weights quantized per channel as ``quantization="fp8"`` does, activations per
+token. Each timing replays a CUDA graph of calls over weight copies whose bytes exceed the L2
+cache (``gemm_sweep.time_us``).
+
+Usage: python benchmarks/experiments/fp8_gemm.py [--rows 64,128,256,2048,8192]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+
+from gemm_sweep import L2_BYTES, SHAPES, time_us  # (its folder)
+from nanofn.kernels import triton_fp8
+from nanofn.kernels.fp8 import Fp8Weight, quantize_groups
+from nanofn.kernels.triton_fp8 import GemmTile
+
+TILES = [GemmTile(64, 128, 128, 8, 3), GemmTile(64, 64, 128, 4, 4), GemmTile(64, 128, 128, 4, 4),
+         GemmTile(128, 128, 128, 8, 3), GemmTile(128, 64, 128, 4, 4),
+         GemmTile(64, 128, 256, 8, 3), GemmTile(128, 128, 64, 4, 4), GemmTile(128, 256, 128, 8, 3)]
+
+
+def weights(n: int, k: int) -> list[Fp8Weight]:
+    """Per-channel FP8 copies of a random ``[n, k]`` weight, enough to exceed the L2 cache."""
+    q, scale = quantize_groups(torch.randn(n, k, device="cuda", dtype=torch.bfloat16), k)
+    return [Fp8Weight(q.clone(), scale.clone(), k) for _ in range(-(-2 * L2_BYTES // (n * k)))]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", default="64,128,256,2048,8192")
+    args = ap.parse_args()
+    print("| projection | rows | bf16 cuBLAS | quantize | fp8_gemm (engine) | its GEMM, best tile "
+          "| _scaled_mm | quantize + _scaled_mm |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, (n, k) in SHAPES.items():
+        copies = weights(n, k)
+        bf16 = [w.dequantized(torch.bfloat16) for w in copies[:len(copies) // 2 + 1]]
+        for rows in map(int, args.rows.split(",")):
+            x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+            q, x_scales = triton_fp8.quantize_activations(x, k)
+            cublas = time_us(lambda i: F.linear(x, bf16[i]), len(bf16))
+            quantize = time_us(lambda i: triton_fp8.quantize_activations(x, k), len(copies))
+            engine = time_us(lambda i: triton_fp8.fp8_gemm(x, copies[i]), len(copies))
+            tiles = {}
+            for tile in TILES:
+                try:
+                    tiles[tile] = time_us(lambda i: triton_fp8.quantized_gemm(
+                        q, x_scales, copies[i], None, torch.bfloat16, tile), len(copies))
+                except Exception as error:  # (out of shared memory, say)
+                    print(f"  {tile}: {type(error).__name__}")
+            best = min(tiles, key=tiles.get)
+            scaled = time_us(lambda i: _scaled_mm(q, x_scales, copies[i]), len(copies))
+            both = time_us(lambda i: _scaled_mm(*triton_fp8.quantize_activations(x, k),
+                                                copies[i]), len(copies))
+            print(f"| {name} | {rows} | {cublas:.1f} | {quantize:.1f} | {engine:.1f} | "
+                  f"{tiles[best]:.1f} ({'x'.join(map(str, best))}) | {scaled:.1f} | {both:.1f} |")
+
+
+def _scaled_mm(q: torch.Tensor, x_scales: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:
+    """cuBLASLt's FP8 product with a scale per token and per output channel."""
+    return torch._scaled_mm(q, weight.data.t(), scale_a=x_scales, scale_b=weight.scale.view(1, -1),
+                            out_dtype=torch.bfloat16)
+
+
+if __name__ == "__main__":
+    main()
