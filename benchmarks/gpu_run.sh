@@ -75,14 +75,18 @@ if [ "$what" = kernels ]; then
   done
 fi
 if [ "$what" = tp ]; then  # two GPUs: TP=2 parity, worker faults, TP=1 and TP=2 on a larger shape
-  timeout 240 python3 -m pytest tests/gpu/test_gpu_engine.py -q -rs -k tensor_parallel 2>&1 \
-    | tee "$OUT/gpu_tp_tests.log" | tail -5
+  timeout 240 python3 -m pytest tests/gpu/test_gpu_engine.py tests/gpu/test_multi_gpu.py -q -rs \
+    -k "tensor_parallel or peer" 2>&1 | tee "$OUT/gpu_tp_tests.log" | tail -5
+  # the all-reduce at decode sizes: NCCL against peer memory
+  timeout 120 python3 benchmarks/experiments/all_reduce.py 2>&1 | tee "$OUT/all_reduce.txt"
   # a worker killed or stopped mid-generate, on NCCL here (pytest-timeout dumps the stacks
   # from a thread of its own: a main thread stuck inside NCCL never sees a signal)
   timeout 300 python3 -m pytest tests/test_tensor_parallel_faults.py -q -rs --timeout 100 --timeout-method=thread 2>&1 \
     | tee "$OUT/gpu_tp_faults.log" | tail -30
   bench qwen3-8b-tp1 --random-weights qwen3-8b --profile
   bench qwen3-8b-tp2 --random-weights qwen3-8b --tensor-parallel-size 2
+  bench qwen3-8b-tp2-nccl --random-weights qwen3-8b --tensor-parallel-size 2 \
+    --disable-custom-all-reduce
   # every worker is a spawned process: none may outlive the runs above
   echo "worker processes left: $(pgrep -fc multiprocessing.spawn)" | tee "$OUT/tp_leftover.txt"
   nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader | tee -a "$OUT/tp_leftover.txt"

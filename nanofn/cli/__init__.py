@@ -61,6 +61,9 @@ ENGINE_FLAGS: dict[str, dict[str, Any]] = {
                                                              "(default: {default})"),
     "enforce_eager": dict(action="store_const", const=True,
                           help="run the model eagerly, without CUDA graphs"),
+    "disable_custom_all_reduce": dict(action="store_const", const=True,
+                                      help="tensor parallelism: every all-reduce through NCCL, "
+                                           "none through peer memory"),
     "enable_prefix_caching": dict(flag="--no-prefix-caching", action="store_const", const=False,
                                   help="do not reuse the KV cache of shared prompt prefixes"),
     "enable_chunked_prefill": dict(flag="--no-chunked-prefill", action="store_const",

@@ -57,6 +57,9 @@ class EngineOptions:
     # channel, dynamic per-token activations); an FP8 checkpoint needs none (its config says)
     quantization: str | None = None
     kv_cache_dtype: str = "auto"  # "auto": the model's dtype; "fp8" (e4m3): 1 byte an entry
+    # Tensor parallelism's small all-reduces through NCCL too, not through peer memory
+    # (``nanofn/kernels/all_reduce.py``), as vLLM's option of the same name
+    disable_custom_all_reduce: bool = False
 
     def __post_init__(self) -> None:
         for problem in _problems(self):
@@ -129,7 +132,7 @@ def _problems(o: EngineOptions):
     if o.kernel_backend not in KERNEL_BACKENDS:
         yield (f"kernel_backend must be one of {', '.join(KERNEL_BACKENDS)}, "
                f"got {o.kernel_backend!r}")
-    for name in ("enforce_eager", "async_scheduling"):
+    for name in ("enforce_eager", "async_scheduling", "disable_custom_all_reduce"):
         if not isinstance(getattr(o, name), bool):
             yield f"{name} must be True or False, got {getattr(o, name)!r}"
     if o.seed is not None and (not isinstance(o.seed, int) or isinstance(o.seed, bool)):

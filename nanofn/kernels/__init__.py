@@ -20,6 +20,7 @@ from nanofn.kernels.delta_rule import (delta_rule_gates, gated_delta_net_decode,
 from nanofn.kernels.linear import linear, rms_norm_linear
 from nanofn.kernels.moe import fused_moe, select_experts
 from nanofn.kernels.norm import rms_norm, rms_norm_gated
+from nanofn.kernels.all_reduce import group_all_reduce
 from nanofn.kernels.partial_sums import PartialSums
 from nanofn.kernels.rotary import (SUPPORTED_ROPE_TYPES, apply_rotary, build_cos_sin_cache,
                                    rotary_decode_attention, rotate_and_store_kv)
@@ -56,6 +57,9 @@ class KernelBackend:
     # from its logits, then each token through its experts' gated MLPs, weighted and summed
     select_experts: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     fused_moe: Callable[..., torch.Tensor]
+    # A layer's partial outputs summed over the tensor-parallel ranks, in place (the runner
+    # sets one for its group: ``all_reduce.ranks_all_reduce``)
+    all_reduce: Callable[[torch.Tensor], torch.Tensor] = group_all_reduce
 
 
 TORCH_KERNELS = KernelBackend(

@@ -17,7 +17,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from nanofn.kernels import KernelBackend, silu_and_mul
@@ -149,7 +148,7 @@ class SparseMoeBlock(nn.Module):
         """``[T, H]`` from the normed ``hidden [T, H]``, summed over ranks."""
         out = self.partial_forward(hidden)
         if self.tp_size > 1:
-            dist.all_reduce(out)
+            out = self.kernels.all_reduce(out)
         return out
 
     def forward_normed(self, hidden: torch.Tensor | PartialSums, residual: torch.Tensor,

@@ -327,7 +327,7 @@ class RowParallelLinear(_Linear):
         y = self.partial_forward(x, partial_sums=for_norm and self.tp_size == 1
                                  and self.bias is None)
         if self.tp_size > 1:
-            dist.all_reduce(y)
+            y = self.kernels.all_reduce(y)
         return y if self.bias is None else y + self.bias
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:

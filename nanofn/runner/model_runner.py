@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from nanofn.kernels import TORCH_KERNELS, KernelBackend
+from nanofn.kernels.all_reduce import ranks_all_reduce
 from nanofn.kernels.fp8 import FP8_DTYPE
 from nanofn.model import ModelShape, build_model, load_weights, model_shape, resolve_dtype
 from nanofn.model.batch import RecurrentState
@@ -59,6 +60,7 @@ class RunnerConfig:
     master_port: int | None = None
     quantization: str | None = None  # "fp8": a bf16 checkpoint's projections quantized at load
     kv_cache_dtype: str = "auto"  # "auto": the model's dtype; "fp8": float8_e4m3fn (e4m3)
+    disable_custom_all_reduce: bool = False  # every all-reduce through NCCL (see all_reduce.py)
 
     @property
     def ranks_per_node(self) -> int:
@@ -100,6 +102,11 @@ class ModelRunner:
         text = text_config(hf_config)  # a vision-language config's language model, else the same
         self.kernels = choose_kernels(config, self.dtype, self.shape,
                                       text.num_attention_heads // config.tp_size)
+        if config.tp_size > 1:  # (a collective: every rank builds its runner in step)
+            # peer memory maps one host's GPUs only
+            custom = config.nnodes == 1 and not config.disable_custom_all_reduce
+            self.kernels = replace(self.kernels, all_reduce=ranks_all_reduce(
+                config.device, self.dtype, custom))
         self.model = build_model(hf_config, dtype=self.dtype, device=config.device,
                                  tp_rank=config.tp_rank, tp_size=config.tp_size,
                                  max_model_len=config.max_model_len, kernels=self.kernels,

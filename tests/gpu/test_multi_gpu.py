@@ -1,7 +1,8 @@
 """Two GPUs, beyond one engine on one GPU: two "hosts" of one GPU each (a ``nanofn worker`` that
 sees only the second GPU) give the tokens of TP=2 on one host and of TP=1; ``serve
---data-parallel-size 2`` puts one replica on each GPU and both answer with one engine's tokens.
-Run by ``benchmarks/gpu_run.sh multinode`` and ``dp``."""
+--data-parallel-size 2`` puts one replica on each GPU and both answer with one engine's tokens;
+the all-reduce through peer memory sums as NCCL does, eagerly and from a CUDA graph.
+Run by ``benchmarks/gpu_run.sh multinode``, ``dp`` and ``tp``."""
 
 from __future__ import annotations
 
@@ -12,9 +13,12 @@ import sys
 import httpx
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from server_helpers import HEADERS, free_port, start_server
 
 from nanofn import LLM, SamplingParams
+from nanofn.kernels.all_reduce import PeerAllReduce, ranks_all_reduce
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
@@ -67,3 +71,39 @@ def test_data_parallel_replicas_answer_on_two_gpus(tiny_qwen3):
         expected = [o.outputs[0].text for o in llm.generate(
             [{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)]
     assert texts == expected
+
+
+def test_the_peer_all_reduce_sums_as_nccl_does(tmp_path):
+    """Messages of 1 element, a decode step's (256 x 4,096) and one past the buffer (NCCL's
+    then): each rank's sum equal to NCCL's, bit for bit (two ranks: one addition), eagerly and
+    replayed from a CUDA graph with new contents."""
+    mp.spawn(_sum_on_rank, args=(str(tmp_path / "store"),), nprocs=2, join=True)
+
+
+def _sum_on_rank(rank: int, store_file: str) -> None:
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", init_method=f"file://{store_file}", rank=rank, world_size=2)
+    try:
+        all_reduce = ranks_all_reduce(device, torch.float32)
+        assert isinstance(all_reduce, PeerAllReduce)
+        for numel in (1, 256 * 4096, all_reduce.buffer.numel() + 1):
+            x = torch.randn(numel, generator=torch.Generator(device).manual_seed(rank),
+                            device=device)
+            expected = x.clone()
+            dist.all_reduce(expected)
+            assert torch.equal(all_reduce(x.clone()), expected), numel
+        x = torch.empty(64, 4096, device=device)
+        graph = torch.cuda.CUDAGraph()
+        all_reduce(x.normal_())  # (warm up outside the capture)
+        with torch.cuda.graph(graph):
+            all_reduce(x)
+        for seed in (1, 2):
+            x.copy_(torch.randn(64, 4096, generator=torch.Generator(device).manual_seed(
+                10 * seed + rank), device=device))
+            expected = x.clone()
+            dist.all_reduce(expected)
+            graph.replay()
+            assert torch.equal(x, expected), seed
+    finally:
+        dist.destroy_process_group()
