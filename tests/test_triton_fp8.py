@@ -230,6 +230,21 @@ def test_the_fp8_gemv_over_several_tiles_a_row_gives_the_reference_product(inter
                                atol=1e-5 * expected.abs().max().item())
 
 
+def test_the_rowwise_scaled_gemm_gives_the_reference_product(interpreter):
+    """Prompt-sized bf16 products on per-channel weights through ``torch._scaled_mm`` (on the
+    CPU here): 300 rows, 64 outputs, per-token activation scales; to bf16's rounding. With a
+    bias (or block-wise or static scales) the Triton GEMM takes the product instead."""
+    weight = fp8_weight(64, 256, "channel", seed=13)
+    x = exactly_quantized_input(300, 256, weight.group_size, False, torch.bfloat16)
+    assert triton_fp8.takes_rowwise_scales(x, weight, None)
+    assert not triton_fp8.takes_rowwise_scales(x, weight, torch.zeros(64))
+    assert not triton_fp8.takes_rowwise_scales(x, fp8_weight(64, 256, "block", seed=13), None)
+    out = interpreter(triton_fp8.rowwise_scaled_gemm, x, weight)
+    expected = fp8_linear(x, weight)
+    torch.testing.assert_close(out.float(), expected.float(), rtol=1e-2,
+                               atol=1e-3 * expected.float().abs().max().item())
+
+
 @pytest.mark.parametrize("kind", WEIGHT_KINDS)
 def test_fp8_projection_kernels_compile(compile_for_h100, kind):
     """bf16 activations at Qwen3-0.6B's qkv_proj: the quantization kernel, the GEMV at 1 and 8
