@@ -26,10 +26,9 @@ An FP8 cache (float8_e4m3fn) is read into float16 tile by tile (exact: e4m3 valu
 values; one conversion instruction per two elements, where bf16 takes three), the queries and
 the probabilities multiplied in float16 too (``product_dtype``; queries past fp16's 65,504 would
 overflow, far beyond a normed or projected head's values), and written saturating at +-448
-(``to_cache_dtype``). The kernels
-store and read at scale 1; ``decode_attention`` and ``prefill_attention`` take other scales of
-a cache written with them by folding ``k_scale`` into the score scale and ``v_scale`` into the
-output.
+(``to_cache_dtype``). The kernels store and read at scale 1; ``decode_attention`` and
+``prefill_attention`` take other scales of a cache written with them by folding ``k_scale``
+into the score scale and ``v_scale`` into the output.
 
 Key tiles are gathered row by row through the block table, so a tile may span several cache
 blocks. Softmax runs in float32 and in base 2: scores are pre-multiplied by log2(e). Grids
@@ -53,7 +52,8 @@ from nanofn.kernels.triton_overlap import wait_for_previous
 
 LOG2_E = 1.4426950408889634
 # A decode program's (keys a tile, tiles in flight, warps), by the cache's bytes an element:
-# fewer buffers, more programs per SM (benchmarks/experiments/decode_splits.py --tiles)
+# fewer buffers, more programs per SM (benchmarks/experiments/decode_splits.py --tiles; on an
+# FP8 cache 128-key tiles won from 100 sequences down and lost at 256: the same tile so far)
 DECODE_TILES = {2: (64, 2, 4), 4: (64, 2, 4), 1: (64, 2, 4)}
 PREFILL_ROWS = 128  # rows per prefill tile, (queries of one sequence) x (heads of one group)...
 PREFILL_SMALL_ROWS = 64  # ...or these, for steps too small to fill the GPU (``prefill_block_m``)
@@ -567,6 +567,8 @@ def decode_partition_count(q: torch.Tensor, k_cache: torch.Tensor, block_tables:
 
 
 class DecodeTile(NamedTuple):
+    """The decode kernel's launch: keys a tile, tiles in flight, warps a program."""
+
     block_n: int
     stages: int
     warps: int

@@ -8,12 +8,12 @@ per-tensor scale), times the e4m3 weight, each product scaled by its row's and g
   the codes are the reference's.
 - ``rowwise_scaled_gemm``: prompts on per-channel weights, through cuBLASLt
   (``torch._scaled_mm``), after the quantization kernel.
-- ``fp8_gemm``: many rows (decode batches; prompts on block-wise weights). Tiles of ``[BLOCK_M, BLOCK_K]`` codes times
-  ``[BLOCK_N, BLOCK_K]`` weight codes on the FP8 tensor cores (``tl.dot`` on float8e4nv, float32
-  sums). With groups of 128 columns (block-wise weights) each step of 128 columns is one group:
-  its product is scaled by the activations' and the weight's scales before it is added; with
-  one group a row (per-channel or per-tensor weights, per-token activations) the scales apply
-  once, after the K loop.
+- ``fp8_gemm``: many rows (decode batches; prompts on block-wise weights). Tiles of
+  ``[BLOCK_M, BLOCK_K]`` codes times ``[BLOCK_N, BLOCK_K]`` weight codes on the FP8 tensor
+  cores (``tl.dot`` on float8e4nv, float32 sums). With groups of 128 columns (block-wise
+  weights) each step of 128 columns is one group: its product is scaled by the activations'
+  and the weight's scales before it is added; with one group a row (per-channel or
+  per-tensor weights, per-token activations) the scales apply once, after the K loop.
 - ``fp8_gemv``: a few rows (decode). Memory-bound: each program reads ``BLOCK_N`` weight rows
   and quantizes its input tiles itself (per group of 128 columns, or per token: over the row
   in one tile, or in a first pass over a longer row), so no quantization kernel runs ahead.
@@ -40,6 +40,7 @@ from nanofn.kernels.triton_gemv import (NORM, PLAIN, GemvConfig, gemv_config, ge
 from nanofn.kernels.triton_overlap import wait_for_previous
 
 GEMV_MAX_ROWS = 8  # rows up to which the GEMV runs (the GEMM's tiles are 64 rows at least)
+NORM_GEMV_MAX_ROWS = 4  # the GEMV with the norm before it (whole rows a program)
 GROUP = 128  # the one group size of block-wise scales (``quantization.BLOCK_SIZE``)
 GROUP_COLUMNS = tl.constexpr(GROUP)  # (a global a kernel reads must be a constexpr)
 QUANTIZE_BLOCK = 1024  # columns a quantization step
@@ -67,7 +68,6 @@ SMALL_GEMM_MAX_ROWS = 256
 def gemm_tile(rows: int) -> GemmTile:
     """The W8A8 GEMM's tile for ``rows`` rows."""
     return SMALL_GEMM_TILE if rows <= SMALL_GEMM_MAX_ROWS else GEMM_TILE
-NORM_GEMV_MAX_ROWS = 4  # the GEMV with the norm before it (whole rows a program)
 
 
 @triton.jit
@@ -228,8 +228,9 @@ def _fp8_gemv_kernel(
     ``NORM`` the tile is normed as that kernel's prologue does, and program 0 also writes ``x
     + residual``). Each input tile is quantized here: per group of 128 columns
     (``PER_GROUP``), with the static scale, or per row (over the tile, or with a first pass
-    over a row of several tiles), times the weight's codes in float32, scaled per group or once. The first weight
-    tile and its scales are loaded before waiting for the kernel ahead."""
+    over a row of several tiles), times the weight's codes in float32, scaled per group or
+    once. The first weight tile and its scales are loaded before waiting for the kernel
+    ahead."""
     program = tl.program_id(0)
     m = tl.arange(0, BLOCK_M)[:, None, None]
     outputs = program * BLOCK_N + tl.arange(0, BLOCK_N)
