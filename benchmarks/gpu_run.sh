@@ -158,6 +158,7 @@ if [ "$what" = fp8-bench ]; then  # FP8 weights and KV cache (issue 36), beside 
   single qwen3-8b-bf16 --random-weights qwen3-8b
   single qwen3-8b-fp8 --random-weights qwen3-8b --quantization=fp8 --kv-cache-dtype=fp8
   bench qwen3-8b-fp8 --random-weights qwen3-8b --quantization fp8 --kv-cache-dtype fp8
+  bench qwen3-8b-bf16 --random-weights qwen3-8b
 fi
 if [ "$what" = hybrid-prefix ]; then  # the shared-prefix workload, prefix caching on and off
   bench qwen3.5-9b-shared-prefix --random-weights qwen3.5-9b-shape --workload shared-prefix
