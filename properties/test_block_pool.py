@@ -125,8 +125,18 @@ class PoolMachine(RuleBasedStateMachine):
     def finish(self, data):
         """Some sequences finish together: one release of their tables, each from its last
         block to its first (past ``BULK_RELEASE`` blocks, the pool counts them in bulk)."""
-        indexes = data.draw(st.lists(st.integers(0, len(self.tables) - 1), unique=True,
-                                     min_size=1))
+        self.release(data.draw(st.lists(st.integers(0, len(self.tables) - 1), unique=True,
+                                        min_size=1)))
+
+    @precondition(lambda self: sum(map(len, self.tables)) >= BULK_RELEASE)
+    @rule()
+    def finish_all(self):
+        """Every sequence finishes at once, their blocks past ``BULK_RELEASE``: bulk releases
+        in many more examples (drawn subsets alone freed blocks in bulk 19-129 times in 200
+        examples, and a CI run fell below the floor of 20)."""
+        self.release(range(len(self.tables)))
+
+    def release(self, indexes) -> None:
         blocks = [block for i in sorted(indexes) for block in reversed(self.tables[i])]
         self.changes.release(blocks)
         free = self.model.num_free
