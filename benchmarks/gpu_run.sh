@@ -159,6 +159,10 @@ if [ "$what" = fp8-bench ]; then  # FP8 weights and KV cache (issue 36), beside 
   single qwen3-8b-fp8 --random-weights qwen3-8b --quantization=fp8 --kv-cache-dtype=fp8
   bench qwen3-8b-fp8 --random-weights qwen3-8b --quantization fp8 --kv-cache-dtype fp8
   bench qwen3-8b-bf16 --random-weights qwen3-8b
+  for shape in qwen3-0.6b qwen3-8b; do  # greedy tokens and log-probabilities against bf16
+    timeout 200 python3 benchmarks/fp8_agreement.py --random-weights $shape \
+      --json "$OUT/agreement-$shape.json" 2>&1 | tee "$OUT/agreement-$shape.txt" | tail -3
+  done
 fi
 if [ "$what" = hybrid-prefix ]; then  # the shared-prefix workload, prefix caching on and off
   bench qwen3.5-9b-shared-prefix --random-weights qwen3.5-9b-shape --workload shared-prefix

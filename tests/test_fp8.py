@@ -428,6 +428,33 @@ def test_dummy_weights_with_quantization_fp8_are_quantized(tiny_qwen3):
     assert (scale > 0).all() and scale.max() < 1  # rows of std 0.02 over 448
 
 
+def test_dummy_weights_quantized_at_load_are_those_of_the_model_in_full_precision(tiny_qwen3):
+    """Same seed, with and without ``quantization="fp8"``: every other parameter equal, each
+    FP8 projection the full-precision one to e4m3's precision (an unrelated draw of the same
+    std is ~140% away), so an FP8 run and a bf16 one compare (``fp8_agreement.py``)."""
+    from nanofn.model.loader import init_dummy_weights
+
+    config = AutoConfig.from_pretrained(tiny_qwen3)
+    models = {}
+    for quantization in (None, "fp8"):
+        model = build_model(config, dtype="float32", device="cpu", quantization=quantization)
+        init_dummy_weights(model, seed=5)
+        models[quantization] = model
+    plain = dict(models[None].named_parameters())
+    checked = 0
+    for name, module in models["fp8"].named_modules():
+        if getattr(module, "fp8", None) is None:
+            continue
+        weight = plain[f"{name}.weight"]
+        dequantized = module.weight.float() * module.weight_scale  # (per row: one group)
+        assert (dequantized - weight).norm() / weight.norm() < 0.05, name
+        checked += 1
+    assert checked == 4 * config.num_hidden_layers  # qkv, o, gate_up, down
+    for name, param in models["fp8"].named_parameters():
+        if param.dtype != FP8_DTYPE and not name.endswith("weight_scale"):
+            assert torch.equal(param, plain[name]), name
+
+
 def test_quantization_fp8_of_an_fp8_checkpoint_is_refused(fp8_checkpoints):
     fp8_dir, _ = fp8_checkpoints("qwen-block")
     with pytest.raises(ValueError, match="already quantized"):

@@ -154,31 +154,35 @@ def init_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
     no checkpoint read (a 9B model in milliseconds, where writing one takes minutes). Matrices
     are normal with std ``DUMMY_WEIGHT_STD``; vectors are norms that scale by 1 (zero-centred
     ones already folded to ``1 + w``), a linear-attention head's ``dt_bias`` of 1, ``A_log`` and
-    biases of 0. The text a model so filled writes is noise: it is for benchmarks."""
+    biases of 0. The text a model so filled writes is noise: it is for benchmarks.
+
+    Matrices are drawn in the order of the model's parameters, an FP8 projection's in float32
+    and quantized as its scheme stores them (its scales filled with it): so a model quantized
+    at load holds the quantized weights of the bf16 model of the same seed, and the two can be
+    compared (``benchmarks/fp8_agreement.py``)."""
     generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
-    quantized = _init_dummy_fp8(model, generator)
+    fp8_layers = {id(module.weight): module for module in model.modules()
+                  if isinstance(getattr(module, "fp8", None), Fp8Scheme)}
+    scales = {id(getattr(layer, layer.fp8.scale_name)) for layer in fp8_layers.values()}
     for name, param in model.named_parameters():
-        if any(param is done for done in quantized):
-            continue
-        if param.dim() > 1:
+        if id(param) in fp8_layers:
+            _fill_fp8(fp8_layers[id(param)], generator)
+        elif id(param) in scales:
+            continue  # (filled with its weight)
+        elif param.dim() > 1:
             param.normal_(0.0, DUMMY_WEIGHT_STD, generator=generator)
         else:
             param.fill_(0.0 if name.endswith(("A_log", "bias")) else 1.0)
 
 
-def _init_dummy_fp8(model: torch.nn.Module, generator: torch.Generator) -> list[torch.Tensor]:
-    """FP8 projections' dummy weights: drawn as ``init_dummy_weights`` draws the others, then
-    quantized as their scheme stores them. Returns the parameters so filled."""
-    filled = []
-    for module in model.modules():
-        if isinstance(getattr(module, "fp8", None), Fp8Scheme):  # an FP8 linear layer
-            weight = torch.empty(module.weight.shape, device=module.weight.device)
-            weight.normal_(0.0, DUMMY_WEIGHT_STD, generator=generator)
-            q, scale = module.fp8.quantize(weight)
-            module.weight.copy_(q)
-            getattr(module, module.fp8.scale_name).copy_(scale)
-            filled += [module.weight, getattr(module, module.fp8.scale_name)]
-    return filled
+def _fill_fp8(layer: torch.nn.Module, generator: torch.Generator) -> None:
+    """An FP8 projection's dummy weight: drawn as a matrix of the model's dtype is drawn, then
+    quantized, its scales written."""
+    weight = torch.empty(layer.weight.shape, device=layer.weight.device)
+    weight.normal_(0.0, DUMMY_WEIGHT_STD, generator=generator)
+    q, scale = layer.fp8.quantize(weight)
+    layer.weight.copy_(q)
+    getattr(layer, layer.fp8.scale_name).copy_(scale)
 
 
 def load_weights(model: CausalLM, model_dir: str | Path) -> None:
