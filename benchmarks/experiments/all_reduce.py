@@ -1,7 +1,7 @@
 """Tensor parallelism's all-reduce at decode sizes on two GPUs: NCCL against the sum through peer
 memory (``nanofn/kernels/all_reduce.py``), each call's device time from a CUDA graph of 72
-calls (a decode step of the Qwen3-8B shape holds two a layer, 36 layers), bf16 messages of
-``rows x 4,096`` (the 8B's hidden size).
+calls (a decode step of the Qwen3-8B shape holds two a layer, 36 layers; ``gemm_sweep.time_us``),
+bf16 messages of ``rows x 4,096`` (the 8B's hidden size).
 
 Usage: python benchmarks/experiments/all_reduce.py [--rows 1,8,64,256,1024]
 """
@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from gemm_sweep import time_us  # (its folder)
 from nanofn.kernels.all_reduce import group_all_reduce, ranks_all_reduce
 
 HIDDEN, CALLS_A_STEP = 4096, 72
@@ -39,31 +40,12 @@ def _rank(rank: int, store_file: str, rows: list[int]) -> None:
         print("|---|---|---|---|---|")
     for n in rows:
         x = torch.randn(n, HIDDEN, device=device, dtype=torch.bfloat16)
-        nccl, ours = _time_us(group_all_reduce, x), _time_us(peer, x)
+        nccl, ours = (time_us(lambda _: all_reduce(x), CALLS_A_STEP // 2)
+                      for all_reduce in (group_all_reduce, peer))
         if rank == 0:
             print(f"| {n} | {x.numel() * 2 / 1e6:.2f} | {nccl:.1f} | {ours:.1f} | "
                   f"{(nccl - ours) * CALLS_A_STEP:.0f} |")
     dist.destroy_process_group()
-
-
-def _time_us(all_reduce, x: torch.Tensor) -> float:
-    """Device time of one call, from a graph of ``CALLS_A_STEP`` calls replayed 20 times."""
-    all_reduce(x)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(CALLS_A_STEP):
-            all_reduce(x)
-    graph.replay()
-    dist.barrier()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(20):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / (20 * CALLS_A_STEP)
 
 
 if __name__ == "__main__":

@@ -47,11 +47,12 @@ class PeerAllReduce:
 
     def takes(self, x: torch.Tensor) -> bool:
         """Whether ``x`` goes through peer memory (the same answer on every rank: it depends
-        on the message's dtype and size, which all ranks share)."""
-        return x.dtype == self.buffer.dtype and 0 < x.numel() <= self.buffer.numel()
+        on the message's dtype, size and layout, which all ranks share)."""
+        return (x.dtype == self.buffer.dtype and 0 < x.numel() <= self.buffer.numel()
+                and x.is_contiguous())
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.takes(x) or not x.is_contiguous():
+        if not self.takes(x):
             return group_all_reduce(x)
         staged = self.buffer[: x.numel()]
         staged.copy_(x.view(-1))

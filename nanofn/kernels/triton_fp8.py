@@ -260,16 +260,17 @@ def _fp8_gemv_kernel(
         up = _tile_sum(a, w_up, w_up_scale, BLOCK_M, BLOCK_N, BLOCK_K, PER_GROUP)
     for start in range(BLOCK_K, k, BLOCK_K):  # none with NORM, nor up to 4,096 columns
         cols = start + columns
-        w, w_scale = _weight_tile(w_rows, scale_rows, start, columns, outputs < n, k,
-                                  num_groups, BLOCK_K, PER_GROUP)
+        # (a tile's scales are read only per group: one a row is the first tile's, kept)
+        w, tile_scale = _weight_tile(w_rows, scale_rows, start, columns, outputs < n, k,
+                                     num_groups, BLOCK_K, PER_GROUP)
         x = tl.load(x_rows + cols, mask=(m < rows) & (cols < k), other=0.0).to(tl.float32)
         a = _quantized_tile(x, row_scale, min_scale, BLOCK_M, BLOCK_K, PER_GROUP, True)
-        acc += _tile_sum(a, w, w_scale, BLOCK_M, BLOCK_N, BLOCK_K, PER_GROUP)
+        acc += _tile_sum(a, w, tile_scale, BLOCK_M, BLOCK_N, BLOCK_K, PER_GROUP)
         if GATED:
-            w_up, w_up_scale = _weight_tile(w_rows + n * stride_w, scale_rows + n * stride_w_scale,
-                                            start, columns, outputs < n, k, num_groups, BLOCK_K,
-                                            PER_GROUP)
-            up += _tile_sum(a, w_up, w_up_scale, BLOCK_M, BLOCK_N, BLOCK_K, PER_GROUP)
+            w_up, up_tile_scale = _weight_tile(
+                w_rows + n * stride_w, scale_rows + n * stride_w_scale, start, columns,
+                outputs < n, k, num_groups, BLOCK_K, PER_GROUP)
+            up += _tile_sum(a, w_up, up_tile_scale, BLOCK_M, BLOCK_N, BLOCK_K, PER_GROUP)
     if not PER_GROUP:  # one scale a weight row
         acc = acc * tl.reshape(w_scale, (1, BLOCK_N))
         if GATED:

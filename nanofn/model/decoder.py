@@ -313,7 +313,8 @@ class DecoderModel(nn.Module):
         super().__init__()
         hf_config = text_config(hf_config)
         self.embed_tokens = VocabParallelEmbedding(
-            hf_config.vocab_size, hf_config.hidden_size, tp_rank=tp_rank, tp_size=tp_size
+            hf_config.vocab_size, hf_config.hidden_size, tp_rank=tp_rank, tp_size=tp_size,
+            all_reduce=kernels.all_reduce,
         )
         self.rotary = rotary_embedding(hf_config, kernels, max_positions)
         self.layers = nn.ModuleList(

@@ -214,7 +214,8 @@ class HybridModel(nn.Module):
         super().__init__()
         config = text_config(hf_config)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size,
-                                                   tp_rank=tp_rank, tp_size=tp_size)
+                                                   tp_rank=tp_rank, tp_size=tp_size,
+                                                   all_reduce=kernels.all_reduce)
         self.rotary = rotary_embedding(config, kernels, max_positions)
         self.layers = nn.ModuleList(
             HybridDecoderLayer(config, layer_type, options, self.rotary, kernels, tp_rank, tp_size,

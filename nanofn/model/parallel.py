@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanofn.kernels import TORCH_KERNELS, KernelBackend
+from nanofn.kernels.all_reduce import group_all_reduce
 from nanofn.kernels.fp8 import FP8_DTYPE, Fp8Weight
 from nanofn.kernels.partial_sums import PartialSums
 from nanofn.model.quantization import Fp8Scheme
@@ -342,9 +343,11 @@ class RowParallelLinear(_Linear):
 class VocabParallelEmbedding(nn.Module):
     """Splits the vocabulary into ``tp_size`` equal ranges (the last one padded with zero rows)."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, *, tp_rank: int, tp_size: int):
+    def __init__(self, vocab_size: int, hidden_size: int, *, tp_rank: int, tp_size: int,
+                 all_reduce: Callable[[torch.Tensor], torch.Tensor] = group_all_reduce):
         super().__init__()
         self.vocab_size, self.tp_rank, self.tp_size = vocab_size, tp_rank, tp_size
+        self.all_reduce = all_reduce  # (a kernel backend's: the layers' sum over the ranks)
         self.shard_size = -(-vocab_size // tp_size)
         self.vocab_start = tp_rank * self.shard_size
         self.weight = _new_parameter(self.shard_size, hidden_size)
@@ -368,7 +371,7 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
         embedded = self.partial_forward(token_ids)
         if self.tp_size > 1:
-            dist.all_reduce(embedded)
+            embedded = self.all_reduce(embedded)
         return embedded
 
 
