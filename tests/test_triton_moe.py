@@ -79,8 +79,9 @@ def test_pairs_are_aligned_in_whole_blocks_of_one_expert(interpreter):
 
 
 @pytest.mark.parametrize("num_tokens, num_experts, top_k, block_m",
-                         [(1, 128, 8, 16), (90, 60, 8, 16), (700, 6, 2, 64)],
-                         ids=["decode-one-token", "three-programs", "few-experts-many-pairs"])
+                         [(1, 128, 8, 16), (90, 60, 8, 16), (700, 6, 2, 64), (600, 128, 8, 128)],
+                         ids=["decode-one-token", "three-programs", "few-experts-many-pairs",
+                              "a-mixed-step"])
 def test_one_launch_aligns_the_pairs_as_the_torch_ops_do(interpreter, num_tokens, num_experts,
                                                          top_k, block_m):
     """Identical layouts (pairs in order within an expert), over programs of 256 pairs each."""

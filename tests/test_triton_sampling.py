@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from nanofn.kernels.triton_sampling import exponential_noise, sample_plain, sample_plain_by_slot
+from nanofn.runner import sampler as sampler_module
 from nanofn.runner.sampler import (
     Sampler, SampleRequest, SamplingRows, exponential_race, row_seed,
 )
@@ -298,3 +299,25 @@ def test_sampling_rows_give_what_the_request_list_gives_on_the_triton_path(inter
     for by_requests, by_rows in interpreter(sample_both_ways, 3, batches):
         assert by_rows.token_ids.tolist() == by_requests.token_ids
         assert (by_rows.logprobs or [None] * len(by_requests.token_ids)) == by_requests.logprobs
+
+
+def sample_both_ways_in_parts(rows_at_once, sampler_seed, batches):
+    """``sample_both_ways`` with the torch steps taking ``rows_at_once`` rows at a time."""
+    sampler_module.ROWS_AT_ONCE = rows_at_once
+    return sample_both_ways(sampler_seed, batches)
+
+
+def test_rows_taken_in_parts_draw_what_they_draw_all_at_once(interpreter):
+    """The torch steps (and the logprobs) take ``ROWS_AT_ONCE`` rows at a time, which bounds
+    the sampler's memory; each row's token and logprobs stay what one pass over all gives."""
+    mixed = [request(top_k=40), request(temperature=0.0), request(position=2, top_p=0.9, seed=5),
+             request(min_p=0.1, temperature=0.5, logprobs=2), request(frequency_penalty=0.5),
+             SampleRequest(SamplingParams(min_p=0.2, logprobs=1), 3, banned_token_ids=(1, 2)),
+             request(logprobs=2, temperature=0.0), request(position=7, logprobs=3, top_k=5),
+             request(repetition_penalty=1.3, top_p=0.8)]
+    batches = [(random_logits(len(mixed), VOCAB, seed=30, scale=0.3), mixed)]
+    (whole,) = interpreter(sample_both_ways_in_parts, len(mixed), 7, batches)
+    (parts,) = interpreter(sample_both_ways_in_parts, 2, 7, batches)
+    assert parts[0].token_ids == whole[0].token_ids
+    assert parts[0].logprobs == whole[0].logprobs
+    assert parts[1].token_ids.tolist() == whole[1].token_ids.tolist()

@@ -42,11 +42,11 @@ def candidates(num_pairs: int):
 def gate_up(x, w13, aligned, num_pairs, tile):
     block_m, block_n, block_k, warps, stages = tile
     out = x.new_empty(num_pairs, INTER)
-    grid = (aligned.block_experts.numel(), triton.cdiv(INTER, block_n))
+    grid = (aligned.block_experts.numel() * triton.cdiv(INTER, block_n),)
     _gate_up_kernel[grid](x, w13, out, aligned.sorted_pairs, aligned.block_experts, num_pairs,
                           HIDDEN, INTER, x.stride(0), w13.stride(0), w13.stride(1), out.stride(0),
                           TOP_K=TOP_K, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                          PAIR_BLOCKS=aligned.pair_blocks,
+                          PAIR_BLOCKS=aligned.pair_blocks, OVERLAP=False,
                           num_warps=warps, num_stages=stages)
     return out
 
@@ -54,11 +54,11 @@ def gate_up(x, w13, aligned, num_pairs, tile):
 def down(activated, w2, routing, aligned, num_pairs, tile):
     block_m, block_n, block_k, warps, stages = tile
     out = activated.new_empty(num_pairs, HIDDEN)
-    grid = (aligned.block_experts.numel(), triton.cdiv(HIDDEN, block_n))
+    grid = (aligned.block_experts.numel() * triton.cdiv(HIDDEN, block_n),)
     _down_kernel[grid](activated, w2, out, routing, aligned.sorted_pairs, aligned.block_experts,
                        num_pairs, HIDDEN, INTER, activated.stride(0), w2.stride(0), w2.stride(1),
                        out.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                       PAIR_BLOCKS=aligned.pair_blocks,
+                       PAIR_BLOCKS=aligned.pair_blocks, OVERLAP=False,
                        num_warps=warps, num_stages=stages)
     return out
 

@@ -12,7 +12,8 @@ step of a few tokens touches few). The first launch computes gate and up with Si
 fused in; the second the down projection, scaled by the routing weight; the ``k`` scaled rows
 of a token are then added up (in float32, where the reference adds in the model's dtype). Every
 size is fixed by the token count alone (no value read back to the host), so the layer fits a
-CUDA graph. (A few tokens as matrix-vector products, a program per pair and then per token,
+CUDA graph; at a decode step's sizes the router's kernel, both GEMMs and the sum launch
+overlapped with the kernel ahead (``triton_overlap.py``). (A few tokens as matrix-vector products, a program per pair and then per token,
 with no alignment and no separate sum, measured slower: RESULTS.md, twenty-first session.)
 """
 
@@ -23,6 +24,9 @@ from dataclasses import dataclass, replace
 import torch
 import triton
 import triton.language as tl
+
+from nanofn.kernels import triton_overlap
+from nanofn.kernels.triton_overlap import wait_for_previous
 
 
 @dataclass(frozen=True)
@@ -44,15 +48,22 @@ class AlignedPairs:
 PAIR_BLOCKS_UP_TO = 8  # tokens: a step this small gives each pair its own block, unsorted
 
 
-ALIGN_IN_ONE_LAUNCH_UP_TO = 4096  # pairs: a decode step's (T * k); more go through torch ops
+# pairs (T * k) that one launch of ``_align_kernel`` places: a decode step's, and a step that
+# mixes decodes with a prompt or two, which runs eagerly, where a dozen torch ops a layer kept
+# the device waiting for the host; a prompt's many pairs go through the torch ops, whose
+# launches hide behind its GEMMs (every program counts all the pairs: the kernel's work grows
+# as the square of their number)
+ALIGN_IN_ONE_LAUNCH_UP_TO = 16384
+OVERLAPPED_UP_TO = 4096  # pairs: a decode step's, whose kernels launch overlapped
 ALIGN_CHUNK = 256  # pairs an alignment program places
 
 
 def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> AlignedPairs:
     """``AlignedPairs`` of ``topk_ids [T, k]``, with a capacity fixed by ``T * k`` (room for
-    every expert's padding). A decode step's few pairs are placed by one kernel
-    (``_align_kernel``), where a dozen torch ops would cost more than its experts' GEMMs; a
-    prompt's many by those ops (``sorted_by_expert``), whose launches hide behind the GEMMs.
+    every expert's padding). Up to ``ALIGN_IN_ONE_LAUNCH_UP_TO`` pairs they are placed by one
+    kernel (``_align_kernel``), where a dozen torch ops would cost more than its experts'
+    GEMMs or keep the device waiting for the host; a prompt's many by those ops
+    (``sorted_by_expert``), whose launches hide behind the GEMMs.
     Up to ``PAIR_BLOCKS_UP_TO`` tokens, nothing is sorted (``pair_blocks``)."""
     if topk_ids.shape[0] <= PAIR_BLOCKS_UP_TO:
         return pair_blocks(topk_ids, block_m)
@@ -168,7 +179,7 @@ def _align_kernel(ids_ptr, sorted_pairs_ptr, block_experts_ptr, num_pairs, num_e
 @triton.jit
 def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, logits_stride,
                   TOP_K: tl.constexpr, TOP_K_P2: tl.constexpr, RENORMALIZE: tl.constexpr,
-                  EXPERTS: tl.constexpr):
+                  EXPERTS: tl.constexpr, OVERLAP: tl.constexpr):
     """Token ``program_id(0)``'s experts, as ``moe.select_experts``: softmax in float32, the
     ``TOP_K`` largest probabilities, largest first (the lower expert first on a tie), divided
     by their sum where ``RENORMALIZE``.
@@ -177,6 +188,7 @@ def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, logits_stride,
     of NaN, such as a CUDA graph's padding row whose attention output is left unwritten, still
     names ``TOP_K`` distinct experts in range: an id past the experts would have the alignment
     place the row's pairs over real pairs' slots."""
+    wait_for_previous(OVERLAP)
     token = tl.program_id(0)
     experts = tl.arange(0, EXPERTS)
     expert_ok = experts < num_experts
@@ -203,6 +215,15 @@ def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, logits_stride,
              mask=ranks < TOP_K)
 
 
+def _overlap(device: torch.device, num_pairs: int) -> dict:
+    """``triton_overlap``'s launch options for a decode step's pairs (measured there); larger
+    steps launch one after another: their GEMMs run in many waves, and programs that started
+    early would wait holding shared memory that the kernel ahead's last wave needs."""
+    if num_pairs <= OVERLAPPED_UP_TO:
+        return triton_overlap.launch_options(device)
+    return {"OVERLAP": False}
+
+
 def select_experts(router_logits: torch.Tensor, top_k: int,
                    renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """``moe.select_experts`` in one launch (a program a token)."""
@@ -213,38 +234,50 @@ def select_experts(router_logits: torch.Tensor, top_k: int,
         _route_kernel[(num_tokens,)](
             router_logits, weights, ids, num_experts, router_logits.stride(0), TOP_K=top_k,
             TOP_K_P2=triton.next_power_of_2(top_k), RENORMALIZE=renormalize,
-            EXPERTS=triton.next_power_of_2(num_experts))
+            EXPERTS=triton.next_power_of_2(num_experts),
+            **_overlap(router_logits.device, num_tokens * top_k))
     return weights, ids
 
 
 @triton.jit
-def _block(sorted_pairs_ptr, block_experts_ptr, num_pairs, BLOCK_M: tl.constexpr,
+def _block(sorted_pairs_ptr, block_experts_ptr, num_pairs, num_col_tiles, BLOCK_M: tl.constexpr,
            PAIR_BLOCKS: tl.constexpr):
-    """Block ``program_id(0)``'s expert (``-1``: no expert, nothing to do), its pairs, and which
-    of them are pairs (not padding). ``PAIR_BLOCKS``: the block is pair ``program_id(0)`` alone
-    (``sorted_pairs_ptr`` is not read)."""
-    block = tl.program_id(0)
+    """This program's block and tile of output columns; the block's expert (``-1``: no expert,
+    nothing to do), its pairs, and which of them are pairs (not padding). ``PAIR_BLOCKS``: the
+    block is pair ``block`` alone (``sorted_pairs_ptr`` is not read).
+
+    Sorted pairs: the column tile varies fastest, so that the programs that run at once share a
+    few blocks, whose input rows and expert's weights stay in L2 while every column tile reads
+    them (with the block fastest, each column tile read a prompt step's gathered rows from
+    memory again: a layer of 16,384 tokens took 3.60 against 2.97 ms on the H100). Pair blocks:
+    the block varies fastest (8 tokens: 177 against 210 us)."""
+    program = tl.program_id(0)
+    if PAIR_BLOCKS:
+        num_blocks = tl.num_programs(0) // num_col_tiles
+        block, col_tile = program % num_blocks, program // num_blocks
+    else:
+        block, col_tile = program // num_col_tiles, program % num_col_tiles
     expert = tl.load(block_experts_ptr + block)
     if PAIR_BLOCKS:
         pairs = tl.where(tl.arange(0, BLOCK_M) == 0, block, num_pairs)
     else:
         pairs = tl.load(sorted_pairs_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
-    return expert, pairs, pairs < num_pairs
+    return col_tile, expert, pairs, pairs < num_pairs
 
 
 @triton.jit
 def _gate_up_kernel(x_ptr, w13_ptr, out_ptr, sorted_pairs_ptr, block_experts_ptr, num_pairs,
                     hidden, inter, x_stride, w_stride_e, w_stride_n, out_stride,
                     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, PAIR_BLOCKS: tl.constexpr):
-    """Block ``program_id(0)`` of sorted pairs, intermediate columns ``program_id(1) *
-    BLOCK_N ...``: ``silu(x @ gate.T) * (x @ up.T)`` of the block's expert, to the pairs' rows."""
-    expert, pairs, pair_ok = _block(sorted_pairs_ptr, block_experts_ptr, num_pairs, BLOCK_M,
-                                    PAIR_BLOCKS)
+                    BLOCK_K: tl.constexpr, PAIR_BLOCKS: tl.constexpr, OVERLAP: tl.constexpr):
+    """A block of sorted pairs and a tile of intermediate columns (``_block``): ``silu(x @ gate.T) * (x @ up.T)`` of the block's expert, to the pairs' rows."""
+    wait_for_previous(OVERLAP)
+    col_tile, expert, pairs, pair_ok = _block(sorted_pairs_ptr, block_experts_ptr, num_pairs,
+                                              tl.cdiv(inter, BLOCK_N), BLOCK_M, PAIR_BLOCKS)
     if expert < 0:
         return
     tokens = (pairs // TOP_K).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = col_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < inter
     weights = w13_ptr + expert.to(tl.int64) * w_stride_e
     gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -269,16 +302,17 @@ def _gate_up_kernel(x_ptr, w13_ptr, out_ptr, sorted_pairs_ptr, block_experts_ptr
 def _down_kernel(a_ptr, w2_ptr, out_ptr, routing_ptr, sorted_pairs_ptr, block_experts_ptr,
                  num_pairs, hidden, inter, a_stride, w_stride_e, w_stride_n, out_stride,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 PAIR_BLOCKS: tl.constexpr):
-    """Block ``program_id(0)`` of sorted pairs, hidden columns ``program_id(1) * BLOCK_N ...``:
+                 PAIR_BLOCKS: tl.constexpr, OVERLAP: tl.constexpr):
+    """A block of sorted pairs and a tile of hidden columns (``_block``):
     the block's expert's down projection of the pairs' activations, times their routing
     weights, to the pairs' rows."""
-    expert, pairs, pair_ok = _block(sorted_pairs_ptr, block_experts_ptr, num_pairs, BLOCK_M,
-                                    PAIR_BLOCKS)
+    wait_for_previous(OVERLAP)
+    col_tile, expert, pairs, pair_ok = _block(sorted_pairs_ptr, block_experts_ptr, num_pairs,
+                                              tl.cdiv(hidden, BLOCK_N), BLOCK_M, PAIR_BLOCKS)
     if expert < 0:
         return
     rows = pairs.to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = col_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < hidden
     weights = w2_ptr + expert.to(tl.int64) * w_stride_e
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -294,6 +328,25 @@ def _down_kernel(a_ptr, w2_ptr, out_ptr, routing_ptr, sorted_pairs_ptr, block_ex
     tl.store(out_ptr + rows[:, None] * out_stride + cols[None, :],
              (acc * routing[:, None]).to(out_ptr.dtype.element_ty),
              mask=pair_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _sum_pairs_kernel(scaled_ptr, out_ptr, hidden, TOP_K: tl.constexpr, BLOCK: tl.constexpr,
+                      OVERLAP: tl.constexpr):
+    """Token ``program_id(0)``'s columns ``program_id(1) * BLOCK ...``: the sum of its ``TOP_K``
+    scaled rows (contiguous, ``hidden`` wide), in float32 in order, rounded once."""
+    wait_for_previous(OVERLAP)
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    col_ok = cols < hidden
+    total = tl.zeros([BLOCK], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        total += tl.load(scaled_ptr + (token * TOP_K + j) * hidden + cols, mask=col_ok,
+                         other=0.0).to(tl.float32)
+    tl.store(out_ptr + token * hidden + cols, total.to(out_ptr.dtype.element_ty), mask=col_ok)
+
+
+SUM_BLOCK = 1024  # columns a program of ``_sum_pairs_kernel`` adds up
 
 
 @dataclass(frozen=True)
@@ -367,18 +420,22 @@ def fused_moe(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     num_blocks = aligned.block_experts.numel()
     activated = hidden_states.new_empty(num_pairs, inter)
     gate_up, down = tiles.gate_up, tiles.down
-    _gate_up_kernel[(num_blocks, triton.cdiv(inter, gate_up.block_n))](
+    overlap = _overlap(hidden_states.device, num_pairs)
+    _gate_up_kernel[(num_blocks * triton.cdiv(inter, gate_up.block_n),)](
         hidden_states, w13, activated, aligned.sorted_pairs, aligned.block_experts, num_pairs,
         hidden, inter, hidden_states.stride(0), w13.stride(0), w13.stride(1),
         activated.stride(0), TOP_K=top_k, BLOCK_M=tiles.block_m, BLOCK_N=gate_up.block_n,
         BLOCK_K=gate_up.block_k, PAIR_BLOCKS=aligned.pair_blocks, num_warps=gate_up.num_warps,
-        num_stages=gate_up.num_stages)
+        num_stages=gate_up.num_stages, **overlap)
     scaled = hidden_states.new_empty(num_pairs, hidden)
     routing = topk_weights.flatten().contiguous()
-    _down_kernel[(num_blocks, triton.cdiv(hidden, down.block_n))](
+    _down_kernel[(num_blocks * triton.cdiv(hidden, down.block_n),)](
         activated, w2, scaled, routing, aligned.sorted_pairs, aligned.block_experts, num_pairs,
         hidden, inter, activated.stride(0), w2.stride(0), w2.stride(1), scaled.stride(0),
         BLOCK_M=tiles.block_m, BLOCK_N=down.block_n, BLOCK_K=down.block_k,
-        PAIR_BLOCKS=aligned.pair_blocks, num_warps=down.num_warps, num_stages=down.num_stages)
-    # (one launch: a half-precision sum adds in float32 and rounds once)
-    return scaled.view(num_tokens, top_k, hidden).sum(dim=1)
+        PAIR_BLOCKS=aligned.pair_blocks, num_warps=down.num_warps, num_stages=down.num_stages,
+        **overlap)
+    out = hidden_states.new_empty(num_tokens, hidden)
+    _sum_pairs_kernel[(num_tokens, triton.cdiv(hidden, SUM_BLOCK))](
+        scaled, out, hidden, TOP_K=top_k, BLOCK=SUM_BLOCK, num_warps=4, **overlap)
+    return out

@@ -20,7 +20,7 @@ from nanofn.model.config import text_config
 from nanofn.model.loader import init_dummy_weights
 from nanofn.runner.cuda_graphs import DecodeGraphs
 from nanofn.runner.inputs import ModelInputs, SlotTables, prepare_inputs
-from nanofn.runner.sampler import DeviceSample, Sampler, SamplingRows, to_device
+from nanofn.runner.sampler import DeviceSample, Sampler, SamplingRows, costliest_rows, to_device
 from nanofn.runner.timeline import DeviceTimeline
 from nanofn.state.config import blocks_for
 from nanofn.state.params import SamplingParams
@@ -327,8 +327,9 @@ class ModelRunner:
 
     def _run_largest_step(self) -> int:
         """One forward pass of ``max_num_batched_tokens`` prompt tokens spread over
-        ``max_num_seqs`` sequences (none longer than ``max_model_len``), plus the logits and a sort of them for every sequence (the
-        sampler's worst case). Returns the bytes of the scratch KV cache it used."""
+        ``max_num_seqs`` sequences (none longer than ``max_model_len``), plus the logits of every
+        sequence and the sampler's costliest draw from them. Returns the bytes of the scratch KV
+        cache it used."""
         c = self.config
         num_seqs = min(c.max_num_seqs, c.max_num_batched_tokens)
         tokens = min(c.max_num_batched_tokens, num_seqs * c.max_model_len)
@@ -345,7 +346,8 @@ class ModelRunner:
                                 self.device)
         hidden = self._run_model(inputs, scratch, states)
         logits = self.model.compute_logits(hidden[inputs.sample_rows])
-        logits.sort(dim=-1)
+        # (a sampler of its own: the engine's keeps its random stream)
+        Sampler(0, self.device).sample(logits, costliest_rows(len(logits))).wait()
         torch.cuda.synchronize(self.device)
         state_bytes = 0 if states is None else sum(
             part.numel() * part.element_size() for part in (states.conv, states.ssm))

@@ -362,6 +362,11 @@ def _splitmix64_array(x: np.ndarray) -> np.ndarray:
 
 # ---------------------------------------------------------------------------------- the sampler
 
+# Rows that the torch steps (filters, penalties, logprobs) take at a time on the Triton path:
+# each step copies a row's vocabulary-wide float32 logits, several at once, which over a step of
+# 512 rows took GBs (reserved from the KV cache at start-up, ``ModelRunner``'s largest step).
+ROWS_AT_ONCE = 64
+
 
 class Sampler:
     """Samples one token per row of logits; see the module docstring for the semantics.
@@ -437,14 +442,15 @@ class Sampler:
         temperatures = np.where(greedy, 0, rows.temperature)  # the kernel's greedy rows are T = 0
         token_ids = sample_plain(logits, self._floats(temperatures), keys)
         others = np.flatnonzero(~plain)
-        if len(others):
-            index = self._ints(others)
-            other_keys = keys[index]
+        for start in range(0, len(others), ROWS_AT_ONCE):
+            part = others[start:start + ROWS_AT_ONCE]
+            index = self._ints(part)
+            part_keys = keys[index]
 
-            def noise(which: np.ndarray) -> torch.Tensor:
-                return exponential_noise(other_keys[self._ints(which)], logits.shape[-1])
+            def noise(which: np.ndarray, part_keys: torch.Tensor = part_keys) -> torch.Tensor:
+                return exponential_noise(part_keys[self._ints(which)], logits.shape[-1])
 
-            token_ids[index] = self._draw(logits[index], rows.select(others), noise)
+            token_ids[index] = self._draw(logits[index], rows.select(part), noise)
         return token_ids
 
     def _draw(self, logits: torch.Tensor, rows: SamplingRows,
@@ -521,20 +527,36 @@ class Sampler:
         if not len(logprob_rows):
             return DeviceSample.start(token_ids, len(rows))
         wanted = rows.logprobs[logprob_rows]
-        index = self._ints(logprob_rows)
+        parts = [self._logprobs(logits, token_ids, logprob_rows[start:start + ROWS_AT_ONCE],
+                                int(wanted.max()))
+                 for start in range(0, len(logprob_rows), ROWS_AT_ONCE)]
+        columns = parts[0] if len(parts) == 1 else tuple(map(torch.cat, zip(*parts)))
+        return DeviceSample.start(token_ids, len(rows), dict(zip(logprob_rows.tolist(),
+                                                                 wanted.tolist())), columns)
+
+    def _logprobs(self, logits: torch.Tensor, token_ids: torch.Tensor, which: np.ndarray,
+                  top_k: int) -> tuple[torch.Tensor, ...]:
+        """``(chosen, ranks, top ids, top values)`` of those rows' raw logprobs."""
+        index = self._ints(which)
         raw = logits[index].log_softmax(dim=-1)
         chosen = raw.gather(-1, token_ids[index][:, None])
         ranks = (raw > chosen).sum(dim=-1) + 1
-        top = raw.topk(int(wanted.max()), dim=-1)
-        return DeviceSample.start(token_ids, len(rows), dict(zip(logprob_rows.tolist(),
-                                                                 wanted.tolist())),
-                                  (chosen, ranks, top.indices, top.values))
+        top = raw.topk(top_k, dim=-1)
+        return chosen, ranks, top.indices, top.values
 
     def _ints(self, values: np.ndarray) -> torch.Tensor:
         return to_device(np.asarray(values, np.int64), self.device)
 
     def _floats(self, values: np.ndarray) -> torch.Tensor:
         return to_device(np.asarray(values, np.float32), self.device)
+
+
+def costliest_rows(num_rows: int) -> SamplingRows:
+    """Rows that take every torch step that copies the vocabulary (penalties, temperature,
+    min-p, a top-p over the whole vocabulary, logprobs): the sampler's memory at its worst."""
+    params = SamplingParams(temperature=0.7, top_p=0.9, min_p=0.01, presence_penalty=0.5,
+                            frequency_penalty=0.5, repetition_penalty=1.1, logprobs=20)
+    return SamplingRows.from_requests([SampleRequest(params, 1, [0], [1])] * num_rows)
 
 
 def _seen_tokens(request: SampleRequest, field: str) -> Sequence[int]:

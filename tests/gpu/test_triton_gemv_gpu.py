@@ -212,6 +212,11 @@ SWEEP_KERNELS = [*((name, triton_gemv.PLAIN, shape) for name, shape in SHAPES.it
                  *((f"residual + rms_norm + {name}", triton_gemv.NORM, SHAPES[name])
                    for name in ("qkv", "gate_up")),
                  ("residual + rms_norm + gate_up + silu_and_mul", GATED, SHAPES["gate_up"])]
+# ``--sweep --moe``: Qwen3-30B-A3B's attention projections and router instead (hidden 2,048)
+MOE_SWEEP_KERNELS = [("residual + rms_norm + qkv", triton_gemv.NORM, (5120, 2048)),
+                     ("o_proj", triton_gemv.PLAIN, (2048, 4096)),
+                     ("residual + rms_norm + router", triton_gemv.NORM, (128, 2048)),
+                     ("router", triton_gemv.PLAIN, (128, 2048))]
 
 
 def _sweep_configs(k: int, prologue: int) -> list[GemvConfig]:
@@ -241,19 +246,19 @@ def _compile(cases) -> None:
     torch.cuda.synchronize()
 
 
-def sweep(workers: int = 12) -> None:
-    """Time every config of ``_sweep_configs`` for each kernel of ``SWEEP_KERNELS`` and row count
-    of ``SWEEP_ROWS``; print the best three of each next to ``gemv_config``'s choice. The
-    kernels compile first in ``workers`` processes at once."""
-    cases = list({(prologue, rows, config): (prologue, rows, n, k, config)  # one per kernel
-                  for _, prologue, (n, k) in SWEEP_KERNELS for rows in SWEEP_ROWS
+def sweep(kernels=SWEEP_KERNELS, workers: int = 12) -> None:
+    """Time every config of ``_sweep_configs`` for each of ``kernels`` and row count of
+    ``SWEEP_ROWS``; print the best three of each next to ``gemv_config``'s choice. The kernels
+    compile first in ``workers`` processes at once."""
+    cases = list({(prologue, rows, n, k, config): (prologue, rows, n, k, config)
+                  for _, prologue, (n, k) in kernels for rows in SWEEP_ROWS
                   for config in _sweep_configs(k, prologue)}.values())
     context = torch.multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(workers, mp_context=context) as pool:
         list(pool.map(_compile, [cases[i::workers] for i in range(workers)]))
     print("\n| kernel | rows | default config: us | best configs: us |")
     print("|---|---|---|---|")
-    for name, prologue, (n, k) in SWEEP_KERNELS:
+    for name, prologue, (n, k) in kernels:
         weights = _weights(n, k, seed=0)
         for rows in SWEEP_ROWS:
             call = _call(prologue, rows, n, k)
@@ -267,6 +272,7 @@ def sweep(workers: int = 12) -> None:
 
 
 if __name__ == "__main__":
-    benchmark()
+    if "--moe" not in sys.argv:
+        benchmark()
     if "--sweep" in sys.argv:
-        sweep()
+        sweep(MOE_SWEEP_KERNELS if "--moe" in sys.argv else SWEEP_KERNELS)
