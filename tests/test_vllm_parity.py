@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from nanofn import LLM, BeamSearchParams, SamplingParams
+from nanofn.runner import model_runner
 from nanofn.server.requests import APIError, sampling_params
 from nanofn.state import parse_trace, replay
 from nanofn.state.policy import bad_word_bans
@@ -138,9 +139,13 @@ def reference_logprobs(folder: Path, token_ids: list[int]) -> torch.Tensor:
         return model(torch.tensor([token_ids])).logits[0].log_softmax(-1)
 
 
-@pytest.mark.parametrize("prefix_cached", [False, True])
-def test_prompt_logprobs_match_transformers_over_chunks_and_ignore_the_cache(tiny_qwen3,
-                                                                             prefix_cached):
+@pytest.mark.parametrize("prefix_cached, rows_at_once", [(False, None), (True, None), (False, 5)],
+                         ids=["uncached", "prefix-cached", "logits-five-rows-at-a-time"])
+def test_prompt_logprobs_match_transformers_over_chunks_and_ignore_the_cache(
+        tiny_qwen3, prefix_cached, rows_at_once, monkeypatch):
+    """(``rows_at_once``: a step's positions scored in parts, as a large step's are.)"""
+    if rows_at_once:
+        monkeypatch.setattr(model_runner, "PROMPT_ROWS_AT_ONCE", rows_at_once)
     prompt = list(range(40, 90))
     with LLM(str(tiny_qwen3), max_model_len=128, max_num_batched_tokens=16, max_num_seqs=4,
              seed=0) as llm:

@@ -180,13 +180,11 @@ class ModelRunner:
                                         len(plan.sampling_seq_ids))
             self._states_after(plan)
         else:
-            logits = self.forward(plan)
-            num_sampling = len(plan.sampling_seq_ids)
-            sample = self.sampler.sample(logits[:num_sampling], self.slot_params.rows(plan),
-                                         token_bitmask)
+            logits, scores = self.forward(plan)
+            sample = self.sampler.sample(logits, self.slot_params.rows(plan), token_bitmask)
             self.keep_sampled_tokens(plan, sample.token_ids)
-            if plan.prompt_logprobs:
-                sample.prompt_logprobs = prompt_logprobs(logits[num_sampling:], plan)
+            if scores is not None:
+                sample.prompt_logprobs = prompt_logprobs(scores, plan)
         if self._work_start is not None:
             self.timeline.add(self._work_start, _step_kind(plan))
         return sample
@@ -254,9 +252,9 @@ class ModelRunner:
             self.slot_tables.keep_sampled(self._sampling_slots, tokens)
 
     @torch.inference_mode()
-    def forward(self, plan: BatchPlan) -> torch.Tensor:
-        """The logits of the sampling sequences, ``[S, vocab]`` float32, followed by those of
-        the positions ``plan.prompt_logprobs`` asks about (every rank runs this; rank 0
+    def forward(self, plan: BatchPlan) -> tuple[torch.Tensor, PromptScores | None]:
+        """The logits of the sampling sequences, ``[S, vocab]`` float32, and the scores of the
+        positions ``plan.prompt_logprobs`` asks about, if any (every rank runs this; rank 0
         samples)."""
         self._states_before(plan)
         if self.graphs is not None and self.graphs.fits(plan):
@@ -273,12 +271,13 @@ class ModelRunner:
         # The starting sequences' temperatures, once the model's work is queued: only the
         # sampling graphs read them, so the device need not wait for their copies to start.
         self._start(plan.started)
+        scores = None
         if plan.prompt_logprobs:
-            extra = to_device(prompt_logprob_rows(plan), self.device)
-            hidden = hidden[torch.cat([sample_rows, extra])]
-        elif len(plan.sampling_seq_ids) < plan.num_tokens:
+            rows = to_device(prompt_logprob_rows(plan), self.device)
+            scores = score_prompt_rows(self.model, hidden[rows], plan)
+        if len(plan.sampling_seq_ids) < plan.num_tokens:
             hidden = hidden[sample_rows]
-        return self.model.compute_logits(hidden)
+        return self.model.compute_logits(hidden), scores
 
     def _run_model(self, inputs: ModelInputs, kv_cache: torch.Tensor,
                    states: RecurrentState | None) -> torch.Tensor:
@@ -410,19 +409,49 @@ def prompt_logprob_rows(plan: BatchPlan) -> np.ndarray:
                            for i, _, targets in plan.prompt_logprobs]).astype(np.int64)
 
 
-def prompt_logprobs(logits: torch.Tensor, plan: BatchPlan) -> tuple:
-    """``SampleOutput.prompt_logprobs`` from the logits of ``prompt_logprob_rows(plan)``: per
-    target, its logprob and rank and the entry's top k (one pass on the device, then a wait
-    for the copy: only plans with prompt logprobs pay it)."""
+# Positions of a prompt whose logits are made at a time for their logprobs: a step's 16,384
+# prompt positions at once took 10 GB of float32 logits (and as much again for their
+# log-softmax) past what start-up had reserved, and ran out of memory
+PROMPT_ROWS_AT_ONCE = 256
+
+
+@dataclass(frozen=True)
+class PromptScores:
+    """Per position ``plan.prompt_logprobs`` asks about (on the device): its target's logprob
+    and rank, and the top ``k`` ids and logprobs (None where no entry asks for any)."""
+
+    chosen: torch.Tensor
+    ranks: torch.Tensor
+    top_ids: torch.Tensor | None
+    top_values: torch.Tensor | None
+
+
+def score_prompt_rows(model: torch.nn.Module, hidden: torch.Tensor,
+                      plan: BatchPlan) -> PromptScores:
+    """``PromptScores`` from the hidden states of ``prompt_logprob_rows(plan)``, whose logits are
+    made ``PROMPT_ROWS_AT_ONCE`` at a time (on every rank: the LM head gathers its vocabulary
+    across them)."""
     targets = torch.tensor([t for _, _, ids in plan.prompt_logprobs for t in ids],
-                           device=logits.device)
-    values = logits.log_softmax(dim=-1)
-    chosen = values.gather(-1, targets[:, None])[:, 0]
-    ranks = (values > chosen[:, None]).sum(dim=-1) + 1
+                           device=hidden.device)
     num_top = max(k for _, k, _ in plan.prompt_logprobs)
-    top = values.topk(num_top, dim=-1) if num_top else None
-    chosen, ranks = chosen.tolist(), ranks.tolist()
-    top_ids, top_values = (top.indices.tolist(), top.values.tolist()) if top else ([], [])
+    parts = []
+    for start in range(0, len(hidden), PROMPT_ROWS_AT_ONCE):
+        values = model.compute_logits(hidden[start:start + PROMPT_ROWS_AT_ONCE]).log_softmax(-1)
+        chosen = values.gather(-1, targets[start:start + PROMPT_ROWS_AT_ONCE, None])[:, 0]
+        top = values.topk(num_top, dim=-1) if num_top else None
+        parts.append((chosen, (values > chosen[:, None]).sum(dim=-1) + 1,
+                      top.indices if top else None, top.values if top else None))
+    columns = [torch.cat(column) if column[0] is not None else None for column in zip(*parts)]
+    return PromptScores(*columns)
+
+
+def prompt_logprobs(scores: PromptScores, plan: BatchPlan) -> tuple:
+    """``SampleOutput.prompt_logprobs`` from ``score_prompt_rows``'s scores: per target, its
+    logprob and rank and the entry's top k (a wait for the copy: only plans with prompt
+    logprobs pay it)."""
+    chosen, ranks = scores.chosen.tolist(), scores.ranks.tolist()
+    top_ids, top_values = ((scores.top_ids.tolist(), scores.top_values.tolist())
+                           if scores.top_ids is not None else ([], []))
     entries, row = [], 0
     for i, k, ids in plan.prompt_logprobs:
         position = int(plan.start_pos[i]) + 1

@@ -54,7 +54,8 @@ def nanofn_teacher_forced(llm: LLM, tokens: list[int], prompt_len: int) -> torch
     start, end = 0, prompt_len
     while end <= len(tokens):
         seq = ScheduledSeq("tf", 0, tuple(tokens[start:end]), start, True, table if start == 0 else ())
-        rows.append(runner.forward(plan_of(0, [seq], started if start == 0 else []))[0])
+        logits, _ = runner.forward(plan_of(0, [seq], started if start == 0 else []))
+        rows.append(logits[0])
         start, end = end, end + 1
     return torch.stack(rows)
 
