@@ -2,7 +2,7 @@
 # One call on a GPU machine: the GPU test suite, then the benchmarks, logs under $OUT and a
 # short table last; the logs come back as $OUT/logs-MODE.tgz. Usage: bash benchmarks/gpu_run.sh
 # [tests|tests-1|tests-2|tests-3|bench|all|kernels|serve|dp|tp|multinode|hybrid|hybrid-bench|
-# hybrid-prefix|moe-bench|fp8-bench|baseline] (default: all; baseline: the torch reference
+# hybrid-prefix|moe-bench|moe-tp|fp8-bench|baseline] (default: all; baseline: the torch reference
 # attention, eager, for comparison; dp and multinode need two GPUs)
 # Expects the wheels of ../shared/tools/gpu-wheels.sh in .whl/ (pyrsistent is missing there),
 # and flash-attn-4 in /tmp/fa4site if it is to be tested and measured (benchmarks/fa4_install.sh);
@@ -84,7 +84,7 @@ if [ "$what" = tp ]; then  # two GPUs: TP=2 parity, worker faults, TP=1 and TP=2
   timeout 300 python3 -m pytest tests/test_tensor_parallel_faults.py -q -rs --timeout 100 --timeout-method=thread 2>&1 \
     | tee "$OUT/gpu_tp_faults.log" | tail -30
   bench qwen3-8b-tp1 --random-weights qwen3-8b --profile
-  bench qwen3-8b-tp2 --random-weights qwen3-8b --tensor-parallel-size 2
+  bench qwen3-8b-tp2 --random-weights qwen3-8b --tensor-parallel-size 2 --profile
   bench qwen3-8b-tp2-nccl --random-weights qwen3-8b --tensor-parallel-size 2 \
     --disable-custom-all-reduce
   # every worker is a spawned process: none may outlive the runs above
@@ -151,6 +151,12 @@ fi
 if [ "$what" = moe-bench ]; then  # Qwen3-30B-A3B's shape: 61 GB of weights, ~10 GB of KV on an H100
   single qwen3-30b-a3b --random-weights qwen3-30b-a3b
   bench qwen3-30b-a3b --random-weights qwen3-30b-a3b --profile
+fi
+if [ "$what" = moe-tp ]; then  # two GPUs: the MoE shapes split over two ranks (issue 35)
+  single qwen3-30b-a3b-tp2 --random-weights qwen3-30b-a3b --tensor-parallel-size=2
+  bench qwen3-30b-a3b-tp1 --random-weights qwen3-30b-a3b --profile
+  bench qwen3-30b-a3b-tp2 --random-weights qwen3-30b-a3b --tensor-parallel-size 2 --profile
+  bench qwen3.5-35b-a3b-tp2 --random-weights qwen3.5-35b-a3b --tensor-parallel-size 2 --profile
 fi
 if [ "$what" = fp8-bench ]; then  # FP8 weights and KV cache (issue 36), beside bf16 for the 8B
   single qwen3-0.6b-fp8 --quantization=fp8 --kv-cache-dtype=fp8

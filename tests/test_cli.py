@@ -288,12 +288,6 @@ def test_bench_profile_needs_a_gpu_and_says_so_before_loading(tmp_path, capsys):
     assert code == 2 and "--profile measures a GPU's busy time" in err
 
 
-def test_bench_profile_refuses_tensor_parallelism_before_loading(tmp_path, capsys):
-    code, _, err = run(capsys, "bench", str(tmp_path / "no-model-here"), "--profile",
-                       "--tensor-parallel-size", "2")
-    assert code == 2 and "--profile needs --tensor-parallel-size 1" in err
-
-
 def test_bench_random_weights_come_from_a_config_in_the_cache(tmp_path, monkeypatch, capsys):
     """The preset's config (and the tokenizer) are written once; the weights are drawn on the
     device (load_format dummy), none written."""

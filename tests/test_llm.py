@@ -534,3 +534,27 @@ def test_a_step_queues_the_model_before_recording_the_new_sequences_sampling_par
                         lambda started: (calls.append("start"), start(started))[1])
     llm.generate(["order"], SamplingParams(max_tokens=1), use_tqdm=False)
     assert calls == ["model", "start"]
+
+
+def timed_steps(model_dir, **options) -> tuple[dict, float, float]:
+    """``bench.measure`` of a small workload with the runner's own timeline: the timeline's
+    steps by label, its busy seconds and the run's elapsed seconds."""
+    from nanofn.cli.bench import measure, standard_workload
+
+    with LLM(str(model_dir), num_kv_blocks=24, max_model_len=96, max_num_seqs=4,
+             **options) as llm:
+        timeline = llm.engine.runner.new_timeline()
+        workload = standard_workload(6, 40, 12, vocab_size=llm.engine.text_config.vocab_size)
+        result = measure(llm, workload, timeline)
+        assert llm.engine.runner.timeline is None  # (detached after the run)
+        steps = {label: n for label, (n, _, _) in timeline.by_label().items() if n}
+        return steps, result.device_busy_s, result.elapsed_s
+
+
+def test_rank_0_keeps_the_device_timeline_of_a_tensor_parallel_run(tiny_qwen3):
+    """With two ranks (gloo on the CPU), the timeline lives in rank 0's process and reports
+    back: the same steps by kind as one rank's own, busy for part of the run."""
+    one_rank, _, _ = timed_steps(tiny_qwen3)
+    two_ranks, busy, elapsed = timed_steps(tiny_qwen3, tensor_parallel_size=2)
+    assert two_ranks == one_rank and sum(one_rank.values()) > 6
+    assert 0 < busy <= elapsed

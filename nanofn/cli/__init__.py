@@ -569,8 +569,9 @@ def _add_bench(commands: Any) -> None:
                         f"known: {_known_rates(1)})")
     p.add_argument("--json", metavar="PATH", help="also write the figures to PATH as JSON")
     p.add_argument("--profile", action="store_true",
-                   help="also measure the GPU's busy time (CUDA events around each step) and "
-                        "print the share of the run it sat idle, waiting for the host")
+                   help="also measure the GPU's busy time (CUDA events around each step; rank "
+                        "0's with tensor parallelism) and print the share of the run it sat "
+                        "idle, waiting for the host")
     add_flags(p, "engine options", ENGINE_FLAGS, EngineOptions)
     p.set_defaults(run=_worker_host(run_bench))
 
@@ -602,10 +603,6 @@ def run_bench(args: argparse.Namespace) -> int:
         if value is not None and value <= 0:
             raise UsageError(f"--{flag.replace('_', '-')} must be positive, got {value}")
     device = _device_name(args.device or "auto")
-    if args.profile and (args.tensor_parallel_size or 1) > 1:  # before the model loads
-        raise UsageError("--profile needs --tensor-parallel-size 1: with several ranks the GPUs "
-                         "are driven by worker processes, whose CUDA events the engine cannot "
-                         "read")
     if args.profile and device == "cpu":
         raise UsageError("--profile measures a GPU's busy time: it needs a CUDA device")
     model = (args.model or (random_weights_model(args.random_weights) if args.random_weights
@@ -616,10 +613,7 @@ def run_bench(args: argparse.Namespace) -> int:
     engine = llm.engine
     sizes = _workload_sizes(args, device)
     workload = _workload(sizes, engine.text_config.vocab_size)
-    timeline = None
-    if args.profile:
-        from nanofn.runner.timeline import DeviceTimeline
-        timeline = DeviceTimeline()
+    timeline = engine.runner.new_timeline() if args.profile else None  # (rank 0's, with TP)
     dtype = engine.runner.dtype
     data_types = bench_data_types(engine.hf_config, engine.options, dtype)
     print(f"workload: {describe_sizes(sizes)}"

@@ -162,6 +162,10 @@ class ModelRunner:
                 config.block_size, text.hidden_size, qkv_proj.num_heads,
                 qkv_proj.num_kv_heads, self.states)
 
+    def new_timeline(self) -> DeviceTimeline:
+        """A timeline of this runner's device, for ``timeline``."""
+        return DeviceTimeline(self.device)
+
     @torch.inference_mode()
     def launch(self, plan: BatchPlan, token_bitmask: TokenBitmask | None = None) -> DeviceSample:
         """Queue a (non-empty) plan's work on the device and sample for the sequences that ask

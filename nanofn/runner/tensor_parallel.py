@@ -32,7 +32,7 @@ import signal
 import threading
 import time
 import traceback
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any, NoReturn
 
@@ -41,6 +41,7 @@ import torch.distributed as dist
 
 from nanofn.runner.model_runner import ModelRunner, RunnerConfig
 from nanofn.runner.remote_ranks import HEARTBEAT_S, PlanListener, exit_description
+from nanofn.runner.timeline import DeviceTimeline
 from nanofn.state.plan import BatchPlan, SampleOutput, TokenBitmask
 
 COLLECTIVE_TIMEOUT = timedelta(minutes=5)
@@ -76,6 +77,7 @@ class TensorParallelExecutor:
         self._closed = threading.Event()
         self._results: dict[int, SampleOutput] = {}  # received, by launch index, not yet taken
         self._num_launched = self._num_received = 0
+        self._timeline: RankZeroTimeline | None = None
         for rank in range(config.ranks_per_node):  # this host's ranks
             ours, theirs = context.Pipe()
             reports, report_end = context.Pipe(duplex=False)
@@ -124,16 +126,36 @@ class TensorParallelExecutor:
                 raise RuntimeError(f"tensor-parallel rank {rank} exited while waiting for the "
                                    f"other hosts' ranks (code {worker.exitcode})")
 
+    def new_timeline(self) -> RankZeroTimeline:
+        """A device timeline kept by rank 0, whose events this process cannot read."""
+        return RankZeroTimeline(self)
+
     @property
-    def timeline(self) -> None:
-        return None
+    def timeline(self) -> RankZeroTimeline | None:
+        return self._timeline
 
     @timeline.setter
-    def timeline(self, timeline) -> None:
-        if timeline is not None:
-            raise ValueError("a device timeline (profiling) needs tensor_parallel_size 1: with "
-                             "several ranks the devices are driven by worker processes, whose "
-                             "CUDA events the engine's process cannot read")
+    def timeline(self, timeline: RankZeroTimeline | None) -> None:
+        """Rank 0 marks every plan it launches on its own timeline from now on (None: no
+        more)."""
+        if timeline is not None and not isinstance(timeline, RankZeroTimeline):
+            raise ValueError("with several ranks the devices are driven by worker processes, "
+                             "whose CUDA events this one cannot read: take the runner's "
+                             "new_timeline()")
+        self._timeline = timeline
+        self.send_to_rank_0(TimelineCommand("attach" if timeline is not None else "detach"))
+
+    def send_to_rank_0(self, command: TimelineCommand) -> None:
+        """``command`` for rank 0 alone, in order with the plans."""
+        self._raise_if_failed()
+        self._guarded(self._pipes[0].send_bytes,
+                      pickle.dumps(command, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def ask_rank_0(self, command: TimelineCommand) -> Any:
+        """Rank 0's answer to ``command``, which comes back in order with the plans' tokens."""
+        self.send_to_rank_0(command)
+        self._num_launched += 1
+        return self._take(self._num_launched - 1)
 
     def launch(self, plan: BatchPlan, token_bitmask: TokenBitmask | None = None) -> RankZeroTokens:
         """Send the plan to every rank, pickled once; the mask, if any, goes ahead of rank 0's
@@ -269,6 +291,53 @@ class TensorParallelExecutor:
             pipe.recv()
 
 
+@dataclass(frozen=True)
+class TimelineCommand:
+    """For rank 0's device timeline: ``attach`` it to the runner (a new one), ``detach`` it,
+    ``begin`` or ``end`` the run, or ``report`` (answered with ``TimelineReport``)."""
+
+    action: str
+
+
+@dataclass(frozen=True)
+class TimelineReport:
+    """What rank 0's ``DeviceTimeline`` measured: its ``busy_seconds`` and ``by_label``."""
+
+    busy_seconds: float
+    by_label: dict[str, tuple[int, float, float]]
+
+    def wait(self) -> TimelineReport:  # (sent back as a launched plan's tokens are)
+        return self
+
+
+class RankZeroTimeline:
+    """``DeviceTimeline``'s interface for a tensor-parallel engine: rank 0 (which launches
+    every plan its device runs, as the others do theirs in step) keeps the events, and
+    reports what they measured when asked."""
+
+    def __init__(self, executor: TensorParallelExecutor):
+        self._executor = executor
+        self._report: TimelineReport | None = None
+
+    def begin(self) -> None:
+        self._report = None
+        self._executor.send_to_rank_0(TimelineCommand("begin"))
+
+    def end(self) -> None:
+        self._executor.send_to_rank_0(TimelineCommand("end"))
+
+    def busy_seconds(self) -> float:
+        return self._reported().busy_seconds
+
+    def by_label(self) -> dict[str, tuple[int, float, float]]:
+        return self._reported().by_label
+
+    def _reported(self) -> TimelineReport:
+        if self._report is None:
+            self._report = self._executor.ask_rank_0(TimelineCommand("report"))
+        return self._report
+
+
 class RankZeroTokens:
     """A launched plan's sampled tokens, which rank 0 sends back; waiting for them raises a
     failed worker's ``WorkerFailure`` within seconds rather than waiting for ever."""
@@ -347,16 +416,35 @@ def _serve_rank_0(runner: ModelRunner, pipe, reports) -> None:
     samples = queue.SimpleQueue()
     sender = threading.Thread(target=_send_tokens, args=(samples, pipe, reports), daemon=True)
     sender.start()
-    token_bitmask = None
+    token_bitmask = timeline = None
     while (message := pipe.recv_bytes()) != STOP:
         received = pickle.loads(message)
         if isinstance(received, TokenBitmask):
             token_bitmask = received
             continue
+        if isinstance(received, TimelineCommand):
+            timeline = _follow(received, runner, timeline, samples)
+            continue
         samples.put(runner.launch(received, token_bitmask))
         token_bitmask = None
     samples.put(None)
     sender.join()
+
+
+def _follow(command: TimelineCommand, runner: ModelRunner, timeline: DeviceTimeline | None,
+            samples: queue.SimpleQueue) -> DeviceTimeline | None:
+    """Rank 0's timeline after ``command`` (a report goes back in order with the tokens)."""
+    if command.action == "attach":
+        timeline = runner.timeline = DeviceTimeline(runner.device)
+    elif command.action == "detach":
+        runner.timeline = None
+    elif command.action == "begin":
+        timeline.begin()
+    elif command.action == "end":
+        timeline.end()
+    else:
+        samples.put(TimelineReport(timeline.busy_seconds(), timeline.by_label()))
+    return timeline
 
 
 def _send_tokens(samples: queue.SimpleQueue, pipe, reports) -> None:

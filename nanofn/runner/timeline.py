@@ -10,17 +10,38 @@ An eager step's interval opens after the host has laid out its inputs: a step la
 idle device (a prefill of thousands of tokens, say) leaves it waiting meanwhile, and that wait is
 idle time, not the step's. A graph step's interval opens as its launch begins: its inputs are
 staged on the host while the device still runs the step before it.
+
+On a CPU the events are the host clock's (``HostEvent``). With tensor parallelism, rank 0's
+process keeps the timeline of its device (``tensor_parallel.RankZeroTimeline``): the ranks run
+every plan in step, each on its own device.
 """
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 
 import torch
 
 
-class DeviceTimeline:
+class HostEvent:
+    """A CPU's event: the host clock when it is recorded (a CPU runs a step's work before its
+    launch returns), with ``torch.cuda.Event``'s ``elapsed_time`` and ``synchronize``."""
+
     def __init__(self) -> None:
+        self.time = time.perf_counter()
+
+    def elapsed_time(self, end: HostEvent) -> float:
+        """Milliseconds to ``end``."""
+        return (end.time - self.time) * 1e3
+
+    def synchronize(self) -> None:
+        pass
+
+
+class DeviceTimeline:
+    def __init__(self, device: torch.device | str = "cuda") -> None:
+        self._cuda = torch.device(device).type == "cuda"
         self._intervals: list[tuple[torch.cuda.Event, torch.cuda.Event, str]] = []
         self._run: list[torch.cuda.Event] = []  # the run's start and end, when given
 
@@ -33,8 +54,9 @@ class DeviceTimeline:
         """Mark the end of the run (after its last step's results were taken)."""
         self._run.append(self.mark())
 
-    @staticmethod
-    def mark() -> torch.cuda.Event:
+    def mark(self) -> torch.cuda.Event | HostEvent:
+        if not self._cuda:
+            return HostEvent()
         event = torch.cuda.Event(enable_timing=True)
         event.record()
         return event
