@@ -13,8 +13,10 @@ fused in; the second the down projection, scaled by the routing weight; the ``k`
 of a token are then added up (in float32, where the reference adds in the model's dtype). Every
 size is fixed by the token count alone (no value read back to the host), so the layer fits a
 CUDA graph; at a decode step's sizes the router's kernel, both GEMMs and the sum launch
-overlapped with the kernel ahead (``triton_overlap.py``). (A few tokens as matrix-vector products, a program per pair and then per token,
-with no alignment and no separate sum, measured slower: RESULTS.md, twenty-first session.)
+overlapped with the kernel ahead (``triton_overlap.py``). (A few tokens as matrix-vector
+products, a program per pair and then per token, with no alignment and no separate sum,
+measured slower: RESULTS.md, twenty-first session; so did down and the sum in one kernel a
+token: twenty-fourth session.)
 """
 
 from __future__ import annotations
@@ -216,9 +218,10 @@ def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, logits_stride,
 
 
 def _overlap(device: torch.device, num_pairs: int) -> dict:
-    """``triton_overlap``'s launch options for a decode step's pairs (measured there); larger
-    steps launch one after another: their GEMMs run in many waves, and programs that started
-    early would wait holding shared memory that the kernel ahead's last wave needs."""
+    """``triton_overlap``'s launch options up to a decode step's pairs, where they were
+    measured (with the sum in Triton, the single request 276 -> 303 tok/s); larger steps
+    launch one after another (their GEMMs run in many waves, and programs started early would
+    wait holding shared memory that the kernel ahead's last wave needs: not measured)."""
     if num_pairs <= OVERLAPPED_UP_TO:
         return triton_overlap.launch_options(device)
     return {"OVERLAP": False}
@@ -270,7 +273,8 @@ def _gate_up_kernel(x_ptr, w13_ptr, out_ptr, sorted_pairs_ptr, block_experts_ptr
                     hidden, inter, x_stride, w_stride_e, w_stride_n, out_stride,
                     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, PAIR_BLOCKS: tl.constexpr, OVERLAP: tl.constexpr):
-    """A block of sorted pairs and a tile of intermediate columns (``_block``): ``silu(x @ gate.T) * (x @ up.T)`` of the block's expert, to the pairs' rows."""
+    """A block of sorted pairs and a tile of intermediate columns (``_block``):
+    ``silu(x @ gate.T) * (x @ up.T)`` of the block's expert, to the pairs' rows."""
     wait_for_previous(OVERLAP)
     col_tile, expert, pairs, pair_ok = _block(sorted_pairs_ptr, block_experts_ptr, num_pairs,
                                               tl.cdiv(inter, BLOCK_N), BLOCK_M, PAIR_BLOCKS)

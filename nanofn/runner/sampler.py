@@ -362,9 +362,10 @@ def _splitmix64_array(x: np.ndarray) -> np.ndarray:
 
 # ---------------------------------------------------------------------------------- the sampler
 
-# Rows that the torch steps (filters, penalties, logprobs) take at a time on the Triton path:
-# each step copies a row's vocabulary-wide float32 logits, several at once, which over a step of
-# 512 rows took GBs (reserved from the KV cache at start-up, ``ModelRunner``'s largest step).
+# Rows that the torch steps (filters, penalties) take at a time on the Triton path, and the
+# logprobs on either: each step copies a row's vocabulary-wide float32 logits, several at once,
+# which over a step of 512 rows took GBs (reserved from the KV cache at start-up, in
+# ``ModelRunner``'s largest step).
 ROWS_AT_ONCE = 64
 
 
