@@ -6,10 +6,12 @@
 # A tree other than the checkout is a copy carried along, e.g. made here with
 #   mkdir .ab_base && git archive HEAD | tar -x -C .ab_base   (and /.ab_base/ in .git/info/exclude)
 # BATCHES (default "1 256") sets the decode batch sizes profiled; BENCH=N (default 0) first runs
-# the standard workload N times a tree, the trees in turn. Each tree's nanofn is imported from
-# PYTHONPATH; `python3 -m nanofn` would put the current folder first on sys.path and import the
-# checkout's instead, so the workload runs from the tree's own folder.
+# the standard workload N times a tree, the trees in turn; SHAPE (default qwen3-0.6b) is the
+# --random-weights shape, e.g. SHAPE=qwen3-30b-a3b for a MoE change. Each tree's nanofn is
+# imported from PYTHONPATH; `python3 -m nanofn` would put the current folder first on sys.path
+# and import the checkout's instead, so the workload runs from the tree's own folder.
 set -u
+shape=${SHAPE:-qwen3-0.6b}
 python3 -m pip install -q --upgrade --no-index --no-deps --target /tmp/site .whl/*.whl
 export PYTHONUNBUFFERED=1 NANOFN_CACHE=/tmp/nanofn-cache
 OUT=${OUT:-/tmp/nanofn-out}
@@ -17,22 +19,22 @@ mkdir -p "$OUT"
 for round in $(seq 1 "${BENCH:-0}"); do
   for tree in "$@"; do
     log="$OUT/bench-$round-$(echo "$tree" | tr -c 'a-zA-Z0-9\n' _).txt"
-    (cd "$tree" && PYTHONPATH=/tmp/site:$PWD timeout 150 python3 -m nanofn bench \
-      --random-weights qwen3-0.6b --max-model-len 4096 --profile > "$log" 2>&1)
+    (cd "$tree" && PYTHONPATH=/tmp/site:$PWD timeout 300 python3 -m nanofn bench \
+      --random-weights "$shape" --max-model-len 4096 --profile > "$log" 2>&1)
     echo "$tree (bench $round): $(grep -E '^elapsed|^device busy' "$log" | tr '\n' ' ')"
   done
 done
 for round in 1 2; do
   for tree in "$@"; do
-    PYTHONPATH=/tmp/site:$(cd "$tree" && pwd) timeout 120 python3 benchmarks/single_request.py \
-      --random-weights qwen3-0.6b 2>&1 | tail -1 | sed "s|^|$tree (round $round): |"
+    PYTHONPATH=/tmp/site:$(cd "$tree" && pwd) timeout 150 python3 benchmarks/single_request.py \
+      --random-weights "$shape" 2>&1 | tail -1 | sed "s|^|$tree (round $round): |"
   done
 done
 for b in ${BATCHES:-1 256}; do
   for tree in "$@"; do
     log="$OUT/profile-$b-$(echo "$tree" | tr -c 'a-zA-Z0-9\n' _).txt"
-    PYTHONPATH=/tmp/site:$(cd "$tree" && pwd) timeout 120 python3 benchmarks/profile_decode.py \
-      --random-weights qwen3-0.6b --batch "$b" > "$log" 2>&1
+    PYTHONPATH=/tmp/site:$(cd "$tree" && pwd) timeout 150 python3 benchmarks/profile_decode.py \
+      --random-weights "$shape" --batch "$b" > "$log" 2>&1
     grep "per decode step" "$log" | sed "s|^|$tree: |"
   done
 done
