@@ -20,7 +20,8 @@ from nanofn.model.config import text_config
 from nanofn.model.loader import init_dummy_weights
 from nanofn.runner.cuda_graphs import DecodeGraphs
 from nanofn.runner.inputs import ModelInputs, SlotTables, prepare_inputs
-from nanofn.runner.sampler import DeviceSample, Sampler, SamplingRows, costliest_rows, to_device
+from nanofn.runner.sampler import (DeviceSample, Sampler, SamplingRows, costliest_rows,
+                                  logprob_scores, to_device)
 from nanofn.runner.timeline import DeviceTimeline
 from nanofn.state.config import blocks_for
 from nanofn.state.params import SamplingParams
@@ -256,7 +257,7 @@ class ModelRunner:
             self.slot_tables.keep_sampled(self._sampling_slots, tokens)
 
     @torch.inference_mode()
-    def forward(self, plan: BatchPlan) -> tuple[torch.Tensor, PromptScores | None]:
+    def forward(self, plan: BatchPlan) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
         """The logits of the sampling sequences, ``[S, vocab]`` float32, and the scores of the
         positions ``plan.prompt_logprobs`` asks about, if any (every rank runs this; rank 0
         samples)."""
@@ -419,43 +420,22 @@ def prompt_logprob_rows(plan: BatchPlan) -> np.ndarray:
 PROMPT_ROWS_AT_ONCE = 256
 
 
-@dataclass(frozen=True)
-class PromptScores:
-    """Per position ``plan.prompt_logprobs`` asks about (on the device): its target's logprob
-    and rank, and the top ``k`` ids and logprobs (None where no entry asks for any)."""
-
-    chosen: torch.Tensor
-    ranks: torch.Tensor
-    top_ids: torch.Tensor | None
-    top_values: torch.Tensor | None
-
-
 def score_prompt_rows(model: torch.nn.Module, hidden: torch.Tensor,
-                      plan: BatchPlan) -> PromptScores:
-    """``PromptScores`` from the hidden states of ``prompt_logprob_rows(plan)``, whose logits are
-    made ``PROMPT_ROWS_AT_ONCE`` at a time (on every rank: the LM head gathers its vocabulary
-    across them)."""
+                      plan: BatchPlan) -> tuple[torch.Tensor, ...]:
+    """``sampler.logprob_scores`` of the targets ``plan.prompt_logprobs`` names, from the hidden
+    states of ``prompt_logprob_rows(plan)``, whose logits are made ``PROMPT_ROWS_AT_ONCE`` at a
+    time (on every rank: the LM head gathers its vocabulary across them)."""
     targets = torch.tensor([t for _, _, ids in plan.prompt_logprobs for t in ids],
                            device=hidden.device)
-    num_top = max(k for _, k, _ in plan.prompt_logprobs)
-    parts = []
-    for start in range(0, len(hidden), PROMPT_ROWS_AT_ONCE):
-        values = model.compute_logits(hidden[start:start + PROMPT_ROWS_AT_ONCE]).log_softmax(-1)
-        chosen = values.gather(-1, targets[start:start + PROMPT_ROWS_AT_ONCE, None])[:, 0]
-        top = values.topk(num_top, dim=-1) if num_top else None
-        parts.append((chosen, (values > chosen[:, None]).sum(dim=-1) + 1,
-                      top.indices if top else None, top.values if top else None))
-    columns = [torch.cat(column) if column[0] is not None else None for column in zip(*parts)]
-    return PromptScores(*columns)
+    return logprob_scores(lambda start, stop: model.compute_logits(hidden[start:stop]), targets,
+                          max(k for _, k, _ in plan.prompt_logprobs), PROMPT_ROWS_AT_ONCE)
 
 
-def prompt_logprobs(scores: PromptScores, plan: BatchPlan) -> tuple:
+def prompt_logprobs(scores: tuple[torch.Tensor, ...], plan: BatchPlan) -> tuple:
     """``SampleOutput.prompt_logprobs`` from ``score_prompt_rows``'s scores: per target, its
     logprob and rank and the entry's top k (a wait for the copy: only plans with prompt
     logprobs pay it)."""
-    chosen, ranks = scores.chosen.tolist(), scores.ranks.tolist()
-    top_ids, top_values = ((scores.top_ids.tolist(), scores.top_values.tolist())
-                           if scores.top_ids is not None else ([], []))
+    chosen, ranks, top_ids, top_values = (column.tolist() for column in scores)
     entries, row = [], 0
     for i, k, ids in plan.prompt_logprobs:
         position = int(plan.start_pos[i]) + 1

@@ -528,28 +528,34 @@ class Sampler:
         if not len(logprob_rows):
             return DeviceSample.start(token_ids, len(rows))
         wanted = rows.logprobs[logprob_rows]
-        parts = [self._logprobs(logits, token_ids, logprob_rows[start:start + ROWS_AT_ONCE],
-                                int(wanted.max()))
-                 for start in range(0, len(logprob_rows), ROWS_AT_ONCE)]
-        columns = parts[0] if len(parts) == 1 else tuple(map(torch.cat, zip(*parts)))
+        index = self._ints(logprob_rows)
+        scores = logprob_scores(lambda start, stop: logits[index[start:stop]], token_ids[index],
+                                int(wanted.max()), ROWS_AT_ONCE)
         return DeviceSample.start(token_ids, len(rows), dict(zip(logprob_rows.tolist(),
-                                                                 wanted.tolist())), columns)
-
-    def _logprobs(self, logits: torch.Tensor, token_ids: torch.Tensor, which: np.ndarray,
-                  top_k: int) -> tuple[torch.Tensor, ...]:
-        """``(chosen, ranks, top ids, top values)`` of those rows' raw logprobs."""
-        index = self._ints(which)
-        raw = logits[index].log_softmax(dim=-1)
-        chosen = raw.gather(-1, token_ids[index][:, None])
-        ranks = (raw > chosen).sum(dim=-1) + 1
-        top = raw.topk(top_k, dim=-1)
-        return chosen, ranks, top.indices, top.values
+                                                                 wanted.tolist())), scores)
 
     def _ints(self, values: np.ndarray) -> torch.Tensor:
         return to_device(np.asarray(values, np.int64), self.device)
 
     def _floats(self, values: np.ndarray) -> torch.Tensor:
         return to_device(np.asarray(values, np.float32), self.device)
+
+
+def logprob_scores(logits_of: Callable[[int, int], torch.Tensor], targets: torch.Tensor,
+                   top_k: int, rows_at_once: int) -> tuple[torch.Tensor, ...]:
+    """``(chosen, ranks, top ids, top values)`` for rows of raw logits and a target token each
+    (``targets [N]``): the target's logprob, its rank (1 + the tokens strictly more likely),
+    and the row's ``top_k`` best. ``logits_of(start, stop)`` gives rows ``start:stop``, made
+    ``rows_at_once`` at a time, so that no vocabulary-wide copy spans more rows."""
+    parts = []
+    for start in range(0, len(targets), rows_at_once):
+        stop = min(start + rows_at_once, len(targets))
+        values = logits_of(start, stop).log_softmax(dim=-1)
+        chosen = values.gather(-1, targets[start:stop, None])[:, 0]
+        top = values.topk(top_k, dim=-1)
+        parts.append((chosen, (values > chosen[:, None]).sum(dim=-1) + 1, top.indices,
+                      top.values))
+    return parts[0] if len(parts) == 1 else tuple(map(torch.cat, zip(*parts)))
 
 
 def costliest_rows(num_rows: int) -> SamplingRows:

@@ -148,8 +148,7 @@ class TensorParallelExecutor:
     def send_to_rank_0(self, command: TimelineCommand) -> None:
         """``command`` for rank 0 alone, in order with the plans."""
         self._raise_if_failed()
-        self._guarded(self._pipes[0].send_bytes,
-                      pickle.dumps(command, protocol=pickle.HIGHEST_PROTOCOL))
+        self._guarded(self._pipes[0].send_bytes, _pickled(command))
 
     def ask_rank_0(self, command: TimelineCommand) -> Any:
         """Rank 0's answer to ``command``, which comes back in order with the plans' tokens."""
@@ -161,14 +160,14 @@ class TensorParallelExecutor:
         """Send the plan to every rank, pickled once; the mask, if any, goes ahead of rank 0's
         copy (rank 0 alone samples)."""
         self._raise_if_failed()
-        message = pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL)
+        message = _pickled(plan)
         self._guarded(self._send, message, token_bitmask)
         self._num_launched += 1
         return RankZeroTokens(self, self._num_launched - 1)
 
     def _send(self, message: bytes, token_bitmask: TokenBitmask | None) -> None:
         if token_bitmask is not None:
-            self._pipes[0].send_bytes(pickle.dumps(token_bitmask, protocol=pickle.HIGHEST_PROTOCOL))
+            self._pipes[0].send_bytes(_pickled(token_bitmask))
         for pipe in self._pipes:
             pipe.send_bytes(message)
 
@@ -289,6 +288,11 @@ class TensorParallelExecutor:
                         f"creates an LLM with tensor_parallel_size > 1 must do so under "
                         f"`if __name__ == '__main__':`")
             pipe.recv()
+
+
+def _pickled(message: Any) -> bytes:
+    """A message for the ranks' pipes (plans, masks, timeline commands)."""
+    return pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
 
 
 @dataclass(frozen=True)
