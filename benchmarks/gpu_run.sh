@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: the GPU test suite, then the benchmarks, logs under $OUT and a
 # short table last; the logs come back as $OUT/logs-MODE.tgz. Usage: bash benchmarks/gpu_run.sh
-# [tests|tests-1|tests-2|tests-3|bench|all|kernels|serve|dp|tp|multinode|hybrid|hybrid-bench|
+# [tests|tests-1|tests-2|tests-3|bench|all|kernels|serve|dp|tp|tp-profile|multinode|hybrid|hybrid-bench|
 # hybrid-prefix|moe-bench|moe-tp|fp8-bench|baseline] (default: all; baseline: the torch reference
-# attention, eager, for comparison; dp and multinode need two GPUs)
+# attention, eager, for comparison; dp, tp, tp-profile and multinode need two GPUs; NO_TESTS=1
+# skips dp's tests)
 # Expects the wheels of ../shared/tools/gpu-wheels.sh in .whl/ (pyrsistent is missing there),
 # and flash-attn-4 in /tmp/fa4site if it is to be tested and measured (benchmarks/fa4_install.sh);
 # set NANOFN_COMMIT to the commit being measured (the device copy has no .git).
@@ -102,29 +103,53 @@ if [ "$what" = serve ]; then  # needs fastapi, uvicorn, prometheus_client, opena
   kill -TERM $server; wait $server
 fi
 if [ "$what" = dp ]; then  # two GPUs: serve --data-parallel-size 2 against one replica
-  timeout 200 python3 -m pytest tests/gpu/test_multi_gpu.py -q -rs -k data_parallel 2>&1 \
-    | tee "$OUT/gpu_dp_tests.log" | tail -5
+  if [ -z "${NO_TESTS:-}" ]; then
+    timeout 200 python3 -m pytest tests/gpu/test_multi_gpu.py -q -rs -k data_parallel 2>&1 \
+      | tee "$OUT/gpu_dp_tests.log" | tail -5
+  fi
   model=$(python3 -c "from nanofn.model.tiny import random_weights_model as r; print(r('qwen3-0.6b'))")
-  for dp in 1 2; do  # the same load on both: enough streams to fill two engines
-    port=$((8020 + dp))
+  # 256 streams a replica (one replica also at 512, to show where it saturates); the server's
+  # CPU seconds after each run tell whether its one process (HTTP, the replicas' outputs) is
+  # the bound
+  for run in "1 256" "1 512" "2 512"; do
+    set -- $run; dp=$1; streams=$2; name=dp$dp-c$streams; port=$((8020 + dp))
     python3 -m nanofn serve "$model" --load-format dummy --port $port --max-model-len 4096 \
-      --data-parallel-size $dp > "$OUT/serve-dp$dp.log" 2>&1 &
+      --data-parallel-size $dp > "$OUT/serve-$name.log" 2>&1 &
     server=$!
     for _ in $(seq 1 240); do curl -sf localhost:$port/health > /dev/null && break; sleep 1; done
-    timeout 300 python3 benchmarks/serve.py --url http://127.0.0.1:$port --requests 1024 \
-      --concurrency 256 --prompt-len 512 --max-tokens 256 --json "$OUT/serve-dp$dp.json" \
-      | tee "$OUT/serve-dp$dp.txt"
+    before=$(ps -o times= -p $server)
+    timeout 300 python3 benchmarks/serve.py --url http://127.0.0.1:$port \
+      --requests $((4 * streams)) --concurrency $streams --prompt-len 512 --max-tokens 256 \
+      --json "$OUT/serve-$name.json" | tee "$OUT/serve-$name.txt"
+    echo "server process CPU s during the run: $(( $(ps -o times= -p $server) - before ))" \
+      | tee -a "$OUT/serve-$name.txt"
     curl -s localhost:$port/metrics | grep -E '^nanofn:sequences_finished_total' \
-      | tee -a "$OUT/serve-dp$dp.txt"  # per replica and summed
+      | tee -a "$OUT/serve-$name.txt"  # per replica and summed
     kill -TERM $server; wait $server
   done
   python3 - "$OUT" <<'PY'
 import json, pathlib, sys
 out = pathlib.Path(sys.argv[1])
-one, two = (json.loads((out / f"serve-dp{n}.json").read_text()) for n in (1, 2))
-print(f"serve --data-parallel-size 2: {two['output_tok_s']:,.0f} output tok/s, 1: "
-      f"{one['output_tok_s']:,.0f}; {two['output_tok_s'] / one['output_tok_s']:.2f}x (goal: 1.85x)")
+runs = {n: json.loads((out / f"serve-{n}.json").read_text())["output_tok_s"]
+        for n in ("dp1-c256", "dp1-c512", "dp2-c512")}
+print(", ".join(f"{n} {v:,.0f} output tok/s" for n, v in runs.items()))
+print(f"serve --data-parallel-size 2 at 256 streams a replica: {runs['dp2-c512'] / runs['dp1-c256']:.2f}x "
+      f"one replica at 256, {runs['dp2-c512'] / runs['dp1-c512']:.2f}x one at 512 (goal: 1.85x)")
 PY
+fi
+if [ "$what" = tp-profile ]; then  # a decode step of the 8B shape: TP=1 against one rank of 2
+  for batch in 256 64; do
+    CUDA_VISIBLE_DEVICES=0 timeout 200 python3 benchmarks/profile_decode.py --random-weights \
+      qwen3-8b --batch $batch --prompt-len 800 --timeline > "$OUT/profile-tp1-$batch.txt" 2>&1 &
+    CUDA_VISIBLE_DEVICES=1 timeout 200 python3 benchmarks/profile_decode.py --random-weights \
+      qwen3-8b --one-rank-of 2 --batch $batch --prompt-len 800 --timeline \
+      > "$OUT/profile-rank-of-2-$batch.txt" 2>&1
+    wait
+    for f in "$OUT"/profile-*-$batch.txt; do
+      echo "== $f"; grep -E "per decode step|critical path" "$f"
+      grep -A12 "critical us/step" "$f"
+    done
+  done
 fi
 if [ "$what" = multinode ]; then  # two GPUs as two "hosts" of one GPU each, against TP=2
   timeout 300 python3 -m pytest tests/gpu/test_multi_gpu.py -q -rs -k hosts 2>&1 \

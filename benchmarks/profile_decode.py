@@ -3,6 +3,11 @@
 Usage: python benchmarks/profile_decode.py (MODEL | --random-weights qwen3-0.6b) [--batch N]
 Runs N requests of 512-token prompts (``--prompt-len``) into steady decode, then profiles 50
 engine steps.
+
+``--one-rank-of T`` profiles one tensor-parallel rank's share of the model (attention heads,
+KV heads, MLP width and vocabulary divided by T) on one GPU: a rank's kernels as a TP=T step
+runs them, without the all-reduces, so that a TP=T step's time less this one's is what the
+sums over the ranks (and the ranks waiting for each other) cost.
 """
 
 from __future__ import annotations
@@ -28,12 +33,17 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--one-rank-of", type=int, metavar="T",
+                    help="the model cut to one tensor-parallel rank's share of T (see above)")
     ap.add_argument("--host-only", action="store_true",
                     help="skip the device profile; list the host's functions by own time")
     ap.add_argument("--timeline", action="store_true",
                     help="also each kernel's share of the device's critical path (see below)")
     args, extra = ap.parse_known_args()  # and LLM options as --key=value
-    llm = LLM(model_with_switches(args), max_model_len=4096, **llm_options(extra),
+    model = model_with_switches(args)
+    if args.one_rank_of:
+        model = one_rank_share(model, args.one_rank_of)
+    llm = LLM(model, max_model_len=4096, **llm_options(extra),
               **load_options(args))
     engine = llm.engine
     rng = random.Random(0)
@@ -43,6 +53,26 @@ def main() -> None:
                            stream=False)
     with fewer_gc_pauses():  # as LLM.generate runs its steps
         _profile(engine, args)
+
+
+def one_rank_share(model: str, tp_size: int) -> str:
+    """A copy of ``model``'s folder (config and tokenizer; run with dummy weights) whose config
+    has what one rank of ``tp_size`` holds of the split dimensions."""
+    import json
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    folder = Path(tempfile.mkdtemp(prefix=f"one-rank-of-{tp_size}-"))
+    for f in Path(model).iterdir():
+        if f.is_file() and f.suffix != ".safetensors":
+            shutil.copy(f, folder / f.name)
+    config = json.loads((folder / "config.json").read_text())
+    config.setdefault("head_dim", config["hidden_size"] // config["num_attention_heads"])
+    for key in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size"):
+        config[key] = -(-config[key] // tp_size)
+    (folder / "config.json").write_text(json.dumps(config))
+    return str(folder)
 
 
 def _profile(engine, args) -> None:
