@@ -3,7 +3,7 @@
 # short table last; the logs come back as $OUT/logs-MODE.tgz. Usage: bash benchmarks/gpu_run.sh
 # [tests|tests-1|tests-2|tests-3|bench|all|kernels|serve|dp|tp|tp-profile|multinode|hybrid|hybrid-bench|
 # hybrid-prefix|moe-bench|moe-tp|fp8-bench|baseline] (default: all; baseline: the torch reference
-# attention, eager, for comparison; dp, tp, tp-profile and multinode need two GPUs; NO_TESTS=1
+# attention, eager, for comparison; dp, tp and multinode need two GPUs; NO_TESTS=1
 # skips dp's tests)
 # Expects the wheels of ../shared/tools/gpu-wheels.sh in .whl/ (pyrsistent is missing there),
 # and flash-attn-4 in /tmp/fa4site if it is to be tested and measured (benchmarks/fa4_install.sh);
@@ -139,15 +139,12 @@ PY
 fi
 if [ "$what" = tp-profile ]; then  # a decode step of the 8B shape: TP=1 against one rank of 2
   for batch in 256 64; do
-    CUDA_VISIBLE_DEVICES=0 timeout 200 python3 benchmarks/profile_decode.py --random-weights \
-      qwen3-8b --batch $batch --prompt-len 800 --timeline > "$OUT/profile-tp1-$batch.txt" 2>&1 &
-    CUDA_VISIBLE_DEVICES=1 timeout 200 python3 benchmarks/profile_decode.py --random-weights \
-      qwen3-8b --one-rank-of 2 --batch $batch --prompt-len 800 --timeline \
-      > "$OUT/profile-rank-of-2-$batch.txt" 2>&1
-    wait
-    for f in "$OUT"/profile-*-$batch.txt; do
-      echo "== $f"; grep -E "per decode step|critical path" "$f"
-      grep -A12 "critical us/step" "$f"
+    for run in "tp1" "rank-of-2 --one-rank-of 2"; do
+      set -- $run; name=$1; shift
+      timeout 200 python3 benchmarks/profile_decode.py --random-weights qwen3-8b "$@" \
+        --batch $batch --prompt-len 800 --timeline > "$OUT/profile-$name-$batch.txt" 2>&1
+      echo "== $name, batch $batch"; grep -E "per decode step|critical path" "$OUT/profile-$name-$batch.txt"
+      grep -A12 "critical us/step" "$OUT/profile-$name-$batch.txt"
     done
   done
 fi
