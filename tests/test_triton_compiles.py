@@ -4,6 +4,7 @@ cannot catch, since Triton's interpreter runs a kernel that the compiler rejects
 
 from __future__ import annotations
 
+import functools
 import re
 import subprocess
 import tempfile
@@ -15,6 +16,8 @@ import triton.knobs
 
 from nanofn.kernels import (triton_attention, triton_decode_inputs, triton_gemm, triton_gemv,
                             triton_moe, triton_ops, triton_sampling)
+from nanofn.kernels.all_reduce import FLAG_SLOTS
+from nanofn.kernels.partial_sums import RankSums
 from test_triton_attention import prefill_attention_on
 from triton_interpreter import compiler_process
 
@@ -55,6 +58,18 @@ def test_split_k_gemm_and_its_norm_compile(compile_for_h100, rows):
         sums = compile_for_h100(triton_gemm.partial_sums_gemm, empty(rows, k), empty(HIDDEN, k))
         for residual in (None, empty(rows, HIDDEN)):
             compile_for_h100(triton_ops.rms_norm, sums, empty(HIDDEN), 1e-6, residual)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 256])
+def test_the_norm_of_two_ranks_summands_compiles(compile_for_h100, rows):
+    """The norm that adds up two ranks' summands itself (``RankSums``: flags, spin-waits and
+    system-scope atomics), with and without a residual."""
+    flags = torch.zeros(2 * FLAG_SLOTS, dtype=torch.int32)
+    summands = empty(rows, HIDDEN), empty(rows, HIDDEN)
+    x = RankSums(summands, 0, flags, flags.clone(), torch.zeros(FLAG_SLOTS, dtype=torch.int32),
+                 functools.partial(torch.add, *summands))
+    for residual in (None, empty(rows, HIDDEN)):
+        compile_for_h100(triton_ops.rms_norm, x, empty(HIDDEN), 1e-6, residual)
 
 
 @pytest.mark.parametrize("rows", [5, 32, 64])

@@ -4,6 +4,7 @@ with ``TORCH_KERNELS``. The GPU tests in ``tests/gpu`` cover bf16."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import pytest
@@ -13,6 +14,8 @@ from transformers import AutoConfig
 import nanofn.kernels.triton_ops as triton_ops
 from nanofn.kernels import (TORCH_KERNELS, build_cos_sin_cache, rms_norm, rotate_and_store_kv,
                             silu_and_mul)
+from nanofn.kernels.all_reduce import FLAG_SLOTS
+from nanofn.kernels.partial_sums import RankSums
 from nanofn.kernels.triton_ops import TRITON_KERNELS
 from nanofn.model import AttentionBatch, build_model, load_weights, model_shape
 
@@ -57,6 +60,63 @@ def test_rms_norm_keeps_leading_dimensions(interpreter):
     expected, expected_summed = rms_norm(x, weight, 1e-5, residual)
     assert torch.equal(summed, expected_summed)
     torch.testing.assert_close(out, expected, **TOLERANCES[torch.float32])
+
+
+def rank_sums(first, second, own_epoch, epochs=None):
+    """Rank 0's ``RankSums`` of two summands, as if rank 1 had reached ``own_epoch`` before and
+    after reading (its flags in ours) and had not yet seen ours."""
+    flags = torch.full((2 * FLAG_SLOTS,), own_epoch, dtype=torch.int32)
+    epochs = torch.zeros(FLAG_SLOTS, dtype=torch.int32) if epochs is None else epochs
+    return RankSums((first, second), 0, flags, torch.zeros_like(flags), epochs,
+                    functools.partial(torch.add, first, second))
+
+
+def rank_sums_norm_and_flags(x, weight, eps, residual):
+    """``triton_ops.rms_norm`` of ``RankSums`` ``x``, and the flags and epochs it left."""
+    return triton_ops.rms_norm(x, weight, eps, residual), x.peer_flags, x.epochs
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("add_residual", [False, True], ids=["norm", "add-and-norm"])
+def test_the_norm_adds_up_two_ranks_summands(interpreter, dtype, add_residual):
+    """The norm of two ranks' summands (``RankSums``), added in the kernel as the all-reduce
+    adds them; each program tells the other rank the epoch it reached, before and after
+    reading, and counts it. On CPU ``triton_ops.rank_sums_programs`` is 8: 37 rows are 5 a
+    program, but for the last three."""
+    generator = torch.Generator().manual_seed(3)
+    first, second = (torch.randn(2, 37, 96, generator=generator) * 3).to(dtype)
+    weight = (torch.rand(96, generator=generator) + 0.5).to(dtype)
+    residual = torch.randn(37, 96, generator=generator).to(dtype) if add_residual else None
+    expected = rms_norm(first + second, weight, 1e-6, residual)
+    epochs = None
+    for epoch in (1, 2):
+        out, told, epochs = interpreter(rank_sums_norm_and_flags,
+                                        rank_sums(first, second, epoch, epochs), weight, 1e-6,
+                                        residual)
+        if add_residual:
+            (out, summed), (expected_out, expected_summed) = out, expected
+            assert torch.equal(summed, expected_summed)
+        else:
+            expected_out = expected
+        torch.testing.assert_close(out, expected_out, **TOLERANCES[dtype])
+        programs = triton_ops.rank_sums_programs(torch.device("cpu"))
+        reached = torch.zeros(FLAG_SLOTS, dtype=torch.int32)
+        reached[:programs] = epoch
+        assert torch.equal(epochs, reached)
+        assert torch.equal(told, torch.cat([reached, reached]))
+
+
+def test_a_norm_without_the_kernel_adds_up_rank_sums_by_the_all_reduce():
+    """The torch reference (and any reader that cannot add the summands itself) takes
+    ``RankSums.total()``: the all-reduce."""
+    generator = torch.Generator().manual_seed(4)
+    first, second, residual = torch.randn(3, 5, 64, generator=generator)
+    weight = torch.rand(64, generator=generator)
+
+    out, summed = rms_norm(rank_sums(first, second, 1), weight, 1e-6, residual)
+
+    expected, expected_summed = rms_norm(first + second, weight, 1e-6, residual)
+    assert torch.equal(summed, expected_summed) and torch.equal(out, expected)
 
 
 def rotate_store_and_return(q, k, v, positions, cache, k_cache, v_cache, slot_mapping, **norm):

@@ -21,7 +21,7 @@ from nanofn.kernels.linear import linear, rms_norm_linear
 from nanofn.kernels.moe import fused_moe, select_experts
 from nanofn.kernels.norm import rms_norm, rms_norm_gated
 from nanofn.kernels.all_reduce import group_all_reduce
-from nanofn.kernels.partial_sums import PartialSums
+from nanofn.kernels.partial_sums import PartialSums, RankSums
 from nanofn.kernels.rotary import (SUPPORTED_ROPE_TYPES, apply_rotary, build_cos_sin_cache,
                                    rotary_decode_attention, rotate_and_store_kv)
 
@@ -58,8 +58,9 @@ class KernelBackend:
     select_experts: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     fused_moe: Callable[..., torch.Tensor]
     # A layer's partial outputs summed over the tensor-parallel ranks, in place (the runner
-    # sets one for its group: ``all_reduce.ranks_all_reduce``)
-    all_reduce: Callable[[torch.Tensor], torch.Tensor] = group_all_reduce
+    # sets one for its group: ``all_reduce.ranks_all_reduce``); with ``for_norm=True`` (the
+    # output's only reader a norm) it may return ``RankSums`` for the norm to add up instead
+    all_reduce: Callable[..., torch.Tensor | RankSums] = group_all_reduce
 
 
 TORCH_KERNELS = KernelBackend(
@@ -83,6 +84,7 @@ __all__ = [
     "TORCH_KERNELS",
     "KernelBackend",
     "PartialSums",
+    "RankSums",
     "apply_rotary",
     "build_cos_sin_cache",
     "causal_conv1d",

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from nanofn.kernels.activation import silu_and_mul
 from nanofn.kernels.fp8 import Fp8Weight, fp8_linear
 from nanofn.kernels.norm import rms_norm
-from nanofn.kernels.partial_sums import PartialSums, added_up
+from nanofn.kernels.partial_sums import Unsummed, added_up
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torch.Tensor | None = None,
@@ -34,7 +34,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torch.Tensor
 
 
 def rms_norm_linear(
-    x: torch.Tensor | PartialSums,
+    x: torch.Tensor | Unsummed,
     norm_weight: torch.Tensor,
     eps: float,
     residual: torch.Tensor | None,
@@ -54,7 +54,7 @@ def rms_norm_linear(
 
 def norm_then_linear(
     norm: Callable[..., torch.Tensor | tuple[torch.Tensor, torch.Tensor]],
-    x: torch.Tensor | PartialSums,
+    x: torch.Tensor | Unsummed,
     norm_weight: torch.Tensor,
     eps: float,
     residual: torch.Tensor | None,

@@ -6,11 +6,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from nanofn.kernels.partial_sums import PartialSums, added_up
+from nanofn.kernels.partial_sums import Unsummed, added_up
 
 
 def rms_norm(
-    x: torch.Tensor | PartialSums,
+    x: torch.Tensor | Unsummed,
     weight: torch.Tensor,
     eps: float,
     residual: torch.Tensor | None = None,

@@ -50,7 +50,7 @@ from nanofn.kernels import triton_moe
 from nanofn.kernels import triton_fp8
 from nanofn.kernels.fp8 import Fp8Weight
 from nanofn.kernels.linear import norm_then_linear
-from nanofn.kernels.partial_sums import PartialSums, added_up
+from nanofn.kernels.partial_sums import PartialSums, RankSums, Unsummed, added_up, summed_shape
 
 SILU_BLOCK = 1024  # columns per silu_and_mul program
 # Token counts up to which the projections run as Triton GEMVs (triton_gemv.py), cuBLAS above.
@@ -88,14 +88,24 @@ def _rms_norm_kernel(
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < size
-    dtype = out_ptr.dtype.element_ty
     if NUM_SUMS > 0:
         x = tl.zeros([BLOCK], tl.float32)
         for s in tl.static_range(NUM_SUMS):
             x += tl.load(x_ptr + s * stride_sums + row * stride_x + cols, mask=mask, other=0.0)
-        x = x.to(dtype).to(tl.float32)
+        x = x.to(out_ptr.dtype.element_ty).to(tl.float32)
     else:
         x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    _norm_row(x, row, cols, mask, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
+              stride_residual, stride_out, stride_residual_out, size, eps, ADD_RESIDUAL)
+
+
+@triton.jit
+def _norm_row(x, row, cols, mask, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
+              stride_residual, stride_out, stride_residual_out, size, eps,
+              ADD_RESIDUAL: tl.constexpr):
+    """``rms_norm``'s row ``row`` from its input ``x`` (float32, holding values of the
+    output's dtype): the residual added (and stored), normalised, scaled, stored."""
+    dtype = out_ptr.dtype.element_ty
     if ADD_RESIDUAL:
         residual = tl.load(residual_ptr + row * stride_residual + cols, mask=mask, other=0.0)
         summed = (x + residual.to(tl.float32)).to(dtype)
@@ -105,6 +115,52 @@ def _rms_norm_kernel(
     weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     out = weight * (x * inv_rms).to(dtype).to(tl.float32)
     tl.store(out_ptr + row * stride_out + cols, out.to(dtype), mask=mask)
+
+
+@triton.jit
+def _rank_sums_rms_norm_kernel(
+    first_ptr, second_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
+    own_flags_ptr, peer_flags_ptr, epochs_ptr, num_rows,
+    stride_x, stride_residual, stride_out, stride_residual_out, size, eps,
+    BLOCK: tl.constexpr, FLAG_SLOTS: tl.constexpr, ADD_RESIDUAL: tl.constexpr,
+    OVERLAP: tl.constexpr,
+):
+    """``_rms_norm_kernel`` of ``first + second`` (two ranks' summands, added in rank order, so
+    both ranks compute the same rows; rounded to the output's dtype first, as the all-reduce
+    rounds them). Program p takes rows p, p + P, ... (P programs, as many as run at once at
+    most). It meets the other rank's program p before reading (both summands are written:
+    each rank's kernel starts after the kernel that wrote its own) and again after (neither
+    rank's next kernels may overwrite a summand the other still reads), through flags that
+    hold the epoch each reached. (Offsets stay in int32: a message fits the peer-memory
+    buffer, 8 MiB.)"""
+    program = tl.program_id(0)
+    wait_for_previous(OVERLAP)
+    epoch = tl.load(epochs_ptr + program) + 1
+    _meet(own_flags_ptr + program, peer_flags_ptr + program, epoch)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < size
+    dtype = out_ptr.dtype.element_ty
+    for row in tl.range(program, num_rows, tl.num_programs(0)):
+        x = (tl.load(first_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+             + tl.load(second_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32))
+        _norm_row(x.to(dtype).to(tl.float32), row, cols, mask, residual_ptr, weight_ptr,
+                  out_ptr, residual_out_ptr, stride_residual, stride_out, stride_residual_out,
+                  size, eps, ADD_RESIDUAL)
+    _meet(own_flags_ptr + FLAG_SLOTS + program, peer_flags_ptr + FLAG_SLOTS + program, epoch)
+    tl.store(epochs_ptr + program, epoch)
+
+
+@triton.jit
+def _meet(own_flag_ptr, peer_flag_ptr, epoch):
+    """Tell the other rank's program that this one reached ``epoch`` (in its flag, mapped
+    here), then wait until it has reached it too (in ours). The whole program waits for the
+    loads and stores before (a summand read) and starts none after until the wait is over."""
+    tl.debug_barrier()
+    tl.atomic_xchg(peer_flag_ptr, epoch, sem="release", scope="sys")
+    seen = tl.atomic_add(own_flag_ptr, 0, sem="acquire", scope="sys")
+    while seen < epoch:
+        seen = tl.atomic_add(own_flag_ptr, 0, sem="acquire", scope="sys")
+    tl.debug_barrier()
 
 
 @triton.jit
@@ -214,7 +270,7 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, size, BLOCK: tl.c
 
 
 def rms_norm(
-    x: torch.Tensor | PartialSums,
+    x: torch.Tensor | Unsummed,
     weight: torch.Tensor,
     eps: float,
     residual: torch.Tensor | None = None,
@@ -224,6 +280,8 @@ def rms_norm(
     With ``residual`` returns ``(normed(x + residual), x + residual)``. ``x`` may be a
     projection's ``PartialSums``, added up in the same kernel.
     """
+    if isinstance(x, RankSums):
+        return _rank_sums_rms_norm(x, weight, eps, residual)
     if isinstance(x, PartialSums):
         sums, dtype, shape = x.sums, x.dtype, x.sums.shape[1:]
     else:
@@ -250,6 +308,41 @@ def rms_norm(
     if residual is None:
         return out.view(shape)
     return out.view(shape), residual_out.view(shape)
+
+
+def _rank_sums_rms_norm(x: RankSums, weight: torch.Tensor, eps: float,
+                        residual: torch.Tensor | None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``rms_norm`` of two ranks' summands, added up in the norm kernel (see ``RankSums``)."""
+    first, second = (s.reshape(-1, s.shape[-1]) for s in x.summands)
+    size = first.shape[-1]
+    out = torch.empty(first.shape, dtype=x.dtype, device=first.device)
+    residual_rows = out if residual is None else residual.reshape(-1, size)
+    residual_out = out if residual is None else torch.empty_like(out)
+    assert first.stride(-1) == residual_rows.stride(-1) == weight.stride(-1) == 1, "rows must be contiguous"
+    programs = min(len(first), rank_sums_programs(first.device))
+    assert programs <= x.epochs.numel(), "more programs than flags"
+    if programs > 0:
+        block = triton.next_power_of_2(size)
+        _rank_sums_rms_norm_kernel[(programs,)](
+            first, second, residual_rows, weight, out, residual_out, x.own_flags, x.peer_flags,
+            x.epochs, len(first), first.stride(0), residual_rows.stride(0), out.stride(0),
+            residual_out.stride(0), size, eps, BLOCK=block, FLAG_SLOTS=x.epochs.numel(),
+            ADD_RESIDUAL=residual is not None, num_warps=_row_warps(block),
+            **triton_overlap.launch_options(first.device),
+        )
+    shape = x.shape
+    if residual is None:
+        return out.view(shape)
+    return out.view(shape), residual_out.view(shape)
+
+
+@functools.cache
+def rank_sums_programs(device: torch.device) -> int:
+    """Programs of the rank-sums norm kernel at most: one a multiprocessor, so that all of them
+    run at once (a program that waits for the other rank never holds up one of its own)."""
+    if device.type != "cuda":
+        return 8
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def rotate_and_store_kv(
@@ -309,7 +402,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            partial_sums: bool = False, gemv_max_rows: int = GEMV_MAX_ROWS,
-           triton_gemm_max_rows: int = TRITON_GEMM_MAX_ROWS) -> torch.Tensor | PartialSums:
+           triton_gemm_max_rows: int = TRITON_GEMM_MAX_ROWS) -> torch.Tensor | Unsummed:
     """``x @ weight.T (+ bias)``: a Triton GEMV for at most ``gemv_max_rows`` rows; asked for
     ``partial_sums``, the split-K GEMM's (no bias, at most ``triton_gemm_max_rows`` rows and
     its config's); else cuBLAS."""
@@ -336,7 +429,7 @@ def _triton_gemm_config(choose: Callable[[int, int], triton_gemm.GemmConfig | No
 
 
 def rms_norm_linear(
-    x: torch.Tensor | PartialSums,
+    x: torch.Tensor | Unsummed,
     norm_weight: torch.Tensor,
     eps: float,
     residual: torch.Tensor | None,
@@ -360,9 +453,10 @@ def rms_norm_linear(
         return _fp8_rms_norm_linear(x, norm_weight, eps, residual, weight, bias, gated,
                                     gemv_max_rows)
     size = weight.shape[-1]
-    num_rows = (x.sums[0] if isinstance(x, PartialSums) else x).numel() // size
+    num_rows = summed_shape(x).numel() // size
     if 0 < num_rows <= gemv_max_rows:
-        x = added_up(x)  # (partial sums come at these row counts only where the GEMVs are off)
+        x = added_up(x)  # (split-K sums come at these row counts only where the GEMVs are off;
+        #  two ranks' summands are summed by the all-reduce here)
         residual_rows = None if residual is None else residual.reshape(-1, size)
         out, summed = triton_gemv.rms_norm_gemv(x.reshape(-1, size), norm_weight, eps,
                                                 residual_rows, weight, bias, gated=gated)
@@ -380,17 +474,18 @@ def rms_norm_linear(
     return (silu_and_mul(out) if gated else out), summed
 
 
-def _fp8_rms_norm_linear(x: torch.Tensor | PartialSums, norm_weight: torch.Tensor, eps: float,
+def _fp8_rms_norm_linear(x: torch.Tensor | Unsummed, norm_weight: torch.Tensor, eps: float,
                          residual: torch.Tensor | None, weight: Fp8Weight,
                          bias: torch.Tensor | None, gated: bool,
                          gemv_max_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``rms_norm_linear`` on an FP8 weight: one kernel for a few rows
     (``triton_fp8.fp8_rms_norm_gemv``), else the norm kernel, the W8A8 product and, gated, the
     activation kernel."""
-    x = added_up(x)
     size = weight.shape[-1]
-    rows = x.reshape(-1, size)
-    if 0 < len(rows) <= min(gemv_max_rows, triton_fp8.NORM_GEMV_MAX_ROWS):
+    num_rows = summed_shape(x).numel() // size
+    if 0 < num_rows <= min(gemv_max_rows, triton_fp8.NORM_GEMV_MAX_ROWS):
+        x = added_up(x)
+        rows = x.reshape(-1, size)
         residual_rows = None if residual is None else residual.reshape(-1, size)
         out, summed = triton_fp8.fp8_rms_norm_gemv(rows, norm_weight, eps, residual_rows, weight,
                                                    bias, gated=gated)

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from nanofn.kernels import KernelBackend
-from nanofn.kernels.partial_sums import PartialSums
+from nanofn.kernels.partial_sums import Unsummed
 from nanofn.model.batch import AttentionBatch
 from nanofn.model.config import head_dim, num_kv_heads, rope_settings, rotary_dim, text_config
 from nanofn.model.layers import RMSNorm, RotaryEmbedding
@@ -172,7 +172,7 @@ class Attention(nn.Module):
         batch: AttentionBatch,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-    ) -> torch.Tensor | PartialSums:
+    ) -> torch.Tensor | Unsummed:
         """Attention of the tokens whose ``qkv_proj`` output is ``qkv`` (``DecoderLayer`` runs the
         projection, with the norm before it), through ``o_proj``; with the output gate, the
         attention times ``sigmoid(gate)`` first."""
@@ -227,14 +227,14 @@ class MLP(nn.Module):
             fp8=options.fp8,
         )
 
-    def forward(self, activated: torch.Tensor) -> torch.Tensor | PartialSums:
+    def forward(self, activated: torch.Tensor) -> torch.Tensor | Unsummed:
         """The MLP's output from its activation ``silu(gate) * up`` (``DecoderLayer`` runs
         ``gate_up_proj`` with the norm before it and the activation after it): its down
         projection."""
         return self.down_proj(activated, for_norm=True)
 
-    def forward_normed(self, hidden: torch.Tensor | PartialSums, residual: torch.Tensor,
-                       norm: RMSNorm) -> tuple[torch.Tensor | PartialSums, torch.Tensor]:
+    def forward_normed(self, hidden: torch.Tensor | Unsummed, residual: torch.Tensor,
+                       norm: RMSNorm) -> tuple[torch.Tensor | Unsummed, torch.Tensor]:
         """``(self(activation), hidden + residual)``: the norm before the MLP fused into
         ``gate_up_proj`` with the activation after it."""
         activated, residual = self.gate_up_proj.forward_normed(hidden, residual, norm.weight,
@@ -261,11 +261,11 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         positions: torch.Tensor,
-        hidden: torch.Tensor | PartialSums,
+        hidden: torch.Tensor | Unsummed,
         residual: torch.Tensor | None,
         batch: AttentionBatch,
         layer_kv_cache: torch.Tensor,
-    ) -> tuple[torch.Tensor | PartialSums, torch.Tensor]:
+    ) -> tuple[torch.Tensor | Unsummed, torch.Tensor]:
         """Returns ``(mlp output, residual stream before it)``: the next norm adds them."""
         attention, norm = self.self_attn, self.input_layernorm
         qkv, residual = attention.qkv_proj.forward_normed(hidden, residual, norm.weight, norm.eps)

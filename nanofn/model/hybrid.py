@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from nanofn.kernels import KernelBackend
-from nanofn.kernels.partial_sums import PartialSums
+from nanofn.kernels.partial_sums import Unsummed
 from nanofn.model.batch import AttentionBatch, RecurrentState
 from nanofn.model.config import recurrent_shape, text_config
 from nanofn.model.decoder import (Attention, CausalLM, DecoderOptions, check_kv_cache,
@@ -76,7 +76,7 @@ class GatedDeltaNet(nn.Module):
         batch: AttentionBatch,
         conv_states: torch.Tensor,
         ssm_states: torch.Tensor,
-    ) -> torch.Tensor | PartialSums:
+    ) -> torch.Tensor | Unsummed:
         """The layer's output from ``in_proj``'s (``HybridDecoderLayer`` runs the projection,
         with the norm before it), reading and writing this layer's state slots:
         ``conv_states [num_slots, conv_dim, K - 1]`` and ``ssm_states [num_slots, Hv, Dk, Dv]``."""
@@ -182,11 +182,11 @@ class HybridDecoderLayer(nn.Module):
     def forward(
         self,
         positions: torch.Tensor,
-        hidden: torch.Tensor | PartialSums,
+        hidden: torch.Tensor | Unsummed,
         residual: torch.Tensor | None,
         batch: AttentionBatch,
         cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
-    ) -> tuple[torch.Tensor | PartialSums, torch.Tensor]:
+    ) -> tuple[torch.Tensor | Unsummed, torch.Tensor]:
         """Returns ``(mlp output, residual stream before it)``; ``cache``: a KV-cache layer
         ``[2, ...]``, or a linear layer's ``(conv_states, ssm_states)``."""
         norm = self.input_layernorm

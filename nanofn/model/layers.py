@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from nanofn.kernels import KernelBackend, build_cos_sin_cache
-from nanofn.kernels.partial_sums import PartialSums
+from nanofn.kernels.partial_sums import Unsummed
 from nanofn.model.batch import AttentionBatch
 from nanofn.model.parallel import load_replicated, load_zero_centred
 
@@ -28,7 +28,7 @@ class RMSNorm(nn.Module):
         self.kernels = kernels
 
     def forward(
-        self, x: torch.Tensor | PartialSums, residual: torch.Tensor | None = None
+        self, x: torch.Tensor | Unsummed, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         return self.kernels.rms_norm(x, self.weight, self.eps, residual)
 

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from nanofn.kernels import KernelBackend, silu_and_mul
-from nanofn.kernels.partial_sums import PartialSums
+from nanofn.kernels.partial_sums import Unsummed
 from nanofn.model.config import text_config
 from nanofn.model.layers import RMSNorm
 from nanofn.model.parallel import check_shape, divide, load_replicated
@@ -144,18 +144,20 @@ class SparseMoeBlock(nn.Module):
         return self.kernels.fused_moe(hidden, self.experts.w13, self.experts.w2, topk_weights,
                                       topk_ids)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[T, H]`` from the normed ``hidden [T, H]``, summed over ranks."""
+    def forward(self, hidden: torch.Tensor, for_norm: bool = False) -> torch.Tensor | Unsummed:
+        """``[T, H]`` from the normed ``hidden [T, H]``, summed over ranks (``for_norm``: its
+        only reader a norm, which may take it as ``RankSums``)."""
         out = self.partial_forward(hidden)
         if self.tp_size > 1:
-            out = self.kernels.all_reduce(out)
+            out = self.kernels.all_reduce(out, for_norm=for_norm)
         return out
 
-    def forward_normed(self, hidden: torch.Tensor | PartialSums, residual: torch.Tensor,
-                       norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(self(norm(hidden + residual)), hidden + residual)``, as ``MLP.forward_normed``."""
+    def forward_normed(self, hidden: torch.Tensor | Unsummed, residual: torch.Tensor,
+                       norm: RMSNorm) -> tuple[torch.Tensor | Unsummed, torch.Tensor]:
+        """``(self(norm(hidden + residual)), hidden + residual)``, as ``MLP.forward_normed``
+        (the next norm reads the first)."""
         normed, residual = norm(hidden, residual)
-        return self(normed), residual
+        return self(normed, for_norm=True), residual
 
 
 class SharedExpertMoeBlock(SparseMoeBlock):

@@ -33,7 +33,7 @@ from torch import nn
 from nanofn.kernels import TORCH_KERNELS, KernelBackend
 from nanofn.kernels.all_reduce import group_all_reduce
 from nanofn.kernels.fp8 import FP8_DTYPE, Fp8Weight
-from nanofn.kernels.partial_sums import PartialSums
+from nanofn.kernels.partial_sums import Unsummed
 from nanofn.model.quantization import Fp8Scheme
 
 
@@ -190,7 +190,7 @@ class ColumnParallelLinear(_Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.kernels.linear(x, self.matrix, self.bias)
 
-    def forward_normed(self, x: torch.Tensor | PartialSums, residual: torch.Tensor | None,
+    def forward_normed(self, x: torch.Tensor | Unsummed, residual: torch.Tensor | None,
                        norm_weight: torch.Tensor, eps: float,
                        gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """``(self(rms_norm(x + residual)), x + residual)`` (``residual`` None: ``x`` alone): a
@@ -317,18 +317,18 @@ class RowParallelLinear(_Linear):
         else:
             self.weight_loader(param, scales)
 
-    def partial_forward(self, x: torch.Tensor, partial_sums: bool = False) -> torch.Tensor | PartialSums:
+    def partial_forward(self, x: torch.Tensor, partial_sums: bool = False) -> torch.Tensor | Unsummed:
         """This rank's summand of ``x @ weight.T``, without bias (added once, after the sum)."""
         return self.kernels.linear(x, self.matrix, partial_sums=partial_sums)
 
-    def forward(self, x: torch.Tensor, for_norm: bool = False) -> torch.Tensor | PartialSums:
-        """The output; ``for_norm`` (its only reader a norm): the backend may return it as
-        ``PartialSums`` for the norm to add up, where there is nothing to add after the product
-        (one rank, no bias)."""
-        y = self.partial_forward(x, partial_sums=for_norm and self.tp_size == 1
-                                 and self.bias is None)
+    def forward(self, x: torch.Tensor, for_norm: bool = False) -> torch.Tensor | Unsummed:
+        """The output; ``for_norm`` (its only reader a norm): where there is nothing to add
+        after the product (no bias), the backend may return it as ``PartialSums`` for the norm
+        to add up (one rank), and the all-reduce as ``RankSums`` (two ranks)."""
+        summands = for_norm and self.bias is None
+        y = self.partial_forward(x, partial_sums=summands and self.tp_size == 1)
         if self.tp_size > 1:
-            y = self.kernels.all_reduce(y)
+            y = self.kernels.all_reduce(y, for_norm=summands)
         return y if self.bias is None else y + self.bias
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:

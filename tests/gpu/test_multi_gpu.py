@@ -1,7 +1,8 @@
 """Two GPUs, beyond one engine on one GPU: two "hosts" of one GPU each (a ``nanofn worker`` that
 sees only the second GPU) give the tokens of TP=2 on one host and of TP=1; ``serve
 --data-parallel-size 2`` puts one replica on each GPU and both answer with one engine's tokens;
-the all-reduce through peer memory sums as NCCL does, eagerly and from a CUDA graph.
+the all-reduce through peer memory sums as NCCL does, eagerly and from a CUDA graph, and so
+does the norm that adds up two ranks' summands itself.
 Run by ``benchmarks/gpu_run.sh multinode``, ``dp`` and ``tp``."""
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ import torch.multiprocessing as mp
 from server_helpers import HEADERS, free_port, start_server
 
 from nanofn import LLM, SamplingParams
+import nanofn.kernels.triton_ops as triton_ops
 from nanofn.kernels.all_reduce import PeerAllReduce, ranks_all_reduce
+from nanofn.kernels.partial_sums import RankSums
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
@@ -78,6 +81,63 @@ def test_the_peer_all_reduce_sums_as_nccl_does(tmp_path):
     then): each rank's sum equal to NCCL's, bit for bit (two ranks: one addition), eagerly and
     replayed from a CUDA graph with new contents."""
     mp.spawn(_sum_on_rank, args=(str(tmp_path / "store"),), nprocs=2, join=True)
+
+
+def test_the_norm_adds_up_two_ranks_summands_over_peer_memory(tmp_path):
+    """A summand for a norm (``for_norm``) comes back as ``RankSums``; the Triton norm of it
+    equals, bit for bit, the norm of NCCL's sum, on both ranks: eagerly at 1, 256 and 1,024
+    rows, and replayed from a CUDA graph that holds two of them in a row (a layer's), with
+    new contents each time."""
+    mp.spawn(_norm_on_rank, args=(str(tmp_path / "store"),), nprocs=2, join=True)
+
+
+def _norm_on_rank(rank: int, store_file: str) -> None:
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", init_method=f"file://{store_file}", rank=rank, world_size=2)
+    hidden, dtype = 4096, torch.bfloat16
+
+    def draw(rows, seed):
+        generator = torch.Generator(device).manual_seed(seed)
+        return torch.randn(rows, hidden, generator=generator, device=device).to(dtype)
+
+    def expected(x, residual):
+        total = x.clone()
+        dist.all_reduce(total)
+        return triton_ops.rms_norm(total, weight, 1e-6, residual)
+
+    try:
+        all_reduce = ranks_all_reduce(device, dtype)
+        weight = draw(1, 7)[0].abs() + 0.5
+        for rows in (1, 256, 1024):
+            x, residual = draw(rows, rank), draw(rows, 9)
+            summands = all_reduce(x.clone(), for_norm=True)
+            assert isinstance(summands, RankSums)
+            out, summed = triton_ops.rms_norm(summands, weight, 1e-6, residual)
+            want, want_summed = expected(x, residual)
+            assert torch.equal(summed, want_summed) and torch.equal(out, want), rows
+        x, residual = draw(64, rank), draw(64, 9)
+        static_x = x.clone()
+
+        def layer():
+            out, summed = triton_ops.rms_norm(all_reduce(static_x.clone(), for_norm=True),
+                                              weight, 1e-6, residual)
+            return triton_ops.rms_norm(all_reduce(out * 0.5, for_norm=True), weight, 1e-6,
+                                       summed)
+
+        layer()  # (warm up outside the capture)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            graphed = layer()
+        for seed in (1, 2, 3):
+            static_x.copy_(draw(64, 10 * seed + rank))
+            out, summed = expected(static_x, residual)
+            want = expected(out * 0.5, summed)
+            graph.replay()
+            assert all(torch.equal(g, w) for g, w in zip(graphed, want)), seed
+    finally:
+        dist.destroy_process_group()
+        torch.cuda.empty_cache()
 
 
 def _sum_on_rank(rank: int, store_file: str) -> None:

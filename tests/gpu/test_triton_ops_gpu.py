@@ -11,6 +11,8 @@ import triton.testing
 
 import nanofn.kernels.triton_ops as triton_ops
 from nanofn.kernels import build_cos_sin_cache, rms_norm, rotate_and_store_kv, silu_and_mul
+from nanofn.kernels.all_reduce import FLAG_SLOTS
+from nanofn.kernels.partial_sums import RankSums
 
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
               pytest.mark.usefixtures("nan_filled_allocations")]
@@ -84,6 +86,40 @@ def test_rms_norm_matches_reference(num_tokens, add_residual):
         (out, summed), (expected, expected_summed) = out, expected
         assert torch.equal(summed, expected_summed)
     torch.testing.assert_close(out, expected, **TOLERANCES)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 64, 300])
+def test_the_norm_of_two_ranks_summands_waits_for_the_other_rank(num_tokens):
+    """Two ranks on one GPU, each on a stream of its own, their summands and flags in plain
+    device memory. Rank 1 writes its summand only after a sleep of about a millisecond, so a
+    rank 0 that read without waiting would read the round before's. Both ranks' rows equal
+    the norm of the sum, round after round (the epochs advancing)."""
+    weight, residual = norm_weight(HIDDEN, seed=1), randn(num_tokens, HIDDEN, seed=2)
+    summands = [torch.zeros(num_tokens, HIDDEN, dtype=DTYPE, device="cuda") for _ in range(2)]
+    flags = [torch.zeros(2 * FLAG_SLOTS, dtype=torch.int32, device="cuda") for _ in range(2)]
+    epochs = [torch.zeros(FLAG_SLOTS, dtype=torch.int32, device="cuda") for _ in range(2)]
+    streams = [torch.cuda.Stream() for _ in range(2)]
+    for round in range(4):
+        new = [randn(num_tokens, HIDDEN, seed=10 * round + rank, scale=3.0) for rank in (0, 1)]
+        expected, expected_summed = rms_norm(new[0] + new[1], weight, EPS, residual)
+        torch.cuda.synchronize()
+        outs = {}
+        for rank in (1, 0):
+            with torch.cuda.stream(streams[rank]):
+                if rank == 1:
+                    torch.cuda._sleep(2_000_000)
+                summands[rank].copy_(new[rank])
+                x = RankSums(tuple(summands), rank, flags[rank], flags[1 - rank], epochs[rank],
+                             None)
+                outs[rank] = triton_ops.rms_norm(x, weight, EPS, residual)
+        torch.cuda.synchronize()
+        for rank in (0, 1):
+            out, summed = outs[rank]
+            assert torch.equal(summed, expected_summed), (round, rank)
+            torch.testing.assert_close(out, expected, **TOLERANCES)
+        assert torch.equal(outs[0][0], outs[1][0])
+    programs = min(num_tokens, triton_ops.rank_sums_programs(torch.device("cuda")))
+    assert torch.equal(epochs[0], epochs[1]) and epochs[0][:programs].eq(4).all()
 
 
 @pytest.mark.parametrize("num_tokens", [1, 256, 4099])
