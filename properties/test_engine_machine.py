@@ -29,7 +29,7 @@ from properties.fake_runner import (LaunchFailed, check_cached_blocks_computed,
                                     check_running_contexts, check_states)
 from properties.invariants import check_all, check_release_order
 from properties.profile import coverage_floor, examples, steps
-from properties.strategies import requests, setups
+from properties.strategies import requests, sampling_params, setups
 
 step_module = sys.modules["nanofn.state.step"]  # (``nanofn.state.step`` is the function)
 coverage: Counter = Counter()  # how often the properties met what they check, for the totals
@@ -91,6 +91,7 @@ class EngineMachine(RuleBasedStateMachine):
         self.recorded = []  # every (state, plan), to compare with the replay
         self.snapshots = []  # (a state, a deep copy of it then): later steps must not change it
         self.count = 0
+        self.new_prompts: list[tuple[int, ...]] = []  # add_requests' prompts, in order
         # The sequences of launches that failed since the last step, which the next step ends,
         # and the blocks they handed out, which it drops from the prefix cache (as dirty).
         self.doomed: set[str] = set()
@@ -106,8 +107,25 @@ class EngineMachine(RuleBasedStateMachine):
         batch = data.draw(st.lists(requests(self.max_model_len, self.plain), min_size=1,
                                    max_size=4))
         for prompt, params in batch:
-            self.new.append(NewSeq(f"r{self.count}", prompt, params))
-            self.count += 1
+            self.add(prompt, params)
+            self.new_prompts.append(prompt)
+
+    @rule(data=st.data())
+    def add_a_prompt_again(self, data):
+        """An earlier random request's prompt, maybe with more tokens after it (a conversation's
+        next turn, a retry): with prefix caching its blocks are cached, and a hybrid model's
+        state saved at one of their ends is restored. Random prompts meet a saved state too
+        seldom (none in some runs)."""
+        if not self.new_prompts:
+            return
+        earlier = data.draw(st.sampled_from(self.new_prompts))
+        tail = data.draw(st.lists(st.integers(1, 39), max_size=20))
+        prompt = (earlier + tuple(tail))[:self.max_model_len - 1]
+        self.add(prompt, data.draw(sampling_params(len(prompt), self.max_model_len, self.plain)))
+
+    def add(self, prompt: tuple[int, ...], params: SamplingParams) -> None:
+        self.new.append(NewSeq(f"r{self.count}", prompt, params))
+        self.count += 1
 
     @rule(kind=st.sampled_from(["empty", "too long", "duplicate", "negative token", "n=2"]))
     def add_invalid_request(self, kind):
@@ -378,8 +396,9 @@ def test_engine_state_machine():
                         ("failed launches that wrote cached blocks", 1),  # (32)
                         ("rows widened by decoding", 3),  # (49)
                         ("admissions past a hash collision", 3),  # (8: CI on f319325; 44-102)
-                        ("hybrid states saved", 1),  # (7)
-                        ("hybrid sequences started from a saved state", 1),  # (3)
+                        ("hybrid states saved", 10),  # (75)
+                        # (24; 0 to 7 before prompts were asked again, and 0 failed a CI run)
+                        ("hybrid sequences started from a saved state", 5),
                         ("hybrid admissions with no free state slot", 5),  # (152)
                         ("failed launches that restore or save states", 1)):  # (7)
         assert coverage[what] >= coverage_floor(least), f"{what}: {coverage[what]}"
