@@ -290,6 +290,31 @@ def test_add_request_step_abort_and_is_finished(tiny_qwen3):
     assert engine.state.pool.num_free == engine.state.pool.num_blocks
 
 
+def test_a_streamed_requests_outputs_share_one_copy_of_its_prompt(tiny_qwen3):
+    """One output a step: copying a long prompt into each was most of a server step's output
+    work. The copy is the outputs' own: changing it leaves the request's text as it was."""
+    engine = Engine(EngineOptions(model=str(tiny_qwen3), num_kv_blocks=64, max_model_len=256))
+    prompt = [5, 6, 7, 8]
+    engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    outputs = []
+    while not engine.is_finished():
+        outputs += engine.step().outputs
+    assert len(outputs) == 6 and outputs[0].prompt_token_ids == prompt
+    assert all(o.prompt_token_ids is outputs[0].prompt_token_ids for o in outputs)
+    assert outputs[0].prompt_token_ids is not prompt
+    expected = outputs[-1].outputs[0].text
+    request_id = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=6,
+                                                           ignore_eos=True))
+    first = []
+    while not first:
+        first = engine.step().outputs
+    first[0].prompt_token_ids.clear()
+    assert engine._requests[request_id].prompt_token_ids == prompt  # (the engine's own)
+    while not engine.is_finished():
+        last = engine.step().outputs
+    assert last[0].outputs[0].text == expected
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_step_reports_prefill_and_decode_tokens(tiny_qwen3, async_scheduling):
     engine = Engine(EngineOptions(model=str(tiny_qwen3), num_kv_blocks=64, max_model_len=256,

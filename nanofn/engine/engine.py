@@ -75,6 +75,11 @@ class _Request:
     # Per prompt position (None for the first, and until computed), when asked for.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
+    def __post_init__(self) -> None:
+        # The outputs' copy, one for all of them: a streamed request's outputs (one a step)
+        # would otherwise copy a long prompt every step, the engine's own stays private
+        self.output_prompt_token_ids = list(self.prompt_token_ids)
+
     @property
     def finished(self) -> bool:
         return all(s.finish_reason is not None for s in self.seqs)
@@ -494,7 +499,7 @@ class Engine:
                 cumulative_logprob=s.cumulative_logprob,
                 logprobs=list(s.logprobs) if s.logprobs is not None else None,
                 finish_reason=s.finish_reason, stop_reason=s.stop_reason))
-        return RequestOutput(request.request_id, request.prompt, list(request.prompt_token_ids),
+        return RequestOutput(request.request_id, request.prompt, request.output_prompt_token_ids,
                              outputs, request.finished,
                              prompt_logprobs=None if request.prompt_logprobs is None
                              else list(request.prompt_logprobs),
