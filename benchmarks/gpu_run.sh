@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: the GPU test suite, then the benchmarks, logs under $OUT and a
 # short table last; the logs come back as $OUT/logs-MODE.tgz. Usage: bash benchmarks/gpu_run.sh
-# [tests|tests-1|tests-2|tests-3|bench|all|kernels|serve|dp|tp|tp-profile|multinode|hybrid|hybrid-bench|
-# hybrid-prefix|moe-bench|moe-tp|fp8-bench|baseline] (default: all; baseline: the torch reference
-# attention, eager, for comparison; dp, tp and multinode need two GPUs; NO_TESTS=1
+# [tests|tests-1|tests-2|tests-3|bench|all|kernels|serve|dp|tp|tp-ab|tp-profile|multinode|hybrid|
+# hybrid-bench|hybrid-prefix|moe-bench|moe-tp|fp8-bench|baseline] (default: all; baseline: the torch reference
+# attention, eager, for comparison; dp, tp, tp-ab and multinode need two GPUs; NO_TESTS=1
 # skips dp's tests)
 # Expects the wheels of ../shared/tools/gpu-wheels.sh in .whl/ (pyrsistent is missing there),
 # and flash-attn-4 in /tmp/fa4site if it is to be tested and measured (benchmarks/fa4_install.sh);
@@ -92,6 +92,21 @@ if [ "$what" = tp ]; then  # two GPUs: TP=2 parity, worker faults, TP=1 and TP=2
   echo "worker processes left: $(pgrep -fc multiprocessing.spawn)" | tee "$OUT/tp_leftover.txt"
   nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader | tee -a "$OUT/tp_leftover.txt"
 fi
+if [ "$what" = tp-ab ]; then  # two GPUs: TP=2 of a base tree (.ab_base, as ab_trees.sh makes
+  # one) against this one in one lease, the trees in turn (ROUNDS, default 1), and the sums
+  timeout 200 python3 -m pytest tests/gpu/test_multi_gpu.py -q -rs -k "peer or two_ranks" \
+    --timeout 100 --timeout-method=thread 2>&1 | tee "$OUT/gpu_tp_ab_tests.log" | tail -5
+  timeout 120 python3 benchmarks/experiments/all_reduce.py 2>&1 | tee "$OUT/all_reduce.txt"
+  for round in $(seq 1 "${ROUNDS:-1}"); do
+    for tree in .ab_base .; do
+      name=$([ "$tree" = . ] && echo this || echo base)
+      (cd "$tree" && PYTHONPATH=/tmp/site:$PWD timeout 300 python3 -m nanofn bench \
+        --random-weights qwen3-8b --max-model-len 4096 --tensor-parallel-size 2 --profile \
+        --json "$OUT/bench-tp2-$name-$round.json" > "$OUT/bench-tp2-$name-$round.log" 2>&1)
+      echo "$name (round $round): $(grep -E '^elapsed|^device busy' "$OUT/bench-tp2-$name-$round.log" | tr '\n' ' ')"
+    done
+  done
+fi
 if [ "$what" = serve ]; then  # needs fastapi, uvicorn, prometheus_client, openai wheels in .whl/
   model=$(python3 -c "from nanofn.model.tiny import random_weights_model as r; print(r('qwen3-0.6b'))")
   python3 -m nanofn serve "$model" --load-format dummy --port 8011 --max-model-len 4096 > "$OUT/serve.log" 2>&1 &
@@ -127,6 +142,20 @@ if [ "$what" = dp ]; then  # two GPUs: serve --data-parallel-size 2 against one 
       | tee -a "$OUT/serve-$name.txt"  # per replica and summed
     kill -TERM $server; wait $server
   done
+  # the engine alone, the same requests through LLM.generate: what one replica could serve
+  timeout 200 python3 - "$model" <<'PY' | tee "$OUT/offline-c256.txt"
+import random, sys, time
+from nanofn import LLM, SamplingParams
+llm = LLM(sys.argv[1], load_format="dummy", max_model_len=4096, max_num_seqs=256)
+rng = random.Random(0)
+prompts = [{"prompt_token_ids": [rng.randrange(10000) for _ in range(512)]} for _ in range(1024)]
+params = SamplingParams(temperature=0.6, max_tokens=256, ignore_eos=True)
+llm.generate(prompts[:64], params, use_tqdm=False)
+start = time.perf_counter()
+llm.generate(prompts, params, use_tqdm=False)
+took = time.perf_counter() - start
+print(f"LLM.generate, 1024 requests, 256 at a time: {took:.2f} s, {1024 * 256 / took:,.0f} output tok/s")
+PY
   python3 - "$OUT" <<'PY'
 import json, pathlib, sys
 out = pathlib.Path(sys.argv[1])

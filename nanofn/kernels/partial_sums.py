@@ -31,11 +31,11 @@ class RankSums:
     """A row-parallel projection's output at two tensor-parallel ranks as the ranks' summands
     ``summands`` (rank 0's and rank 1's ``[M, N]``, each in its rank's peer-memory buffer, both
     mapped into this process), for the norm after it to add up as it reads them
-    (``triton_rank_sums``) in place of an all-reduce. The ranks meet through flags: each
-    program of the norm kernel writes the epoch it reached into ``peer_flags`` (the other
-    rank's, mapped here) and waits for the other rank's program to write it into
-    ``own_flags``; ``epochs`` counts this rank's calls per program. ``total`` is the sum by
-    the all-reduce, for readers that cannot add the summands up themselves."""
+    (``triton_ops._rank_sums_rms_norm_kernel``) in place of an all-reduce. The ranks meet
+    through flags: each program of the norm kernel writes the epoch it reached into
+    ``peer_flags`` (the other rank's, mapped here) and waits for the other rank's program to
+    write it into ``own_flags``; ``epochs`` counts this rank's calls per program. ``total`` is
+    the sum by the all-reduce, for readers that cannot add the summands up themselves."""
 
     summands: tuple[torch.Tensor, torch.Tensor]
     rank: int
