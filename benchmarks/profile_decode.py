@@ -68,11 +68,21 @@ def one_rank_share(model: str, tp_size: int) -> str:
         if f.is_file() and f.suffix != ".safetensors":
             shutil.copy(f, folder / f.name)
     config = json.loads((folder / "config.json").read_text())
-    config.setdefault("head_dim", config["hidden_size"] // config["num_attention_heads"])
-    for key in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size"):
-        config[key] = -(-config[key] // tp_size)
+    text = config.get("text_config", config)  # (a vision-language config's language model)
+    text.setdefault("head_dim", text["hidden_size"] // text["num_attention_heads"])
+    for key in SPLIT_ACROSS_RANKS:
+        if key in text:
+            text[key] = -(-text[key] // tp_size)
     (folder / "config.json").write_text(json.dumps(config))
     return str(folder)
+
+
+# What tensor parallelism splits (the experts' widths, and a hybrid's linear-attention heads
+# too), so a rank holds its share of each (at least one: KV heads fewer than the ranks are
+# replicated)
+SPLIT_ACROSS_RANKS = ("num_attention_heads", "num_key_value_heads", "intermediate_size",
+                      "moe_intermediate_size", "shared_expert_intermediate_size",
+                      "linear_num_key_heads", "linear_num_value_heads", "vocab_size")
 
 
 def _profile(engine, args) -> None:
