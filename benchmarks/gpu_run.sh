@@ -123,13 +123,15 @@ if [ "$what" = dp ]; then  # two GPUs: serve --data-parallel-size 2 against one 
       | tee "$OUT/gpu_dp_tests.log" | tail -5
   fi
   model=$(python3 -c "from nanofn.model.tiny import random_weights_model as r; print(r('qwen3-0.6b'))")
-  # 256 streams a replica (one replica also at 512, to show where it saturates); the server's
-  # CPU seconds after each run tell whether its one process (HTTP, the replicas' outputs) is
-  # the bound
-  for run in "1 256" "1 512" "2 512"; do
-    set -- $run; dp=$1; streams=$2; name=dp$dp-c$streams; port=$((8020 + dp))
+  # 256 streams a replica (one replica also at 512, to show where it saturates), each token
+  # streamed as it comes and 8 at a time (--stream-interval); the server's CPU seconds after
+  # each run tell whether its one process (HTTP, the replicas' outputs) is the bound.
+  # DP_RUNS: replicas:streams:interval triples
+  for run in ${DP_RUNS:-1:256:1 1:512:1 2:512:1 1:256:8 2:512:8}; do
+    IFS=: read -r dp streams interval <<< "$run"
+    name=dp$dp-c$streams-i$interval; port=$((8020 + dp))
     python3 -m nanofn serve "$model" --load-format dummy --port $port --max-model-len 4096 \
-      --data-parallel-size $dp > "$OUT/serve-$name.log" 2>&1 &
+      --data-parallel-size $dp --stream-interval $interval > "$OUT/serve-$name.log" 2>&1 &
     server=$!
     for _ in $(seq 1 240); do curl -sf localhost:$port/health > /dev/null && break; sleep 1; done
     before=$(ps -o times= -p $server)
@@ -159,11 +161,14 @@ PY
   python3 - "$OUT" <<'PY'
 import json, pathlib, sys
 out = pathlib.Path(sys.argv[1])
-runs = {n: json.loads((out / f"serve-{n}.json").read_text())["output_tok_s"]
-        for n in ("dp1-c256", "dp1-c512", "dp2-c512")}
+runs = {f.stem.removeprefix("serve-"): json.loads(f.read_text())["output_tok_s"]
+        for f in sorted(out.glob("serve-dp*.json"))}
 print(", ".join(f"{n} {v:,.0f} output tok/s" for n, v in runs.items()))
-print(f"serve --data-parallel-size 2 at 256 streams a replica: {runs['dp2-c512'] / runs['dp1-c256']:.2f}x "
-      f"one replica at 256, {runs['dp2-c512'] / runs['dp1-c512']:.2f}x one at 512 (goal: 1.85x)")
+for interval in (1, 8):
+    one, two = runs.get(f"dp1-c256-i{interval}"), runs.get(f"dp2-c512-i{interval}")
+    if one and two:
+        print(f"--stream-interval {interval}: two replicas at 256 streams each {two / one:.2f}x "
+              f"one at 256 (goal: 1.85x)")
 PY
 fi
 if [ "$what" = tp-profile ]; then  # a decode step of the 8B shape: TP=1 against one rank of 2

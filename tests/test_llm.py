@@ -316,6 +316,32 @@ def test_a_streamed_requests_outputs_share_one_copy_of_its_prompt(tiny_qwen3):
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
+def test_stream_interval_reports_a_streamed_request_every_n_tokens(tiny_qwen3, async_scheduling):
+    """At its first token, then once it has 4 new ones, and at its finish; the outputs hold
+    what they would at an interval of 1."""
+    reported = {}
+    for interval in (1, 4):
+        engine = Engine(EngineOptions(model=str(tiny_qwen3), num_kv_blocks=64, max_model_len=256,
+                                      stream_interval=interval,
+                                      async_scheduling=async_scheduling))
+        engine.add_request([5, 6, 7], SamplingParams(temperature=0, max_tokens=10,
+                                                     ignore_eos=True))
+        outputs = []
+        while not engine.is_finished():
+            outputs += engine.step().outputs
+        reported[interval] = {len(o.outputs[0].token_ids): o for o in outputs}
+    assert list(reported[1]) == list(range(1, 11))
+    assert list(reported[4]) == [1, 5, 9, 10]
+    for tokens, output in reported[4].items():
+        assert output.outputs[0].text == reported[1][tokens].outputs[0].text
+
+
+def test_stream_interval_must_be_a_positive_integer(tiny_qwen3):
+    with pytest.raises(ValueError, match="stream_interval must be a positive integer, got 0"):
+        EngineOptions(model=str(tiny_qwen3), stream_interval=0)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
 def test_step_reports_prefill_and_decode_tokens(tiny_qwen3, async_scheduling):
     engine = Engine(EngineOptions(model=str(tiny_qwen3), num_kv_blocks=64, max_model_len=256,
                                   async_scheduling=async_scheduling))

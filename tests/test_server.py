@@ -89,6 +89,20 @@ def test_streamed_text_equals_the_whole_text(client):
     assert chat.choices[0].message.role == "assistant"
 
 
+def test_stream_interval_sends_the_same_text_in_fewer_chunks(tiny_qwen3, client):
+    """``serve --stream-interval 5``: 20 tokens come in chunks of the first token, then every
+    5 and the finish (5), not ~20 (a server streaming each token sends one a step, fewer only
+    where its client falls behind), and add up to the same text."""
+    kwargs = dict(model="tiny", prompt="The cat", max_tokens=20, temperature=0.7, seed=11,
+                  stream=True)
+    each = [c.choices[0].text for c in client.completions.create(**kwargs) if c.choices]
+    with serving(tiny_qwen3, "--stream-interval", "5") as url:
+        fewer = openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0)
+        chunks = [c.choices[0].text for c in fewer.completions.create(**kwargs) if c.choices]
+    assert "".join(chunks) == "".join(each)
+    assert len(chunks) <= 5 and len(each) > 10
+
+
 def test_a_streamed_n_gives_each_choice_its_whole_text(client):
     kwargs = dict(model="tiny", prompt="Twice", max_tokens=12, n=2, temperature=1.0, seed=9)
     whole = {c.index: c.text for c in client.completions.create(**kwargs).choices}

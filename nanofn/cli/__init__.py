@@ -61,6 +61,9 @@ ENGINE_FLAGS: dict[str, dict[str, Any]] = {
                                                              "(default: {default})"),
     "enforce_eager": dict(action="store_const", const=True,
                           help="run the model eagerly, without CUDA graphs"),
+    "stream_interval": dict(type=int, metavar="N",
+                            help="serve: stream a request's tokens N at a time after its first "
+                                 "(default: {default}, each as it comes)"),
     "disable_custom_all_reduce": dict(action="store_const", const=True,
                                       help="tensor parallelism: every all-reduce through NCCL, "
                                            "none through peer memory"),

@@ -74,6 +74,7 @@ class _Request:
     num_cached_tokens: int | None = None  # known once a sequence finishes
     # Per prompt position (None for the first, and until computed), when asked for.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    reported_tokens: int = 0  # its tokens when ``step()`` last reported it (streamed)
 
     def __post_init__(self) -> None:
         # The outputs' copy, one for all of them: a streamed request's outputs (one a step)
@@ -282,7 +283,7 @@ class Engine:
             outputs = [self._output(r) for r in finished]
         else:
             advanced = ([] if result.delivered is None else
-                        [r for r in self._advanced(result.delivered) if r.stream])
+                        [r for r in self._advanced(result.delivered) if r.stream and self._due(r)])
             outputs = [self._output(r) for r in _unique(advanced + finished)]
         return StepResult(outputs, result.plan.num_prefill_tokens, result.plan.num_decode_tokens)
 
@@ -348,6 +349,19 @@ class Engine:
             return []
         return [seq_id for seq_id, token in zip(seq_ids, tokens)
                 if self.grammars.accept(seq_id, token)]
+
+    def _due(self, request: _Request) -> bool:
+        """Whether a streamed request that advanced is reported now: always at a
+        ``stream_interval`` of 1, else at its first tokens and once it has that many new ones
+        since it was last reported (a finished request always is)."""
+        interval = self.options.stream_interval
+        if interval == 1:
+            return True
+        tokens = sum(len(s.token_ids) for s in request.seqs)
+        if request.reported_tokens and tokens - request.reported_tokens < interval:
+            return False
+        request.reported_tokens = tokens
+        return True
 
     def _advanced(self, delivery: Delivery) -> list[_Request]:
         return [owner[0] for seq_id in delivery.plan.sampling_seq_ids

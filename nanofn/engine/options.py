@@ -60,6 +60,10 @@ class EngineOptions:
     # Tensor parallelism's small all-reduces through NCCL too, not through peer memory
     # (``nanofn/kernels/all_reduce.py``), as vLLM's option of the same name
     disable_custom_all_reduce: bool = False
+    # A streamed request is reported by ``Engine.step()`` at its first token, at its finish and
+    # else once it has this many new tokens (vLLM's and SGLang's option of the same name):
+    # fewer, larger chunks for the server to build, send and stream, at high concurrency
+    stream_interval: int = 1
 
     def __post_init__(self) -> None:
         for problem in _problems(self):
@@ -114,7 +118,8 @@ def _problems(o: EngineOptions):
     utilization = o.gpu_memory_utilization
     if not isinstance(utilization, (int, float)) or not 0 < utilization <= 1:
         yield f"gpu_memory_utilization must be in (0, 1], got {utilization!r}"
-    for name in ("tensor_parallel_size", "max_num_seqs", "max_num_batched_tokens"):
+    for name in ("tensor_parallel_size", "max_num_seqs", "max_num_batched_tokens",
+                 "stream_interval"):
         value = getattr(o, name)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             yield f"{name} must be a positive integer, got {value!r}"
