@@ -66,7 +66,7 @@ def test_the_norm_of_two_ranks_summands_compiles(compile_for_h100, rows):
     system-scope atomics), with and without a residual."""
     flags = torch.zeros(2 * FLAG_SLOTS, dtype=torch.int32)
     summands = empty(rows, HIDDEN), empty(rows, HIDDEN)
-    x = RankSums(summands, 0, flags, flags.clone(), torch.zeros(FLAG_SLOTS, dtype=torch.int32),
+    x = RankSums(summands, flags, flags.clone(), torch.zeros(FLAG_SLOTS, dtype=torch.int32),
                  functools.partial(torch.add, *summands))
     for residual in (None, empty(rows, HIDDEN)):
         compile_for_h100(triton_ops.rms_norm, x, empty(HIDDEN), 1e-6, residual)

@@ -67,7 +67,7 @@ def rank_sums(first, second, own_epoch, epochs=None):
     after reading (its flags in ours) and had not yet seen ours."""
     flags = torch.full((2 * FLAG_SLOTS,), own_epoch, dtype=torch.int32)
     epochs = torch.zeros(FLAG_SLOTS, dtype=torch.int32) if epochs is None else epochs
-    return RankSums((first, second), 0, flags, torch.zeros_like(flags), epochs,
+    return RankSums((first, second), flags, torch.zeros_like(flags), epochs,
                     functools.partial(torch.add, first, second))
 
 

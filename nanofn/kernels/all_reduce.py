@@ -59,16 +59,16 @@ class PeerAllReduce:
 
         self.buffer = buffer
         self.group_name = dist.group.WORLD.group_name
-        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        rank, world_size = dist.get_rank(), dist.get_world_size()
         handle = symmetric_memory.rendezvous(buffer, self.group_name)
         self.rank_buffers = tuple(handle.get_buffer(r, buffer.shape, buffer.dtype)
-                                  for r in range(self.world_size))
+                                  for r in range(world_size))
         # the rank-sums norm's: flags (zeroed on every rank before any rank writes into
         # another's) and this rank's epochs
         self.flags = flags.zero_()
         flags_handle = symmetric_memory.rendezvous(flags, self.group_name)
-        self.peer_flags = (flags_handle.get_buffer(1 - self.rank, flags.shape, flags.dtype)
-                           if self.world_size == 2 else None)
+        self.peer_flags = (flags_handle.get_buffer(1 - rank, flags.shape, flags.dtype)
+                           if world_size == 2 else None)
         self.epochs = torch.zeros(FLAG_SLOTS, dtype=torch.int32, device=buffer.device)
         torch.cuda.synchronize(buffer.device)
         dist.barrier(device_ids=[buffer.device.index])
@@ -87,7 +87,7 @@ class PeerAllReduce:
         self.buffer[: x.numel()].copy_(x.view(-1))
         if for_norm and self.peer_flags is not None and x.dim() == 2:
             return RankSums(tuple(b[: x.numel()].view(x.shape) for b in self.rank_buffers),
-                            self.rank, self.flags, self.peer_flags, self.epochs,
+                            self.flags, self.peer_flags, self.epochs,
                             functools.partial(self._sum_staged, x))
         return self._sum_staged(x)
 

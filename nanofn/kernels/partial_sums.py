@@ -38,7 +38,6 @@ class RankSums:
     the sum by the all-reduce, for readers that cannot add the summands up themselves."""
 
     summands: tuple[torch.Tensor, torch.Tensor]
-    rank: int
     own_flags: torch.Tensor
     peer_flags: torch.Tensor
     epochs: torch.Tensor

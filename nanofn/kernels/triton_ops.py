@@ -278,68 +278,68 @@ def rms_norm(
     """Normalise ``x`` over its last dimension and scale by ``weight`` (in ``x``'s dtype).
 
     With ``residual`` returns ``(normed(x + residual), x + residual)``. ``x`` may be a
-    projection's ``PartialSums``, added up in the same kernel.
+    projection's ``PartialSums`` or two ranks' ``RankSums``, added up in the same kernel.
     """
-    if isinstance(x, RankSums):
-        return _rank_sums_rms_norm(x, weight, eps, residual)
-    if isinstance(x, PartialSums):
-        sums, dtype, shape = x.sums, x.dtype, x.sums.shape[1:]
-    else:
-        sums, dtype, shape = x[None], x.dtype, x.shape
+    shape = summed_shape(x)
     size = shape[-1]
-    rows = sums.reshape(len(sums), -1, size)
-    out = torch.empty(rows.shape[1:], dtype=dtype, device=sums.device)
+    out = torch.empty(shape.numel() // size, size, dtype=x.dtype, device=weight.device)
     if residual is None:
         residual_rows = residual_out = out  # placeholders, never read or written
     else:
         residual_rows = residual.reshape(-1, size)
-        residual_out = torch.empty(out.shape, dtype=dtype, device=sums.device)
-    assert rows.stride(-1) == residual_rows.stride(-1) == weight.stride(-1) == 1, "rows must be contiguous"
-    if out.shape[0] > 0:
-        block = triton.next_power_of_2(size)
-        _rms_norm_kernel[(out.shape[0],)](
-            rows, residual_rows, weight, out, residual_out,
-            rows.stride(1), rows.stride(0), residual_rows.stride(0), out.stride(0),
-            residual_out.stride(0), size, eps,
-            BLOCK=block, NUM_SUMS=len(rows) if isinstance(x, PartialSums) else 0,
-            ADD_RESIDUAL=residual is not None, num_warps=_row_warps(block),
-            **triton_overlap.launch_options(sums.device),
-        )
+        residual_out = torch.empty_like(out)
+    assert residual_rows.stride(-1) == weight.stride(-1) == 1, "rows must be contiguous"
+    if len(out) > 0:
+        launch = _launch_rank_sums_norm if isinstance(x, RankSums) else _launch_norm
+        launch(x, weight, eps, out, residual_rows, residual_out, residual is not None)
     if residual is None:
         return out.view(shape)
     return out.view(shape), residual_out.view(shape)
 
 
-def _rank_sums_rms_norm(x: RankSums, weight: torch.Tensor, eps: float,
-                        residual: torch.Tensor | None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """``rms_norm`` of two ranks' summands, added up in the norm kernel (see ``RankSums``)."""
-    first, second = (s.reshape(-1, s.shape[-1]) for s in x.summands)
-    size = first.shape[-1]
-    out = torch.empty(first.shape, dtype=x.dtype, device=first.device)
-    residual_rows = out if residual is None else residual.reshape(-1, size)
-    residual_out = out if residual is None else torch.empty_like(out)
-    assert first.stride(-1) == residual_rows.stride(-1) == weight.stride(-1) == 1, "rows must be contiguous"
-    programs = min(len(first), rank_sums_programs(first.device))
+def _launch_norm(x: torch.Tensor | PartialSums, weight: torch.Tensor, eps: float,
+                 out: torch.Tensor, residual_rows: torch.Tensor, residual_out: torch.Tensor,
+                 add_residual: bool) -> None:
+    """``_rms_norm_kernel`` into ``out`` (and ``residual_out``): a program a row."""
+    sums = x.sums if isinstance(x, PartialSums) else x[None]
+    size = out.shape[-1]
+    rows = sums.reshape(len(sums), -1, size)
+    assert rows.stride(-1) == 1, "rows must be contiguous"
+    block = triton.next_power_of_2(size)
+    _rms_norm_kernel[(len(out),)](
+        rows, residual_rows, weight, out, residual_out,
+        rows.stride(1), rows.stride(0), residual_rows.stride(0), out.stride(0),
+        residual_out.stride(0), size, eps,
+        BLOCK=block, NUM_SUMS=len(rows) if isinstance(x, PartialSums) else 0,
+        ADD_RESIDUAL=add_residual, num_warps=_row_warps(block),
+        **triton_overlap.launch_options(out.device),
+    )
+
+
+def _launch_rank_sums_norm(x: RankSums, weight: torch.Tensor, eps: float, out: torch.Tensor,
+                           residual_rows: torch.Tensor, residual_out: torch.Tensor,
+                           add_residual: bool) -> None:
+    """``_rank_sums_rms_norm_kernel`` into ``out`` (and ``residual_out``): two ranks'
+    summands added up as the kernel reads them (see ``RankSums``), rows strided over at most
+    ``rank_sums_programs`` programs."""
+    first, second = (s.reshape(len(out), -1) for s in x.summands)
+    programs = min(len(out), rank_sums_programs(out.device))
     assert programs <= x.epochs.numel(), "more programs than flags"
-    if programs > 0:
-        block = triton.next_power_of_2(size)
-        _rank_sums_rms_norm_kernel[(programs,)](
-            first, second, residual_rows, weight, out, residual_out, x.own_flags, x.peer_flags,
-            x.epochs, len(first), first.stride(0), residual_rows.stride(0), out.stride(0),
-            residual_out.stride(0), size, eps, BLOCK=block, FLAG_SLOTS=x.epochs.numel(),
-            ADD_RESIDUAL=residual is not None, num_warps=_row_warps(block),
-            **triton_overlap.launch_options(first.device),
-        )
-    shape = x.shape
-    if residual is None:
-        return out.view(shape)
-    return out.view(shape), residual_out.view(shape)
+    block = triton.next_power_of_2(out.shape[-1])
+    _rank_sums_rms_norm_kernel[(programs,)](
+        first, second, residual_rows, weight, out, residual_out, x.own_flags, x.peer_flags,
+        x.epochs, len(out), first.stride(0), residual_rows.stride(0), out.stride(0),
+        residual_out.stride(0), out.shape[-1], eps, BLOCK=block, FLAG_SLOTS=x.epochs.numel(),
+        ADD_RESIDUAL=add_residual, num_warps=_row_warps(block),
+        **triton_overlap.launch_options(out.device),
+    )
 
 
 @functools.cache
 def rank_sums_programs(device: torch.device) -> int:
     """Programs of the rank-sums norm kernel at most: one a multiprocessor, so that all of them
-    run at once (a program that waits for the other rank never holds up one of its own)."""
+    run at once (a program that waits for the other rank never holds up one of its own); 8
+    under the interpreter."""
     if device.type != "cuda":
         return 8
     return torch.cuda.get_device_properties(device).multi_processor_count

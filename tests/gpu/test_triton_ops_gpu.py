@@ -109,7 +109,7 @@ def test_the_norm_of_two_ranks_summands_waits_for_the_other_rank(num_tokens):
                 if rank == 1:
                     torch.cuda._sleep(2_000_000)
                 summands[rank].copy_(new[rank])
-                x = RankSums(tuple(summands), rank, flags[rank], flags[1 - rank], epochs[rank],
+                x = RankSums(tuple(summands), flags[rank], flags[1 - rank], epochs[rank],
                              None)
                 outs[rank] = triton_ops.rms_norm(x, weight, EPS, residual)
         torch.cuda.synchronize()
