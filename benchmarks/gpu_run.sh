@@ -124,22 +124,33 @@ if [ "$what" = dp ]; then  # two GPUs: serve --data-parallel-size 2 against one 
   fi
   model=$(python3 -c "from nanofn.model.tiny import random_weights_model as r; print(r('qwen3-0.6b'))")
   # 256 streams a replica (one replica also at 512, to show where it saturates), each token
-  # streamed as it comes and 8 at a time (--stream-interval); the server's CPU seconds after
-  # each run tell whether its one process (HTTP, the replicas' outputs) is the bound.
-  # DP_RUNS: replicas:streams:interval triples
-  for run in ${DP_RUNS:-1:256:1 1:512:1 2:512:1 1:256:8 2:512:8}; do
-    IFS=: read -r dp streams interval <<< "$run"
-    name=dp$dp-c$streams-i$interval; port=$((8020 + dp))
+  # streamed as it comes and 8 at a time (--stream-interval), through --api-server-count HTTP
+  # processes (default: one a replica); the CPU seconds of the HTTP side (the server's
+  # processes but the engines) and of the engines after each run tell which one is the bound.
+  # DP_RUNS: replicas:streams:interval[:HTTP processes] runs
+  cpu_s() {  # CPU seconds of the server's processes: http (all but the engines) or engine
+    local total=0 p
+    for p in $server $(pgrep -P $server); do
+      [ "$(cat /proc/$p/comm)" = nanofn-engine ] && [ $1 = http ] && continue
+      [ "$(cat /proc/$p/comm)" != nanofn-engine ] && [ $1 = engine ] && continue
+      total=$((total + $(ps -o times= -p $p)))
+    done
+    echo $total
+  }
+  for run in ${DP_RUNS:-1:256:1:1 1:256:1:4 2:512:1:2 2:512:1:8 1:256:8:1 2:512:8:2}; do
+    IFS=: read -r dp streams interval api <<< "$run"
+    api=${api:-$dp}; name=dp$dp-c$streams-i$interval-a$api; port=$((8020 + dp))
     python3 -m nanofn serve "$model" --load-format dummy --port $port --max-model-len 4096 \
-      --data-parallel-size $dp --stream-interval $interval > "$OUT/serve-$name.log" 2>&1 &
+      --data-parallel-size $dp --stream-interval $interval --api-server-count $api \
+      > "$OUT/serve-$name.log" 2>&1 &
     server=$!
     for _ in $(seq 1 240); do curl -sf localhost:$port/health > /dev/null && break; sleep 1; done
-    before=$(ps -o times= -p $server)
+    http_before=$(cpu_s http); engine_before=$(cpu_s engine)
     timeout 300 python3 benchmarks/serve.py --url http://127.0.0.1:$port \
       --requests $((4 * streams)) --concurrency $streams --prompt-len 512 --max-tokens 256 \
       --json "$OUT/serve-$name.json" | tee "$OUT/serve-$name.txt"
-    echo "server process CPU s during the run: $(( $(ps -o times= -p $server) - before ))" \
-      | tee -a "$OUT/serve-$name.txt"
+    echo "CPU s during the run: HTTP processes $(( $(cpu_s http) - http_before )), engines" \
+      "$(( $(cpu_s engine) - engine_before ))" | tee -a "$OUT/serve-$name.txt"
     curl -s localhost:$port/metrics | grep -E '^nanofn:sequences_finished_total' \
       | tee -a "$OUT/serve-$name.txt"  # per replica and summed
     kill -TERM $server; wait $server
@@ -164,11 +175,12 @@ out = pathlib.Path(sys.argv[1])
 runs = {f.stem.removeprefix("serve-"): json.loads(f.read_text())["output_tok_s"]
         for f in sorted(out.glob("serve-dp*.json"))}
 print(", ".join(f"{n} {v:,.0f} output tok/s" for n, v in runs.items()))
-for interval in (1, 8):
-    one, two = runs.get(f"dp1-c256-i{interval}"), runs.get(f"dp2-c512-i{interval}")
+for interval, http in ((1, 1), (1, 4), (8, 1)):
+    one = runs.get(f"dp1-c256-i{interval}-a{http}")
+    two = runs.get(f"dp2-c512-i{interval}-a{2 * http}")
     if one and two:
-        print(f"--stream-interval {interval}: two replicas at 256 streams each {two / one:.2f}x "
-              f"one at 256 (goal: 1.85x)")
+        print(f"--stream-interval {interval}, {http} HTTP processes a replica: two replicas at "
+              f"256 streams each {two / one:.2f}x one at 256 (goal: 1.85x)")
 PY
 fi
 if [ "$what" = tp-profile ]; then  # a decode step of the 8B shape: TP=1 against one rank of 2

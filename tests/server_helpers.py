@@ -87,9 +87,10 @@ def first_event(lines) -> str:
 needs_proc = pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="reads /proc")
 
 
-def spawned_children(parent_pid: int) -> list[int]:
+def spawned_children(parent_pid: int, name: str | None = None) -> list[int]:
     """The processes that multiprocessing spawned from ``parent_pid`` to run a target (not its
-    resource tracker)."""
+    resource tracker); with ``name``, those that go by it (``nanofn-engine``, ``nanofn-api-0``:
+    /proc/PID/comm)."""
     pids = []
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
@@ -99,15 +100,17 @@ def spawned_children(parent_pid: int) -> list[int]:
                 parent = int(f.read().rsplit(")", 1)[1].split()[1])
             with open(f"/proc/{entry.name}/cmdline", "rb") as f:
                 command = f.read()
+            with open(f"/proc/{entry.name}/comm") as f:
+                comm = f.read().strip()
         except OSError:
             continue
-        if parent == parent_pid and b"spawn_main" in command:
+        if parent == parent_pid and b"spawn_main" in command and name in (None, comm):
             pids.append(int(entry.name))
     return pids
 
 
 def engine_pid_of(server_pid: int) -> int:
     """The server's engine process."""
-    children = spawned_children(server_pid)
+    children = spawned_children(server_pid, "nanofn-engine")
     assert children, f"process {server_pid} has no engine process"
     return children[0]

@@ -120,7 +120,7 @@ def test_a_killed_replica_fails_its_requests_and_the_other_serves_on(tiny_qwen3)
         prompts = [next([t, 5, 6] for t in range(1, 1000) if preferred([t, 5, 6]) == replica)
                    for replica in (0, 1)]
         streams = [start_stream(url, prompt) for prompt in prompts]
-        pids = spawned_children(process.pid)
+        pids = spawned_children(process.pid, "nanofn-engine")
         assert len(pids) == 2
         os.kill(pids[0], signal.SIGKILL)
         rests = []
@@ -170,9 +170,9 @@ def test_replicas_that_cannot_start_are_a_clear_error(tmp_path):
     from nanofn.server.data_parallel import DataParallelLLM
 
     with pytest.raises(OSError, match="data-parallel replica 0: .*config.json"):
-        DataParallelLLM(str(tmp_path), 2)
+        DataParallelLLM.start(str(tmp_path), 2)
     with pytest.raises(ValueError, match="nnodes > 1 is not supported"):
-        DataParallelLLM(str(tmp_path), 2, nnodes=2, tensor_parallel_size=2, master_port=1)
+        DataParallelLLM.start(str(tmp_path), 2, nnodes=2, tensor_parallel_size=2, master_port=1)
 
 
 def test_a_data_parallel_size_below_one_is_a_usage_error(capsys):

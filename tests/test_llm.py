@@ -336,6 +336,81 @@ def test_stream_interval_reports_a_streamed_request_every_n_tokens(tiny_qwen3, a
         assert output.outputs[0].text == reported[1][tokens].outputs[0].text
 
 
+def delta_requests(tiny_qwen3) -> list[tuple[list[int], SamplingParams, bool]]:
+    """Requests whose deltas take every path: (prompt, params, streamed). A greedy run first
+    gives a stop token and a stop string that the later ones meet."""
+    engine = Engine(EngineOptions(model=str(tiny_qwen3), num_kv_blocks=64, max_model_len=256))
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    engine.add_request([300, 20], greedy, stream=False)
+    while not engine.is_finished():
+        outputs = engine.step().outputs
+    tokens, text = outputs[0].outputs[0].token_ids, outputs[0].outputs[0].text
+    engine.close()
+    return [
+        ([300, 20], greedy, True),
+        ([9, 1, 4, 4], SamplingParams(temperature=0.8, seed=7, n=2, logprobs=2, max_tokens=10,
+                                      ignore_eos=True), True),
+        ([300, 20], replace(greedy, stop_token_ids=[tokens[5]]), True),  # its text shrinks
+        ([300, 20], replace(greedy, stop=[text[len(text) // 2:][:2]]), True),
+        ([3, 2, 1, 8, 8], SamplingParams(temperature=0, max_tokens=6, prompt_logprobs=1), True),
+        ([7, 7], SamplingParams(temperature=0, max_tokens=8), False),  # at its finish only
+    ]
+
+
+@pytest.mark.parametrize("interval", [1, 3])
+def test_step_deltas_rebuild_the_outputs_step_reports(tiny_qwen3, interval):
+    """Twin engines in lockstep: one's ``step()`` outputs, the other's ``step_deltas()``
+    applied to the request's previous output, are the same (but the times in the metrics),
+    and a streamed request's deltas carry its new tokens only."""
+    from nanofn.engine.outputs import apply_delta
+
+    engines = [Engine(EngineOptions(model=str(tiny_qwen3), num_kv_blocks=64, max_model_len=256,
+                                    stream_interval=interval)) for _ in range(2)]
+    for prompt, params, stream in delta_requests(tiny_qwen3):
+        for engine in engines:
+            engine.add_request(prompt, params, stream=stream)
+    rebuilt, reported, steps = {}, {}, 0
+    while not engines[0].is_finished():
+        outputs, deltas = engines[0].step().outputs, engines[1].step_deltas().outputs
+        assert [d[0] for d in deltas] == [o.request_id for o in outputs]
+        for output, delta in zip(outputs, deltas):
+            request_id, _, _, metrics, _, finished, changes = delta
+            before, previous = rebuilt.get(request_id), reported.get(request_id)
+            # the twin's metrics are replaced at the same steps
+            assert (metrics is not None) == (previous is None
+                                             or output.metrics is not previous.metrics)
+            reported[request_id] = output
+            if before is not None and not finished:  # the new tokens and logprobs only
+                for (tokens, _, logprobs, *_), old in zip(changes, before.outputs):
+                    assert tokens[0] == len(old.token_ids) and len(tokens[1]) <= interval
+                    if logprobs is not None:
+                        assert logprobs[0] == len(old.logprobs)
+                        assert len(logprobs[1]) <= interval
+            rebuilt[request_id] = apply_delta(delta, before)
+            assert replace(rebuilt[request_id], metrics=None) == replace(output, metrics=None)
+        steps += 1
+    assert engines[1].is_finished() and len(rebuilt) == 6 and steps > 10
+    assert all(o.finished for o in rebuilt.values())
+
+
+def test_a_delta_of_a_text_or_tokens_that_did_not_just_grow_holds_them_whole():
+    """Should a finished sequence's text or tokens not extend what its previous delta had
+    (none of the engine's paths does so far), its delta holds them whole, and applying it
+    gives them as they are."""
+    from nanofn.engine.engine import _completion_delta, _SeqOutput
+    from nanofn.engine.outputs import CompletionOutput, RequestOutput, apply_delta
+
+    seq = _SeqOutput("0", 0, SamplingParams(), None, [1, 2, 3], None, None,
+                     finish_reason="stop", text="abc")
+    seq.sent = ([1, 2, 9], 3, "abcd", None, 0)
+    change = _completion_delta(seq)
+    assert change[:2] == ((0, [1, 2, 3]), (0, "abc"))
+    before = RequestOutput("r", None, [7], [CompletionOutput(0, "abcd", [1, 2, 9], None, None)],
+                           False)
+    after = apply_delta(("r", None, None, None, None, True, [change]), before)
+    assert after.outputs[0].token_ids == [1, 2, 3] and after.outputs[0].text == "abc"
+
+
 def test_stream_interval_must_be_a_positive_integer(tiny_qwen3):
     with pytest.raises(ValueError, match="stream_interval must be a positive integer, got 0"):
         EngineOptions(model=str(tiny_qwen3), stream_interval=0)

@@ -1,7 +1,8 @@
 """What a server step's outputs cost the host, beyond the engine's own step: the engine process
-builds each streamed request's output (``Engine.step()``'s ``_output``), turns it into a delta
-(``engine_process.encode``) and pickles the step's message; the server process unpickles it
-and rebuilds each output (``engine_process.rebuild``). Random weights of ``--shape`` on the CPU,
+builds each streamed request's delta (``Engine.step_deltas()``'s ``_delta``: its new tokens
+and text) and pickles the step's message; the server process unpickles it and makes each
+whole output again (``outputs.apply_delta``). For comparison, the whole outputs that
+``Engine.step()`` builds (``_output``). Random weights of ``--shape`` on the CPU,
 ``--requests`` streamed requests of ``--prompt-len`` tokens, timed after ``--decoded`` tokens
 each (the engine's own step is left out: on a GPU it runs on the device meanwhile).
 
@@ -20,7 +21,8 @@ from nanofn import SamplingParams
 from nanofn.engine.engine import Engine
 from nanofn.engine.options import EngineOptions
 from nanofn.model.tiny import random_weights_model
-from nanofn.server.engine_process import dumps, encode, rebuild
+from nanofn.engine.outputs import apply_delta
+from nanofn.server.engine_process import dumps
 
 REPEATS = 50
 
@@ -40,26 +42,37 @@ def main() -> None:
     for i in range(args.requests):
         engine.add_request([rng.randrange(500) for _ in range(args.prompt_len)], params,
                            request_id=f"r{i}")
+    whole: dict = {}  # the server's view: each request's whole output
+    cursors: list = []
     while True:  # until the requests are in steady decode with --decoded tokens each
-        outputs = engine.step().outputs
-        if len(outputs) == args.requests and \
-                len(outputs[0].outputs[0].token_ids) >= args.decoded:
+        requests = list(engine._requests.values())
+        cursors = [(r, r.sent_metrics, [s.sent for s in r.seqs]) for r in requests]
+        deltas = engine.step_deltas().outputs
+        before = dict(whole)
+        whole.update((d[0], apply_delta(d, whole.get(d[0]))) for d in deltas)
+        if len(deltas) == args.requests and \
+                len(whole[deltas[0][0]].outputs[0].token_ids) >= args.decoded:
             break
-    before = {o.request_id: o for o in outputs}
-    requests = [engine._requests[o.request_id] for o in outputs]
-    now = [engine._output(r) for r in requests]
 
-    built = _ms(lambda: [engine._output(r) for r in requests])
-    deltas = [encode(o, before[o.request_id]) for o in now]
-    encoded = _ms(lambda: [encode(o, before[o.request_id]) for o in now])
-    message = dumps(("step", deltas))
-    pickled = _ms(lambda: dumps(("step", deltas)))
-    rebuilt = _ms(lambda: [rebuild(d, before[d[0]]) for d in pickle.loads(message)[1]])
+    def step_deltas() -> list:  # each request's delta of the last step again
+        for request, metrics, sent in cursors:
+            request.sent_metrics = metrics
+            for seq, cursor in zip(request.seqs, sent):
+                seq.sent = cursor
+        return [engine._delta(request) for request, _, _ in cursors]
+
+    built = _ms(lambda: [engine._output(request) for request, _, _ in cursors])
+    made = _ms(step_deltas)
+    message = dumps(("step", step_deltas()))
+    pickled = _ms(lambda: dumps(("step", step_deltas())))
+    pickled -= made
+    applied = _ms(lambda: [apply_delta(d, before[d[0]])
+                           for d in pickle.loads(message)[1]])
     print(f"{args.requests} streamed requests, {args.prompt_len}-token prompts, "
-          f"{len(now[0].outputs[0].token_ids)} tokens each, ms a step:")
-    print(f"  engine process: outputs {built:.2f}, deltas {encoded:.2f}, pickle {pickled:.2f} "
-          f"({len(message):,} bytes)")
-    print(f"  server process: unpickle and rebuild {rebuilt:.2f}")
+          f"{len(whole[deltas[0][0]].outputs[0].token_ids)} tokens each, ms a step:")
+    print(f"  engine process: deltas {made:.2f}, pickle {pickled:.2f} ({len(message):,} bytes) "
+          f"(whole outputs, as step() builds them: {built:.2f})")
+    print(f"  server process: unpickle and apply {applied:.2f}")
 
 
 def _ms(work) -> float:

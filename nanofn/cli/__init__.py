@@ -169,9 +169,6 @@ SERVER_FLAGS: dict[str, dict[str, Any]] = {
                              help="after SIGTERM, the requests in flight get this long to "
                                   "finish; then each ends with a 503 (default: {default})"),
 }
-# After the shutdown's grace period, the time uvicorn gives the responses to be written before
-# it cancels them.
-SHUTDOWN_WRITE_S = 5.0
 
 
 class UsageError(Exception):
@@ -389,6 +386,10 @@ def _add_serve(commands: Any) -> None:
                         "(--tensor-parallel-size of them), behind this endpoint; requests "
                         "sharing a first block of prompt tokens go to the same replica "
                         "(default: %(default)s)")
+    p.add_argument("--api-server-count", type=int, metavar="N",
+                   help="N HTTP processes on the one port, each a client of every engine "
+                        "(the HTTP side's Python is then spread over N cores; vLLM's flag) "
+                        "(default: --data-parallel-size)")
     _add_chat_flags(p.add_argument_group("chat completions (vLLM's flags)"))
     add_flags(p, "server limits", SERVER_FLAGS, ServerLimits)
     add_flags(p, "engine options", ENGINE_FLAGS, EngineOptions)
@@ -428,13 +429,15 @@ def _json_object(text: str) -> dict:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from nanofn.server.app import build_app
+    from nanofn.server.api_servers import HttpOptions, run_http_server, serve_in_processes
     from nanofn.server.chat_output import ChatOptions, load_chat_template
 
     if args.data_parallel_size < 1:
         raise UsageError(f"--data-parallel-size must be positive, got {args.data_parallel_size}")
+    api_server_count = (args.data_parallel_size if args.api_server_count is None
+                        else args.api_server_count)
+    if api_server_count < 1:
+        raise UsageError(f"--api-server-count must be positive, got {args.api_server_count}")
     with _user_errors():  # before the model loads
         limits = ServerLimits(**given(args, SERVER_FLAGS))
         chat_options = ChatOptions(
@@ -443,16 +446,16 @@ def run_serve(args: argparse.Namespace) -> int:
             reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
             enable_auto_tool_choice=args.enable_auto_tool_choice)
     model = args.model or str(announced_demo_model())
-    served_name = args.served_model_name or args.model or DEMO_MODEL
-    server_class = _uvicorn_server(served_name)
+    http = HttpOptions(args.served_model_name or args.model or DEMO_MODEL, args.api_key,
+                       chat_options, limits, args.host, args.port)
+    if api_server_count > 1:
+        with _user_errors():
+            return serve_in_processes(model, engine_kwargs(args), args.data_parallel_size,
+                                      api_server_count, http)
     with _user_errors():
         llm = _serving_engine(model, args)
     try:
-        app = build_app(llm, served_name, args.api_key, chat_options, limits)
-        config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
-                                timeout_graceful_shutdown=limits.shutdown_timeout
-                                + SHUTDOWN_WRITE_S)
-        server_class(config, app.state.shutdown.begin).run()
+        run_http_server(llm, http)
     finally:
         llm.close()
     return 0
@@ -465,42 +468,7 @@ def _serving_engine(model: str, args: argparse.Namespace) -> Any:
 
     if args.data_parallel_size == 1:
         return AsyncLLM(model, **engine_kwargs(args))
-    return DataParallelLLM(model, args.data_parallel_size, **engine_kwargs(args))
-
-
-def _uvicorn_server(served_name: str) -> type:
-    import uvicorn
-
-    class Server(uvicorn.Server):
-        """uvicorn stops taking connections on SIGINT or SIGTERM and lets the requests in
-        flight finish (or their clients go); then it raises the signal again, which would
-        kill the process before the engine closes. Here ``serve`` returns, and exits 0.
-        ``on_shutdown`` is called as the shutdown starts (the app's grace period)."""
-
-        def __init__(self, config: uvicorn.Config, on_shutdown: Callable[[], None]):
-            super().__init__(config)
-            self.on_shutdown = on_shutdown
-
-        async def shutdown(self, sockets: list | None = None) -> None:
-            self.on_shutdown()
-            await super().shutdown(sockets)
-
-        async def startup(self, sockets: list | None = None) -> None:
-            """Say where the server listens once it does (the engine is up by then)."""
-            await super().startup(sockets)
-            if self.started:
-                host = self.config.host
-                port = self.servers[0].sockets[0].getsockname()[1]  # the one taken for --port 0
-                print(f"serving {served_name} at http://{f'[{host}]' if ':' in host else host}:"
-                      f"{port}", file=sys.stderr, flush=True)
-
-        @contextmanager
-        def capture_signals(self) -> Iterator[None]:
-            with super().capture_signals():
-                yield
-                self._captured_signals.clear()
-
-    return Server
+    return DataParallelLLM.start(model, args.data_parallel_size, **engine_kwargs(args))
 
 
 def run_generate(args: argparse.Namespace) -> int:

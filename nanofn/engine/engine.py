@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TextIO, Union
@@ -24,7 +24,8 @@ from nanofn.engine.detokenizer import Detokenizer, decode_output
 from nanofn.engine.generation_config import generation_defaults
 from nanofn.engine.loop import Delivery, EngineLoop, LoopStep
 from nanofn.engine.options import EngineOptions
-from nanofn.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from nanofn.engine.outputs import (CompletionDelta, CompletionOutput, Logprob, OutputDelta,
+                                   RequestMetrics, RequestOutput)
 from nanofn.engine.structured import Grammars
 from nanofn.runner.model_runner import ModelRunner, RunnerConfig, check_kv_cache_size
 from nanofn.runner.tensor_parallel import TensorParallelExecutor
@@ -55,6 +56,9 @@ class _SeqOutput:
     stop_reason: int | str | None = None
     text: str | None = None  # once finished and decoded
     shown_token_ids: list[int] | None = None  # what the text shows, once finished
+    # What its latest ``OutputDelta`` left it at: (the token list, its length then, the text,
+    # the logprob list, its length then); None before the first
+    sent: tuple | None = None
 
     @property
     def watched(self) -> bool:
@@ -75,6 +79,8 @@ class _Request:
     # Per prompt position (None for the first, and until computed), when asked for.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     reported_tokens: int = 0  # its tokens when ``step()`` last reported it (streamed)
+    sent_metrics: RequestMetrics | None = None  # the metrics of its latest ``OutputDelta``
+    delta_sent: bool = False
 
     def __post_init__(self) -> None:
         # The outputs' copy, one for all of them: a streamed request's outputs (one a step)
@@ -268,6 +274,18 @@ class Engine:
         ``decode_finished=False`` leaves the text of finished sequences that need no stop
         strings empty, for ``decode_texts`` to fill in later: the next steps decode a few of
         them each while the device computes, instead of this one before its launch."""
+        return self._step(self._output, only_finished, decode_finished)
+
+    def step_deltas(self) -> StepResult:
+        """``step()``, with each request it reports as an ``OutputDelta``: what the request
+        gained since its previous delta (all of it in its first). A streamed request's whole
+        output copies every token it has, every step; its delta costs the new ones
+        (``outputs.apply_delta`` makes the whole output again). What the engine process sends
+        the server (``engine_process``)."""
+        return self._step(self._delta, False, True)
+
+    def _step(self, report: Callable[[_Request], Any], only_finished: bool,
+              decode_finished: bool) -> StepResult:
         self._check_open()
         if self._unfinished_step is not None:  # a step interrupted after the core's step
             self._finish(self._unfinished_step.finished)
@@ -280,11 +298,11 @@ class Engine:
         finished = self._finish(result.finished, decode_finished)
         self._unfinished_step = None
         if only_finished:
-            outputs = [self._output(r) for r in finished]
+            outputs = [report(r) for r in finished]
         else:
             advanced = ([] if result.delivered is None else
                         [r for r in self._advanced(result.delivered) if r.stream and self._due(r)])
-            outputs = [self._output(r) for r in _unique(advanced + finished)]
+            outputs = [report(r) for r in _unique(advanced + finished)]
         return StepResult(outputs, result.plan.num_prefill_tokens, result.plan.num_decode_tokens)
 
     def _note_scheduled(self, started: Sequence[Any]) -> None:
@@ -505,10 +523,8 @@ class Engine:
         """The request as it stands: finished, or streamed (then every sequence is watched)."""
         outputs = []
         for s in request.seqs:
-            text = (s.text or "") if s.finish_reason is not None else \
-                s.detokenizer.visible_text(False)
             outputs.append(CompletionOutput(
-                index=s.index, text=text if s.params.detokenize else "",
+                index=s.index, text=_text(s),
                 token_ids=list(s.token_ids),
                 cumulative_logprob=s.cumulative_logprob,
                 logprobs=list(s.logprobs) if s.logprobs is not None else None,
@@ -519,6 +535,21 @@ class Engine:
                              else list(request.prompt_logprobs),
                              metrics=request.metrics,
                              num_cached_tokens=request.num_cached_tokens)
+
+    def _delta(self, request: _Request) -> OutputDelta:
+        """What ``_output(request)`` gained since the request's previous delta (the whole of
+        it the first time): the prompt once; its prompt logprobs the first and the last time
+        (with n > 1 the first output may precede some of them); its metrics when replaced;
+        each completion's new tokens, text and logprobs."""
+        first, finished, metrics = not request.delta_sent, request.finished, request.metrics
+        prompt = (request.prompt, request.output_prompt_token_ids) if first else None
+        delta = (request.request_id, prompt,
+                 None if request.prompt_logprobs is None or not (first or finished)
+                 else list(request.prompt_logprobs),
+                 metrics if first or metrics is not request.sent_metrics else None,
+                 request.num_cached_tokens, finished, [_completion_delta(s) for s in request.seqs])
+        request.delta_sent, request.sent_metrics = True, metrics
+        return delta
 
     # --- helpers --------------------------------------------------------------------------
 
@@ -668,6 +699,41 @@ def _max_model_len(hf_config: Any, asked: int | None) -> int:
         raise ValueError(f"max_model_len {asked} is longer than the model's "
                          f"max_position_embeddings {limit}")
     return asked
+
+
+def _text(s: _SeqOutput) -> str:
+    """A sequence's text as its output shows it: whole once finished (and decoded), the
+    visible part while streamed (every streamed sequence is watched)."""
+    if not s.params.detokenize:
+        return ""
+    return (s.text or "") if s.finish_reason is not None else s.detokenizer.visible_text(False)
+
+
+def _completion_delta(s: _SeqOutput) -> CompletionDelta:
+    """What the sequence's output gained since ``s.sent``, which it moves on."""
+    text = _text(s)
+    if s.sent is None:
+        tokens, text_change, logprobs = (0, list(s.token_ids)), (0, text), (
+            None if s.logprobs is None else (0, list(s.logprobs)))
+    else:
+        sent_tokens, num_tokens, sent_text, sent_logprobs, num_logprobs = s.sent
+        tokens = _grown(sent_tokens, num_tokens, s.token_ids)
+        text_change = ((len(sent_text), text[len(sent_text):]) if text.startswith(sent_text)
+                       else (0, text))
+        logprobs = (None if s.logprobs is None
+                    else _grown(sent_logprobs, num_logprobs, s.logprobs))
+    s.sent = (s.token_ids, len(s.token_ids), text, s.logprobs,
+              0 if s.logprobs is None else len(s.logprobs))
+    return tokens, text_change, logprobs, s.cumulative_logprob, s.finish_reason, s.stop_reason
+
+
+def _grown(before: list | None, length: int, now: list) -> tuple[int, list]:
+    """``(kept, added)`` of ``now`` against the first ``length`` items of ``before`` (the list
+    it was then): a list that only grew is the same object (tokens and logprobs are appended
+    as they come); one replaced (a finished sequence's tokens from the core) is compared."""
+    if now is before or (before is not None and now[:length] == before[:length]):
+        return length, now[length:]
+    return 0, list(now)
 
 
 def _eos_token_ids(model_dir: Path, hf_config: Any, tokenizer: Any) -> tuple[int, ...]:

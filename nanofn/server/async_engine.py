@@ -18,11 +18,12 @@ import pickle
 import threading
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
 from nanofn.engine.options import EngineOptions
-from nanofn.engine.outputs import RequestOutput
-from nanofn.server.engine_process import EngineFacts, dumps, rebuild, run_engine_process
+from nanofn.engine.outputs import RequestOutput, apply_delta
+from nanofn.server.engine_process import EngineFacts, dumps, run_engine_process
 from nanofn.state import Counters, Figures, InvalidRequest, SamplingParams
 
 
@@ -66,37 +67,50 @@ class RemoteTraceback(Exception):
 
 class AsyncLLM:
     """``environment``: variables to set in the engine process before the engine starts (a
-    data-parallel replica's ``CUDA_VISIBLE_DEVICES``)."""
+    data-parallel replica's ``CUDA_VISIBLE_DEVICES``). ``AsyncLLM.attach`` makes one on a pipe
+    of an engine process started elsewhere (``start_engine_process``: an HTTP process of
+    ``serve --api-server-count N``)."""
 
     def __init__(self, model: str, environment: Mapping[str, str] | None = None,
                  **options: Any):
         engine_options = EngineOptions.from_kwargs(model, **options)
-        context = multiprocessing.get_context("spawn")
-        self._conn, theirs = context.Pipe()
-        # Not a daemon: it starts tensor-parallel workers of its own. close() stops it, and it
-        # stops by itself when this process's end of the pipe closes.
-        self._process = context.Process(target=run_engine_process, name="nanofn-engine",
-                                        args=(theirs, engine_options, dict(environment or {})))
-        self._process.start()
-        theirs.close()
+        process, (conn,) = start_engine_process(engine_options, environment or {}, 1)
         try:
             # The same tokenizer, for the server (tokenize, chat templates, echo), loaded while
             # the engine process starts (imported here: torch and transformers take seconds).
             from nanofn.engine.engine import load_tokenizer
 
-            self.tokenizer = load_tokenizer(engine_options)
-            facts = self._wait_until_ready()
+            tokenizer = load_tokenizer(engine_options)
+            facts = wait_until_ready(process, conn)
         except BaseException:
-            self._process.terminate()
-            self._process.join()
-            self._conn.close()
+            process.terminate()
+            process.join()
+            conn.close()
             raise
+        self._process: multiprocessing.process.BaseProcess | None = process
+        self._serve(conn, facts, tokenizer, process.pid, "")
+
+    @classmethod
+    def attach(cls, conn: Connection, facts: EngineFacts, tokenizer: Any, engine_pid: int,
+               id_prefix: str) -> AsyncLLM:
+        """A client of an engine process that another process started and keeps: ``conn`` is
+        this client's pipe, whose ``ready`` message gave ``facts``; the requests' default ids
+        start with ``id_prefix`` (unique among the engine's clients). ``close`` leaves the
+        engine; it stops once its last client has left."""
+        llm = cls.__new__(cls)
+        llm._process = None
+        llm._serve(conn, facts, tokenizer, engine_pid, id_prefix)
+        return llm
+
+    def _serve(self, conn: Connection, facts: EngineFacts, tokenizer: Any, engine_pid: int,
+               id_prefix: str) -> None:
+        self._conn, self.tokenizer, self._engine_pid = conn, tokenizer, engine_pid
         self.max_model_len = facts.max_model_len
         self.generation_defaults = facts.generation_defaults
         self._figures, self._counters = facts.figures, facts.counters
         self._lock = threading.Lock()  # sends on the pipe; the streams against the end
         self._streams: dict[str, _Stream] = {}
-        self._ids = itertools.count()
+        self._id_prefix, self._ids = id_prefix, itertools.count()
         self._closing = False
         self._ended = False  # the engine process is gone
         self.failure: BaseException | None = None
@@ -105,22 +119,10 @@ class AsyncLLM:
                                         daemon=True)
         self._reader.start()
 
-    def _wait_until_ready(self) -> EngineFacts:
-        """The engine's facts once it is built; raises what building it raised."""
-        try:
-            message = pickle.loads(self._conn.recv_bytes())
-        except EOFError:
-            self._process.join()
-            raise RuntimeError(f"the engine process exited while starting (exit code "
-                               f"{self._process.exitcode})") from None
-        if message[0] == "failed":
-            raise message[1] from RemoteTraceback(message[2])
-        return message[1]
-
     @property
     def engine_pid(self) -> int:
         """The engine process's id (for logs and tests)."""
-        return self._process.pid
+        return self._engine_pid
 
     def figures(self) -> Figures:
         """From the engine's state after its latest step (an immutable record)."""
@@ -141,7 +143,8 @@ class AsyncLLM:
         once the engine has stopped. Leaving the iteration early (a client gone) aborts the
         request."""
         stream = _Stream(asyncio.get_running_loop(), asyncio.Event())
-        request_id = f"req-{next(self._ids)}" if request_id is None else request_id
+        if request_id is None:
+            request_id = f"req-{self._id_prefix}{next(self._ids)}"
         self._add(request_id, stream, dumps(("add", request_id, prompt, params)))
         finished = False
         try:
@@ -175,18 +178,19 @@ class AsyncLLM:
 
     def close(self) -> None:
         """Stop the engine process (requests in flight are aborted) and wait until it has
-        freed the engine."""
+        freed the engine; attached (``attach``), leave it (this client's requests aborted)."""
         atexit.unregister(self.close)
         with self._lock:
             if self._closing:
                 return
             self._closing = True
             self._send_quietly(dumps(("stop",)))
-        self._process.join(timeout=STOP_TIMEOUT_S)
-        if self._process.is_alive():
-            self._process.kill()
-            self._process.join()
-        self._reader.join(timeout=STOP_TIMEOUT_S)
+        if self._process is not None:
+            self._process.join(timeout=STOP_TIMEOUT_S)
+            if self._process.is_alive():
+                self._process.kill()
+                self._process.join()
+        self._reader.join(timeout=STOP_TIMEOUT_S)  # the engine closes this client's pipe
         self._conn.close()
 
     # --- the caller's side ----------------------------------------------------------------
@@ -239,6 +243,8 @@ class AsyncLLM:
         except (EOFError, OSError):
             if self._closing:
                 return None
+            if self._process is None:  # another process's child: its exit code is not ours
+                return RuntimeError(f"the engine process (pid {self._engine_pid}) exited")
             self._process.join(timeout=1)
             return RuntimeError(f"the engine process exited (exit code "
                                 f"{self._process.exitcode})")
@@ -252,10 +258,10 @@ class AsyncLLM:
         self._figures, self._counters = figures, counters
         batches: dict[asyncio.AbstractEventLoop, list] = {}
         for delta in deltas:
-            stream = self._streams.get(delta[0])
+            stream = self._streams.get(delta[0])  # its request id
             if stream is None:
                 continue
-            output = stream.last = rebuild(delta, stream.last)
+            output = stream.last = apply_delta(delta, stream.last)
             if output.finished:
                 self._streams.pop(delta[0], None)
             batches.setdefault(stream.loop, []).append((stream, output))
@@ -265,6 +271,38 @@ class AsyncLLM:
                 batches.setdefault(stream.loop, []).append((stream, error))
         for loop, batch in batches.items():
             _call_in(loop, _deliver, batch)
+
+
+def start_engine_process(options: EngineOptions, environment: Mapping[str, str],
+                         clients: int) -> tuple[multiprocessing.process.BaseProcess,
+                                                list[Connection]]:
+    """Start an engine process (``engine_process.run_engine_process``) with a pipe for each of
+    ``clients`` clients: (the process, this side's end of each pipe)."""
+    context = multiprocessing.get_context("spawn")
+    pipes = [context.Pipe() for _ in range(clients)]
+    # Not a daemon: it starts tensor-parallel workers of its own. Its clients stop it, and it
+    # stops by itself when their ends of the pipes close.
+    process = context.Process(target=run_engine_process, name="nanofn-engine",
+                              args=([theirs for _, theirs in pipes], options, dict(environment)))
+    process.start()
+    for _, theirs in pipes:
+        theirs.close()
+    return process, [ours for ours, _ in pipes]
+
+
+def wait_until_ready(process: multiprocessing.process.BaseProcess,
+                     conn: Connection) -> EngineFacts:
+    """The engine's facts once it is built, from one client's pipe; raises what building it
+    raised."""
+    try:
+        message = pickle.loads(conn.recv_bytes())
+    except EOFError:
+        process.join()
+        raise RuntimeError(f"the engine process exited while starting (exit code "
+                           f"{process.exitcode})") from None
+    if message[0] == "failed":
+        raise message[1] from RemoteTraceback(message[2])
+    return message[1]
 
 
 def _call_in(loop: asyncio.AbstractEventLoop, function, *args) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 from nanofn.engine.options import EngineOptions
 from nanofn.engine.outputs import RequestOutput
@@ -25,6 +25,7 @@ from nanofn.server.routing import RoutingPolicy, choose_replica
 from nanofn.state import Counters, Figures, SamplingParams
 
 REPLICA_VARIABLE = "NANOFN_REPLICA"
+T = TypeVar("T")
 
 
 def replica_devices(replica: int, tensor_parallel_size: int,
@@ -71,26 +72,28 @@ def visible_gpus(options: EngineOptions) -> list[str] | None:
 
 
 class DataParallelLLM:
-    """``data_parallel_size`` ``AsyncLLM`` replicas, started side by side, behind the
-    ``AsyncLLM`` interface the server uses."""
+    """``AsyncLLM`` replicas behind the ``AsyncLLM`` interface the server uses: ``start``
+    starts ``data_parallel_size`` side by side; an HTTP process of ``serve --api-server-count
+    N`` puts its attached ones (``AsyncLLM.attach``) together. ``block_size``: the engines'
+    (the routing key's length)."""
 
-    def __init__(self, model: str, data_parallel_size: int, **options: Any):
-        if not isinstance(data_parallel_size, int) or data_parallel_size < 2:
-            raise ValueError(f"data_parallel_size must be an integer of at least 2 here, got "
-                             f"{data_parallel_size!r}")
-        engine_options = EngineOptions.from_kwargs(model, **options)
-        if engine_options.nnodes > 1:
-            raise ValueError("data_parallel_size > 1 with nnodes > 1 is not supported: run one "
-                             "nanofn serve per tensor-parallel group behind a gateway instead")
-        environments = replica_environments(data_parallel_size, engine_options,
-                                            visible_gpus(engine_options))
-        self.replicas = _start_all([lambda env=env: AsyncLLM(model, environment=env, **options)
-                                    for env in environments])
+    def __init__(self, replicas: Sequence[AsyncLLM], block_size: int):
+        self.replicas = list(replicas)
         first = self.replicas[0]
         self.tokenizer, self.max_model_len = first.tokenizer, first.max_model_len
         self.generation_defaults = first.generation_defaults
-        self.policy = RoutingPolicy(block_size=engine_options.block_size)
-        self.loads = [0] * data_parallel_size  # requests in flight, on the server's event loop
+        self.policy = RoutingPolicy(block_size=block_size)
+        self.loads = [0] * len(self.replicas)  # requests in flight, on the server's event loop
+
+    @classmethod
+    def start(cls, model: str, data_parallel_size: int, **options: Any) -> DataParallelLLM:
+        """Start ``data_parallel_size`` replicas, each an engine process on its own GPUs."""
+        engine_options = check_data_parallel(model, data_parallel_size, options)
+        environments = replica_environments(data_parallel_size, engine_options,
+                                            visible_gpus(engine_options))
+        replicas = start_all([lambda env=env: AsyncLLM(model, environment=env, **options)
+                              for env in environments], AsyncLLM.close)
+        return cls(replicas, engine_options.block_size)
 
     @property
     def failure(self) -> BaseException | None:
@@ -152,16 +155,30 @@ def _token_ids(prompt: Any) -> Sequence[int]:
                     f"{{'prompt_token_ids': [...]}}, not a {type(prompt).__name__}")
 
 
-def _start_all(starts: list[Callable[[], AsyncLLM]]) -> list[AsyncLLM]:
-    """Start every replica at once (each waits for its engine to build); if one fails, close
-    the others and raise its error."""
+def check_data_parallel(model: str, data_parallel_size: int,
+                        options: dict[str, Any]) -> EngineOptions:
+    """The replicas' engine options; a ``ValueError`` for a size or a layout that data
+    parallelism does not take."""
+    if not isinstance(data_parallel_size, int) or data_parallel_size < 2:
+        raise ValueError(f"data_parallel_size must be an integer of at least 2 here, got "
+                         f"{data_parallel_size!r}")
+    engine_options = EngineOptions.from_kwargs(model, **options)
+    if engine_options.nnodes > 1:
+        raise ValueError("data_parallel_size > 1 with nnodes > 1 is not supported: run one "
+                         "nanofn serve per tensor-parallel group behind a gateway instead")
+    return engine_options
+
+
+def start_all(starts: list[Callable[[], T]], close: Callable[[T], Any]) -> list[T]:
+    """Start every replica at once (each waits for its engine to build); if one fails,
+    ``close`` the others and raise its error, naming the replica."""
     with ThreadPoolExecutor(len(starts)) as pool:
         futures = [pool.submit(start) for start in starts]
     started = [f.result() for f in futures if f.exception() is None]
     failed = [(i, f.exception()) for i, f in enumerate(futures) if f.exception() is not None]
     if failed:
         for replica in started:
-            replica.close()
+            close(replica)
         index, error = failed[0]
         raise _naming_replica(error, index) from error
     return started

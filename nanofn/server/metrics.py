@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (CollectorRegistry, Counter, Histogram, generate_latest,
+                               multiprocess)
 from prometheus_client.metrics_core import Metric
 
 from nanofn.engine.outputs import RequestOutput
 from nanofn.server.async_engine import AsyncLLM, ReplicaView
 from nanofn.server.data_parallel import sum_counters, sum_figures
 
+METRICS_FOLDER_VARIABLE = "PROMETHEUS_MULTIPROC_DIR"  # prometheus_client's multiprocess mode
 # Why an API request stops before its end: its client went away, or the server's shutdown
 # (--shutdown-timeout) ran out of time for it.
 ABORT_REASONS = ("client_disconnected", "shutdown")
@@ -57,7 +60,15 @@ class Metrics:
         self.requests.labels(finished_reason="abort").inc(num_sequences)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        """This app's metrics; with several HTTP processes (``PROMETHEUS_MULTIPROC_DIR`` set,
+        ``api_servers``), their counters and histograms added up from the files they write,
+        and the engines' figures as this process reads them."""
+        if METRICS_FOLDER_VARIABLE not in os.environ:
+            return generate_latest(self.registry)
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry)
+        registry.register(_EngineMetrics(self.llm))
+        return generate_latest(registry)
 
 
 class _EngineMetrics:
