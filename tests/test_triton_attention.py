@@ -124,6 +124,44 @@ def test_decode_partitions_follow_each_sequences_own_length(interpreter):
         reference.decode_attention(*args), **TOLERANCES[torch.float32])
 
 
+def decode_twice(*args, **kwargs):
+    """(In the interpreter's child) two split decode launches of the same inputs, and the sum
+    of the arrival counters after them."""
+    first = triton_attention.decode_attention(*args, **kwargs)
+    second = triton_attention.decode_attention(*args, **kwargs)
+    counters = triton_attention.arrival_counters(first.device, 1)
+    return first, second, int(counters.abs().sum())
+
+
+def decode_with_the_merge_kernel(*args, **kwargs):
+    """(In the interpreter's child) a split decode launch with no arrival counters to spare:
+    the merge kernel runs after it."""
+    with mock.patch.object(triton_attention, "ARRIVAL_COUNTERS", 0):
+        assert triton_attention.arrival_counters(args[0].device, 1) is None
+        return triton_attention.decode_attention(*args, **kwargs)
+
+
+@pytest.mark.parametrize("group", [1, 3])
+def test_split_decode_merges_in_its_last_partition_or_in_the_merge_kernel(interpreter, group):
+    """Each (sequence, kv head)'s last partition to finish merges the partitions and zeroes
+    its counter, so the next launch merges alike; past the counters, the merge kernel gives
+    the same rows."""
+    head_dim = 32
+    seq_lens = [200, 1, 0, 77]
+    cache = PagedCache(seq_lens, 16, 2, head_dim, torch.float32, seed=11, extra_blocks=8)
+    q = random_queries(len(seq_lens), 2 * group, head_dim, torch.float32, seed=12)
+    args = (q, cache.k_cache, cache.v_cache, cache.seq_lens, cache.block_tables, head_dim**-0.5)
+
+    first, second, counted = interpreter(decode_twice, *args, num_splits=4)
+    by_kernel = interpreter(decode_with_the_merge_kernel, *args, num_splits=4)
+
+    live = cache.seq_lens > 0
+    expected = reference.decode_attention(*args)
+    torch.testing.assert_close(first[live], expected[live], **TOLERANCES[torch.float32])
+    assert torch.equal(first, second) and counted == 0
+    torch.testing.assert_close(by_kernel, first, atol=1e-6, rtol=1e-6)
+
+
 def attend_and_return_caches(function, *args, **kwargs):
     """``function`` (a rotary decode attention), then its output and the caches it wrote (a
     child's writes do not reach the parent's tensors)."""

@@ -11,7 +11,9 @@ rotates the queries too.)
   no 65,535 cap): a sequence's heads start side by side and read the rows of each cache block
   at about the same time (1-2% faster at 48-256 sequences than the sequences first, on the
   H100). For small batches a second grid dimension splits the context into partitions ("flash
-  decoding"); a second kernel merges their partial results. The host picks the number of
+  decoding"); the last partition of a (sequence, kv head) to finish merges their partial
+  results, counting arrivals in a counter per pair (or, past ``ARRIVAL_COUNTERS`` pairs, a
+  second kernel does). The host picks the number of
   partitions; each program sizes its partition from its sequence's own length, which only the
   device knows (so a short context in a wide block table, as in a CUDA graph, is still spread
   over every partition). An optional ``order`` maps programs to sequences: the decode graphs
@@ -67,6 +69,9 @@ PROGRAMS_PER_SM = 2  # decode splits the context until the grid has this many pr
 # Whole-context decode programs an SM holds at once (96 registers a thread on SM 9.0): the
 # rotary embedding is fused for whole contexts up to one such wave (``fuses_rotary``).
 RESIDENT_DECODE_PROGRAMS_PER_SM = 5
+# (sequence, kv head) pairs whose split decode merges its partitions itself (64K: far more
+# than a decode batch that splits its contexts; past it, the merge kernel)
+ARRIVAL_COUNTERS = 1 << 16
 
 
 # ---------------------------------------------------------------------------------------------
@@ -239,9 +244,11 @@ def _decode_kernel(
     qk_scale,
     new_k_ptr, new_v_ptr, positions_ptr, slot_mapping_ptr, cos_sin_ptr, q_norm_weight_ptr,
     k_norm_weight_ptr, stride_kb, stride_kh, stride_vb, stride_vh, stride_cos_sin, norm_eps,
+    arrivals_ptr,
     KV_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, HAS_ORDER: tl.constexpr,
-    ROTATE: tl.constexpr, NORM: tl.constexpr, OVERLAP: tl.constexpr,
+    ROTATE: tl.constexpr, NORM: tl.constexpr, MERGE: tl.constexpr, SPLITS: tl.constexpr,
+    OVERLAP: tl.constexpr,
 ):
     """Program (row x kv head, partition): the group's query heads over one context partition.
 
@@ -249,8 +256,10 @@ def _decode_kernel(
     of CUDA's second axis on the rows). Row ``r`` is sequence ``order[r]`` with ``HAS_ORDER``,
     sequence ``r`` otherwise. The context splits into ``tl.num_programs(1)`` partitions of
     equal whole tiles (the last ones may be short or empty). With ``SPLIT_K`` it writes the
-    unnormalised output, row max and row sum of its partition for ``_decode_merge_kernel``;
-    otherwise (one partition) the final output.
+    unnormalised output, row max and row sum of its partition for ``_merge_partitions``: with
+    ``MERGE`` here, by the last of the group's partitions to finish (counted in
+    ``arrivals_ptr``, one counter per (sequence, kv head), zero before and after the launch),
+    else by ``_decode_merge_kernel``; otherwise (one partition) it writes the final output.
 
     With ``ROTATE`` the queries and the newest key and value are the projection's (``q_ptr``,
     ``new_k_ptr``, ``new_v_ptr``): the queries are rotated (after Qwen3's norm with ``NORM``)
@@ -368,6 +377,18 @@ def _decode_kernel(
         tl.store(partial_max_ptr + partial, row_max, mask=row_mask)
         tl.store(partial_sum_ptr + partial, row_sum, mask=row_mask)
         tl.store(partial_out_ptr + partial[:, None] * HEAD_DIM + dims[None, :], acc, mask=row_mask[:, None])
+        if MERGE:
+            # Every thread's stores come before the arrival (released at the GPU's scope); the
+            # last to arrive reads the others' after it (acquired), then zeroes the counter.
+            tl.debug_barrier()
+            arrivals = arrivals_ptr + seq * KV_HEADS + kv_head
+            arrived = tl.atomic_add(arrivals, 1, sem="acq_rel", scope="gpu")
+            if arrived == num_splits - 1:
+                tl.store(arrivals, 0)
+                _merge_partitions(partial_out_ptr, partial_max_ptr, partial_sum_ptr, out_ptr,
+                                  stride_ob, stride_oh, seq, heads, row_mask,
+                                  (seq * KV_HEADS * GROUP + heads) * num_splits, num_splits,
+                                  HEAD_DIM, SPLITS)
     else:
         out = acc / tl.where(row_sum > 0, row_sum, 1.0)[:, None]
         out_offsets = seq * stride_ob + heads[:, None] * stride_oh + dims[None, :]
@@ -375,26 +396,47 @@ def _decode_kernel(
 
 
 @triton.jit
+def _merge_partitions(partial_out_ptr, partial_max_ptr, partial_sum_ptr, out_ptr, stride_ob,
+                      stride_oh, seq, heads, row_mask, first_partials, num_splits,
+                      HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr):
+    """Rows ``heads`` of sequence ``seq``: each partition's result (the row's partitions start
+    at ``first_partials``) rescaled to the global max and sum. The partials are read past L1
+    (``.cg``): other programs wrote them during this launch."""
+    splits = tl.arange(0, SPLITS)
+    partials = first_partials[:, None] + splits[None, :]  # [rows, SPLITS]
+    mask = row_mask[:, None] & (splits < num_splits)[None, :]
+    part_max = tl.load(partial_max_ptr + partials, mask=mask, other=float("-inf"),
+                       cache_modifier=".cg")
+    part_sum = tl.load(partial_sum_ptr + partials, mask=mask, other=0.0, cache_modifier=".cg")
+    weights = tl.exp2(part_max - tl.max(part_max, 1)[:, None])
+    weights = tl.where(mask, weights, 0.0)  # (a padding row's max is -inf: no NaN from it)
+    total = tl.sum(weights * part_sum, 1)
+    dims = tl.arange(0, HEAD_DIM)
+    acc = tl.zeros([first_partials.shape[0], HEAD_DIM], dtype=tl.float32)
+    for split in tl.static_range(SPLITS):  # unrolled: the loads are independent
+        part_out = tl.load(partial_out_ptr + (first_partials + split)[:, None] * HEAD_DIM
+                           + dims[None, :], mask=row_mask[:, None] & (split < num_splits),
+                           other=0.0, cache_modifier=".cg")
+        weight = tl.sum(tl.where(splits[None, :] == split, weights, 0.0), 1)
+        acc += part_out * weight[:, None]
+    out = acc / tl.where(total > 0, total, 1.0)[:, None]
+    tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + dims[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
+
+
+@triton.jit
 def _decode_merge_kernel(
     partial_out_ptr, partial_max_ptr, partial_sum_ptr, out_ptr, stride_ob, stride_oh, num_splits,
     HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr, OVERLAP: tl.constexpr,
 ):
-    """Program (sequence, query head): rescale each partition's result to the global max and sum."""
+    """Program (sequence, query head): ``_merge_partitions`` of one row, after the decode
+    kernel (where its own programs cannot: ``arrival_counters``)."""
     wait_for_previous(OVERLAP)
     seq = tl.program_id(0)
-    head = tl.program_id(1)
-    splits = tl.arange(0, SPLITS)
-    split_mask = splits < num_splits
-    partials = (seq * tl.num_programs(1) + head) * num_splits + splits
-    part_max = tl.load(partial_max_ptr + partials, mask=split_mask, other=float("-inf"))
-    part_sum = tl.load(partial_sum_ptr + partials, mask=split_mask, other=0.0)
-    weights = tl.exp2(part_max - tl.max(part_max, 0))
-    total = tl.sum(weights * part_sum, 0)
-    dims = tl.arange(0, HEAD_DIM)
-    part_out_offsets = partials[:, None] * HEAD_DIM + dims[None, :]
-    part_out = tl.load(partial_out_ptr + part_out_offsets, mask=split_mask[:, None], other=0.0)
-    out = tl.sum(part_out * weights[:, None], 0) / tl.where(total > 0, total, 1.0)
-    tl.store(out_ptr + seq * stride_ob + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty))
+    head = tl.program_id(1) + tl.arange(0, 1)
+    _merge_partitions(partial_out_ptr, partial_max_ptr, partial_sum_ptr, out_ptr, stride_ob,
+                      stride_oh, seq, head, head >= 0, (seq * tl.num_programs(1) + head)
+                      * num_splits, num_splits, HEAD_DIM, SPLITS)
 
 
 @triton.jit(do_not_specialize=["stride_table"])  # any table width: one compile
@@ -545,8 +587,12 @@ def _decode(q, k_cache, v_cache, seq_lens, block_tables, scale, order, num_split
         _launch_decode(q, k_cache, v_cache, seq_lens, block_tables, order, scale, 1, out,
                        (out, out, out), new)
         return out
+    arrivals = arrival_counters(q.device, batch_size * k_cache.shape[2])
     partial_out, partial_max, partial_sum = decode_partitions(
-        q, k_cache, v_cache, seq_lens, block_tables, scale, num_splits, order, new)
+        q, k_cache, v_cache, seq_lens, block_tables, scale, num_splits, order, new, out,
+        arrivals)
+    if arrivals is not None:  # merged by each group's last partition
+        return out
     _decode_merge_kernel[(batch_size, num_heads)](
         partial_out, partial_max, partial_sum, out, out.stride(0), out.stride(1), num_splits,
         HEAD_DIM=head_dim, SPLITS=triton.next_power_of_2(num_splits),
@@ -598,10 +644,13 @@ def fuses_rotary(q: torch.Tensor, k_cache: torch.Tensor, num_splits: int) -> boo
 def decode_partitions(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
                       num_splits: int, order: torch.Tensor | None = None,
-                      new: NewTokens | None = None,
+                      new: NewTokens | None = None, out: torch.Tensor | None = None,
+                      arrivals: torch.Tensor | None = None,
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Split-K's first half: each partition's unnormalised output ``[B, H, splits, D]``, row
-    max and row sum ``[B, H, splits]`` (base 2, float32), which the merge kernel combines."""
+    """Split-K: each partition's unnormalised output ``[B, H, splits, D]``, row max and row
+    sum ``[B, H, splits]`` (base 2, float32), which the merge combines: with ``arrivals``
+    (``arrival_counters``) the last partition of each group, into ``out``; else the merge
+    kernel, after this."""
     batch_size, num_heads, head_dim = q.shape
     shape = (batch_size, num_heads, num_splits)
     partial_max = torch.empty(shape, dtype=torch.float32, device=q.device)
@@ -609,12 +658,31 @@ def decode_partitions(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     partial_out = torch.empty(*shape, head_dim, dtype=torch.float32, device=q.device)
     partials = (partial_out, partial_max, partial_sum)
     _launch_decode(q, k_cache, v_cache, seq_lens, block_tables, order, scale, num_splits,
-                   partial_out, partials, new)
+                   partial_out if out is None else out, partials, new, arrivals)
     return partials
 
 
+@functools.cache
+def _arrivals(device: torch.device) -> torch.Tensor:
+    return torch.zeros(ARRIVAL_COUNTERS, dtype=torch.int32, device=device)
+
+
+def arrival_counters(device: torch.device, groups: int) -> torch.Tensor | None:
+    """The counters with which a split decode launch of ``groups`` (sequence, kv head) pairs
+    merges its partitions itself, or None (the merge kernel then runs): zero between launches
+    (the last arrival of each group resets its counter), one set a device, made once, outside
+    a CUDA graph's capture (the runner's warm-up runs before it). Decode launches on a device
+    run in stream order, one after another, so they share the set."""
+    if groups > ARRIVAL_COUNTERS:
+        return None
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing() \
+            and _arrivals.cache_info().currsize == 0:
+        return None
+    return _arrivals(device)
+
+
 def _launch_decode(q, k_cache, v_cache, seq_lens, block_tables, order, scale, num_splits, out,
-                   partials, new: NewTokens | None) -> None:
+                   partials, new: NewTokens | None, arrivals: torch.Tensor | None = None) -> None:
     """One program per (row x kv head, partition), in ``decode_tile``'s tiles: on the H100,
     with the kv heads first, 64-key bf16 tiles two deep match or beat 128-key tiles three deep
     from 4 to 256 sequences."""
@@ -635,11 +703,13 @@ def _launch_decode(q, k_cache, v_cache, seq_lens, block_tables, order, scale, nu
         seq_lens if order is None else order,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        scale * LOG2_E, *rotation,
+        scale * LOG2_E, *rotation, seq_lens if arrivals is None else arrivals,
         KV_HEADS=num_kv_heads, GROUP=group, BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=q.shape[2],
         BLOCK_M=max(16, triton.next_power_of_2(group)),
         BLOCK_N=tile.block_n, SPLIT_K=num_splits > 1, HAS_ORDER=order is not None,
-        ROTATE=new is not None, NORM=norm, num_warps=tile.warps, num_stages=tile.stages,
+        ROTATE=new is not None, NORM=norm, MERGE=arrivals is not None,
+        SPLITS=triton.next_power_of_2(num_splits), num_warps=tile.warps,
+        num_stages=tile.stages,
         **triton_overlap.launch_options(q.device),
     )
 

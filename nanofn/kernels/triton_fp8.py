@@ -22,7 +22,8 @@ per-tensor scale), times the e4m3 weight, each product scaled by its row's and g
   bf16: whole rows a program, normed, quantized and multiplied there.
 
 The GEMVs take ``triton_gemv.gemv_config``'s tiles (whole rows of up to 4,096 columns, a few
-outputs a program); the GEMM's tiles were measured on the H100 (``gemm_tile``).
+outputs a program), but at one row after a norm more outputs a program (``fp8_gemv_config``);
+the GEMM's tiles were measured on the H100 (``gemm_tile``).
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ from nanofn.kernels.triton_gemv import (NORM, PLAIN, GemvConfig, gemv_config, ge
 from nanofn.kernels.triton_overlap import wait_for_previous
 
 GEMV_MAX_ROWS = 8  # rows up to which the GEMV runs (the GEMM's tiles are 64 rows at least)
+# Outputs a program of the GEMVs with the norm before them at one row (``fp8_gemv_config``)
+ONE_ROW_OUTPUTS = 8
 NORM_GEMV_MAX_ROWS = 4  # the GEMV with the norm before it (whole rows a program)
 GROUP = 128  # the one group size of block-wise scales (``quantization.BLOCK_SIZE``)
 GROUP_COLUMNS = tl.constexpr(GROUP)  # (a global a kernel reads must be a constexpr)
@@ -352,7 +355,7 @@ def _launch_gemv(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None, 
     assert x.stride(-1) == 1, "rows must be contiguous"
     n = weight.shape[0] // (2 if gated else 1)
     per_group = _per_group(weight, k)
-    config = config or gemv_config(n, k, rows, prologue, gated)
+    config = config or fp8_gemv_config(n, k, rows, prologue, gated)
     assert prologue != NORM or config.block_k >= k, "a norm's tile holds whole rows"
     assert not per_group or config.block_k % GROUP == 0, "a tile holds whole groups"
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
@@ -374,6 +377,24 @@ def _launch_gemv(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None, 
             ADD_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, GATED=gated,
             num_warps=config.num_warps, **triton_overlap.launch_options(x.device))
     return out, residual_out
+
+
+def fp8_gemv_config(n: int, k: int, rows: int, prologue: int = PLAIN,
+                    gated: bool = False) -> GemvConfig:
+    """``gemv_config``'s tiles, but with the norm before the projection ``ONE_ROW_OUTPUTS``
+    outputs a program at one row. Every program normalises and quantizes its input rows
+    again (two reductions in series, then a division a column), which at bf16's 2-4 outputs a
+    program cost more than the weight's bytes. Measured on one H200 at Qwen3-0.6B's
+    projections: alone (``tests/gpu/test_triton_gemv_gpu.py --sweep --fp8``) 8 outputs took
+    0.2-1.6 us less a projection (gate_up with the norm and SiLU 5.74 -> 4.18 us); in the
+    engine's decode step (``profile_decode.py --batch 1 --timeline``) gate_up's 28 calls took
+    166.6 -> 104.1 us of the critical path and qkv's 101.5 -> 98.7, but o_proj's and down's
+    (no norm: 128 programs instead of 512) 215.7 -> 245.6, so those keep bf16's tiles. More
+    rows: not measured yet."""
+    config = gemv_config(n, k, rows, prologue, gated)
+    if rows == 1 and prologue == NORM:
+        return config._replace(block_n=ONE_ROW_OUTPUTS)
+    return config
 
 
 def fp8_gemv(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = None,

@@ -4,7 +4,7 @@ engine's tokens with the GEMVs on and off (float32, greedy).
 Errors are ``|out - ref| / |ref|`` over the whole output, the reference in float32 on the upcast
 bf16 inputs; cuBLAS's bf16 result is held to the same bound. ``benchmark()`` prints device
 times of cuBLAS and the GEMVs from CUDA graphs, asserting nothing; ``python3 THIS --sweep`` also
-times a grid of launch configs.
+times a grid of launch configs (``--fp8``: of the FP8 GEMVs, on per-channel weights).
 """
 
 from __future__ import annotations
@@ -18,9 +18,11 @@ import torch
 import torch.nn.functional as F
 import triton.testing
 
+import nanofn.kernels.triton_fp8 as triton_fp8
 import nanofn.kernels.triton_gemv as triton_gemv
 import nanofn.kernels.triton_ops as triton_ops
 from nanofn.kernels import linear, rms_norm_linear
+from nanofn.kernels.fp8 import Fp8Weight, quantize_groups
 from nanofn.kernels.triton_gemv import GemvConfig
 from test_triton_ops_gpu import norm_weight, randn  # (this folder; bf16 inputs as here)
 
@@ -148,11 +150,14 @@ def test_engine_tokens_are_the_same_with_the_gemvs_on_and_off(float32_prompts, m
 # Benchmark
 
 
-def _weights(n, k, seed):
+def _weights(n, k, seed, fp8: bool = False):
     """Copies of a random ``[n, k]`` weight filling twice the L2, so that every call in a timed
-    graph reads its weight from device memory, as a model's layers do."""
-    copies = max(1, -(-2 * L2_BYTES // (n * k * 2)))
+    graph reads its weight from device memory, as a model's layers do (``fp8``: quantized per
+    channel, as ``quantization="fp8"`` does at load)."""
+    copies = max(1, -(-2 * L2_BYTES // (n * k * (1 if fp8 else 2))))
     weight = randn(n, k, seed=seed, scale=0.03)
+    if fp8:
+        return [Fp8Weight(*quantize_groups(weight, k), k) for _ in range(copies)]
     return [weight.clone() for _ in range(copies)]
 
 
@@ -228,29 +233,35 @@ def _sweep_configs(k: int, prologue: int) -> list[GemvConfig]:
     return [GemvConfig(n, b, w) for b in block_ks for n in (1, 2, 4, 8, 16) for w in (4, 8)]
 
 
-def _call(prologue: int, rows: int, n: int, k: int):
-    """``call(weight, config)`` running the kernel of ``prologue`` on random inputs of ``rows``."""
+def _call(prologue: int, rows: int, n: int, k: int, fp8: bool = False):
+    """``call(weight, config)`` running the kernel of ``prologue`` on random inputs of ``rows``
+    (``fp8``: the FP8 one, on an ``Fp8Weight``)."""
     x = randn(rows, k, seed=rows)
     if prologue in (triton_gemv.NORM, GATED):
         residual, scale = randn(rows, k, seed=rows + 1), norm_weight(k, seed=3)
+        if fp8:
+            return lambda w, c: triton_fp8._launch_gemv(x, w, None, triton_gemv.NORM, residual,
+                                                        scale, EPS, prologue == GATED, c)
         return lambda w, c: triton_gemv.rms_norm_gemv(x, scale, EPS, residual, w, config=c,
                                                       gated=prologue == GATED)
+    if fp8:
+        return lambda w, c: triton_fp8.fp8_gemv(x, w, config=c)
     return lambda w, c: triton_gemv.gemv(x, w, config=c)
 
 
 def _compile(cases) -> None:
-    """Run each ``(prologue, rows, n, k, config)`` once, filling Triton's on-disk cache (in a
-    worker process)."""
-    for prologue, rows, n, k, config in cases:
-        _call(prologue, rows, n, k)(randn(n, k, seed=1), config)
+    """Run each ``(prologue, rows, n, k, config, fp8)`` once, filling Triton's on-disk cache
+    (in a worker process)."""
+    for prologue, rows, n, k, config, fp8 in cases:
+        _call(prologue, rows, n, k, fp8)(_weights(n, k, 1, fp8)[0], config)
     torch.cuda.synchronize()
 
 
-def sweep(kernels=SWEEP_KERNELS, workers: int = 12) -> None:
+def sweep(kernels=SWEEP_KERNELS, workers: int = 12, fp8: bool = False) -> None:
     """Time every config of ``_sweep_configs`` for each of ``kernels`` and row count of
     ``SWEEP_ROWS``; print the best three of each next to ``gemv_config``'s choice. The kernels
     compile first in ``workers`` processes at once."""
-    cases = list({(prologue, rows, n, k, config): (prologue, rows, n, k, config)
+    cases = list({(prologue, rows, n, k, config, fp8): (prologue, rows, n, k, config, fp8)
                   for _, prologue, (n, k) in kernels for rows in SWEEP_ROWS
                   for config in _sweep_configs(k, prologue)}.values())
     context = torch.multiprocessing.get_context("spawn")
@@ -259,20 +270,22 @@ def sweep(kernels=SWEEP_KERNELS, workers: int = 12) -> None:
     print("\n| kernel | rows | default config: us | best configs: us |")
     print("|---|---|---|---|")
     for name, prologue, (n, k) in kernels:
-        weights = _weights(n, k, seed=0)
+        weights = _weights(n, k, seed=0, fp8=fp8)
         for rows in SWEEP_ROWS:
-            call = _call(prologue, rows, n, k)
+            call = _call(prologue, rows, n, k, fp8)
             timed = sorted((_graph_us(lambda w: call(w, c), weights, 5), c)
                            for c in _sweep_configs(k, prologue))
-            default = (triton_gemv.gemv_config(n // 2, k, rows, triton_gemv.NORM, gated=True)
-                       if prologue == GATED else triton_gemv.gemv_config(n, k, rows, prologue))
+            configure = triton_fp8.fp8_gemv_config if fp8 else triton_gemv.gemv_config
+            default = (configure(n // 2, k, rows, triton_gemv.NORM, gated=True)
+                       if prologue == GATED else configure(n, k, rows, prologue))
             default_us = _graph_us(lambda w: call(w, None), weights)
             best = ", ".join(f"{tuple(c)}: {t:.2f}" for t, c in timed[:3])
             print(f"| {name} | {rows} | {tuple(default)}: {default_us:.2f} | {best} |")
 
 
 if __name__ == "__main__":
-    if "--moe" not in sys.argv:
+    if "--moe" not in sys.argv and "--fp8" not in sys.argv:
         benchmark()
     if "--sweep" in sys.argv:
-        sweep(MOE_SWEEP_KERNELS if "--moe" in sys.argv else SWEEP_KERNELS)
+        sweep(MOE_SWEEP_KERNELS if "--moe" in sys.argv else SWEEP_KERNELS,
+              fp8="--fp8" in sys.argv)
