@@ -178,10 +178,7 @@ def serve_in_processes(model: str, options: Mapping[str, Any], data_parallel_siz
         return _supervise(servers)
     finally:
         for engine in engines:
-            engine.process.join(timeout=STOP_TIMEOUT_S)  # it stops once its clients have left
-            if engine.process.is_alive():
-                engine.process.kill()
-                engine.process.join()
+            _stop_engine(engine)
         shutil.rmtree(metrics_folder, ignore_errors=True)
 
 
@@ -191,18 +188,24 @@ def _start_engine(options: EngineOptions, environment: Mapping[str, str],
     try:
         facts = [wait_until_ready(process, conn) for conn in conns][0]
     except BaseException:
-        _stop_engine(_Engine(process, conns, None))
+        _close_and_join(process, conns)
         raise
     return _Engine(process, conns, facts)
 
 
 def _stop_engine(engine: _Engine) -> None:
-    for conn in engine.conns:
-        conn.close()  # the engine stops when its last client's pipe closes
-    engine.process.join(timeout=STOP_TIMEOUT_S)
-    if engine.process.is_alive():
-        engine.process.kill()
-        engine.process.join()
+    _close_and_join(engine.process, engine.conns)
+
+
+def _close_and_join(process: BaseProcess, conns: list[Connection]) -> None:
+    """Close this side's pipes (an engine stops once its last client's pipe closes) and wait
+    for the process; kill it if it has not stopped by ``STOP_TIMEOUT_S``."""
+    for conn in conns:
+        conn.close()
+    process.join(timeout=STOP_TIMEOUT_S)
+    if process.is_alive():
+        process.kill()
+        process.join()
 
 
 def _listening_socket(host: str, port: int) -> socket.socket:
