@@ -160,6 +160,23 @@ def open_sockets(pid: int) -> int:
     return count
 
 
+def loaded_libraries(pid: int) -> str:
+    with open(f"/proc/{pid}/maps") as f:
+        return f.read()
+
+
+@needs_proc
+def test_the_http_side_runs_on_uvloop_and_httptools(tiny_qwen3):
+    """uvicorn takes them when installed (a quarter less CPU a streamed chunk)."""
+    process, _ = start_server(tiny_qwen3)
+    try:
+        libraries = loaded_libraries(process.pid)
+    finally:
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 0, process.stdout.read()
+    assert "/uvloop/" in libraries and "/httptools/" in libraries
+
+
 @needs_proc
 def test_two_http_processes_serve_one_port_and_their_metrics_add_up(tiny_qwen3):
     process, url = start_server(tiny_qwen3, "--api-server-count", "2")
@@ -167,6 +184,7 @@ def test_two_http_processes_serve_one_port_and_their_metrics_add_up(tiny_qwen3):
         engines = spawned_children(process.pid, "nanofn-engine")
         servers = [spawned_children(process.pid, f"nanofn-api-{i}") for i in (0, 1)]
         assert len(engines) == 1 and all(len(s) == 1 for s in servers)
+        assert all("/uvloop/" in loaded_libraries(s[0]) for s in servers)
         idle = [open_sockets(s[0]) for s in servers]
         # connections go to whichever process accepts first: open streams until both hold one
         streams = []
