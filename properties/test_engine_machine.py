@@ -115,10 +115,13 @@ class EngineMachine(RuleBasedStateMachine):
         """An earlier random request's prompt, maybe with more tokens after it (a conversation's
         next turn, a retry): with prefix caching its blocks are cached, and a hybrid model's
         state saved at one of their ends is restored. Random prompts meet a saved state too
-        seldom (none in some runs)."""
+        seldom (none in some runs); so did earlier ones drawn from all of them (none in a CI run:
+        with 1-8 state slots the older states are mostly evicted), so half the time it is one
+        of the four latest."""
         if not self.new_prompts:
             return
-        earlier = data.draw(st.sampled_from(self.new_prompts))
+        recent = data.draw(st.booleans())
+        earlier = data.draw(st.sampled_from(self.new_prompts[-4:] if recent else self.new_prompts))
         tail = data.draw(st.lists(st.integers(1, 39), max_size=20))
         prompt = (earlier + tuple(tail))[:self.max_model_len - 1]
         self.add(prompt, data.draw(sampling_params(len(prompt), self.max_model_len, self.plain)))
@@ -373,10 +376,13 @@ def machine_for(setup_strategy: st.SearchStrategy) -> type[EngineMachine]:
 # earlier ones), and a count below fell from hundreds to a handful: a CI run failed the floor
 # of failed launches that copy states (0 of 1), a local one that of hybrid admissions without a
 # free slot (3 of 5).
+# The hybrid family with prefix caching has 3-8 state slots: with 1 or 2 nearly every saved
+# state was evicted before a prompt came again (a CI run saved 24 and restored none); the one
+# without caching keeps 1-8, where admissions find no free slot.
 SETUP_FAMILIES = (setups(caching=st.just(False), hybrid=st.none()),
                   setups(caching=st.just(True), hybrid=st.none()),
                   setups(caching=st.just(False), hybrid=st.integers(1, 8)),
-                  setups(caching=st.just(True), hybrid=st.integers(1, 8)))
+                  setups(caching=st.just(True), hybrid=st.integers(3, 8)))
 
 
 def test_engine_state_machine():
@@ -396,11 +402,13 @@ def test_engine_state_machine():
                         ("failed launches that wrote cached blocks", 1),  # (32)
                         ("rows widened by decoding", 3),  # (49)
                         ("admissions past a hash collision", 3),  # (8: CI on f319325; 44-102)
-                        ("hybrid states saved", 10),  # (75)
-                        # (24; 0 to 7 before prompts were asked again, and 0 failed a CI run)
-                        ("hybrid sequences started from a saved state", 5),
-                        ("hybrid admissions with no free state slot", 5),  # (152)
-                        ("failed launches that restore or save states", 1)):  # (7)
+                        # (17 of six runs once the caching hybrid family had 3-8 slots and
+                        # prompts were asked again mostly among the recent ones, 2026-11-29;
+                        # before, a CI run saved 24 states and restored none)
+                        ("hybrid states saved", 5),
+                        ("hybrid sequences started from a saved state", 10),  # (28)
+                        ("hybrid admissions with no free state slot", 5),  # (203)
+                        ("failed launches that restore or save states", 1)):  # (10)
         assert coverage[what] >= coverage_floor(least), f"{what}: {coverage[what]}"
 
 
