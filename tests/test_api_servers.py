@@ -148,15 +148,23 @@ def open_stream(url: str):
     return context, lines
 
 
-def open_sockets(pid: int) -> int:
-    """The sockets a process holds open (its connections, its listening socket, its pipes'
-    are not sockets)."""
+def open_connections(pid: int) -> int:
+    """The established TCP connections a process holds (its sockets' inodes, looked up in
+    /proc/net/tcp: not its listening socket, nor its pipes' and event loop's socket pairs)."""
+    established = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if fields[3] == "01":  # ESTABLISHED
+                    established.add(fields[9])
     count = 0
     for fd in os.listdir(f"/proc/{pid}/fd"):
         try:
-            count += os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:")
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
         except FileNotFoundError:  # closed since the listing
-            pass
+            continue
+        count += link.startswith("socket:[") and link[8:-1] in established
     return count
 
 
@@ -184,14 +192,12 @@ def test_two_http_processes_serve_one_port_and_their_metrics_add_up(tiny_qwen3):
         engines = spawned_children(process.pid, "nanofn-engine")
         servers = [spawned_children(process.pid, f"nanofn-api-{i}") for i in (0, 1)]
         assert len(engines) == 1 and all(len(s) == 1 for s in servers)
-        assert all("/uvloop/" in loaded_libraries(s[0]) for s in servers)
-        idle = [open_sockets(s[0]) for s in servers]
         # connections go to whichever process accepts first: open streams until both hold one
         streams = []
-        while len(streams) < 64 and not all(
-                open_sockets(s[0]) > n for s, n in zip(servers, idle)):
+        while len(streams) < 64 and not all(open_connections(s[0]) for s in servers):
             streams.append(open_stream(url))
-        assert all(open_sockets(s[0]) > n for s, n in zip(servers, idle)), len(streams)
+        assert all(open_connections(s[0]) for s in servers), len(streams)
+        assert all("/uvloop/" in loaded_libraries(s[0]) for s in servers)
         for context, lines in streams:
             assert [line for line in lines if line][-1] == "data: [DONE]"
             context.__exit__(None, None, None)
