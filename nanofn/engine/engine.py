@@ -79,8 +79,7 @@ class _Request:
     # Per prompt position (None for the first, and until computed), when asked for.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     reported_tokens: int = 0  # its tokens when ``step()`` last reported it (streamed)
-    sent_metrics: RequestMetrics | None = None  # the metrics of its latest ``OutputDelta``
-    delta_sent: bool = False
+    sent_metrics: RequestMetrics | None = None  # those of its latest ``OutputDelta`` (None: none)
 
     def __post_init__(self) -> None:
         # The outputs' copy, one for all of them: a streamed request's outputs (one a step)
@@ -541,14 +540,14 @@ class Engine:
         it the first time): the prompt once; its prompt logprobs the first and the last time
         (with n > 1 the first output may precede some of them); its metrics when replaced;
         each completion's new tokens, text and logprobs."""
-        first, finished, metrics = not request.delta_sent, request.finished, request.metrics
+        first, finished, metrics = request.sent_metrics is None, request.finished, request.metrics
         prompt = (request.prompt, request.output_prompt_token_ids) if first else None
         delta = (request.request_id, prompt,
                  None if request.prompt_logprobs is None or not (first or finished)
                  else list(request.prompt_logprobs),
                  metrics if first or metrics is not request.sent_metrics else None,
                  request.num_cached_tokens, finished, [_completion_delta(s) for s in request.seqs])
-        request.delta_sent, request.sent_metrics = True, metrics
+        request.sent_metrics = metrics
         return delta
 
     # --- helpers --------------------------------------------------------------------------

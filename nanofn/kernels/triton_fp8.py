@@ -407,13 +407,13 @@ def fp8_gemv(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = Non
 
 def fp8_rms_norm_gemv(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                       residual: torch.Tensor | None, weight: Fp8Weight,
-                      bias: torch.Tensor | None = None,
-                      gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                      bias: torch.Tensor | None = None, gated: bool = False,
+                      config: GemvConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``linear.rms_norm_linear`` for ``x [M, K]`` (contiguous rows, at most ``NORM_GEMV_MAX_ROWS``)
     on an FP8 weight, in one kernel (``gated``: the weight is ``[gate | up]`` and the output
     ``silu(gate) * up``). Returns ``(out, x + residual)`` (``x`` without a residual)."""
     assert len(x) <= NORM_GEMV_MAX_ROWS
-    out, summed = _launch_gemv(x, weight, bias, NORM, residual, norm_weight, eps, gated)
+    out, summed = _launch_gemv(x, weight, bias, NORM, residual, norm_weight, eps, gated, config)
     return out, (x if summed is None else summed)
 
 

@@ -44,8 +44,7 @@ from nanofn.engine.options import EngineOptions
 from nanofn.server.async_engine import (STOP_TIMEOUT_S, AsyncLLM, start_engine_process,
                                         wait_until_ready)
 from nanofn.server.chat_output import ChatOptions
-from nanofn.server.data_parallel import (DataParallelLLM, check_data_parallel,
-                                         replica_environments, start_all, visible_gpus)
+from nanofn.server.data_parallel import DataParallelLLM, replica_setup, start_all
 from nanofn.server.engine_process import EngineFacts, name_this_process
 from nanofn.server.limits import ServerLimits
 from nanofn.server.metrics import METRICS_FOLDER_VARIABLE
@@ -142,13 +141,7 @@ def serve_in_processes(model: str, options: Mapping[str, Any], data_parallel_siz
                        api_server_count: int, http: HttpOptions) -> int:
     """``nanofn serve`` with ``api_server_count`` (> 1) HTTP processes in front of
     ``data_parallel_size`` engines; returns the exit code (0 after SIGINT or SIGTERM)."""
-    engine_options = EngineOptions.from_kwargs(model, **options)
-    if data_parallel_size > 1:
-        check_data_parallel(model, data_parallel_size, dict(options))
-        environments = replica_environments(data_parallel_size, engine_options,
-                                            visible_gpus(engine_options))
-    else:
-        environments = [{}]
+    engine_options, environments = replica_setup(model, data_parallel_size, options)
     engines = start_all([lambda env=env: _start_engine(engine_options, env, api_server_count)
                          for env in environments], _stop_engine)
     try:

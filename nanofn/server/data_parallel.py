@@ -14,7 +14,7 @@ tensor-parallel ranks on ``cuda:0..t-1``) as a single engine does.
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -88,9 +88,10 @@ class DataParallelLLM:
     @classmethod
     def start(cls, model: str, data_parallel_size: int, **options: Any) -> DataParallelLLM:
         """Start ``data_parallel_size`` replicas, each an engine process on its own GPUs."""
-        engine_options = check_data_parallel(model, data_parallel_size, options)
-        environments = replica_environments(data_parallel_size, engine_options,
-                                            visible_gpus(engine_options))
+        if not isinstance(data_parallel_size, int) or data_parallel_size < 2:
+            raise ValueError(f"data_parallel_size must be an integer of at least 2 here, got "
+                             f"{data_parallel_size!r}")
+        engine_options, environments = replica_setup(model, data_parallel_size, options)
         replicas = start_all([lambda env=env: AsyncLLM(model, environment=env, **options)
                               for env in environments], AsyncLLM.close)
         return cls(replicas, engine_options.block_size)
@@ -155,18 +156,18 @@ def _token_ids(prompt: Any) -> Sequence[int]:
                     f"{{'prompt_token_ids': [...]}}, not a {type(prompt).__name__}")
 
 
-def check_data_parallel(model: str, data_parallel_size: int,
-                        options: dict[str, Any]) -> EngineOptions:
-    """The replicas' engine options; a ``ValueError`` for a size or a layout that data
-    parallelism does not take."""
-    if not isinstance(data_parallel_size, int) or data_parallel_size < 2:
-        raise ValueError(f"data_parallel_size must be an integer of at least 2 here, got "
-                         f"{data_parallel_size!r}")
+def replica_setup(model: str, data_parallel_size: int,
+                  options: Mapping[str, Any]) -> tuple[EngineOptions, list[dict[str, str]]]:
+    """The engines' options and each replica's environment (``replica_environments``; one
+    replica: nothing to set); a ``ValueError`` for a layout data parallelism does not take."""
     engine_options = EngineOptions.from_kwargs(model, **options)
+    if data_parallel_size == 1:
+        return engine_options, [{}]
     if engine_options.nnodes > 1:
         raise ValueError("data_parallel_size > 1 with nnodes > 1 is not supported: run one "
                          "nanofn serve per tensor-parallel group behind a gateway instead")
-    return engine_options
+    return engine_options, replica_environments(data_parallel_size, engine_options,
+                                                visible_gpus(engine_options))
 
 
 def start_all(starts: list[Callable[[], T]], close: Callable[[T], Any]) -> list[T]:

@@ -240,8 +240,8 @@ def _call(prologue: int, rows: int, n: int, k: int, fp8: bool = False):
     if prologue in (triton_gemv.NORM, GATED):
         residual, scale = randn(rows, k, seed=rows + 1), norm_weight(k, seed=3)
         if fp8:
-            return lambda w, c: triton_fp8._launch_gemv(x, w, None, triton_gemv.NORM, residual,
-                                                        scale, EPS, prologue == GATED, c)
+            return lambda w, c: triton_fp8.fp8_rms_norm_gemv(x, scale, EPS, residual, w,
+                                                             gated=prologue == GATED, config=c)
         return lambda w, c: triton_gemv.rms_norm_gemv(x, scale, EPS, residual, w, config=c,
                                                       gated=prologue == GATED)
     if fp8:
