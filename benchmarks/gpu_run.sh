@@ -16,6 +16,8 @@
 #     openai==3.54.0 httpx2==2.16.2 httpcore2==2.16.2 truststore jiter==0.19.0 sniffio==1.3.1 \
 #     anyio==4.16.0 h11==0.16.0 click==8.5.1 distro typing_extensions==4.16.0 idna==3.20 \
 #     uvloop==0.23.0 httptools==0.9.0
+# the hybrids (tests-2, hybrid*) need flash-linear-attention too:
+#   ../shared/tools/gpu-wheels.sh fla-core==0.6.0 einops==0.8.1
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_31_x86_64 -d .whl llguidance==1.9.1
 set -u

@@ -126,20 +126,27 @@ def test_attention_kernels_compile(compile_for_h100, batch, splits, ordered):
                          tables, query_lens, query_lens, HEAD_DIM**-0.5)
 
 
-def prefill_registers(*args) -> int:
-    """Registers a thread of the prefill kernel uses, as ``prefill_attention(*args)`` compiles
-    it (the cubin's resource usage, read by the cuobjdump Triton ships)."""
-    kernel = triton_attention._prefill_kernel
+def compiled_code(kernel, function, *args, **kwargs) -> tuple[int, str]:
+    """The registers a thread of ``kernel`` uses and its SASS, as ``function(*args, **kwargs)``
+    compiles it (the cubin read by the cuobjdump Triton ships)."""
     compiled = []
     compile_launch = kernel.run
     with mock.patch.object(kernel, "run", lambda *a, **k: compiled.append(compile_launch(*a, **k))):
-        triton_attention.prefill_attention(*args)
+        function(*args, **kwargs)
+    cuobjdump = triton.knobs.nvidia.cuobjdump.path
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(compiled[0].asm["cubin"])
         cubin.flush()
-        usage = subprocess.run([triton.knobs.nvidia.cuobjdump.path, "-res-usage", cubin.name],
-                               capture_output=True, text=True, check=True).stdout
-    return int(re.search(r"REG:(\d+)", usage).group(1))
+        usage, sass = (subprocess.run([cuobjdump, flag, cubin.name], capture_output=True,
+                                      text=True, check=True).stdout
+                       for flag in ("-res-usage", "-sass"))
+    return int(re.search(r"REG:(\d+)", usage).group(1)), sass
+
+
+def prefill_registers(*args) -> int:
+    """Registers a thread of the prefill kernel uses, as ``prefill_attention(*args)`` compiles it."""
+    return compiled_code(triton_attention._prefill_kernel, triton_attention.prefill_attention,
+                         *args)[0]
 
 
 def test_prefill_attention_fits_two_programs_an_sm(compile_for_h100):

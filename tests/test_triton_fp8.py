@@ -18,7 +18,8 @@ from nanofn.kernels.rotary import rotate_and_store_kv as reference_rotate_and_st
 from test_triton_attention import (PagedCache, attend_and_return_caches,
                                    hidden_states_of_steps, prefill_attention_on, random_queries,
                                    rotary_decode_inputs)
-from test_triton_compiles import BLOCK, HEAD_DIM, HEADS, HIDDEN, KV_HEADS, empty, new_tokens
+from test_triton_compiles import (BLOCK, HEAD_DIM, HEADS, HIDDEN, KV_HEADS, compiled_code,
+                                  empty, new_tokens)
 from triton_interpreter import compiler_process
 
 TOLERANCES = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.float16: dict(atol=3e-3, rtol=0)}
@@ -143,6 +144,26 @@ def test_attention_kernels_on_an_fp8_cache_compile(compile_for_h100, batch, spli
     compile_for_h100(prefill_attention_on, 132, empty(5 * batch, HEADS, HEAD_DIM), *caches,
                      torch.arange(0, 5 * batch + 1, 5, dtype=torch.int32), seq_lens * 5, tables,
                      (5,) * batch, (5,) * batch, HEAD_DIM**-0.5)
+
+
+def decode_code(*args) -> tuple[int, str]:
+    """The decode kernel's registers a thread and SASS, as ``decode_attention(*args)`` compiles it."""
+    return compiled_code(triton_attention._decode_kernel, triton_attention.decode_attention, *args)
+
+
+@pytest.mark.parametrize("batch, splits, max_registers", [(256, 1, 128), (1, 8, 168)])
+def test_decode_on_an_fp8_cache_reads_its_tiles_from_shared_memory_in_words(
+        compile_for_h100, batch, splits, max_registers):
+    """The value tile reaches the product converted to fp16 (``_values_in``): converted after
+    shared memory instead, it is read a byte at a time (128 ``LDS.U8`` a 64-key tile), and the
+    kernel took 154 registers a thread at one partition (194 split), against 106 (162)."""
+    caches = (empty(64, BLOCK, KV_HEADS, HEAD_DIM, dtype=FP8_DTYPE),
+              empty(64, BLOCK, KV_HEADS, HEAD_DIM, dtype=FP8_DTYPE))
+    registers, sass = compile_for_h100(
+        decode_code, empty(batch, HEADS, HEAD_DIM), *caches, torch.ones(batch, dtype=torch.int32),
+        torch.zeros(batch, 256, dtype=torch.int32), HEAD_DIM**-0.5, None, splits)
+    assert "LDS.U8" not in sass
+    assert registers <= max_registers
 
 
 # --- FP8 projections -------------------------------------------------------------------------
