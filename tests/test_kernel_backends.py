@@ -85,3 +85,31 @@ def test_an_fp8_kv_cache_takes_triton_where_flash_attention_would_run(a_hopper_g
     assert choose_kernels(fp8, torch.bfloat16, SHAPE, 4) is TRITON_KERNELS
     with pytest.raises(RuntimeError, match="cannot read an FP8 KV cache"):
         choose_kernels(replace(fp8, kernel_backend="flash"), torch.bfloat16, SHAPE, 4)
+
+
+@pytest.mark.parametrize("capability", [(8, 0), (8, 6)])
+def test_fp8_on_a_gpu_before_ada_is_refused_naming_it(monkeypatch, capability):
+    """An A100's (SM 8.0) or an A10's (8.6) Triton kernels have no e4m3 products or
+    conversions: FP8 weights or an FP8 cache there is an error naming the GPU's SM, not a
+    compiler's error later; the torch references still take them, and bf16 runs."""
+    from dataclasses import replace
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    named = rf"SM 8.9 or later .*this GPU is SM {capability[0]}.{capability[1]}"
+    fp8_cache = replace(config("triton", CUDA), kv_cache_dtype="fp8")
+    with pytest.raises(RuntimeError, match="an FP8 KV cache on cuda: .*" + named):
+        choose_kernels(fp8_cache, torch.bfloat16, SHAPE, 4)
+    with pytest.raises(RuntimeError, match="FP8 weights on cuda: .*" + named):
+        choose_kernels(config("auto", CUDA), torch.bfloat16, SHAPE, 4, fp8_weights=True)
+    assert choose_kernels(replace(fp8_cache, kernel_backend="torch"), torch.bfloat16, SHAPE,
+                          4, fp8_weights=True) is TORCH_KERNELS
+    from nanofn.kernels.triton_ops import TRITON_KERNELS
+
+    assert choose_kernels(config("triton", CUDA), torch.bfloat16, SHAPE, 4) is TRITON_KERNELS
+
+
+def test_fp8_on_hopper_takes_triton(a_hopper_gpu, no_flash_attn):
+    from nanofn.kernels.triton_ops import TRITON_KERNELS
+
+    assert choose_kernels(config("auto", CUDA), torch.bfloat16, SHAPE, 4,
+                          fp8_weights=True) is TRITON_KERNELS

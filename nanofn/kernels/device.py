@@ -36,3 +36,14 @@ def flash_attention_problem(device: torch.device, dtype: torch.dtype) -> str | N
         return (f"flash_attn.cute does not import ({type(error).__name__}: {error}); "
                 f'pip install "nanofn[flash]"')
     return None
+
+
+def fp8_problem(device: torch.device) -> str | None:
+    """Why the Triton kernels cannot compute with e4m3 values on ``device``; ``None`` if they
+    can. Their FP8 products (``tl.dot`` on float8e4nv) and conversions (``cvt.rn.f16x2.e4m3x2``)
+    need SM 8.9 (Ada) or later; the torch references run FP8 anywhere."""
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 9):
+        return (f"the Triton kernels' e4m3 products and conversions need SM 8.9 or later (Ada, "
+                f"Hopper, Blackwell); this GPU is SM {major}.{minor}")
+    return None

@@ -18,6 +18,7 @@ from nanofn.model import ModelShape, build_model, load_weights, model_shape, res
 from nanofn.model.batch import RecurrentState
 from nanofn.model.config import text_config
 from nanofn.model.loader import init_dummy_weights
+from nanofn.model.quantization import fp8_scheme
 from nanofn.runner.cuda_graphs import DecodeGraphs
 from nanofn.runner.inputs import ModelInputs, SlotTables, prepare_inputs
 from nanofn.runner.sampler import (DeviceSample, Sampler, SamplingRows, costliest_rows,
@@ -102,7 +103,9 @@ class ModelRunner:
         self.shape = model_shape(hf_config, config.tp_size)
         text = text_config(hf_config)  # a vision-language config's language model, else the same
         self.kernels = choose_kernels(config, self.dtype, self.shape,
-                                      text.num_attention_heads // config.tp_size)
+                                      text.num_attention_heads // config.tp_size,
+                                      fp8_weights=fp8_scheme(hf_config, config.quantization)
+                                      is not None)
         if config.tp_size > 1:  # (a collective: every rank builds its runner in step)
             # peer memory maps one host's GPUs only
             custom = config.nnodes == 1 and not config.disable_custom_all_reduce
@@ -455,18 +458,25 @@ def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
 
 
 def choose_kernels(config: RunnerConfig, dtype: torch.dtype, shape: ModelShape,
-                   num_heads: int) -> KernelBackend:
+                   num_heads: int, fp8_weights: bool = False) -> KernelBackend:
     """The model's kernels (projections, attention, norms, rotary, activation), chosen once per engine.
 
     ``auto``: on CUDA, flash-attn-4's prefill with the Triton kernels (``flash``) where it
     imports and passes its self-check at this model's shape (``num_heads``: this rank's) and
     the KV cache is not FP8 (flash-attn-4 does not read one), else Triton; elsewhere the torch
-    references. Asking for ``flash`` where it cannot run raises,
-    saying why.
+    references. Asking for ``flash`` where it cannot run raises, saying why; so do FP8 weights
+    (``fp8_weights``) or an FP8 KV cache on a GPU whose Triton kernels cannot compute in FP8.
     """
     name = config.kernel_backend
     if name == "auto":
         name = "flash" if config.device.type == "cuda" else "torch"
+    if name != "torch" and (fp8_weights or config.kv_cache_dtype == "fp8"):
+        from nanofn.kernels.device import fp8_problem
+
+        problem = fp8_problem(config.device)
+        if problem is not None:
+            what = "FP8 weights" if fp8_weights else "an FP8 KV cache"
+            raise RuntimeError(f"{what} on {config.device}: {problem}")
     if name == "flash" and config.kv_cache_dtype == "fp8":
         if config.kernel_backend == "flash":
             raise RuntimeError("kernel_backend 'flash' (flash-attn-4) cannot read an FP8 KV "
