@@ -115,5 +115,6 @@ def _with_tile(tile: tuple[int, int, int], inputs: tuple, order: torch.Tensor) -
     finally:
         triton_attention.decode_tile = chosen
 
+
 if __name__ == "__main__":
     main()

@@ -160,8 +160,9 @@ def _values_in(v, dtype: tl.constexpr):
     instruction), by an asm block the compiler keeps in place: a plain conversion it moves
     past the tile's trip through shared memory into the product's operand layout, and the
     tile then goes through as bytes, read one at a time (``LDS.U8``: no transposing shared
-    load for 8-bit elements). On one H200 at 101-256 sequences decode took 15-16% less time
-    (``decode_splits.py --kv-dtype fp8``), 154 -> 106 registers a thread."""
+    load for 8-bit elements). On one H200 (``decode_splits.py --kv-dtype fp8``) decode took
+    12-16% less time at 101-256 sequences, 9% more at 37 (a few programs an SM: likely the
+    tile's second trip through shared memory, in series); 154 -> 106 registers a thread."""
     if v.dtype == tl.float8e4nv and dtype == tl.float16 and CONVERT_IN_ASM:
         return tl.inline_asm_elementwise(
             "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; "
