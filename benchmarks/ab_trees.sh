@@ -7,8 +7,9 @@
 #   mkdir .ab_base && git archive HEAD | tar -x -C .ab_base   (and /.ab_base/ in .git/info/exclude)
 # BATCHES (default "1 256") sets the decode batch sizes profiled; BENCH=N (default 0) first runs
 # the standard workload N times a tree, the trees in turn; SHAPE (default qwen3-0.6b) is the
-# --random-weights shape, e.g. SHAPE=qwen3-30b-a3b for a MoE change. Each tree's nanofn is
-# imported from PYTHONPATH; `python3 -m nanofn` would put the current folder first on sys.path
+# --random-weights shape, e.g. SHAPE=qwen3-30b-a3b for a MoE change; FLAGS adds options to
+# every run, e.g. FLAGS="--quantization=fp8 --kv-cache-dtype=fp8" for an FP8 change. Each
+# tree's nanofn is imported from PYTHONPATH; `python3 -m nanofn` would put the current folder first on sys.path
 # and import the checkout's instead, so the workload runs from the tree's own folder.
 set -u
 shape=${SHAPE:-qwen3-0.6b}
@@ -20,21 +21,21 @@ for round in $(seq 1 "${BENCH:-0}"); do
   for tree in "$@"; do
     log="$OUT/bench-$round-$(echo "$tree" | tr -c 'a-zA-Z0-9\n' _).txt"
     (cd "$tree" && PYTHONPATH=/tmp/site:$PWD timeout 300 python3 -m nanofn bench \
-      --random-weights "$shape" --max-model-len 4096 --profile > "$log" 2>&1)
+      --random-weights "$shape" --max-model-len 4096 --profile ${FLAGS:-} > "$log" 2>&1)
     echo "$tree (bench $round): $(grep -E '^elapsed|^device busy' "$log" | tr '\n' ' ')"
   done
 done
 for round in 1 2; do
   for tree in "$@"; do
     PYTHONPATH=/tmp/site:$(cd "$tree" && pwd) timeout 150 python3 benchmarks/single_request.py \
-      --random-weights "$shape" 2>&1 | tail -1 | sed "s|^|$tree (round $round): |"
+      --random-weights "$shape" ${FLAGS:-} 2>&1 | tail -1 | sed "s|^|$tree (round $round): |"
   done
 done
 for b in ${BATCHES:-1 256}; do
   for tree in "$@"; do
     log="$OUT/profile-$b-$(echo "$tree" | tr -c 'a-zA-Z0-9\n' _).txt"
     PYTHONPATH=/tmp/site:$(cd "$tree" && pwd) timeout 150 python3 benchmarks/profile_decode.py \
-      --random-weights "$shape" --batch "$b" > "$log" 2>&1
+      --random-weights "$shape" --batch "$b" ${FLAGS:-} > "$log" 2>&1
     grep "per decode step" "$log" | sed "s|^|$tree: |"
   done
 done
