@@ -9,8 +9,9 @@
 # the standard workload N times a tree, the trees in turn; SHAPE (default qwen3-0.6b) is the
 # --random-weights shape, e.g. SHAPE=qwen3-30b-a3b for a MoE change; FLAGS adds options to
 # every run, e.g. FLAGS="--quantization=fp8 --kv-cache-dtype=fp8" for an FP8 change. Each
-# tree's nanofn is imported from PYTHONPATH; `python3 -m nanofn` would put the current folder first on sys.path
-# and import the checkout's instead, so the workload runs from the tree's own folder.
+# tree's nanofn is imported from PYTHONPATH; `python3 -m nanofn` would put the current folder
+# first on sys.path and import the checkout's instead, so the workload runs from the tree's own
+# folder.
 set -u
 shape=${SHAPE:-qwen3-0.6b}
 python3 -m pip install -q --upgrade --no-index --no-deps --target /tmp/site .whl/*.whl
