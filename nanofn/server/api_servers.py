@@ -41,7 +41,7 @@ from multiprocessing.process import BaseProcess
 from typing import Any
 
 from nanofn.engine.options import EngineOptions
-from nanofn.server.async_engine import (STOP_TIMEOUT_S, AsyncLLM, start_engine_process,
+from nanofn.server.async_engine import (AsyncLLM, join_engine_process, start_engine_process,
                                         wait_until_ready)
 from nanofn.server.chat_output import ChatOptions
 from nanofn.server.data_parallel import DataParallelLLM, replica_setup, start_all
@@ -179,6 +179,7 @@ def _start_engine(options: EngineOptions, environment: Mapping[str, str],
                   clients: int) -> _Engine:
     process, conns = start_engine_process(options, environment, clients)
     try:
+        # every pipe's "ready" read (the HTTP process behind it reads steps only); one kept
         facts = [wait_until_ready(process, conn) for conn in conns][0]
     except BaseException:
         _close_and_join(process, conns)
@@ -192,13 +193,10 @@ def _stop_engine(engine: _Engine) -> None:
 
 def _close_and_join(process: BaseProcess, conns: list[Connection]) -> None:
     """Close this side's pipes (an engine stops once its last client's pipe closes) and wait
-    for the process; kill it if it has not stopped by ``STOP_TIMEOUT_S``."""
+    for the process (``join_engine_process``)."""
     for conn in conns:
         conn.close()
-    process.join(timeout=STOP_TIMEOUT_S)
-    if process.is_alive():
-        process.kill()
-        process.join()
+    join_engine_process(process)
 
 
 def _listening_socket(host: str, port: int) -> socket.socket:

@@ -186,10 +186,7 @@ class AsyncLLM:
             self._closing = True
             self._send_quietly(dumps(("stop",)))
         if self._process is not None:
-            self._process.join(timeout=STOP_TIMEOUT_S)
-            if self._process.is_alive():
-                self._process.kill()
-                self._process.join()
+            join_engine_process(self._process)
         self._reader.join(timeout=STOP_TIMEOUT_S)  # the engine closes this client's pipe
         self._conn.close()
 
@@ -288,6 +285,15 @@ def start_engine_process(options: EngineOptions, environment: Mapping[str, str],
     for _, theirs in pipes:
         theirs.close()
     return process, [ours for ours, _ in pipes]
+
+
+def join_engine_process(process: multiprocessing.process.BaseProcess) -> None:
+    """Wait for an engine process told to stop (or left by its last client); kill it if it
+    has not ended within ``STOP_TIMEOUT_S``."""
+    process.join(timeout=STOP_TIMEOUT_S)
+    if process.is_alive():
+        process.kill()
+        process.join()
 
 
 def wait_until_ready(process: multiprocessing.process.BaseProcess,
