@@ -20,7 +20,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from nanofn import LLM
 from nanofn.kernels.attention import decode_attention, prefill_attention, store_kv
-from nanofn.kernels.fp8 import FP8_DTYPE, Fp8Weight, fp8_linear
+from nanofn.kernels.fp8 import FP8_DTYPE, Fp8Weight, fp8_linear, quantize_groups
 from nanofn.model import build_model, load_weights
 from nanofn.model.quantization import fp8_scheme
 from nanofn.state import SamplingParams
@@ -214,6 +214,29 @@ def test_fp8_linear_is_the_product_of_group_quantized_activations_and_dequantize
 
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
     assert (actual - x @ w.T).abs().max() > 1e-3  # (and it is not the unquantized product)
+
+
+# Groups whose second value lies on an e4m3 rounding boundary when divided by the group's scale
+# but an ulp off it when multiplied by the scale's reciprocal (found by a search): the two ways
+# round it to neighbouring codes, so a kernel and the reference must share one
+BOUNDARY_GROUPS = [(4.9725661277771, 7.587533764308318e-05, 3),
+                   (1.3303048610687256, 1.4499172721116338e-05, 3),
+                   (3.084228277206421, 2.0169252820778638e-05, 1)]  # (amax, value, its code)
+
+
+def rounding_boundary_rows() -> torch.Tensor:
+    """``[3, 2]`` float32 rows ``[amax, value]`` of ``BOUNDARY_GROUPS``."""
+    return torch.tensor([group[:2] for group in BOUNDARY_GROUPS], dtype=torch.float32)
+
+
+def test_activations_quantize_times_the_scales_reciprocal_not_divided_by_it():
+    """``x * (1 / scale)``, as the GPU kernels compute it (one division a scale, not one an
+    element) and vLLM's: at these boundaries ``x / scale`` takes the neighbouring code."""
+    x = rounding_boundary_rows()
+    q, scales = quantize_groups(x, 2)
+    assert q[:, 1].view(torch.uint8).tolist() == [code for *_, code in BOUNDARY_GROUPS]
+    divided = (x[:, 1] / scales[:, 0]).to(FP8_DTYPE).view(torch.uint8)
+    assert (divided != q[:, 1].view(torch.uint8)).all()
 
 
 def test_quantizing_at_load_keeps_each_rows_range():

@@ -56,7 +56,7 @@ def quantize_groups(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, tor
     # (a division by a Python number is already that product in torch on a GPU; an exact
     # division there would differ from it by an ulp now and then)
     scale = (grouped.abs().amax(-1) * (1 / FP8_MAX)).clamp(min=MIN_SCALE)
-    q = (grouped / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    q = (grouped * reciprocal(scale)[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q.flatten(-2)[..., :width], scale
 
 
@@ -67,7 +67,14 @@ def dequantize_groups(q: torch.Tensor, scale: torch.Tensor, group_size: int) -> 
 
 def quantize_static(x: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
     """``x / scale`` rounded to e4m3 (saturating at +-448): a static per-tensor scale's."""
-    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return (x.float() * reciprocal(scale)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def reciprocal(scale: torch.Tensor | float) -> torch.Tensor:
+    """``1 / scale`` in float32, IEEE's division. Values are quantized as ``x * (1 / scale)``,
+    a product an element and one division a scale, as the GPU kernels do (and vLLM's);
+    ``x / scale`` may differ from it by an ulp, and then, at a rounding boundary, by a code."""
+    return 1 / torch.as_tensor(scale, dtype=torch.float32)
 
 
 def quantized_activations(x: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:

@@ -15,6 +15,7 @@ from nanofn import LLM, SamplingParams
 from nanofn.kernels import rms_norm_linear, triton_fp8, triton_ops
 from nanofn.kernels.fp8 import FP8_DTYPE, Fp8Weight, fp8_linear, quantize_groups
 from nanofn.model.tiny import random_weights_model
+from test_fp8 import rounding_boundary_rows
 from test_gpu_engine import nanofn_teacher_forced, prompts_for
 from test_triton_gemv_gpu import EPS, SHAPES, TOLERANCE, relative_error
 from test_triton_ops_gpu import norm_weight, randn
@@ -36,12 +37,14 @@ def fp8_weight(name: str, kind: str) -> Fp8Weight:
 @pytest.mark.usefixtures("nan_filled_allocations")
 @pytest.mark.parametrize("group_size", [128, 1024])
 def test_activation_codes_and_scales_are_the_references(group_size):
-    """The GPU rounds to e4m3 as torch does: codes equal, scales equal."""
-    x = randn(300, 1024, seed=1)
-    q, scales = triton_fp8.quantize_activations(x, group_size)
-    expected_q, expected_scales = quantize_groups(x, group_size)
-    assert torch.equal(scales, expected_scales)
-    assert torch.equal(q.view(torch.uint8), expected_q.view(torch.uint8))
+    """The GPU rounds to e4m3 as torch does: codes equal, scales equal; also for float32
+    values at a rounding boundary where dividing by the scale would round the other way."""
+    boundary = rounding_boundary_rows().cuda()
+    for x, group in ((randn(300, 1024, seed=1), group_size), (boundary, 2)):
+        q, scales = triton_fp8.quantize_activations(x, group)
+        expected_q, expected_scales = quantize_groups(x, group)
+        assert torch.equal(scales, expected_scales)
+        assert torch.equal(q.view(torch.uint8), expected_q.view(torch.uint8))
 
 
 @pytest.mark.usefixtures("nan_filled_allocations")
