@@ -122,7 +122,8 @@ def test_engine_tokens_are_the_same_with_the_triton_gemms_on_and_off(tiny_qwen3,
     assert set(launches) == {"gemm", "partial_sums_gemm"}
     choose_kernels = model_runner.choose_kernels
     monkeypatch.setattr(model_runner, "choose_kernels",
-                        lambda *a: triton_ops.with_triton_gemm_max_rows(choose_kernels(*a), 0))
+                        lambda *a, **kw: triton_ops.with_triton_gemm_max_rows(
+                            choose_kernels(*a, **kw), 0))
     launches.clear()
     assert greedy_batches(tiny_qwen3, prompts) == with_triton
     assert not launches
