@@ -3,12 +3,15 @@ on CPU through Triton's interpreter (float32 and float16: see ``test_triton_atte
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
 import nanofn.kernels.attention as reference
 import nanofn.kernels.triton_attention as triton_attention
-from nanofn.kernels import triton_fp8, triton_ops
+from nanofn.kernels import triton_fp8, triton_gemm, triton_ops
+from nanofn.kernels.partial_sums import PartialSums
 from nanofn.kernels.fp8 import FP8_DTYPE, Fp8Weight, fp8_linear, quantize_groups, quantize_static
 from nanofn.kernels.triton_fp8 import GROUP
 from nanofn.kernels.triton_gemv import GemvConfig
@@ -252,6 +255,30 @@ def test_the_fp8_gemv_over_several_tiles_a_row_gives_the_reference_product(inter
                                atol=1e-5 * expected.abs().max().item())
 
 
+@pytest.mark.parametrize("kind", WEIGHT_KINDS)
+@pytest.mark.parametrize("k, splits", [(512, 4), (384, 1), (300, 1)])
+def test_the_split_k_fp8_gemm_leaves_sums_that_add_up_to_the_reference_product(
+        interpreter, kind, k, splits):
+    """o_proj's and down_proj's GEMM at decode sizes (``fp8_partial_sums_gemm``): 70 rows (two
+    row tiles), 200 outputs (a short last tile), K in four ranges of 128 columns, or where K
+    does not split into ranges of 128-column steps (384 into four) in one (300: a short last
+    step and group); each range's sums are its columns' product, scales applied."""
+    weight = fp8_weight(200, k, kind, seed=14)
+    if kind == "static":
+        weight = Fp8Weight(weight.data, weight.scale, weight.group_size, torch.tensor(2.0**-6))
+    x = exactly_quantized_input(70, k, weight.group_size, kind == "static", torch.float32)
+    config = triton_gemm.GemmConfig(64, 64, 32, split_k=4)
+    partial = interpreter(triton_fp8.fp8_partial_sums_gemm, x, weight, config)
+    assert partial.sums.shape == (splits, 70, 200) and partial.sums.dtype == torch.float32
+    expected = fp8_linear(x, weight)
+    tolerance = dict(rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+    torch.testing.assert_close(partial.total(), expected, **tolerance)
+    if splits > 1:  # the first range's sums: its columns' product (x quantizes exactly)
+        first = slice(0, k // splits)
+        expected_first = x[:, first] @ weight.dequantized()[:, first].T
+        torch.testing.assert_close(partial.sums[0], expected_first, **tolerance)
+
+
 def test_the_rowwise_scaled_gemm_gives_the_reference_product(interpreter):
     """Prompt-sized bf16 products on per-channel weights through ``torch._scaled_mm`` (on the
     CPU here): 300 rows, 64 outputs, per-token activation scales; to bf16's rounding. With a
@@ -278,6 +305,14 @@ def test_fp8_projection_kernels_compile(compile_for_h100, kind):
                        empty((), dtype=torch.float32) if kind == "static" else None)
     for rows in (1, 8, 64, 300):  # the GEMV, the GEMM's small and large tiles
         compile_for_h100(triton_fp8.fp8_linear, empty(rows, k), weight, empty(n))
+    for rows in (9, 64, 256):  # o_proj's split-K GEMM (its 2,048 columns in 4, 4, 2 ranges)
+        wide_k = HEADS * HEAD_DIM
+        o_proj = Fp8Weight(empty(HIDDEN, wide_k, dtype=FP8_DTYPE),
+                           empty(HIDDEN, wide_k // 128 if kind == "block" else 1,
+                                 dtype=torch.float32),
+                           128 if kind == "block" else wide_k, weight.input_scale)
+        compile_for_h100(triton_fp8.fp8_partial_sums_gemm, empty(rows, wide_k), o_proj,
+                         triton_gemm.gemm_config(wide_k, rows))
     wide = 12288  # Qwen3-8B's down_proj: three tiles of 4,096 columns a row
     wide_weight = Fp8Weight(empty(n, wide, dtype=FP8_DTYPE),
                             empty(n, wide // 128 if kind == "block" else 1, dtype=torch.float32),
@@ -290,14 +325,20 @@ def test_fp8_projection_kernels_compile(compile_for_h100, kind):
 
 
 def test_the_triton_backend_multiplies_fp8_weights_with_these_kernels(interpreter):
-    """``TRITON_KERNELS``' projections take an ``Fp8Weight`` to the GEMV and the GEMM, and
-    after a norm, at a few rows, to the fused kernel, else to the norm kernel, then them."""
+    """``TRITON_KERNELS``' projections take an ``Fp8Weight`` to the GEMV and the GEMM (asked
+    for partial sums, the split-K GEMM, past the GEMV's rows), and after a norm, at a few rows, to the fused kernel, else to the norm kernel, then them."""
     weight = fp8_weight(64, 256, "block", seed=9)
     for rows in (2, 20):
         x = exactly_quantized_input(rows, 256, GROUP, False, torch.float32)
         expected = fp8_linear(x, weight)
         torch.testing.assert_close(interpreter(triton_ops.linear, x, weight), expected,
                                    rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+        partial = interpreter(functools.partial(triton_ops.linear, partial_sums=True), x, weight)
+        if rows > triton_fp8.GEMV_MAX_ROWS:  # asked for partial sums: the split-K GEMM's
+            assert isinstance(partial, PartialSums) and len(partial.sums) == 2
+            partial = partial.total()
+        torch.testing.assert_close(partial, expected, rtol=1e-5,
+                                   atol=1e-5 * expected.abs().max().item())
     residual = torch.randn(20, 256, generator=torch.Generator().manual_seed(1))
     norm_weight = torch.rand(256, generator=torch.Generator().manual_seed(1)) + 0.5
     (out, summed), (normed, expected_summed) = interpreter(

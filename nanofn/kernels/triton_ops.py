@@ -406,8 +406,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """``x @ weight.T (+ bias)``: a Triton GEMV for at most ``gemv_max_rows`` rows; asked for
     ``partial_sums``, the split-K GEMM's (no bias, at most ``triton_gemm_max_rows`` rows and
     its config's); else cuBLAS."""
-    if isinstance(weight, Fp8Weight):  # W8A8: triton_fp8's GEMV or GEMM
-        return triton_fp8.fp8_linear(x, weight, bias)
+    if isinstance(weight, Fp8Weight):  # W8A8: triton_fp8's GEMV or GEMMs
+        return _fp8_linear(x, weight, bias, partial_sums, triton_gemm_max_rows)
     rows = x.reshape(-1, x.shape[-1])
     if 0 < len(rows) <= gemv_max_rows:
         return triton_gemv.gemv(rows, weight, bias).view(*x.shape[:-1], -1)
@@ -415,6 +415,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             triton_gemm.gemm_config, len(x), weight, bias, triton_gemm_max_rows)):
         return triton_gemm.partial_sums_gemm(x, weight, config)
     return F.linear(x, weight, bias)
+
+
+def _fp8_linear(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None,
+                partial_sums: bool, triton_gemm_max_rows: int) -> torch.Tensor | PartialSums:
+    """``linear`` on an FP8 weight: asked for ``partial_sums``, past the GEMV's rows, the
+    split-K W8A8 GEMM in ``triton_gemm``'s tiles (``fp8_partial_sums_gemm``); else
+    ``triton_fp8.fp8_linear``."""
+    if (partial_sums and x.dim() == 2 and len(x) > triton_fp8.GEMV_MAX_ROWS
+            and (config := _triton_gemm_config(triton_gemm.gemm_config, len(x), weight, bias,
+                                               triton_gemm_max_rows))):
+        return triton_fp8.fp8_partial_sums_gemm(x, weight, config)
+    return triton_fp8.fp8_linear(x, weight, bias)
 
 
 def _triton_gemm_config(choose: Callable[[int, int], triton_gemm.GemmConfig | None],

@@ -13,6 +13,7 @@ import nanofn.kernels.attention as reference
 import nanofn.kernels.triton_attention as triton_attention
 from nanofn import LLM, SamplingParams
 from nanofn.kernels import rms_norm_linear, triton_fp8, triton_ops
+from nanofn.kernels.partial_sums import PartialSums
 from nanofn.kernels.fp8 import FP8_DTYPE, Fp8Weight, fp8_linear, quantize_groups
 from nanofn.model.tiny import random_weights_model
 from test_fp8 import rounding_boundary_rows
@@ -57,6 +58,20 @@ def test_fp8_gemv_and_gemm_match_the_reference(name, kind, rows):
     out = triton_fp8.fp8_linear(x, weight)
     assert out.dtype == torch.bfloat16
     assert relative_error(out, fp8_linear(x.float(), weight)) < TOLERANCE
+
+
+@pytest.mark.usefixtures("nan_filled_allocations")
+@pytest.mark.parametrize("rows", [9, 64, 256])
+@pytest.mark.parametrize("name", ["o_proj", "down"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_split_k_fp8_gemm_sums_to_the_reference(name, kind, rows):
+    """o_proj and down_proj asked for partial sums at decode sizes: the split-K W8A8 GEMM's
+    ranges of K, added up, against the reference product."""
+    weight = fp8_weight(name, kind)
+    x = randn(rows, SHAPES[name][1], seed=rows)
+    partial = triton_ops.linear(x, weight, partial_sums=True)
+    assert isinstance(partial, PartialSums) and len(partial.sums) > 1
+    assert relative_error(partial.total(), fp8_linear(x.float(), weight)) < TOLERANCE
 
 
 @pytest.mark.usefixtures("nan_filled_allocations")
