@@ -6,8 +6,11 @@ Usage: python benchmarks/single_request.py (MODEL | --random-weights qwen3-0.6b)
 Times generates of 1 token (the prefill; the median of 5, each on a prompt of its own) and one
 of 513 tokens on another prompt of the same length; decode tok/s = 512 / (its time - the
 prefill's). --trace profiles one more prefill with
-torch.profiler: DIR gets its operator tables (host and device time) and a Chrome trace. The floor is shared/tools/roofline.py's single-
-request figure: every decode step reads all weights and the request's own K/V.
+torch.profiler: DIR gets its operator tables (host and device time) and a Chrome trace. The
+floor is shared/tools/roofline.py's single-request figure (every decode step reads all weights
+and the request's own K/V) at the rates of the device it runs on (``KNOWN_DEVICE_RATES``), or
+of an H100 where they are not known. (Before 2026-11-29 it was the H100's on every device:
+the figures measured on H200s until then are fractions of the H100's floor.)
 """
 
 from __future__ import annotations
@@ -18,8 +21,11 @@ import random
 import time
 from pathlib import Path
 
+import torch
+
 from nanofn import LLM, SamplingParams
-from nanofn.cli.bench import ModelDims, bench_data_types, floor
+from nanofn.cli.bench import (DEFAULT_BANDWIDTH_GBPS, DEFAULT_TFLOPS, ModelDims,
+                              bench_data_types, device_rates, floor)
 
 from kernel_switches import (add_model_and_switches, llm_options,  # (benchmarks/)
                              load_options, model_with_switches)
@@ -47,16 +53,22 @@ def main() -> None:
     decode_tok_s = NEW_TOKENS / (total_s - prefill_s)
     dims = ModelDims.from_config(json.loads((Path(model) / "config.json").read_text()))
     types = bench_data_types(llm.engine.hf_config, llm.engine.options, llm.engine.runner.dtype)
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    rates = device_rates(device, None, None)
+    floor_device = device if rates else "an H100"
+    bandwidth, tflops = rates or (DEFAULT_BANDWIDTH_GBPS, DEFAULT_TFLOPS)
     floor_tok_s = NEW_TOKENS / floor(dims, [PROMPT_LEN], [NEW_TOKENS + 1],
+                                     bandwidth_gbps=bandwidth, tflops=tflops,
                                      **types["floor_bytes"]).decode_s
     result = {"prefill_ms": prefill_s * 1e3, "prefills_ms": [t * 1e3 for t in prefills],
               "decode_tok_s": decode_tok_s,
               "floor_tok_s": floor_tok_s, "fraction_of_floor": decode_tok_s / floor_tok_s,
+              "floor_device": floor_device,
               "options": options, "data_types": types["description"]}
     print(f"single request: prefill of {PROMPT_LEN} tokens {prefill_s * 1e3:.1f} ms (of "
           f"{', '.join(f'{t * 1e3:.1f}' for t in prefills)}), decode "
           f"{decode_tok_s:,.0f} tok/s ({decode_tok_s / floor_tok_s:.1%} of the floor "
-          f"{floor_tok_s:,.0f} tok/s)")
+          f"{floor_tok_s:,.0f} tok/s on {floor_device})")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     if args.trace:
