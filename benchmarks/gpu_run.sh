@@ -224,9 +224,15 @@ if [ "$what" = moe-bench ]; then  # Qwen3-30B-A3B's shape: 61 GB of weights, ~10
   bench qwen3-30b-a3b --random-weights qwen3-30b-a3b --profile
 fi
 if [ "$what" = moe-tp ]; then  # two GPUs: the MoE shapes split over two ranks (issue 35)
+  timeout 200 python3 -m pytest tests/gpu/test_multi_gpu.py -q -rs -k expert_parallel 2>&1 \
+    | tee "$OUT/gpu_moe_tp_tests.log" | tail -3
   single qwen3-30b-a3b-tp2 --random-weights qwen3-30b-a3b --tensor-parallel-size=2
+  single qwen3-30b-a3b-tp2-ep --random-weights qwen3-30b-a3b --tensor-parallel-size=2 \
+    --enable-expert-parallel=true
   bench qwen3-30b-a3b-tp1 --random-weights qwen3-30b-a3b --profile
   bench qwen3-30b-a3b-tp2 --random-weights qwen3-30b-a3b --tensor-parallel-size 2 --profile
+  bench qwen3-30b-a3b-tp2-ep --random-weights qwen3-30b-a3b --tensor-parallel-size 2 \
+    --enable-expert-parallel --profile
   bench qwen3.5-35b-a3b-tp2 --random-weights qwen3.5-35b-a3b --tensor-parallel-size 2 --profile
 fi
 if [ "$what" = fp8-bench ]; then  # FP8 weights and KV cache (issue 36), beside bf16 for the 8B

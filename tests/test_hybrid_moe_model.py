@@ -76,13 +76,16 @@ def preempted(figures) -> bool:
 # of 80 tokens, 3 state slots one working state and two saved ones, so sequences give way and
 # resume. Tiny budgets: prompts computed in chunks, the later ones from the shared prefix's
 # blocks and saved state. Two ranks (gloo on the CPU): the linear-attention heads, every
-# expert's and the shared expert's intermediate dimension split.
+# expert's and the shared expert's intermediate dimension split (expert parallel: half the
+# experts whole a rank, the shared expert split).
 SMALL_CACHE = dict(num_kv_blocks=5, max_model_len=80, num_state_slots=3)
 ENGINE_CASES = {
     "preempted": (SMALL_CACHE, preempted),
     "chunked-prefix-hits": (dict(max_num_batched_tokens=16, max_num_seqs=2),
                             lambda figures: figures.prefix_cache_hit_rate > 0),
     "two-ranks-preempted": ({**SMALL_CACHE, "tensor_parallel_size": 2}, preempted),
+    "two-expert-parallel-ranks-preempted": (
+        {**SMALL_CACHE, "tensor_parallel_size": 2, "enable_expert_parallel": True}, preempted),
 }
 
 
@@ -132,15 +135,17 @@ def test_tiny_checkpoint_linear_attention_heads_remember_past_tokens(hybrid_moe)
     assert len(decays) == 3 and torch.cat(decays).min() > 0.8
 
 
-def test_two_ranks_of_a_sparse_layer_add_up_to_one(hybrid_moe, monkeypatch):
-    """Each rank holds half of every expert and of the shared expert, and the whole gate: the
-    ranks' partial outputs (one all-reduce's summands) add up to one rank's."""
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_two_ranks_of_a_sparse_layer_add_up_to_one(hybrid_moe, monkeypatch, expert_parallel):
+    """Each rank holds half of every expert (expert parallel: half the experts) and of the
+    shared expert, and the whole gate: the ranks' partial outputs (one all-reduce's summands)
+    add up to one rank's."""
     reductions = []
     monkeypatch.setattr(torch.distributed, "all_reduce", reductions.append)  # summed by hand
     hidden = torch.randn(9, 64, generator=torch.Generator().manual_seed(25))
     outputs = []
     for tp_rank, tp_size in [(0, 1), (0, 2), (1, 2)]:
-        model, _ = load(hybrid_moe, tp_rank, tp_size)
+        model, _ = load(hybrid_moe, tp_rank, tp_size, expert_parallel)
         with torch.inference_mode():
             outputs.append(model.model.layers[2].mlp(hidden))
     torch.testing.assert_close(outputs[1] + outputs[2], outputs[0], atol=1e-5, rtol=1e-5)

@@ -21,7 +21,7 @@ from test_weights import edit_checkpoint
 
 from nanofn.kernels import fused_moe, select_experts
 from nanofn.model import build_model, load_weights
-from nanofn.model.moe import SparseMoeBlock
+from nanofn.model.moe import SparseMoeBlock, StackedExperts
 from nanofn.model.tiny import PRESETS, _qwen3_weight_shapes, make_random_checkpoint
 
 
@@ -37,9 +37,10 @@ def shared_prefix_case(moe):
     return prompts, transformers_greedy(moe, prompts)
 
 
-def load(path, tp_rank: int = 0, tp_size: int = 1):
+def load(path, tp_rank: int = 0, tp_size: int = 1, expert_parallel: bool = False):
     config = AutoConfig.from_pretrained(path)
-    model = build_model(config, dtype="float32", device="cpu", tp_rank=tp_rank, tp_size=tp_size)
+    model = build_model(config, dtype="float32", device="cpu", tp_rank=tp_rank, tp_size=tp_size,
+                        expert_parallel=expert_parallel)
     load_weights(model, path)
     return model, config
 
@@ -87,15 +88,40 @@ def test_two_tensor_parallel_ranks_give_the_same_tokens(moe, shared_prefix_case)
     assert figures.num_preemptions > 0
 
 
-def test_two_ranks_of_a_sparse_layer_add_up_to_one(moe, monkeypatch):
+def test_two_expert_parallel_ranks_give_the_same_tokens(moe, shared_prefix_case):
+    """Two ranks each hold four of the eight experts whole (``enable_expert_parallel``)."""
+    prompts, expected = shared_prefix_case
+    got, figures = nanofn_greedy(moe, prompts, tensor_parallel_size=2,
+                                 enable_expert_parallel=True, num_kv_blocks=5, max_model_len=80)
+    assert got == expected
+    assert figures.num_preemptions > 0
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_two_ranks_of_a_sparse_layer_add_up_to_one(moe, monkeypatch, expert_parallel):
+    """Each rank's share of every expert, or (expert parallel) half the experts whole: rank 1
+    holds experts 4-7, computes only the pairs that chose them, and the two outputs add up."""
     monkeypatch.setattr(torch.distributed, "all_reduce", lambda tensor: None)  # summed by hand
     hidden = torch.randn(9, 64, generator=torch.Generator().manual_seed(1))
-    outputs = []
+    outputs, models = [], []
     for tp_rank, tp_size in [(0, 1), (0, 2), (1, 2)]:
-        model, _ = load(moe, tp_rank, tp_size)
+        model, _ = load(moe, tp_rank, tp_size, expert_parallel)
+        models.append(model)
         with torch.inference_mode():
             outputs.append(model.model.layers[0].mlp(hidden))
     torch.testing.assert_close(outputs[1] + outputs[2], outputs[0], atol=1e-5, rtol=1e-5)
+    whole, rank_1 = (m.model.layers[0].mlp.experts for m in (models[0], models[2]))
+    if expert_parallel:
+        assert list(rank_1.w13.experts) == [4, 5, 6, 7] and rank_1.w13.shape == (4, 96, 64)
+        assert torch.equal(rank_1.w13, whole.w13[4:]) and torch.equal(rank_1.w2, whole.w2[4:])
+        assert not torch.equal(outputs[1], outputs[0])  # (each rank's pairs alone)
+    else:
+        assert rank_1.w13.shape == (8, 48, 64)
+
+
+def test_expert_parallelism_needs_experts_that_split_evenly():
+    with pytest.raises(ValueError, match=r"num_experts \(8\) is not divisible by tp_size \(3\)"):
+        StackedExperts(8, 64, 48, tp_rank=0, tp_size=3, expert_parallel=True)
 
 
 # --- the router and the experts -----------------------------------------------------------------
@@ -185,11 +211,11 @@ def test_the_fused_layout_is_the_one_transformers_holds_in_memory(moe):
 
 
 def assert_loads_alike(path, other) -> None:
-    """The checkpoints at ``path`` and ``other`` fill every parameter alike, whole or a rank's
-    share."""
-    for tp_rank, tp_size in [(0, 1), (1, 2)]:
-        expected, _ = load(path, tp_rank, tp_size)
-        model, _ = load(other, tp_rank, tp_size)
+    """The checkpoints at ``path`` and ``other`` fill every parameter alike, whole, a rank's
+    share or (expert parallel) a rank's experts."""
+    for tp_rank, tp_size, expert_parallel in [(0, 1, False), (1, 2, False), (1, 2, True)]:
+        expected, _ = load(path, tp_rank, tp_size, expert_parallel)
+        model, _ = load(other, tp_rank, tp_size, expert_parallel)
         for (name, param), (_, expected_param) in zip(model.named_parameters(),
                                                       expected.named_parameters()):
             assert torch.equal(param, expected_param), name

@@ -94,6 +94,20 @@ def test_one_launch_aligns_the_pairs_as_the_torch_ops_do(interpreter, num_tokens
     assert torch.equal(one_launch.sorted_pairs, torch_ops.sorted_pairs)
 
 
+@pytest.mark.parametrize("num_tokens", [90, 700])
+def test_pairs_of_another_ranks_experts_are_left_out_of_the_alignment(interpreter, num_tokens):
+    """Expert parallelism: ids of -1 name experts another rank holds; both ways place every
+    other pair once, in the same layout, and none of those."""
+    generator = torch.Generator().manual_seed(num_tokens)
+    topk_ids = torch.rand(num_tokens, 16, generator=generator).topk(4, dim=-1).indices
+    local_ids = topk_ids.masked_fill(topk_ids >= 8, -1)  # rank 0 of two holds experts 0-7
+    one_launch, torch_ops = interpreter(aligned_both_ways, local_ids, 8, 16)
+    assert torch.equal(one_launch.block_experts, torch_ops.block_experts)
+    assert torch.equal(one_launch.sorted_pairs, torch_ops.sorted_pairs)
+    placed = one_launch.sorted_pairs[one_launch.sorted_pairs < local_ids.numel()]
+    assert sorted(placed.tolist()) == torch.nonzero(local_ids.flatten() >= 0).flatten().tolist()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("num_experts, top_k, renormalize",
                          [(128, 8, True), (60, 6, False), (6, 1, True)])
@@ -121,10 +135,35 @@ def test_fused_moe_matches_the_experts_token_by_token(interpreter, dtype, num_to
         assert topk_ids.flatten().unique().numel() < topk_ids.numel()
     several = triton_moe.GemmTiles(block_n=16, block_k=16)  # several tiles a matrix
     tiles = triton_moe.MoeTiles(block_m=16, gate_up=several, down=several)
-    out = interpreter(triton_moe.fused_moe, x, w13, w2, topk_weights, topk_ids, tiles)
+    out = interpreter(triton_moe.fused_moe, x, w13, w2, topk_weights, topk_ids, tiles=tiles)
     expected = experts_one_token_at_a_time(x, w13, w2, topk_weights, topk_ids)
     assert out.dtype == dtype
     torch.testing.assert_close(out.float(), expected, **TOLERANCES[dtype])
+
+
+@pytest.mark.parametrize("num_tokens", [3, 40], ids=["pair-blocks", "sorted-pairs"])
+def test_two_expert_parallel_ranks_add_up_to_all_the_experts(interpreter, num_tokens):
+    """Each rank holds four of the eight experts and computes the pairs that chose them (the
+    other rank's ids are -1): each rank's output is the reference's of its pairs, and the two
+    add up to every expert's."""
+    x, w13, w2, topk_weights, topk_ids = routed(num_tokens, num_experts=8, top_k=3, hidden=40,
+                                                inter=24, dtype=torch.float32, seed=num_tokens)
+    several = triton_moe.GemmTiles(block_n=16, block_k=16)
+    tiles = triton_moe.MoeTiles(block_m=16, gate_up=several, down=several)
+    outs = []
+    for first in (0, 4):
+        local_ids = topk_ids - first
+        local_ids = local_ids.masked_fill((local_ids < 0) | (local_ids >= 4), -1)
+        assert (local_ids == -1).any() and (local_ids >= 0).any()
+        out = interpreter(triton_moe.fused_moe, x, w13[first:first + 4], w2[first:first + 4],
+                          topk_weights, local_ids, True, tiles)
+        expected = moe.fused_moe(x, w13[first:first + 4], w2[first:first + 4], topk_weights,
+                                 local_ids)
+        torch.testing.assert_close(out, expected, **TOLERANCES[torch.float32])
+        outs.append(out)
+    torch.testing.assert_close(outs[0] + outs[1],
+                               experts_one_token_at_a_time(x, w13, w2, topk_weights, topk_ids),
+                               **TOLERANCES[torch.float32])
 
 
 def test_fused_moe_with_its_default_tiles_and_no_tokens(interpreter):

@@ -67,6 +67,9 @@ ENGINE_FLAGS: dict[str, dict[str, Any]] = {
     "disable_custom_all_reduce": dict(action="store_const", const=True,
                                       help="tensor parallelism: every all-reduce through NCCL, "
                                            "none through peer memory"),
+    "enable_expert_parallel": dict(action="store_const", const=True,
+                                   help="tensor parallelism of a mixture-of-experts model: each "
+                                        "GPU holds whole experts, not a share of every one"),
     "enable_prefix_caching": dict(flag="--no-prefix-caching", action="store_const", const=False,
                                   help="do not reuse the KV cache of shared prompt prefixes"),
     "enable_chunked_prefill": dict(flag="--no-chunked-prefill", action="store_const",

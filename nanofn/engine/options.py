@@ -60,6 +60,10 @@ class EngineOptions:
     # Tensor parallelism's small all-reduces through NCCL too, not through peer memory
     # (``nanofn/kernels/all_reduce.py``), as vLLM's option of the same name
     disable_custom_all_reduce: bool = False
+    # A mixture-of-experts model's ranks each hold E / tensor_parallel_size whole experts,
+    # instead of a share of every expert (vLLM's option of the same name); dense layers and
+    # attention stay split as before
+    enable_expert_parallel: bool = False
     # A streamed request is reported by ``Engine.step()`` at its first token, at its finish and
     # else once it has this many new tokens (vLLM's and SGLang's option of the same name):
     # fewer, larger chunks for the server to build, send and stream, at high concurrency
@@ -137,7 +141,8 @@ def _problems(o: EngineOptions):
     if o.kernel_backend not in KERNEL_BACKENDS:
         yield (f"kernel_backend must be one of {', '.join(KERNEL_BACKENDS)}, "
                f"got {o.kernel_backend!r}")
-    for name in ("enforce_eager", "async_scheduling", "disable_custom_all_reduce"):
+    for name in ("enforce_eager", "async_scheduling", "disable_custom_all_reduce",
+                 "enable_expert_parallel"):
         if not isinstance(getattr(o, name), bool):
             yield f"{name} must be True or False, got {getattr(o, name)!r}"
     if o.seed is not None and (not isinstance(o.seed, int) or isinstance(o.seed, bool)):

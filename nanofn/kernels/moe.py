@@ -23,23 +23,29 @@ def select_experts(router_logits: torch.Tensor, top_k: int,
 
 
 def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-              topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+              topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+              expert_parallel: bool = False) -> torch.Tensor:
     """``[T, H]``: each token's chosen experts' gated MLPs, weighted and summed.
 
     ``hidden [T, H]``; ``w13 [E, 2I, H]``, each expert's ``[gate | up]`` projection;
     ``w2 [E, H, I]``, its down projection; ``topk_weights``, ``topk_ids`` ``[T, k]``. Expert
     ``e``'s output for token ``t`` is ``w2[e] @ (silu(gate) * up)``; each is multiplied by its
     weight in the model's dtype and added up in ascending expert order, as transformers does.
-    Under tensor parallelism ``I`` is a rank's share and the result its partial sum.
+    Under tensor parallelism ``I`` is a rank's share and the result its partial sum; under
+    expert parallelism (``expert_parallel``) the ``E`` experts are the rank's, an id of -1
+    names an expert another rank holds, whose pair adds nothing here, and the result is again
+    the rank's partial sum. (The references always skip -1; the flag is for the GPU kernels.)
 
     Only the experts that have tokens are computed, each over its tokens at once.
     """
     out = torch.zeros_like(hidden)
+    num_experts = w13.shape[0]
     flat_ids = topk_ids.flatten()
+    flat_ids = flat_ids.masked_fill(flat_ids < 0, num_experts)  # other ranks': sorted last
     order = flat_ids.argsort(stable=True)  # the (token, slot) pairs grouped by expert
     tokens = order // topk_ids.shape[1]
     weights = topk_weights.flatten()[order]
-    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
+    counts = torch.bincount(flat_ids, minlength=num_experts)[:num_experts].tolist()
     start = 0
     for expert, count in enumerate(counts):
         if count == 0:

@@ -103,33 +103,40 @@ def capacity_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
 
 
 def sorted_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> AlignedPairs:
-    """``align_pairs`` in torch ops (a stable sort by expert)."""
+    """``align_pairs`` in torch ops (a stable sort by expert). Pairs of id -1 (another rank's
+    expert) sort last and are written to one slot past the layout, cut off: no value is read
+    back to the host."""
     experts = topk_ids.flatten().long()
+    experts = experts.masked_fill(experts < 0, num_experts)  # other ranks': a bucket past ours
     num_pairs = experts.numel()
     num_blocks = capacity_blocks(num_pairs, num_experts, block_m)
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=experts.device).scatter_add_(
-        0, experts, torch.ones_like(experts))  # (bincount reads its maximum back on a GPU)
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=experts.device).scatter_add_(
+        0, experts, torch.ones_like(experts))[:num_experts]  # (bincount reads back its maximum)
     padded = (counts + block_m - 1) // block_m * block_m
     padded_ends = padded.cumsum(0)
     order = torch.argsort(experts, stable=True)
     sorted_experts = experts[order]
+    ours = sorted_experts < num_experts
+    sorted_experts = sorted_experts.clamp(max=num_experts - 1)
     first_of_expert = counts.cumsum(0) - counts  # in the unpadded sorted order
     rank = torch.arange(num_pairs, device=experts.device) - first_of_expert[sorted_experts]
     destination = padded_ends[sorted_experts] - padded[sorted_experts] + rank
-    sorted_pairs = torch.full((num_blocks * block_m,), num_pairs, dtype=torch.int32,
+    destination = destination.where(ours, num_blocks * block_m)  # the slot cut off
+    sorted_pairs = torch.full((num_blocks * block_m + 1,), num_pairs, dtype=torch.int32,
                               device=experts.device)
     sorted_pairs[destination] = order.to(torch.int32)
     block_starts = torch.arange(num_blocks, device=experts.device) * block_m
     block_experts = torch.searchsorted(padded_ends, block_starts, right=True)
     block_experts = torch.where(block_experts < num_experts, block_experts, -1)
-    return AlignedPairs(sorted_pairs, block_experts.to(torch.int32), block_m)
+    return AlignedPairs(sorted_pairs[:-1], block_experts.to(torch.int32), block_m)
 
 
 @triton.jit
 def _align_kernel(ids_ptr, sorted_pairs_ptr, block_experts_ptr, num_pairs, num_experts,
                   num_blocks, BLOCK_M: tl.constexpr, EXPERTS: tl.constexpr, CHUNK: tl.constexpr,
                   SUB: tl.constexpr, BLOCKS: tl.constexpr):
-    """``sorted_by_expert``'s result, in place: program ``p`` places pairs ``p * CHUNK ...``.
+    """``sorted_by_expert``'s result, in place: program ``p`` places pairs ``p * CHUNK ...``
+    (but those of id -1, another rank's expert).
 
     Every program counts all the pairs' experts (so it knows where each expert's run starts)
     and those of the pairs before its own; it then places its pairs in order, ``SUB`` at a
@@ -143,8 +150,8 @@ def _align_kernel(ids_ptr, sorted_pairs_ptr, block_experts_ptr, num_pairs, num_e
     before = tl.zeros([EXPERTS], dtype=tl.int32)  # of the pairs before this program's
     for first in range(0, num_pairs, CHUNK):
         pairs = first + tl.arange(0, CHUNK)
-        ids = tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=0).to(tl.int32)
-        counted = tl.histogram(ids, EXPERTS, mask=pairs < num_pairs)
+        ids = tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=-1).to(tl.int32)
+        counted = tl.histogram(ids, EXPERTS, mask=ids >= 0)
         counts += counted
         before += tl.where(first < program * CHUNK, counted, 0)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
@@ -152,8 +159,8 @@ def _align_kernel(ids_ptr, sorted_pairs_ptr, block_experts_ptr, num_pairs, num_e
     next_slot = run_ends - padded + before
     for sub in range(0, tl.minimum(CHUNK, num_pairs - program * CHUNK), SUB):
         pairs = program * CHUNK + sub + tl.arange(0, SUB)
-        ok = pairs < num_pairs
-        ids = tl.load(ids_ptr + pairs, mask=ok, other=0).to(tl.int32)
+        ids = tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=-1).to(tl.int32)
+        ok = ids >= 0  # (-1: another rank's expert, or past the pairs)
         one_hot = ((ids[:, None] == experts[None, :]) & ok[:, None]).to(tl.int32)
         rank = tl.cumsum(one_hot, 0) - one_hot
         slot = tl.sum(one_hot * (next_slot[None, :] + rank), 1)
@@ -335,17 +342,21 @@ def _down_kernel(a_ptr, w2_ptr, out_ptr, routing_ptr, sorted_pairs_ptr, block_ex
 
 
 @triton.jit
-def _sum_pairs_kernel(scaled_ptr, out_ptr, hidden, TOP_K: tl.constexpr, BLOCK: tl.constexpr,
-                      OVERLAP: tl.constexpr):
+def _sum_pairs_kernel(scaled_ptr, ids_ptr, out_ptr, hidden, TOP_K: tl.constexpr,
+                      BLOCK: tl.constexpr, EXPERT_PARALLEL: tl.constexpr, OVERLAP: tl.constexpr):
     """Token ``program_id(0)``'s columns ``program_id(1) * BLOCK ...``: the sum of its ``TOP_K``
-    scaled rows (contiguous, ``hidden`` wide), in float32 in order, rounded once."""
+    scaled rows (contiguous, ``hidden`` wide), in float32 in order, rounded once;
+    ``EXPERT_PARALLEL``: of those whose expert id is not -1 (the others were not computed)."""
     wait_for_previous(OVERLAP)
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     col_ok = cols < hidden
     total = tl.zeros([BLOCK], dtype=tl.float32)
     for j in tl.static_range(TOP_K):
-        total += tl.load(scaled_ptr + (token * TOP_K + j) * hidden + cols, mask=col_ok,
+        ok = col_ok
+        if EXPERT_PARALLEL:
+            ok = ok & (tl.load(ids_ptr + token * TOP_K + j) >= 0)
+        total += tl.load(scaled_ptr + (token * TOP_K + j) * hidden + cols, mask=ok,
                          other=0.0).to(tl.float32)
     tl.store(out_ptr + token * hidden + cols, total.to(out_ptr.dtype.element_ty), mask=col_ok)
 
@@ -408,9 +419,11 @@ def _fitting(tiles: GemmTiles, block_m: int, weight_tiles: int, element_size: in
 
 def fused_moe(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
               topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-              tiles: MoeTiles | None = None) -> torch.Tensor:
+              expert_parallel: bool = False, tiles: MoeTiles | None = None) -> torch.Tensor:
     """``moe.fused_moe``: ``hidden_states [T, H]``, ``w13 [E, 2I, H]``, ``w2 [E, H, I]``,
-    ``topk_weights`` and ``topk_ids`` ``[T, k]``; returns ``[T, H]`` in the input's dtype."""
+    ``topk_weights`` and ``topk_ids`` ``[T, k]``; returns ``[T, H]`` in the input's dtype.
+    ``expert_parallel``: ids of -1 (another rank's experts) are left out (the alignment always
+    leaves them out; with the flag the sum skips their unwritten rows)."""
     num_tokens, hidden = hidden_states.shape
     num_experts, inter = w2.shape[0], w2.shape[2]
     top_k = topk_ids.shape[1]
@@ -441,5 +454,6 @@ def fused_moe(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         **overlap)
     out = hidden_states.new_empty(num_tokens, hidden)
     _sum_pairs_kernel[(num_tokens, triton.cdiv(hidden, SUM_BLOCK))](
-        scaled, out, hidden, TOP_K=top_k, BLOCK=SUM_BLOCK, num_warps=4, **overlap)
+        scaled, topk_ids, out, hidden, TOP_K=top_k, BLOCK=SUM_BLOCK,
+        EXPERT_PARALLEL=expert_parallel, num_warps=4, **overlap)
     return out

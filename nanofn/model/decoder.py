@@ -54,6 +54,9 @@ class DecoderOptions:
     sparse_moe: bool = False
     # The attention and MLP projections in FP8 (``quantization.py``), else None
     fp8: Fp8Scheme | None = None
+    # Under tensor parallelism, whole experts a rank (``moe.StackedExperts``), not a share of
+    # every expert
+    expert_parallel: bool = False
 
 
 def _qwen3_options(hf_config: Any) -> DecoderOptions:
@@ -281,9 +284,10 @@ def mlp(hf_config: Any, options: DecoderOptions, kernels: KernelBackend, tp_rank
         return MLP(hf_config, options, kernels, tp_rank, tp_size)
     shared_size = getattr(text_config(hf_config), "shared_expert_intermediate_size", 0)
     if not shared_size:
-        return SparseMoeBlock(hf_config, kernels, tp_rank, tp_size)
+        return SparseMoeBlock(hf_config, kernels, tp_rank, tp_size, options.expert_parallel)
     shared_expert = MLP(hf_config, options, kernels, tp_rank, tp_size, shared_size)
-    return SharedExpertMoeBlock(hf_config, shared_expert, kernels, tp_rank, tp_size)
+    return SharedExpertMoeBlock(hf_config, shared_expert, kernels, tp_rank, tp_size,
+                                options.expert_parallel)
 
 
 def layer_norms(hf_config: Any, options: DecoderOptions,

@@ -85,6 +85,7 @@ def build_model(
     max_model_len: int | None = None,
     kernels: KernelBackend = TORCH_KERNELS,
     quantization: str | None = None,
+    expert_parallel: bool = False,
 ) -> CausalLM:
     """An uninitialised model holding this rank's shard; fill it with ``load_weights``. A config
     with linear-attention layers gives a ``HybridCausalLM``, whose ``forward`` takes state slots.
@@ -94,9 +95,9 @@ def build_model(
     ``kernels`` are the kernels every layer calls (projections, attention, norms, rotary, activation).
     An FP8 checkpoint (its ``quantization_config``), or ``quantization="fp8"``, gives FP8
     attention and MLP projections (``quantization.py``); the embeddings, norms and LM head keep
-    ``dtype``.
+    ``dtype``. ``expert_parallel``: an MoE model's ranks hold whole experts (``moe.py``).
     """
-    options = decoder_options(hf_config)
+    options = dataclasses.replace(decoder_options(hf_config), expert_parallel=expert_parallel)
     check_activation(hf_config)
     check_context_fits_window(hf_config, max_model_len)
     max_positions = max_model_len or text_config(hf_config).max_position_embeddings
@@ -326,7 +327,7 @@ def _checkpoint_names(param_name: str, param: torch.nn.Parameter) -> list[str]:
     if module_path.endswith(".mlp.experts") and leaf in ("w13", "w2"):
         projections = ("gate_proj", "up_proj") if leaf == "w13" else ("down_proj",)
         return [f"{module_path}.{expert}.{projection}.weight"
-                for expert in range(param.shape[0]) for projection in projections]
+                for expert in param.experts for projection in projections]
     parent, _, module = module_path.rpartition(".")
     sources = [hf for hf, (fused, _) in FUSED_PROJECTIONS.items() if fused == module]
     return [f"{parent}.{hf}.{leaf}" for hf in sources] or [param_name]

@@ -63,6 +63,7 @@ class RunnerConfig:
     quantization: str | None = None  # "fp8": a bf16 checkpoint's projections quantized at load
     kv_cache_dtype: str = "auto"  # "auto": the model's dtype; "fp8": float8_e4m3fn (e4m3)
     disable_custom_all_reduce: bool = False  # every all-reduce through NCCL (see all_reduce.py)
+    expert_parallel: bool = False  # an MoE model's ranks hold whole experts (model/moe.py)
 
     @property
     def ranks_per_node(self) -> int:
@@ -114,7 +115,8 @@ class ModelRunner:
         self.model = build_model(hf_config, dtype=self.dtype, device=config.device,
                                  tp_rank=config.tp_rank, tp_size=config.tp_size,
                                  max_model_len=config.max_model_len, kernels=self.kernels,
-                                 quantization=config.quantization)
+                                 quantization=config.quantization,
+                                 expert_parallel=config.expert_parallel)
         if config.load_format == "dummy":
             init_dummy_weights(self.model, config.seed or 0)
         else:

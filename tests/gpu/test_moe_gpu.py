@@ -56,6 +56,25 @@ def test_the_fused_experts_match_the_reference(num_tokens):
     assert relative_error(got, exact) <= 2 * relative_error(rounded, exact) + 1e-3
 
 
+@pytest.mark.parametrize("num_tokens", [1, 6, 300, 2500])
+def test_two_expert_parallel_halves_add_up_to_all_the_experts(num_tokens):
+    """Expert parallelism at two ranks: each half of the experts computes the pairs that chose
+    it (the other half's ids -1); the halves' outputs add up to all the experts' output, to
+    bf16's rounding (each half rounded once)."""
+    x, w13, w2, topk_weights, topk_ids = experts_and_routing(num_tokens, num_tokens + 7)
+    half = EXPERTS // 2
+    halves = []
+    for first in (0, half):
+        local = topk_ids - first
+        local = local.masked_fill((local < 0) | (local >= half), -1)
+        halves.append(triton_moe.fused_moe(x, w13[first:first + half], w2[first:first + half],
+                                           topk_weights, local, expert_parallel=True))
+    exact = moe.fused_moe(x.float(), w13.float(), w2.float(), topk_weights.float(), topk_ids)
+    whole = triton_moe.fused_moe(x, w13, w2, topk_weights, topk_ids)
+    assert relative_error(halves[0].float() + halves[1].float(), exact) <= (
+        2 * relative_error(whole, exact) + 1e-3)
+
+
 @pytest.mark.parametrize("num_tokens", [2, 24])
 def test_the_fused_experts_replay_from_a_cuda_graph(num_tokens):
     """Captured once (nothing read back to the host), replayed with other tokens and routing."""

@@ -1,5 +1,6 @@
 """Two GPUs, beyond one engine on one GPU: two "hosts" of one GPU each (a ``nanofn worker`` that
-sees only the second GPU) give the tokens of TP=2 on one host and of TP=1; ``serve
+sees only the second GPU) give the tokens of TP=2 on one host and of TP=1; so does a
+mixture-of-experts model's expert parallelism; ``serve
 --data-parallel-size 2`` puts one replica on each GPU and both answer with one engine's tokens;
 the all-reduce through peer memory sums as NCCL does, eagerly and from a CUDA graph, and so
 does the norm that adds up two ranks' summands itself.
@@ -50,6 +51,15 @@ def test_two_hosts_of_one_gpu_give_the_tokens_of_tp2(tiny_qwen3):
         host.kill()
     assert spread == tokens(tiny_qwen3, tensor_parallel_size=2)
     assert spread == tokens(tiny_qwen3)
+
+
+def test_expert_parallel_gives_the_tokens_of_tp2_on_two_gpus(tiny_checkpoint):
+    """A mixture-of-experts model with each GPU holding half the experts (float32) decodes as
+    with each holding half of every expert, and as one GPU."""
+    sparse = tiny_checkpoint("qwen3_moe")
+    expert_parallel = tokens(sparse, tensor_parallel_size=2, enable_expert_parallel=True)
+    assert expert_parallel == tokens(sparse, tensor_parallel_size=2)
+    assert expert_parallel == tokens(sparse)
 
 
 def test_data_parallel_replicas_answer_on_two_gpus(tiny_qwen3):
