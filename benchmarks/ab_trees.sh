@@ -5,13 +5,13 @@
 #   bash benchmarks/ab_trees.sh TREE [TREE...]     e.g. . .ab_base  (a tree: a folder holding nanofn/)
 # A tree other than the checkout is a copy carried along, e.g. made here with
 #   mkdir .ab_base && git archive HEAD | tar -x -C .ab_base   (and /.ab_base/ in .git/info/exclude)
-# BATCHES (default "1 256") sets the decode batch sizes profiled; BENCH=N (default 0) first runs
-# the standard workload N times a tree, the trees in turn; SHAPE (default qwen3-0.6b) is the
-# --random-weights shape, e.g. SHAPE=qwen3-30b-a3b for a MoE change; FLAGS adds options to
-# every run, e.g. FLAGS="--quantization=fp8 --kv-cache-dtype=fp8" for an FP8 change. Each
-# tree's nanofn is imported from PYTHONPATH; `python3 -m nanofn` would put the current folder
-# first on sys.path and import the checkout's instead, so the workload runs from the tree's own
-# folder.
+# BATCHES (default "1 256"; "" for none) sets the decode batch sizes profiled; BENCH=N
+# (default 0) first runs the standard workload N times a tree, the trees in turn; SHAPE
+# (default qwen3-0.6b) is the --random-weights shape, e.g. SHAPE=qwen3-30b-a3b for a MoE
+# change; FLAGS adds options to every run, e.g. FLAGS="--quantization=fp8
+# --kv-cache-dtype=fp8" for an FP8 change. Each tree's nanofn is imported from PYTHONPATH;
+# `python3 -m nanofn` would put the current folder first on sys.path and import the
+# checkout's instead, so the workload runs from the tree's own folder.
 set -u
 shape=${SHAPE:-qwen3-0.6b}
 python3 -m pip install -q --upgrade --no-index --no-deps --target /tmp/site .whl/*.whl
@@ -32,7 +32,7 @@ for round in 1 2; do
       --random-weights "$shape" ${FLAGS:-} 2>&1 | tail -1 | sed "s|^|$tree (round $round): |"
   done
 done
-for b in ${BATCHES:-1 256}; do
+for b in ${BATCHES-1 256}; do
   for tree in "$@"; do
     log="$OUT/profile-$b-$(echo "$tree" | tr -c 'a-zA-Z0-9\n' _).txt"
     PYTHONPATH=/tmp/site:$(cd "$tree" && pwd) timeout 150 python3 benchmarks/profile_decode.py \
