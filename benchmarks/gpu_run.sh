@@ -2,9 +2,9 @@
 # One call on a GPU machine: the GPU test suite, then the benchmarks, logs under $OUT and a
 # short table last; the logs come back as $OUT/logs-MODE.tgz. Usage: bash benchmarks/gpu_run.sh
 # [tests|tests-1|tests-2|tests-3|bench|all|kernels|serve|dp|tp|tp-ab|tp-profile|multinode|hybrid|
-# hybrid-bench|hybrid-prefix|moe-bench|moe-tp|fp8-bench|baseline] (default: all; baseline: the torch reference
-# attention, eager, for comparison; dp, tp, tp-ab and multinode need two GPUs; NO_TESTS=1
-# skips dp's tests)
+# hybrid-bench|hybrid-prefix|moe-bench|moe-tp|moe-ep|fp8-bench|baseline] (default: all;
+# baseline: the torch reference attention, eager, for comparison; dp, tp, tp-ab, multinode,
+# moe-tp and moe-ep need two GPUs; NO_TESTS=1 skips dp's tests)
 # Expects the wheels of ../shared/tools/gpu-wheels.sh in .whl/ (pyrsistent is missing there),
 # and flash-attn-4 in /tmp/fa4site if it is to be tested and measured (benchmarks/fa4_install.sh);
 # set NANOFN_COMMIT to the commit being measured (the device copy has no .git).
@@ -224,16 +224,22 @@ if [ "$what" = moe-bench ]; then  # Qwen3-30B-A3B's shape: 61 GB of weights, ~10
   bench qwen3-30b-a3b --random-weights qwen3-30b-a3b --profile
 fi
 if [ "$what" = moe-tp ]; then  # two GPUs: the MoE shapes split over two ranks (issue 35)
-  timeout 200 python3 -m pytest tests/gpu/test_multi_gpu.py -q -rs -k expert_parallel 2>&1 \
-    | tee "$OUT/gpu_moe_tp_tests.log" | tail -3
   single qwen3-30b-a3b-tp2 --random-weights qwen3-30b-a3b --tensor-parallel-size=2
-  single qwen3-30b-a3b-tp2-ep --random-weights qwen3-30b-a3b --tensor-parallel-size=2 \
-    --enable-expert-parallel=true
   bench qwen3-30b-a3b-tp1 --random-weights qwen3-30b-a3b --profile
   bench qwen3-30b-a3b-tp2 --random-weights qwen3-30b-a3b --tensor-parallel-size 2 --profile
-  bench qwen3-30b-a3b-tp2-ep --random-weights qwen3-30b-a3b --tensor-parallel-size 2 \
-    --enable-expert-parallel --profile
   bench qwen3.5-35b-a3b-tp2 --random-weights qwen3.5-35b-a3b --tensor-parallel-size 2 --profile
+fi
+if [ "$what" = moe-ep ]; then  # two GPUs: expert parallelism against TP at TP=2 (issue 35)
+  timeout 200 python3 -m pytest tests/gpu/test_multi_gpu.py tests/gpu/test_moe_gpu.py -q -rs \
+    -k expert_parallel 2>&1 | tee "$OUT/gpu_moe_ep_tests.log" | tail -3
+  for flags in "" "--enable-expert-parallel=true"; do
+    single "qwen3-30b-a3b-tp2${flags:+-ep}" --random-weights qwen3-30b-a3b \
+      --tensor-parallel-size=2 $flags
+  done
+  for flags in "" "--enable-expert-parallel"; do
+    bench "qwen3-30b-a3b-tp2${flags:+-ep}" --random-weights qwen3-30b-a3b \
+      --tensor-parallel-size 2 $flags --profile
+  done
 fi
 if [ "$what" = fp8-bench ]; then  # FP8 weights and KV cache (issue 36), beside bf16 for the 8B
   single qwen3-0.6b-fp8 --quantization=fp8 --kv-cache-dtype=fp8
