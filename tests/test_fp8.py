@@ -24,6 +24,7 @@ from nanofn.kernels.fp8 import FP8_DTYPE, Fp8Weight, fp8_linear, quantize_groups
 from nanofn.model import build_model, load_weights
 from nanofn.model.quantization import fp8_scheme
 from nanofn.state import SamplingParams
+from test_hybrid_model import HybridRun
 from test_model import PagedRun, random_prompt, run_steps, run_tensor_parallel_rank
 
 E4M3_MAX = 448.0
@@ -373,12 +374,77 @@ def test_an_unsupported_quantized_checkpoint_is_an_error_naming_its_format(tiny_
         build_model(config, dtype="float32", device="cpu")
 
 
-@pytest.mark.parametrize("arch, kind", [("qwen3_moe", "mixture-of-experts"),
-                                        ("qwen3_5", "hybrid")])
-def test_fp8_for_moe_and_hybrid_models_is_refused_naming_them(tiny_checkpoint, arch, kind):
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_5_moe"])
+def test_fp8_for_moe_models_is_refused_naming_them(tiny_checkpoint, arch):
     config = AutoConfig.from_pretrained(tiny_checkpoint(arch))
-    with pytest.raises(ValueError, match=f"FP8 is not supported for {kind}"):
+    with pytest.raises(ValueError, match="FP8 is not supported for mixture-of-experts"):
         build_model(config, dtype="float32", device="cpu", quantization="fp8")
+
+
+# LLM Compressor's recipes for Qwen3.5 keep its linear attention in full precision
+LINEAR_ATTENTION_KEPT = ["lm_head", "re:.*linear_attn.*"]
+
+
+def write_hybrid_fp8_checkpoint(tiny_checkpoint, tmp_path, scheme: str, ignore: list[str]):
+    """The tiny Qwen3.5 in ``scheme`` (its attention and MLP projections: the linear
+    attention's are left as they are), the config's ignore list ``ignore``."""
+    fp8_dir, dequantized_dir = tmp_path / "fp8", tmp_path / "dequantized"
+    write_fp8_checkpoint(tiny_checkpoint("qwen3_5", **WIDE), fp8_dir, dequantized_dir, scheme)
+    config = json.loads((fp8_dir / "config.json").read_text())["quantization_config"]
+    config["ignore" if scheme.startswith("ct-") else "modules_to_not_convert"] = ignore
+    set_config(fp8_dir, quantization_config=config)
+    return fp8_dir, dequantized_dir
+
+
+@pytest.mark.parametrize("scheme", ["qwen-block", "ct-channel-dynamic"])
+def test_an_fp8_qwen3_5_generates_the_greedy_tokens_of_its_dequantized_weights(
+        tiny_checkpoint, tmp_path, scheme):
+    """The hybrid Qwen3.5 with FP8 full-attention and MLP projections and its linear attention
+    in full precision (the checkpoint's ignore list names it): nanofn's greedy tokens are
+    transformers' on the dequantized weights, activations quantized alike."""
+    fp8_dir, dequantized_dir = write_hybrid_fp8_checkpoint(tiny_checkpoint, tmp_path, scheme,
+                                                           LINEAR_ATTENTION_KEPT)
+    reference = reference_model(dequantized_dir, scheme)
+    with LLM(str(fp8_dir), num_kv_blocks=32, max_model_len=64) as llm:
+        outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=NEW_TOKENS),
+                               use_tqdm=False)
+        weights = dict(llm.engine.runner.model.named_parameters())
+    full_attention = next(n for n in weights if n.endswith("self_attn.qkv_proj.weight"))
+    assert weights[full_attention].dtype == FP8_DTYPE
+    assert weights["model.layers.0.mlp.gate_up_proj.weight"].dtype == FP8_DTYPE
+    assert weights["model.layers.0.linear_attn.in_proj.weight"].dtype == torch.float32
+    assert weights["model.layers.0.linear_attn.out_proj.weight"].dtype == torch.float32
+    for prompt, output in zip(PROMPTS, outputs):
+        assert list(output.outputs[0].token_ids) == greedy_tokens(reference, prompt, NEW_TOKENS)
+
+
+def test_an_fp8_qwen3_5_that_quantizes_its_linear_attention_is_refused(tiny_checkpoint,
+                                                                         tmp_path):
+    fp8_dir, _ = write_hybrid_fp8_checkpoint(tiny_checkpoint, tmp_path, "ct-channel-dynamic",
+                                             ["lm_head", "re:.*linear_attn\\.in_proj_.*"])
+    config = AutoConfig.from_pretrained(fp8_dir)
+    with pytest.raises(ValueError, match="it quantizes model.layers.0.linear_attn.out_proj, a "
+                                         "linear-attention projection"):
+        build_model(config, dtype="float32", device="cpu")
+
+
+def test_quantization_fp8_of_qwen3_5_keeps_its_linear_attention_and_its_logits_near(
+        tiny_checkpoint):
+    """At load, the hybrid's full-attention and MLP projections become FP8, its linear
+    attention's stay; the logits stay near the full-precision model's (as the dense test's)."""
+    path = tiny_checkpoint("qwen3_5", **WIDE)
+    config = AutoConfig.from_pretrained(path)
+    model = build_model(config, dtype="float32", device="cpu", quantization="fp8")
+    load_weights(model, path)
+    fp8 = {n for n, p in model.named_parameters() if p.dtype == FP8_DTYPE}
+    projections = {n for n, _ in model.named_parameters() if n.endswith("proj.weight")}
+    assert fp8 == {n for n in projections if ".linear_attn." not in n} and fp8 != projections
+    prompt = random_prompt(24, seed=7)
+    logits = HybridRun(model, config, block_size=4).step({"a": prompt})["a"]
+    full_model = build_model(config, dtype="float32", device="cpu")
+    load_weights(full_model, path)
+    full = HybridRun(full_model, config, block_size=4).step({"a": prompt})["a"]
+    assert ((logits - full).abs().max() / full.abs().max()).item() < 0.3
 
 
 def test_a_checkpoint_keeping_a_projection_unquantized_is_refused(fp8_checkpoints, tmp_path):
@@ -671,6 +737,33 @@ def test_the_fp8_floor_reads_one_byte_projections_and_kv_entries():
     assert both < weights < bf16 and both < kv < bf16
     # decode reads KV bytes far more than weights in this workload (the issue's 4.2 of 5.15 s)
     assert bf16 - kv > bf16 - weights
+
+
+def test_the_fp8_floor_of_qwen3_5_reads_its_linear_attention_in_full_precision():
+    """One request on the Qwen3.5-9B shape: FP8 saves a byte a step for each full-attention
+    and MLP weight, none for the linear attention's (nanofn keeps those in bf16)."""
+    from nanofn.cli.bench import DEFAULT_BANDWIDTH_GBPS, ModelDims, floor
+    from nanofn.model.tiny import PRESETS
+
+    dims = ModelDims.from_config(PRESETS["qwen3.5-9b-shape"])
+    assert 0 < dims.linear_attention_params < dims.shared_body_params
+    bf16, fp8 = (floor(dims, [512], [513], projection_bytes=b).decode_s for b in (None, 1))
+    saved_a_step = (bf16 - fp8) / 512
+    fp8_weights = dims.shared_body_params - dims.linear_attention_params
+    assert saved_a_step == pytest.approx(fp8_weights / (DEFAULT_BANDWIDTH_GBPS * 1e9))
+
+
+@pytest.mark.parametrize("arch, rest", [("qwen3", "embeddings, norms and LM head"),
+                                        ("qwen3_5", "embeddings, norms, LM head and linear "
+                                                    "attention")])
+def test_bench_names_what_stays_in_the_models_dtype(tiny_checkpoint, arch, rest):
+    from nanofn.cli.bench import bench_data_types
+    from nanofn.engine.options import EngineOptions
+
+    config = AutoConfig.from_pretrained(tiny_checkpoint(arch))
+    types = bench_data_types(config, EngineOptions(model="m", quantization="fp8"),
+                             torch.bfloat16)
+    assert types["weights"] == "fp8_e4m3" and types["description"].endswith(f"{rest} bfloat16")
 
 
 def test_bench_prints_the_data_types_and_an_fp8_floor(tiny_qwen3, tmp_path, capsys):

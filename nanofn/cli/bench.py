@@ -189,13 +189,20 @@ class ModelDims:
         mlp = 3 * h * self.intermediate_size
         q_heads = self.num_heads * (2 if self.gated_attention else 1)
         attention = h * (q_heads + 2 * self.num_kv_heads) * d + self.num_heads * d * h
-        key_dim = self.linear_key_heads * self.linear_key_dim
-        value_dim = self.linear_value_heads * self.linear_value_dim
-        linear = h * (2 * key_dim + 2 * value_dim + 2 * self.linear_value_heads) + value_dim * h
         shared_expert = 3 * h * self.shared_expert_intermediate_size
         moe_shared = h * self.num_experts + shared_expert + (h if shared_expert else 0)
-        return (self.num_attention_layers * attention + self.num_linear_layers * linear
+        return (self.num_attention_layers * attention + self.linear_attention_params
                 + (self.num_layers - self.num_moe_layers) * mlp + self.num_moe_layers * moe_shared)
+
+    @property
+    def linear_attention_params(self) -> int:
+        """A hybrid model's linear-attention projections (q/k/v, z, b, a, out) in all its
+        linear-attention layers: part of ``shared_body_params``, and never FP8 in nanofn."""
+        h = self.hidden_size
+        key_dim = self.linear_key_heads * self.linear_key_dim
+        value_dim = self.linear_value_heads * self.linear_value_dim
+        per_layer = h * (2 * key_dim + 2 * value_dim + 2 * self.linear_value_heads) + value_dim * h
+        return self.num_linear_layers * per_layer
 
     @property
     def expert_params(self) -> int:
@@ -324,7 +331,8 @@ def floor(dims: ModelDims, prompt_lens: Sequence[int], output_lens: Sequence[int
     ``bytes_per_param`` is the size of a weight and of a cached K or V element (2, bf16, in
     ``shared/tools/roofline.py``); ``projection_bytes`` that of the decoder layers' matmul
     weights and ``kv_bytes`` that of a cached element where they differ from it (1 with FP8
-    projections or an FP8 KV cache: the LM head stays in the model's dtype; the FP8 scales,
+    projections or an FP8 KV cache: the LM head and a hybrid model's linear-attention
+    projections stay in the model's dtype; the FP8 scales,
     3 % of the weights at most, are left out). The matmul rate is the same: the FP8 tensor
     cores' is twice bf16's, but this floor is a bf16 one made cheaper in bytes alone. The first output token of a request comes from its prefill; each later one from a decode
     step that runs every unfinished request at once. The first ``shared_prefix_len`` tokens of
@@ -340,7 +348,10 @@ def floor(dims: ModelDims, prompt_lens: Sequence[int], output_lens: Sequence[int
     lm_head = dims.lm_head_params
     projection_bytes = bytes_per_param if projection_bytes is None else projection_bytes
     kv_bytes = bytes_per_param if kv_bytes is None else kv_bytes
-    shared_weight_bytes = projection_bytes * dims.shared_body_params + bytes_per_param * lm_head
+    full_precision = lm_head + dims.linear_attention_params  # (never FP8 in nanofn)
+    shared_weight_bytes = (projection_bytes * (dims.shared_body_params
+                                               - dims.linear_attention_params)
+                           + bytes_per_param * full_precision)
     kv_bytes_per_token = layers * 2 * dims.num_kv_heads * head_dim * kv_bytes
     # all but attention's and the LM head's
     token_flops = 2 * dims.active_body_params + dims.state_flops_per_token
@@ -382,11 +393,15 @@ def bench_data_types(hf_config: Any, options: Any, dtype: Any) -> dict[str, Any]
     kv_cache = "fp8_e4m3" if options.kv_cache_dtype.startswith("fp8") else name
     weights = "fp8_e4m3" if scheme else name
     activations = f"fp8_e4m3 into the projections ({scheme.description})" if scheme else name
+    config = hf_config.to_dict()
+    hybrid = _num_linear_layers(config.get("text_config") or config) > 0
+    rest = "embeddings, norms, LM head and linear attention" if hybrid else (
+        "embeddings, norms and LM head")
     return {"weights": weights, "kv_cache": kv_cache, "activations": activations,
             "floor_bytes": {"projection_bytes": 1 if scheme else None,
                             "kv_bytes": 1 if kv_cache == "fp8_e4m3" else None},
             "description": (f"projection weights {weights}, KV cache {kv_cache}, activations "
-                            f"{activations}; embeddings, norms and LM head {name}")}
+                            f"{activations}; {rest} {name}")}
 
 
 # --- the measurement ------------------------------------------------------------------------

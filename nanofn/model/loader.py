@@ -104,21 +104,24 @@ def build_model(
     model_class = HybridCausalLM if num_linear_layers(hf_config) else CausalLM
     scheme = fp8_scheme(hf_config, quantization)
     if scheme is not None:
-        check_fp8_supported(scheme, options, model_class)
+        check_fp8_supported(scheme, options)
         options = dataclasses.replace(options, fp8=scheme)
     with torch.device(device), _default_dtype(resolve_dtype(hf_config, dtype)):
         model = model_class(hf_config, options, kernels, max_positions, tp_rank, tp_size)
     if scheme is not None:
         check_ignored_modules(model, scheme)
+        check_linear_attention_unquantized(model, scheme)
     return model.eval()
 
 
-def check_fp8_supported(scheme: Fp8Scheme, options: Any, model_class: type) -> None:
-    """FP8 is read for dense decoders (Qwen3, Qwen2, Llama, Mistral) only, so far."""
-    if options.sparse_moe or model_class is HybridCausalLM:
-        kind = "mixture-of-experts" if options.sparse_moe else "hybrid (linear-attention)"
-        raise ValueError(f"{scheme.description}: FP8 is not supported for {kind} models yet; "
-                         f"only dense decoders (Qwen3, Qwen2, Llama, Mistral)")
+def check_fp8_supported(scheme: Fp8Scheme, options: Any) -> None:
+    """FP8 is read for dense decoders (Qwen3, Qwen2, Llama, Mistral) and the hybrid Qwen3.5
+    (its full-attention and MLP projections; its linear attention stays in full precision),
+    not yet for mixture-of-experts models (their experts)."""
+    if options.sparse_moe:
+        raise ValueError(f"{scheme.description}: FP8 is not supported for mixture-of-experts "
+                         f"models yet; only dense decoders (Qwen3, Qwen2, Llama, Mistral) and "
+                         f"the hybrid Qwen3.5")
 
 
 def check_ignored_modules(model: CausalLM, scheme: Fp8Scheme) -> None:
@@ -134,6 +137,23 @@ def check_ignored_modules(model: CausalLM, scheme: Fp8Scheme) -> None:
                 raise ValueError(f"unsupported FP8 checkpoint: it keeps {module} unquantized "
                                  f"(its ignore list), and nanofn quantizes every attention and "
                                  f"MLP projection or none")
+
+
+def check_linear_attention_unquantized(model: CausalLM, scheme: Fp8Scheme) -> None:
+    """A hybrid model's linear-attention projections stay in full precision (as LLM
+    Compressor's recipes for Qwen3.5 leave them): an FP8 checkpoint must keep them so (its
+    ignore list naming them), else it is refused, naming one."""
+    if scheme.quantize_at_load:
+        return
+    for name, param in model.named_parameters():
+        if ".linear_attn." not in name or not name.endswith("proj.weight"):
+            continue
+        for checkpoint_name in _checkpoint_names(name, param):
+            module = checkpoint_name.removesuffix(".weight")
+            if not scheme.is_ignored(module):
+                raise ValueError(f"unsupported FP8 checkpoint: it quantizes {module}, a "
+                                 f"linear-attention projection (not in its ignore list), which "
+                                 f"nanofn keeps in full precision")
 
 
 @contextlib.contextmanager

@@ -136,9 +136,11 @@ def test_fp8_kv_decode_and_prefill_match_the_reference_and_stay_near_bf16(batch)
     assert relative_error(out, expected) < TOLERANCE
 
 
-def test_an_engine_with_fp8_weights_and_kv_matches_the_torch_references(tiny_qwen3):
-    """The tiny qwen3 in bf16, quantized at load, FP8 KV cache: Triton's kernels (CUDA graphs
-    for decode) against the torch references, teacher-forced; projections 1 byte a weight.
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
+def test_an_engine_with_fp8_weights_and_kv_matches_the_torch_references(tiny_checkpoint, arch):
+    """The tiny qwen3 (and the hybrid Qwen3.5) in bf16, quantized at load, FP8 KV cache:
+    Triton's kernels (CUDA graphs for decode) against the torch references, teacher-forced;
+    projections 1 byte a weight (the hybrid's linear attention's stay bf16).
 
     The two differ by less than FP8 itself changes the logits (the torch references in FP8
     against bf16): a bf16 rounding that differs between the backends moves an activation
@@ -150,11 +152,11 @@ def test_an_engine_with_fp8_weights_and_kv_matches_the_torch_references(tiny_qwe
     logits = {}
     for backend, fp8 in (("auto", True), ("torch", True), ("torch", False)):
         options = dict(quantization="fp8", kv_cache_dtype="fp8") if fp8 else {}
-        with LLM(str(tiny_qwen3), dtype="bfloat16", kernel_backend=backend, num_kv_blocks=64,
-                 max_model_len=256, **options) as llm:
+        with LLM(str(tiny_checkpoint(arch)), dtype="bfloat16", kernel_backend=backend,
+                 num_kv_blocks=64, max_model_len=256, **options) as llm:
             runner = llm.engine.runner
             projections = [p for n, p in runner.model.named_parameters()
-                           if n.endswith("proj.weight")]
+                           if n.endswith("proj.weight") and ".linear_attn." not in n]
             if fp8:
                 assert runner.kv_cache.dtype == FP8_DTYPE
                 assert all(p.dtype == FP8_DTYPE for p in projections)
