@@ -4,6 +4,7 @@ on CPU through Triton's interpreter (float32 and float16: see ``test_triton_atte
 from __future__ import annotations
 
 import functools
+from unittest import mock
 
 import pytest
 import torch
@@ -322,6 +323,27 @@ def test_fp8_projection_kernels_compile(compile_for_h100, kind):
         for gated in (False, True):
             compile_for_h100(triton_fp8.fp8_rms_norm_gemv, empty(rows, k), empty(k), 1e-6,
                              residual, weight, gated=gated)
+
+
+def _gemm_launch_overlaps(rows: int) -> bool:
+    """Whether ``fp8_linear`` of ``rows`` rows (block-wise weights: the Triton GEMM at any
+    size) launches its GEMM overlapped with the kernel ahead."""
+    seen = []
+    kernel = triton_fp8._fp8_gemm_kernel
+    run = kernel.run
+    k = HIDDEN
+    weight = Fp8Weight(empty(HEADS * HEAD_DIM, k, dtype=FP8_DTYPE),
+                       empty(HEADS * HEAD_DIM, k // 128, dtype=torch.float32), 128)
+    with mock.patch.object(kernel, "run",
+                           lambda *a, **kw: seen.append(kw["OVERLAP"]) or run(*a, **kw)):
+        triton_fp8.fp8_linear(empty(rows, k), weight)
+    return seen[0]
+
+
+def test_the_fp8_gemm_launches_overlapped_at_decode_sizes_only(compile_for_h100):
+    """Where it was measured (up to 256 rows); a prompt's launches after the kernel ahead."""
+    assert compile_for_h100(_gemm_launch_overlaps, triton_fp8.SMALL_GEMM_MAX_ROWS) is True
+    assert compile_for_h100(_gemm_launch_overlaps, triton_fp8.SMALL_GEMM_MAX_ROWS + 1) is False
 
 
 def test_the_triton_backend_multiplies_fp8_weights_with_these_kernels(interpreter):

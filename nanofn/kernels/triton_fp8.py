@@ -242,7 +242,7 @@ def _launch_gemm(q: torch.Tensor, x_scales: torch.Tensor, weight: Fp8Weight,
             BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
             BLOCK_K=GROUP if per_group else tile.block_k, PER_GROUP=per_group,
             HAS_BIAS=bias is not None, num_warps=tile.num_warps, num_stages=tile.num_stages,
-            **triton_overlap.launch_options(q.device))
+            **triton_overlap.launch_options_up_to(q.device, rows, SMALL_GEMM_MAX_ROWS))
 
 
 def _per_group(weight: Fp8Weight, k: int) -> bool:

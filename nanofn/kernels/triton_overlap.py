@@ -34,6 +34,14 @@ def launch_options(device: torch.device) -> dict:
     return {"OVERLAP": True, "launch_pdl": True} if overlaps(device) else {"OVERLAP": False}
 
 
+def launch_options_up_to(device: torch.device, size: int, most: int) -> dict:
+    """``launch_options`` for a launch of at most ``most`` (rows, pairs: a decode step's,
+    where its kernel was measured overlapped); a larger one launches after the kernel ahead
+    has finished (its many waves' programs, started early, would wait holding the shared
+    memory that the kernel ahead's last wave needs)."""
+    return launch_options(device) if size <= most else {"OVERLAP": False}
+
+
 @triton.jit
 def wait_for_previous(OVERLAP: tl.constexpr):
     """Wait until the kernel ahead has finished (its writes visible), then let the next start."""
