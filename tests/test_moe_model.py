@@ -119,6 +119,23 @@ def test_two_ranks_of_a_sparse_layer_add_up_to_one(moe, monkeypatch, expert_para
         assert rank_1.w13.shape == (8, 48, 64)
 
 
+def test_an_expert_parallel_rank_reads_only_its_own_experts_tensors(moe, tmp_path):
+    """Expert 0's gate_proj made the wrong shape: rank 1 of two (experts 4-7) loads without
+    reading it; rank 0 refuses it, as one rank of tensor parallelism does. An index past
+    every expert is still refused by every rank."""
+    bad = "model.layers.0.mlp.experts.0.gate_proj.weight"
+    path = edited_copy(moe, tmp_path / "bad", lambda t: t.update({bad: t[bad][:, :8].clone()}))
+    load(path, 1, 2, expert_parallel=True)
+    for tp_rank, expert_parallel in ((0, True), (1, False)):
+        with pytest.raises(ValueError, match=f"tensor '{bad}'"):
+            load(path, tp_rank, 2, expert_parallel)
+    extra = "model.layers.0.mlp.experts.8.gate_proj.weight"
+    up = "model.layers.0.mlp.experts.3.up_proj.weight"
+    past = edited_copy(moe, tmp_path / "past", lambda t: t.update({extra: t[up].clone()}))
+    with pytest.raises(ValueError, match="expert 8 out of range"):
+        load(past, 1, 2, expert_parallel=True)
+
+
 def test_expert_parallelism_needs_experts_that_split_evenly():
     with pytest.raises(ValueError, match=r"num_experts \(8\) is not divisible by tp_size \(3\)"):
         StackedExperts(8, 64, 48, tp_rank=0, tp_size=3, expert_parallel=True)

@@ -232,6 +232,8 @@ def load_weights(model: CausalLM, model_dir: str | Path) -> None:
                 if param_name not in params:
                     raise ValueError(f"unexpected tensor {stored_name!r} in {path}: the model has no such parameter")
                 param = params[param_name]
+                if _another_ranks_expert(param, shard_id):
+                    continue
                 try:
                     param.weight_loader(param, checkpoint.get_tensor(stored_name), shard_id)
                 except ValueError as error:
@@ -240,6 +242,17 @@ def load_weights(model: CausalLM, model_dir: str | Path) -> None:
     if missing:
         raise ValueError(f"checkpoint {model_dir} lacks tensors: {', '.join(_described(missing))}")
     _drop_loaders(params.values())
+
+
+def _another_ranks_expert(param: torch.nn.Parameter, shard_id: Any) -> bool:
+    """Whether a per-expert tensor (``shard_id`` its expert, or ``(expert, part)``) is of an
+    expert another expert-parallel rank holds (``StackedExperts``): it is not read. An index
+    past every expert is, for the loader to refuse it."""
+    experts = getattr(param, "experts", None)
+    if experts is None or shard_id is None:
+        return False
+    expert = shard_id[0] if isinstance(shard_id, tuple) else shard_id
+    return expert not in experts and 0 <= expert < param.num_experts
 
 
 def _described(missing: set[str]) -> list[str]:

@@ -67,7 +67,8 @@ class StackedExperts(nn.Module):
     [E_local, H, I_local]``: with tensor parallelism a share of every expert's intermediate
     dimension (``E_local = E``); with expert parallelism (``expert_parallel``) whole experts
     (``I_local = I``), rank ``r`` holding experts ``r * E_local .. (r + 1) * E_local - 1``.
-    ``w13.experts`` and ``w2.experts`` name them (the checkpoint's indices)."""
+    ``w13.experts`` and ``w2.experts`` name them (the checkpoint's indices; the loader reads
+    no other expert's tensors) and ``num_experts`` counts every rank's."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, tp_rank: int,
                  tp_size: int, expert_parallel: bool = False):
@@ -89,6 +90,7 @@ class StackedExperts(nn.Module):
         self.w2.weight_loader = self.load_w2
         for param in (self.w13, self.w2):
             param.experts = range(self.first_expert, self.first_expert + local_experts)
+            param.num_experts = num_experts
 
     def local_ids(self, topk_ids: torch.Tensor) -> torch.Tensor:
         """The chosen experts' indices among this rank's: -1 for an expert another rank holds
