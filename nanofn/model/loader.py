@@ -110,7 +110,6 @@ def build_model(
         model = model_class(hf_config, options, kernels, max_positions, tp_rank, tp_size)
     if scheme is not None:
         check_ignored_modules(model, scheme)
-        check_linear_attention_unquantized(model, scheme)
     return model.eval()
 
 
@@ -125,32 +124,22 @@ def check_fp8_supported(scheme: Fp8Scheme, options: Any) -> None:
 
 
 def check_ignored_modules(model: CausalLM, scheme: Fp8Scheme) -> None:
-    """A checkpoint that keeps one of the projections nanofn makes FP8 in full precision (its
-    ignore list names it) is refused, naming it: every attention and MLP projection is FP8 or
-    none is."""
+    """The checkpoint's ignore list against what nanofn quantizes, refusing a mismatch by the
+    module's name: every attention and MLP projection is FP8 or none is (none of them may be
+    ignored), and a hybrid model's linear-attention projections stay in full precision (as LLM
+    Compressor's recipes for Qwen3.5 leave them: a checkpoint must ignore them)."""
     for name, param in model.named_parameters():
-        if not name.endswith(".weight") or param.dtype != FP8_DTYPE:
+        fp8 = param.dtype == FP8_DTYPE
+        linear_attention = ".linear_attn." in name and name.endswith("proj.weight")
+        if not name.endswith(".weight") or not (fp8 or linear_attention):
             continue
         for checkpoint_name in _checkpoint_names(name, param):
             module = checkpoint_name.removesuffix(".weight")
-            if scheme.is_ignored(module):
+            if fp8 and scheme.is_ignored(module):
                 raise ValueError(f"unsupported FP8 checkpoint: it keeps {module} unquantized "
                                  f"(its ignore list), and nanofn quantizes every attention and "
                                  f"MLP projection or none")
-
-
-def check_linear_attention_unquantized(model: CausalLM, scheme: Fp8Scheme) -> None:
-    """A hybrid model's linear-attention projections stay in full precision (as LLM
-    Compressor's recipes for Qwen3.5 leave them): an FP8 checkpoint must keep them so (its
-    ignore list naming them), else it is refused, naming one."""
-    if scheme.quantize_at_load:
-        return
-    for name, param in model.named_parameters():
-        if ".linear_attn." not in name or not name.endswith("proj.weight"):
-            continue
-        for checkpoint_name in _checkpoint_names(name, param):
-            module = checkpoint_name.removesuffix(".weight")
-            if not scheme.is_ignored(module):
+            if linear_attention and not (scheme.quantize_at_load or scheme.is_ignored(module)):
                 raise ValueError(f"unsupported FP8 checkpoint: it quantizes {module}, a "
                                  f"linear-attention projection (not in its ignore list), which "
                                  f"nanofn keeps in full precision")

@@ -92,10 +92,15 @@ class StackedExperts(nn.Module):
             param.experts = range(self.first_expert, self.first_expert + local_experts)
             param.num_experts = num_experts
 
+    @property
+    def expert_parallel(self) -> bool:
+        """Whether other ranks hold some of the experts."""
+        return len(self.w13.experts) < self.num_experts
+
     def local_ids(self, topk_ids: torch.Tensor) -> torch.Tensor:
         """The chosen experts' indices among this rank's: -1 for an expert another rank holds
         (``fused_moe`` leaves those pairs out); all of them without expert parallelism."""
-        if len(self.w13.experts) == self.num_experts:
+        if not self.expert_parallel:
             return topk_ids
         local = topk_ids - self.first_expert
         return local.masked_fill((local < 0) | (local >= len(self.w13.experts)), -1)
@@ -175,7 +180,6 @@ class SparseMoeBlock(nn.Module):
                                       expert_parallel)
         self.kernels = kernels
         self.tp_size = tp_size
-        self.expert_parallel = expert_parallel and tp_size > 1
 
     def partial_forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """This rank's summand of the output ``[T, H]`` from the normed ``hidden [T, H]``: with
@@ -184,7 +188,7 @@ class SparseMoeBlock(nn.Module):
         topk_weights, topk_ids = self.gate(hidden)
         return self.kernels.fused_moe(hidden, self.experts.w13, self.experts.w2, topk_weights,
                                       self.experts.local_ids(topk_ids),
-                                      expert_parallel=self.expert_parallel)
+                                      expert_parallel=self.experts.expert_parallel)
 
     def forward(self, hidden: torch.Tensor, for_norm: bool = False) -> torch.Tensor | Unsummed:
         """``[T, H]`` from the normed ``hidden [T, H]``, summed over ranks (``for_norm``: its
