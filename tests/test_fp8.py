@@ -26,6 +26,7 @@ from nanofn.model.quantization import fp8_scheme
 from nanofn.state import SamplingParams
 from test_hybrid_model import HybridRun
 from test_model import PagedRun, random_prompt, run_steps, run_tensor_parallel_rank
+from test_parity import nanofn_greedy, random_prompts
 
 E4M3_MAX = 448.0
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -416,6 +417,25 @@ def test_an_fp8_qwen3_5_generates_the_greedy_tokens_of_its_dequantized_weights(
     assert weights["model.layers.0.linear_attn.out_proj.weight"].dtype == torch.float32
     for prompt, output in zip(PROMPTS, outputs):
         assert list(output.outputs[0].token_ids) == greedy_tokens(reference, prompt, NEW_TOKENS)
+
+
+@pytest.mark.parametrize("options, happened", [
+    (dict(num_kv_blocks=5, max_model_len=80, num_state_slots=3),
+     lambda figures: figures.num_preemptions > 0),
+    (dict(max_num_batched_tokens=16, max_num_seqs=2),
+     lambda figures: figures.prefix_cache_hit_rate > 0)], ids=["preempted", "chunked-prefix-hits"])
+def test_an_fp8_qwen3_5_keeps_its_greedy_tokens_in_a_small_cache_and_chunks(
+        tiny_checkpoint, tmp_path, options, happened):
+    """The FP8 Qwen3.5 behind one 40-token prefix: in a cache so small that sequences give
+    way (5 blocks, 3 state slots), and in 16-token chunks that hit the prefix cache, its greedy
+    tokens stay transformers' on the dequantized weights."""
+    fp8_dir, dequantized_dir = write_hybrid_fp8_checkpoint(tiny_checkpoint, tmp_path,
+                                                           "qwen-block", LINEAR_ATTENTION_KEPT)
+    reference = reference_model(dequantized_dir, "qwen-block")
+    prompts = random_prompts([3, 9, 20, 1], seed=21, shared_prefix=random_prompts([40], seed=22)[0])
+    got, figures = nanofn_greedy(fp8_dir, prompts, **options)
+    assert got == [greedy_tokens(reference, prompt, NEW_TOKENS) for prompt in prompts]
+    assert happened(figures)
 
 
 def test_an_fp8_qwen3_5_that_quantizes_its_linear_attention_is_refused(tiny_checkpoint,
