@@ -9,6 +9,7 @@ import pytest
 from test_parity import nanofn_greedy, random_prompts, transformers_greedy
 
 from nanofn import LLM, SamplingParams
+from nanofn.state import ScheduledSeq, SeqStart, plan_of
 
 
 @pytest.fixture(scope="module")
@@ -95,3 +96,18 @@ def test_two_tensor_parallel_ranks_give_the_same_tokens(hybrid, shared_prefix_ca
                                  max_model_len=80, num_state_slots=3)
     assert got == expected
     assert figures.num_preemptions > 0
+
+
+@pytest.mark.parametrize("state_slot", [-1, 5])
+def test_a_plan_that_starts_a_sequence_without_a_state_slot_is_refused(hybrid, state_slot):
+    """A hand-made plan (a test's, a replayed trace's) that starts a hybrid model's sequence
+    without a state slot, or past the states, is an error naming it: -1 would read and write
+    the padding's spare state, a slot past them any memory (on a GPU, an illegal access)."""
+    with LLM(str(hybrid), num_kv_blocks=8, max_model_len=64, num_state_slots=5) as llm:
+        seq = ScheduledSeq("s", 0, (5, 6, 7), 0, True, ((0, 0),))
+        started = [SeqStart(0, "s", SamplingParams(temperature=0), 3, state_slot)]
+        with pytest.raises(ValueError, match=rf"state slots in \[0, 5\), got \{{'s': {state_slot}"):
+            llm.engine.runner.forward(plan_of(0, [seq], started))
+        started = [SeqStart(0, "s", SamplingParams(temperature=0), 3, 4)]
+        logits, _ = llm.engine.runner.forward(plan_of(0, [seq], started))
+        assert logits.shape[0] == 1 and logits.isfinite().all()

@@ -84,10 +84,12 @@ class StagedInputs:
 
 class DecodeGraphs:
     def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor, tables: SlotTables,
-                 max_batch: int, block_size: int, hidden_size: int,
+                 max_batch: int, block_size: int, hidden_size: int, dtype: torch.dtype,
                  slot_temperature: torch.Tensor | None = None,
                  states: RecurrentState | None = None):
-        """``slot_temperature`` (float32 per slot, 0 for greedy, the spare slot last): capture
+        """``dtype``: the model's (the hidden states the graphs leave for the LM head; an FP8
+        KV cache's is not it). ``slot_temperature`` (float32 per slot, 0 for greedy, the spare
+        slot last): capture
         the sampling graphs too. ``states``: a hybrid model's, read and written in place by
         slot (``tables.state_slot``; the padding rows' spare slot has a state slot of its
         own)."""
@@ -99,7 +101,7 @@ class DecodeGraphs:
         self.spare_slot = tables.table.shape[0] - 1  # padding entries land here
         self.staged = StagedInputs((NUM_FIELDS, max_batch), device, STAGING_BUFFERS)
         self.query_start = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
-        self.hidden = torch.zeros(max_batch, hidden_size, dtype=kv_cache.dtype, device=device)
+        self.hidden = torch.zeros(max_batch, hidden_size, dtype=dtype, device=device)
         self.tokens = torch.zeros(max_batch, dtype=torch.int64, device=device)
         self.slot_temperature = slot_temperature
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}

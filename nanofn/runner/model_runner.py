@@ -156,7 +156,8 @@ class ModelRunner:
                 self.slot_temperature = torch.zeros(config.max_num_seqs + 1, device=self.device)
             self.graphs = DecodeGraphs(self.model, self.kv_cache, self.slot_tables,
                                        min(config.max_num_seqs, 512), config.block_size,
-                                       text.hidden_size, self.slot_temperature, self.states)
+                                       text.hidden_size, self.dtype, self.slot_temperature,
+                                       self.states)
         if self.graphs is not None:
             from nanofn.runner.prefill_graphs import PrefillGraphs  # (imports Triton)
 
@@ -165,7 +166,7 @@ class ModelRunner:
             qkv_proj = attention.qkv_proj  # this rank's heads
             self.prefill_graphs = PrefillGraphs(
                 self.model, self.kv_cache, self.slot_tables, config.max_num_batched_tokens,
-                config.block_size, text.hidden_size, qkv_proj.num_heads,
+                config.block_size, text.hidden_size, self.dtype, qkv_proj.num_heads,
                 qkv_proj.num_kv_heads, self.states)
 
     def new_timeline(self) -> DeviceTimeline:
@@ -217,6 +218,10 @@ class ModelRunner:
         and on the device (every path reads them there, graphs too)."""
         slots = np.array([s.slot for s in started], np.int64)
         states = np.array([s.state_slot for s in started], np.int64)
+        if not ((states >= 0) & (states < self.num_state_slots)).all():  # (-1 would read the
+            raise ValueError(  # padding's spare state; past the states, any memory)
+                f"a hybrid model's starting sequences need state slots in [0, "
+                f"{self.num_state_slots}), got {dict(zip((s.seq_id for s in started), states.tolist()))}")
         self._state_slot_of[slots] = states
         self.slot_tables.state_slot[to_device(slots, self.device)] = to_device(states,
                                                                              self.device)

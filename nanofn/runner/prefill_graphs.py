@@ -161,8 +161,9 @@ def graph_prefill_inputs(views, tables: SlotTables, block_size: int, num_tokens:
 class PrefillGraphs:
     def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor, tables: SlotTables,
                  max_num_batched_tokens: int, block_size: int, hidden_size: int,
-                 num_heads: int, num_kv_heads: int, states: RecurrentState | None = None):
-        """``num_heads``, ``num_kv_heads``: this rank's (they set the tile map's tiles).
+                 dtype: torch.dtype, num_heads: int, num_kv_heads: int,
+                 states: RecurrentState | None = None):
+        """``dtype``: the model's (the hidden states left for the LM head). ``num_heads``, ``num_kv_heads``: this rank's (they set the tile map's tiles).
         ``states``: a hybrid model's (the padding sequences' spare slot has a state slot of
         its own, and its chunked delta rule takes its chunks from the inputs)."""
         device = kv_cache.device
@@ -175,8 +176,7 @@ class PrefillGraphs:
         self.layout = InputLayout(self.sizes[-1], PREFILL_GRAPH_SEQS * tables.table.shape[1],
                                   min(self.block_q.values()))
         self.staged = StagedInputs((self.layout.size,), device, STAGING_BUFFERS)
-        self.hidden = torch.zeros(self.sizes[-1], hidden_size, dtype=kv_cache.dtype,
-                                  device=device)
+        self.hidden = torch.zeros(self.sizes[-1], hidden_size, dtype=dtype, device=device)
         padding = self.staged.host[0]
         fill_prefill_inputs(padding.numpy(), self.layout, empty_plan(0), self.spare_slot,
                             self.block_q[self.sizes[-1]])  # all padding: warm-up, capture

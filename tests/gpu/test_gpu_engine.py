@@ -45,11 +45,13 @@ def hf_greedy(model_dir, prompt: list[int], dtype: torch.dtype) -> list[int]:
 @torch.inference_mode()
 def nanofn_teacher_forced(llm: LLM, tokens: list[int], prompt_len: int) -> torch.Tensor:
     """nanofn's logits along ``tokens``: the prompt as one prefill, then one decode step per
-    token, through the engine's runner and paged cache (blocks 0, 1, 2, ...)."""
+    token, through the engine's runner and paged cache (blocks 0, 1, 2, ...; a hybrid model's
+    recurrent state in slot 0)."""
     runner = llm.engine.runner
     bs = llm.engine.scheduler_config.block_size
     table = tuple(enumerate(range(-(-len(tokens) // bs))))
-    started = [SeqStart(0, "tf", SamplingParams(temperature=0), prompt_len)]
+    state_slot = -1 if runner.states is None else 0
+    started = [SeqStart(0, "tf", SamplingParams(temperature=0), prompt_len, state_slot)]
     rows = []
     start, end = 0, prompt_len
     while end <= len(tokens):
@@ -206,10 +208,14 @@ def test_shaped_logits_bad_words_and_prompt_logprobs_leave_the_graph_sampler(flo
             assert got == pytest.approx(want.tolist(), abs=2e-3)
 
 
-def test_prefill_graphs_give_the_eager_tokens_and_logprobs(float32_prompts, monkeypatch):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_prefill_graphs_give_the_eager_tokens_and_logprobs(float32_prompts, monkeypatch,
+                                                           kv_cache_dtype):
     """Steps of at most 8 sequences and 2,048 tokens that are not pure decode steps (a few
     prompts; prompt chunks beside decoding sequences) replay a prefill graph, padded to its
-    token count; tokens, sampled logprobs and prompt logprobs are the eager run's."""
+    token count; tokens, sampled logprobs and prompt logprobs are the eager run's (the decode
+    steps' logprobs come from the decode graphs' hidden states: with an FP8 KV cache those
+    stay in the model's dtype, which the cache's is not)."""
     from nanofn.runner.prefill_graphs import PrefillGraphs
 
     model_dir, prompts = float32_prompts
@@ -222,7 +228,8 @@ def test_prefill_graphs_give_the_eager_tokens_and_logprobs(float32_prompts, monk
 
     def outputs(**options):
         with LLM(str(model_dir), dtype="float32", gpu_memory_utilization=0.3, max_model_len=512,
-                 max_num_seqs=4, max_num_batched_tokens=96, **options) as llm:
+                 max_num_seqs=4, max_num_batched_tokens=96, kv_cache_dtype=kv_cache_dtype,
+                 **options) as llm:
             return llm.generate([{"prompt_token_ids": p} for p in prompts], params,
                                 use_tqdm=False)
 
