@@ -12,7 +12,7 @@ import torch
 import nanofn.kernels.attention as reference
 import nanofn.kernels.triton_attention as triton_attention
 from nanofn.kernels import triton_fp8, triton_gemm, triton_ops
-from nanofn.kernels.partial_sums import PartialSums
+from nanofn.kernels.partial_sums import PartialSums, added_up
 from nanofn.kernels.fp8 import FP8_DTYPE, Fp8Weight, fp8_linear, quantize_groups, quantize_static
 from nanofn.kernels.triton_fp8 import GROUP
 from nanofn.kernels.triton_gemv import GemvConfig
@@ -280,16 +280,27 @@ def test_the_split_k_fp8_gemm_leaves_sums_that_add_up_to_the_reference_product(
         torch.testing.assert_close(partial.sums[0], expected_first, **tolerance)
 
 
+def _fp8_linear_counting_scaled_mm(x, weight):
+    """``triton_fp8.fp8_linear(x, weight)`` and how many times it called ``torch._scaled_mm``."""
+    calls = []
+    scaled_mm = torch._scaled_mm
+    with mock.patch.object(torch, "_scaled_mm",
+                           lambda *a, **kw: calls.append(1) or scaled_mm(*a, **kw)):
+        return triton_fp8.fp8_linear(x, weight), len(calls)
+
+
 def test_the_rowwise_scaled_gemm_gives_the_reference_product(interpreter):
     """Prompt-sized bf16 products on per-channel weights through ``torch._scaled_mm`` (on the
     CPU here): 300 rows, 64 outputs, per-token activation scales; to bf16's rounding. With a
     bias (or block-wise or static scales) the Triton GEMM takes the product instead."""
     weight = fp8_weight(64, 256, "channel", seed=13)
     x = exactly_quantized_input(300, 256, weight.group_size, False, torch.bfloat16)
-    assert triton_fp8.takes_rowwise_scales(x, weight, None)
-    assert not triton_fp8.takes_rowwise_scales(x, weight, torch.zeros(64))
-    assert not triton_fp8.takes_rowwise_scales(x, fp8_weight(64, 256, "block", seed=13), None)
-    out = interpreter(triton_fp8.rowwise_scaled_gemm, x, weight)
+    assert triton_fp8.takes_rowwise_scales(x.dtype, weight, None)
+    assert not triton_fp8.takes_rowwise_scales(x.dtype, weight, torch.zeros(64))
+    assert not triton_fp8.takes_rowwise_scales(x.dtype, fp8_weight(64, 256, "block", seed=13),
+                                               None)
+    out, calls = interpreter(_fp8_linear_counting_scaled_mm, x, weight)
+    assert calls == 1
     expected = fp8_linear(x, weight)
     torch.testing.assert_close(out.float(), expected.float(), rtol=1e-2,
                                atol=1e-3 * expected.float().abs().max().item())
@@ -323,6 +334,11 @@ def test_fp8_projection_kernels_compile(compile_for_h100, kind):
         for gated in (False, True):
             compile_for_h100(triton_fp8.fp8_rms_norm_gemv, empty(rows, k), empty(k), 1e-6,
                              residual, weight, gated=gated)
+    for rows in (9, 256):  # the norm that quantizes, from a row or from partial sums
+        sums = PartialSums(empty(2, rows, k, dtype=torch.float32), torch.bfloat16)
+        for x in (empty(rows, k), sums):
+            compile_for_h100(triton_ops.rms_norm_quantized, x, empty(k), 1e-6, empty(rows, k),
+                             weight)
 
 
 def _gemm_launch_overlaps(rows: int) -> bool:
@@ -373,6 +389,46 @@ def test_the_triton_backend_multiplies_fp8_weights_with_these_kernels(interprete
 def _norm_linear_and_parts(x, norm_weight, residual, weight):
     return (triton_ops.rms_norm_linear(x, norm_weight, 1e-6, residual, weight),
             triton_ops.rms_norm(x, norm_weight, 1e-6, residual))
+
+
+def _norm_quantized_both_ways(x, norm_weight, residual, weight):
+    """``rms_norm_quantized``'s codes, scales and residual sum, and those of the norm kernel
+    followed by the quantization kernel."""
+    fused = triton_ops.rms_norm_quantized(x, norm_weight, 1e-6, residual, weight)
+    if residual is None:
+        normed, summed = triton_ops.rms_norm(x, norm_weight, 1e-6), added_up(x)
+    else:
+        normed, summed = triton_ops.rms_norm(x, norm_weight, 1e-6, residual)
+    return fused, (*triton_fp8.quantize_activations(normed, weight.group_size,
+                                                    weight.input_scale), summed)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("kind", WEIGHT_KINDS)
+@pytest.mark.parametrize("source", ["rows", "rows-and-residual", "partial-sums-and-residual"])
+def test_the_norm_that_quantizes_gives_the_norms_codes_quantized(interpreter, dtype, kind,
+                                                                 source):
+    """FP8 ``rms_norm_linear`` past the GEMV's rows: the norm kernel stores e4m3 codes and
+    their scales (per token, per group of 128 columns, or static), exactly the codes and
+    scales of the normed rows stored and quantized by the quantization kernel; 300 columns (a
+    short last group), a norm weight far from 1, rows of different magnitudes; in float16
+    the normed rows are rounded to it before they are quantized, as when they are stored."""
+    generator = torch.Generator().manual_seed(15)
+    weight = fp8_weight(40, 300, kind, seed=15)
+    x = torch.randn(6, 300, generator=generator) * torch.logspace(-2, 2, 6)[:, None]
+    x[1] = 0  # with no residual there, a row of zeros: the smallest scale, codes 0
+    if source == "partial-sums-and-residual":
+        x = PartialSums(torch.stack([x, x.roll(1, 1), -0.5 * x]), dtype)
+    else:
+        x = x.to(dtype)
+    residual = None if source == "rows" else torch.randn(6, 300, generator=generator).to(dtype)
+    if residual is not None:
+        residual[1] = 0
+    norm_weight = (torch.rand(300, generator=generator) * 3).to(dtype)
+    fused, unfused = interpreter(_norm_quantized_both_ways, x, norm_weight, residual, weight)
+    assert fused[0].dtype == FP8_DTYPE and fused[1].shape == unfused[1].shape
+    for got, expected in zip(fused, unfused):
+        torch.testing.assert_close(got.float(), expected.float(), rtol=0, atol=0)
 
 
 def _unfused_norm_gemv(x, norm_weight, residual, weight, bias, gated):

@@ -6,8 +6,8 @@ per-tensor scale), times the e4m3 weight, each product scaled by its row's and g
   its values times the reciprocal of its scale ``amax * (1 / 448)`` (one IEEE division a
   scale, as ``fp8.quantize_groups`` takes it) rounded to e4m3 (a second pass over the group,
   from L1/L2).
-- ``rowwise_scaled_gemm``: prompts on per-channel weights, through cuBLASLt
-  (``torch._scaled_mm``), after the quantization kernel.
+- ``quantized_linear``: prompts on per-channel weights through cuBLASLt (``torch._scaled_mm``),
+  after the quantization kernel (or the norm that quantizes, ``triton_ops``).
 - ``fp8_gemm``: many rows (decode batches; prompts on block-wise weights). Tiles of
   ``[BLOCK_M, BLOCK_K]`` codes times ``[BLOCK_N, BLOCK_K]`` weight codes on the FP8 tensor
   cores (``tl.dot`` on float8e4nv, float32 sums). With groups of 128 columns (block-wise
@@ -79,7 +79,7 @@ def gemm_tile(rows: int) -> GemmTile:
 
 
 @triton.jit
-def _quantized(x, scale):
+def quantized(x, scale):
     """``x * (1 / scale)`` rounded to e4m3, saturating at +-448 (``fp8.FP8_MAX``), as
     ``fp8.quantize_groups`` computes it: one IEEE division a scale (Triton's ``/`` on float32
     is approximate, ``div.full.f32``, which put a few codes of a 1,024-column group on the
@@ -115,7 +115,7 @@ def _quantize_kernel(
     for start in range(begin, end, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         x = tl.load(x_row + cols, mask=cols < end, other=0.0).to(tl.float32)
-        tl.store(q_row + cols, _quantized(x, scale), mask=cols < end)
+        tl.store(q_row + cols, quantized(x, scale), mask=cols < end)
 
 
 def quantize_activations(x: torch.Tensor, group_size: int,
@@ -361,13 +361,13 @@ def _quantized_tile(x, row_scale, min_scale, BLOCK_M: tl.constexpr, BLOCK_K: tl.
     if PER_GROUP:
         groups = tl.reshape(x, (BLOCK_M, BLOCK_K // GROUP_COLUMNS, GROUP_COLUMNS))
         scale = tl.maximum(tl.max(tl.abs(groups), 2) * (1.0 / 448.0), min_scale)[:, :, None]
-        dequantized = _quantized(groups, scale).to(tl.float32) * scale
+        dequantized = quantized(groups, scale).to(tl.float32) * scale
         return tl.reshape(dequantized, (BLOCK_M, 1, BLOCK_K))
     if SCALE_GIVEN:
         scale = row_scale
     else:
         scale = tl.maximum(tl.max(tl.abs(x), 2, keep_dims=True) * (1.0 / 448.0), min_scale)
-    return _quantized(x, scale).to(tl.float32) * scale
+    return quantized(x, scale).to(tl.float32) * scale
 
 
 @triton.jit
@@ -459,35 +459,35 @@ def fp8_rms_norm_gemv(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
 def fp8_linear(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = None,
                gemv_max_rows: int = GEMV_MAX_ROWS) -> torch.Tensor:
     """``fp8.fp8_linear`` for ``x [..., K]``: the GEMV up to ``gemv_max_rows`` rows, else the
-    quantization kernel and a GEMM: cuBLASLt's (``rowwise_scaled_gemm``) for prompt-sized
-    products it takes, the Triton one for the others."""
+    quantization kernel and a GEMM (``quantized_linear``)."""
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     if len(rows) <= gemv_max_rows:
         out = fp8_gemv(rows, weight, bias)
-    elif len(rows) > SMALL_GEMM_MAX_ROWS and takes_rowwise_scales(rows, weight, bias):
-        out = rowwise_scaled_gemm(rows, weight)
     else:
-        out = fp8_gemm(rows, weight, bias)
+        q, x_scales = quantize_activations(rows, weight.group_size, weight.input_scale)
+        out = quantized_linear(q, x_scales, weight, bias, x.dtype)
     return out.view(*x.shape[:-1], -1)
 
 
-def takes_rowwise_scales(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None) -> bool:
-    """Whether ``torch._scaled_mm`` computes ``x``'s product: per-channel weights and dynamic
-    per-token activations (a scale per row of each operand), bf16 out (its only output with
-    those scales on an H100), sizes in multiples of 16, no bias (whose support with these
-    scales varies between releases: the Triton GEMM adds it)."""
+def quantized_linear(q: torch.Tensor, x_scales: torch.Tensor, weight: Fp8Weight,
+                     bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """The W8A8 product of activations already quantized (``quantize_activations``' codes and
+    scales), in ``dtype``: cuBLASLt's GEMM for the prompt-sized products it takes
+    (``takes_rowwise_scales``), the Triton one for the others. Measured on the H100 at 8,192
+    rows (``fp8_gemm.py``): cuBLASLt 1.2-1.4x the Triton GEMM at Qwen3-0.6B's projections; at
+    64-256 rows 0.4-1.1 us slower than the Triton GEMM's small tiles."""
+    if len(q) > SMALL_GEMM_MAX_ROWS and takes_rowwise_scales(dtype, weight, bias):
+        return torch._scaled_mm(q, weight.data.t(), scale_a=x_scales,
+                                scale_b=weight.scale.view(1, -1), out_dtype=dtype)
+    return quantized_gemm(q, x_scales, weight, bias, dtype)
+
+
+def takes_rowwise_scales(dtype: torch.dtype, weight: Fp8Weight,
+                         bias: torch.Tensor | None) -> bool:
+    """Whether ``torch._scaled_mm`` computes a product into ``dtype``: per-channel weights and
+    dynamic per-token activations (a scale per row of each operand), bf16 out (its only
+    output with those scales on an H100), sizes in multiples of 16, no bias (whose support
+    with these scales varies between releases: the Triton GEMM adds it)."""
     n, k = weight.shape
     return (weight.scale.shape[1] == 1 and weight.input_scale is None and bias is None
-            and x.dtype == torch.bfloat16 and n % 16 == 0 and k % 16 == 0)
-
-
-def rowwise_scaled_gemm(x: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:
-    """``fp8.fp8_linear`` of ``x [M, K]`` (bf16, contiguous rows; ``takes_rowwise_scales``):
-    the activations quantized per token (``quantize_activations``), then cuBLASLt's FP8 GEMM
-    scaling each product by its token's and its output channel's scales. Measured on the
-    H100 at 8,192 rows (``fp8_gemm.py``): 1.2-1.4x the Triton GEMM at Qwen3-0.6B's projections;
-    at 64-256 rows it was 0.4-1.1 us slower than the Triton GEMM's small tiles."""
-    q, x_scales = quantize_activations(x, weight.group_size)
-    return torch._scaled_mm(q, weight.data.t(), scale_a=x_scales,
-                            scale_b=weight.scale.view(1, -1), out_dtype=x.dtype)
-
+            and dtype == torch.bfloat16 and n % 16 == 0 and k % 16 == 0)

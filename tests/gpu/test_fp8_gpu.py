@@ -75,12 +75,13 @@ def test_the_split_k_fp8_gemm_sums_to_the_reference(name, kind, rows):
 
 
 @pytest.mark.usefixtures("nan_filled_allocations")
-@pytest.mark.parametrize("rows", [1, 4])
+@pytest.mark.parametrize("rows", [1, 4, 64, 300])
 @pytest.mark.parametrize("name, gated", [("qkv", False), ("gate_up", True)])
 @pytest.mark.parametrize("kind", KINDS)
 def test_the_fused_norm_and_fp8_gemv_match_the_reference(name, gated, kind, rows):
-    """``rms_norm_linear`` on the Triton backend at a few rows (one kernel: the norm, the
-    quantization, the product, gated the activation) against the reference's."""
+    """``rms_norm_linear`` on the Triton backend against the reference's: at a few rows one
+    kernel (the norm, the quantization, the product, gated the activation); at more the norm
+    that quantizes, then the GEMM (the Triton one, or cuBLASLt's at 300 rows per channel)."""
     weight = fp8_weight(name, kind)
     k = SHAPES[name][1]
     x, residual, scale = randn(rows, k, seed=4), randn(rows, k, seed=5), norm_weight(k, seed=6)
