@@ -375,13 +375,6 @@ def test_an_unsupported_quantized_checkpoint_is_an_error_naming_its_format(tiny_
         build_model(config, dtype="float32", device="cpu")
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_5_moe"])
-def test_fp8_for_moe_models_is_refused_naming_them(tiny_checkpoint, arch):
-    config = AutoConfig.from_pretrained(tiny_checkpoint(arch))
-    with pytest.raises(ValueError, match="FP8 is not supported for mixture-of-experts"):
-        build_model(config, dtype="float32", device="cpu", quantization="fp8")
-
-
 # LLM Compressor's recipes for Qwen3.5 keep its linear attention in full precision
 LINEAR_ATTENTION_KEPT = ["lm_head", "re:.*linear_attn.*"]
 

@@ -17,6 +17,7 @@ import triton.knobs
 from nanofn.kernels import (triton_attention, triton_decode_inputs, triton_gemm, triton_gemv,
                             triton_moe, triton_ops, triton_sampling)
 from nanofn.kernels.all_reduce import FLAG_SLOTS
+from nanofn.kernels.fp8 import FP8_DTYPE, Fp8Weight
 from nanofn.kernels.partial_sums import RankSums
 from test_triton_attention import prefill_attention_on
 from triton_interpreter import compiler_process
@@ -243,3 +244,27 @@ def test_moe_kernels_compile(compile_for_h100, tokens):
     compile_for_h100(triton_moe.fused_moe, empty(tokens, hidden),
                      empty(experts, 2 * inter, hidden), empty(experts, hidden, inter),
                      empty(tokens, top_k), topk_ids)
+
+
+def moe_gemm_code(kernel_name: str, *args) -> tuple[int, str]:
+    """The registers a thread of ``triton_moe``'s grouped GEMM ``kernel_name`` uses and its
+    SASS, as ``triton_moe.fused_moe(*args)`` compiles it."""
+    return compiled_code(getattr(triton_moe, kernel_name), triton_moe.fused_moe, *args)
+
+
+@pytest.mark.parametrize("tokens", [1, 256], ids=["8-pairs", "2048-pairs"])
+def test_moe_gemms_on_fp8_experts_compile_without_spills(compile_for_h100, tokens):
+    """Both grouped GEMMs on FP8 experts (weight-only: bf16 activations, 128x128 block-wise
+    scales) at Qwen3-30B-A3B's sizes, in the tiles ``default_tiles`` picks for 8 and 2,048
+    pairs as ``fused_moe`` cuts them to a scale group (down's 256-column k-steps at 8 pairs to
+    128); dequantizing in the K loop spills nothing (179 registers at most on Triton 3.6)."""
+    hidden, inter, experts, top_k = 2048, 768, 128, 8
+    w13 = Fp8Weight(empty(experts, 2 * inter, hidden, dtype=FP8_DTYPE),
+                    empty(experts, 2 * inter, hidden // 128, dtype=torch.float32), 128)
+    w2 = Fp8Weight(empty(experts, hidden, inter, dtype=FP8_DTYPE),
+                   empty(experts, hidden, inter // 128, dtype=torch.float32), 128)
+    for kernel in ("_gate_up_kernel", "_down_kernel"):
+        _, sass = compile_for_h100(moe_gemm_code, kernel, empty(tokens, hidden), w13, w2,
+                                   empty(tokens, top_k),
+                                   torch.zeros(tokens, top_k, dtype=torch.int64))
+        assert "LDL" not in sass and "STL" not in sass  # no spills

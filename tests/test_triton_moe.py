@@ -2,7 +2,8 @@
 interpreter: the router's choice against the torch reference, the pairs' alignment by expert
 (one launch against torch ops, over several programs), and the experts' output against a plain
 per-token computation, for a decode step of one token, batches where some experts get no
-token, sizes that are not multiples of the tiles, and float16."""
+token, sizes that are not multiples of the tiles, and float16; and with FP8 experts (weight-only,
+block-wise and per-channel scales) against the torch reference given the same codes and scales."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from nanofn.kernels import moe, triton_moe
+from nanofn.kernels.fp8 import Fp8Weight, quantize_groups
 
 TOLERANCES = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float16: dict(atol=2e-2, rtol=2e-2)}
 
@@ -188,3 +190,79 @@ def test_default_tiles_fit_in_shared_memory(num_pairs, element_size):
         stage = (tiles.block_m + weight_tiles * gemm.block_n) * gemm.block_k * element_size
         assert gemm.num_stages * stage <= 227 * 1024
         assert gemm.num_stages >= 2 or stage * 2 > 227 * 1024
+
+
+def fp8_experts(weights, group_size, seed):
+    """``weights [E, N, K]`` in FP8 with a scale per row and group of ``group_size`` columns,
+    each group first multiplied by its own power of two from 1/4 to 4, so that the scales
+    differ widely and a scale misapplied shows."""
+    generator = torch.Generator().manual_seed(seed)
+    num_groups = -(-weights.shape[-1] // group_size)
+    factors = 2.0 ** torch.randint(-2, 3, (*weights.shape[:-1], num_groups), generator=generator)
+    spread = weights.float() * factors.repeat_interleave(group_size, -1)[..., :weights.shape[-1]]
+    return Fp8Weight(*quantize_groups(spread, group_size), group_size)
+
+
+# hidden, inter, the scales' groups (0: per channel, a group of all K) and the tiles' block_k
+FP8_EXPERTS = {
+    "block-wise": (256, 256, 128, 64),  # two k-steps a group
+    "block-wise-rows-past-blocks": (256, 160, 128, 256),  # 320 and 256 rows; block_k cut to 128
+    "per-channel": (40, 24, 0, 16),  # K not a multiple of block_k
+}
+
+
+def fp8_routed(kind, num_tokens, dtype, seed, skip_experts=()):
+    """``routed``'s inputs with FP8 experts of ``FP8_EXPERTS[kind]``, and tiles for them."""
+    hidden, inter, group_size, block_k = FP8_EXPERTS[kind]
+    x, w13, w2, topk_weights, topk_ids = routed(num_tokens, num_experts=6, top_k=2,
+                                                hidden=hidden, inter=inter, dtype=dtype,
+                                                seed=seed, skip_experts=skip_experts)
+    w13 = fp8_experts(w13, group_size or hidden, seed)
+    w2 = fp8_experts(w2, group_size or inter, seed + 1)
+    gemm = triton_moe.GemmTiles(block_n=64, block_k=block_k)
+    return x, w13, w2, topk_weights, topk_ids, triton_moe.MoeTiles(16, gemm, gemm)
+
+
+@pytest.mark.parametrize("kind", list(FP8_EXPERTS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("num_tokens, skip", [(1, ()), (12, (1, 4))],
+                         ids=["decode-one-token", "unused-experts"])
+def test_fused_moe_with_fp8_experts_matches_the_reference(interpreter, kind, dtype, num_tokens,
+                                                          skip):
+    """Weight-only: each tile's codes times their scales, rounded to the activations' dtype, as
+    the reference dequantizes (12 tokens: sorted pairs, two experts without any)."""
+    x, w13, w2, topk_weights, topk_ids, tiles = fp8_routed(kind, num_tokens, dtype, seed=7,
+                                                           skip_experts=skip)
+    out = interpreter(triton_moe.fused_moe, x, w13, w2, topk_weights, topk_ids, tiles=tiles)
+    expected = moe.fused_moe(x, w13, w2, topk_weights, topk_ids)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out, expected, **TOLERANCES[dtype])
+
+
+@pytest.mark.parametrize("kind", list(FP8_EXPERTS))
+def test_fp8_experts_under_expert_parallelism_match_the_reference(interpreter, kind):
+    """Rank 1 of two holds experts 3-5 (their codes and scales): the pairs that chose the
+    others (ids of -1) are left out, as the reference leaves them."""
+    x, w13, w2, topk_weights, topk_ids, tiles = fp8_routed(kind, 12, torch.float32, seed=8)
+    local_ids = (topk_ids - 3).masked_fill(topk_ids < 3, -1)
+    assert (local_ids == -1).any() and (local_ids >= 0).any()
+    w13, w2 = (Fp8Weight(w.data[3:], w.scale[3:], w.group_size) for w in (w13, w2))
+    out = interpreter(triton_moe.fused_moe, x, w13, w2, topk_weights, local_ids, True, tiles)
+    expected = moe.fused_moe(x, w13, w2, topk_weights, local_ids)
+    torch.testing.assert_close(out, expected, **TOLERANCES[torch.float32])
+
+
+def test_fp8_k_steps_lie_within_one_scale_group():
+    """``block_k`` divides groups that split K (the largest such up to the tiles'), any one
+    does for a group a row, and groups no step of 16 columns fits are refused."""
+    tiles = triton_moe.GemmTiles(block_n=64, block_k=256)
+    codes = torch.zeros(2, 8, 384, dtype=torch.float8_e4m3fn)
+    block_wise = Fp8Weight(codes, torch.ones(2, 8, 3), 128)
+    assert triton_moe._fp8_tiles(tiles, block_wise, 384).block_k == 128
+    assert triton_moe._fp8_tiles(tiles, Fp8Weight(codes, torch.ones(2, 8, 1), 384),
+                                 384).block_k == 256
+    assert triton_moe._fp8_tiles(tiles, codes, 384) == tiles
+    assert triton_moe._fp8_tiles(tiles, Fp8Weight(codes, torch.ones(2, 8, 8), 48),
+                                 384).block_k == 16
+    with pytest.raises(ValueError, match="groups of 40 columns"):
+        triton_moe._fp8_tiles(tiles, Fp8Weight(codes, torch.ones(2, 8, 10), 40), 384)

@@ -1,5 +1,11 @@
 """Mixture-of-experts kernels, plain-torch references: the top-k router and the experts' gated
-MLPs (``fused_moe``, whose contract ``triton_moe.fused_moe`` keeps on a GPU)."""
+MLPs (``fused_moe``, whose contract ``triton_moe.fused_moe`` keeps on a GPU).
+
+Experts in FP8 come as ``Fp8Weight`` (``data [E, N, K]`` e4m3, ``scale [E, N, G]``) and multiply
+weight-only: each weight dequantized and rounded to the activations' dtype, the activations as
+they are. A decode step's experts are bound by their weights' bytes, which FP8 halves either
+way; W8A8 would only pay on prompts (the FP8 tensor cores), and would round every activation of
+every expert to e4m3."""
 
 from __future__ import annotations
 
@@ -7,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from nanofn.kernels.activation import silu_and_mul
+from nanofn.kernels.fp8 import Fp8Weight
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int,
@@ -22,7 +29,16 @@ def select_experts(router_logits: torch.Tensor, top_k: int,
     return weights.to(router_logits.dtype), ids
 
 
-def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+def expert_matrix(weights: torch.Tensor | Fp8Weight, expert: int,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """Expert ``expert``'s matrix of stacked ``weights``; of FP8 ones, dequantized to ``dtype``."""
+    if isinstance(weights, Fp8Weight):
+        return Fp8Weight(weights.data[expert], weights.scale[expert],
+                         weights.group_size).dequantized(dtype)
+    return weights[expert]
+
+
+def fused_moe(hidden: torch.Tensor, w13: torch.Tensor | Fp8Weight, w2: torch.Tensor | Fp8Weight,
               topk_weights: torch.Tensor, topk_ids: torch.Tensor,
               expert_parallel: bool = False) -> torch.Tensor:
     """``[T, H]``: each token's chosen experts' gated MLPs, weighted and summed.
@@ -35,6 +51,7 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     expert parallelism (``expert_parallel``) the ``E`` experts are the rank's, an id of -1
     names an expert another rank holds, whose pair adds nothing here, and the result is again
     the rank's partial sum. (The references always skip -1; the flag is for the GPU kernels.)
+    FP8 experts (``Fp8Weight``) multiply weight-only (see the module's docstring).
 
     Only the experts that have tokens are computed, each over its tokens at once.
     """
@@ -51,8 +68,9 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         if count == 0:
             continue
         rows, end = tokens[start : start + count], start + count
-        activated = silu_and_mul(F.linear(hidden[rows], w13[expert]))
-        expert_out = F.linear(activated, w2[expert]) * weights[start:end, None]
+        activated = silu_and_mul(F.linear(hidden[rows], expert_matrix(w13, expert, hidden.dtype)))
+        expert_out = (F.linear(activated, expert_matrix(w2, expert, hidden.dtype))
+                      * weights[start:end, None])
         out.index_add_(0, rows, expert_out.to(out.dtype))
         start = end
     return out

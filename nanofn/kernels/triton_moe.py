@@ -17,10 +17,16 @@ overlapped with the kernel ahead (``triton_overlap.py``). (A few tokens as matri
 products, a program per pair and then per token, with no alignment and no separate sum,
 measured slower: RESULTS.md, twenty-first session; so did down and the sum in one kernel a
 token: twenty-fourth session.)
+
+FP8 experts (``Fp8Weight``) multiply weight-only, as the reference does: each k-step's weight
+tile is dequantized in registers (codes times their rows' scales, in float32) and rounded to the
+activations' dtype before the same product; the k-steps then lie within one scale group each,
+so a tile takes one scale a row (``_fp8_tiles``).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 import torch
@@ -28,6 +34,7 @@ import triton
 import triton.language as tl
 
 from nanofn.kernels import triton_overlap
+from nanofn.kernels.fp8 import Fp8Weight
 from nanofn.kernels.triton_overlap import wait_for_previous
 
 
@@ -272,12 +279,25 @@ def _block(sorted_pairs_ptr, block_experts_ptr, num_pairs, num_col_tiles, BLOCK_
 
 
 @triton.jit
+def _dequantized(codes, scales, col_ok, dtype: tl.constexpr):
+    """A weight tile's e4m3 ``codes [BLOCK_K, BLOCK_N]`` times its columns' (the weight's rows')
+    scales, from ``scales`` (one k-step lies within one group), rounded to ``dtype``: the
+    reference's ``expert_matrix``, element for element."""
+    scale = tl.load(scales, mask=col_ok, other=0.0)
+    return (codes.to(tl.float32) * scale[None, :]).to(dtype)
+
+
+@triton.jit
 def _gate_up_kernel(x_ptr, w13_ptr, out_ptr, sorted_pairs_ptr, block_experts_ptr, num_pairs,
-                    hidden, inter, x_stride, w_stride_e, w_stride_n, out_stride,
+                    hidden, inter, x_stride, w_stride_e, w_stride_n, out_stride, scale_ptr,
+                    scale_stride_e, scale_stride_n, scale_stride_g, group_size,
                     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, PAIR_BLOCKS: tl.constexpr, OVERLAP: tl.constexpr):
+                    BLOCK_K: tl.constexpr, PAIR_BLOCKS: tl.constexpr, FP8_WEIGHTS: tl.constexpr,
+                    OVERLAP: tl.constexpr):
     """A block of sorted pairs and a tile of intermediate columns (``_block``):
-    ``silu(x @ gate.T) * (x @ up.T)`` of the block's expert, to the pairs' rows."""
+    ``silu(x @ gate.T) * (x @ up.T)`` of the block's expert, to the pairs' rows.
+    ``FP8_WEIGHTS``: ``w13`` holds e4m3 codes, dequantized by ``scale_ptr``'s groups of
+    ``group_size`` columns (else ``scale_ptr`` and its strides are not read)."""
     wait_for_previous(OVERLAP)
     col_tile, expert, pairs, pair_ok = _block(sorted_pairs_ptr, block_experts_ptr, num_pairs,
                                               tl.cdiv(inter, BLOCK_N), BLOCK_M, PAIR_BLOCKS)
@@ -287,6 +307,8 @@ def _gate_up_kernel(x_ptr, w13_ptr, out_ptr, sorted_pairs_ptr, block_experts_ptr
     cols = col_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < inter
     weights = w13_ptr + expert.to(tl.int64) * w_stride_e
+    if FP8_WEIGHTS:
+        scales = scale_ptr + expert.to(tl.int64) * scale_stride_e + cols * scale_stride_n
     gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
@@ -298,6 +320,10 @@ def _gate_up_kernel(x_ptr, w13_ptr, out_ptr, sorted_pairs_ptr, block_experts_ptr
                          mask=col_ok[None, :] & k_ok[:, None], other=0.0)
         b_up = tl.load(weights + (cols[None, :] + inter) * w_stride_n + ks[:, None],
                        mask=col_ok[None, :] & k_ok[:, None], other=0.0)
+        if FP8_WEIGHTS:
+            gate_scales = scales + (k0 // group_size) * scale_stride_g
+            b_gate = _dequantized(b_gate, gate_scales, col_ok, a.dtype)
+            b_up = _dequantized(b_up, gate_scales + inter * scale_stride_n, col_ok, a.dtype)
         gate = tl.dot(a, b_gate, gate, input_precision="ieee")
         up = tl.dot(a, b_up, up, input_precision="ieee")
     activated = gate / (1.0 + tl.exp(-gate)) * up
@@ -308,11 +334,12 @@ def _gate_up_kernel(x_ptr, w13_ptr, out_ptr, sorted_pairs_ptr, block_experts_ptr
 @triton.jit
 def _down_kernel(a_ptr, w2_ptr, out_ptr, routing_ptr, sorted_pairs_ptr, block_experts_ptr,
                  num_pairs, hidden, inter, a_stride, w_stride_e, w_stride_n, out_stride,
+                 scale_ptr, scale_stride_e, scale_stride_n, scale_stride_g, group_size,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 PAIR_BLOCKS: tl.constexpr, OVERLAP: tl.constexpr):
+                 PAIR_BLOCKS: tl.constexpr, FP8_WEIGHTS: tl.constexpr, OVERLAP: tl.constexpr):
     """A block of sorted pairs and a tile of hidden columns (``_block``):
     the block's expert's down projection of the pairs' activations, times their routing
-    weights, to the pairs' rows."""
+    weights, to the pairs' rows. ``FP8_WEIGHTS``: as ``_gate_up_kernel``'s."""
     wait_for_previous(OVERLAP)
     col_tile, expert, pairs, pair_ok = _block(sorted_pairs_ptr, block_experts_ptr, num_pairs,
                                               tl.cdiv(hidden, BLOCK_N), BLOCK_M, PAIR_BLOCKS)
@@ -322,6 +349,8 @@ def _down_kernel(a_ptr, w2_ptr, out_ptr, routing_ptr, sorted_pairs_ptr, block_ex
     cols = col_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < hidden
     weights = w2_ptr + expert.to(tl.int64) * w_stride_e
+    if FP8_WEIGHTS:
+        scales = scale_ptr + expert.to(tl.int64) * scale_stride_e + cols * scale_stride_n
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, inter, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
@@ -330,6 +359,8 @@ def _down_kernel(a_ptr, w2_ptr, out_ptr, routing_ptr, sorted_pairs_ptr, block_ex
                     mask=pair_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(weights + cols[None, :] * w_stride_n + ks[:, None],
                     mask=col_ok[None, :] & k_ok[:, None], other=0.0)
+        if FP8_WEIGHTS:
+            b = _dequantized(b, scales + (k0 // group_size) * scale_stride_g, col_ok, a.dtype)
         acc = tl.dot(a, b, acc, input_precision="ieee")
     routing = tl.load(routing_ptr + rows, mask=pair_ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + rows[:, None] * out_stride + cols[None, :],
@@ -413,18 +444,43 @@ def _fitting(tiles: GemmTiles, block_m: int, weight_tiles: int, element_size: in
                                                 SHARED_MEMORY_FOR_STAGES // stage)))
 
 
-def fused_moe(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-              topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+def _fp8_tiles(tiles: GemmTiles, weights: torch.Tensor | Fp8Weight, k: int) -> GemmTiles:
+    """``tiles`` for a product over ``k`` columns of ``weights``: of FP8 ones whose scales
+    change along K, a ``block_k`` (a power of two) that divides their ``group_size``, the
+    largest up to the tiles' own, so that a k-step's columns share one scale a row (group
+    ``k0 // group_size``); of one group a row (per channel), any ``block_k``."""
+    if not isinstance(weights, Fp8Weight) or weights.group_size >= k:
+        return tiles
+    block_k = math.gcd(tiles.block_k, weights.group_size)
+    if block_k < 16:  # (tl.dot's least K)
+        raise ValueError(f"FP8 experts' scale groups of {weights.group_size} columns: a k-step "
+                         f"of the grouped GEMM takes 16 columns or more of one group")
+    return replace(tiles, block_k=block_k)
+
+
+def _weight_args(weights: torch.Tensor | Fp8Weight) -> tuple[torch.Tensor, tuple]:
+    """A grouped GEMM's matrices, and its last arguments: their scales, the scales' strides and
+    group size; of a plain tensor, dummies the kernel does not read (``FP8_WEIGHTS`` off)."""
+    if isinstance(weights, Fp8Weight):
+        return weights.data, (weights.scale, *weights.scale.stride(), weights.group_size)
+    return weights, (weights, 0, 0, 0, 1)
+
+
+def fused_moe(hidden_states: torch.Tensor, w13: torch.Tensor | Fp8Weight,
+              w2: torch.Tensor | Fp8Weight, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
               expert_parallel: bool = False, tiles: MoeTiles | None = None) -> torch.Tensor:
     """``moe.fused_moe``: ``hidden_states [T, H]``, ``w13 [E, 2I, H]``, ``w2 [E, H, I]``,
     ``topk_weights`` and ``topk_ids`` ``[T, k]``; returns ``[T, H]`` in the input's dtype.
     ``expert_parallel``: ids of -1 (another rank's experts) are left out (the alignment always
-    leaves them out; with the flag the sum skips their unwritten rows)."""
+    leaves them out; with the flag the sum skips their unwritten rows). Either matrix may be an
+    ``Fp8Weight`` (weight-only: see the module's docstring), its ``block_k`` then within one
+    scale group (``_fp8_tiles``)."""
     num_tokens, hidden = hidden_states.shape
+    (w13_data, w13_scales), (w2_data, w2_scales) = _weight_args(w13), _weight_args(w2)
     num_experts, inter = w2.shape[0], w2.shape[2]
     top_k = topk_ids.shape[1]
     num_pairs = num_tokens * top_k
-    if hidden_states.stride(1) != 1 or w13.stride(2) != 1 or w2.stride(2) != 1:
+    if hidden_states.stride(1) != 1 or w13_data.stride(2) != 1 or w2_data.stride(2) != 1:
         raise ValueError("fused_moe reads rows of the inputs and weights with unit stride")
     if num_pairs == 0:
         return hidden_states.new_zeros(num_tokens, hidden)
@@ -432,22 +488,24 @@ def fused_moe(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     aligned = align_pairs(topk_ids, num_experts, tiles.block_m)
     num_blocks = aligned.block_experts.numel()
     activated = hidden_states.new_empty(num_pairs, inter)
-    gate_up, down = tiles.gate_up, tiles.down
+    gate_up, down = _fp8_tiles(tiles.gate_up, w13, hidden), _fp8_tiles(tiles.down, w2, inter)
     overlap = _overlap(hidden_states.device, num_pairs)
     _gate_up_kernel[(num_blocks * triton.cdiv(inter, gate_up.block_n),)](
-        hidden_states, w13, activated, aligned.sorted_pairs, aligned.block_experts, num_pairs,
-        hidden, inter, hidden_states.stride(0), w13.stride(0), w13.stride(1),
-        activated.stride(0), TOP_K=top_k, BLOCK_M=tiles.block_m, BLOCK_N=gate_up.block_n,
-        BLOCK_K=gate_up.block_k, PAIR_BLOCKS=aligned.pair_blocks, num_warps=gate_up.num_warps,
-        num_stages=gate_up.num_stages, **overlap)
+        hidden_states, w13_data, activated, aligned.sorted_pairs, aligned.block_experts,
+        num_pairs, hidden, inter, hidden_states.stride(0), w13_data.stride(0),
+        w13_data.stride(1), activated.stride(0), *w13_scales, TOP_K=top_k,
+        BLOCK_M=tiles.block_m, BLOCK_N=gate_up.block_n, BLOCK_K=gate_up.block_k,
+        PAIR_BLOCKS=aligned.pair_blocks, FP8_WEIGHTS=isinstance(w13, Fp8Weight),
+        num_warps=gate_up.num_warps, num_stages=gate_up.num_stages, **overlap)
     scaled = hidden_states.new_empty(num_pairs, hidden)
     routing = topk_weights.flatten().contiguous()
     _down_kernel[(num_blocks * triton.cdiv(hidden, down.block_n),)](
-        activated, w2, scaled, routing, aligned.sorted_pairs, aligned.block_experts, num_pairs,
-        hidden, inter, activated.stride(0), w2.stride(0), w2.stride(1), scaled.stride(0),
-        BLOCK_M=tiles.block_m, BLOCK_N=down.block_n, BLOCK_K=down.block_k,
-        PAIR_BLOCKS=aligned.pair_blocks, num_warps=down.num_warps, num_stages=down.num_stages,
-        **overlap)
+        activated, w2_data, scaled, routing, aligned.sorted_pairs, aligned.block_experts,
+        num_pairs, hidden, inter, activated.stride(0), w2_data.stride(0), w2_data.stride(1),
+        scaled.stride(0), *w2_scales, BLOCK_M=tiles.block_m, BLOCK_N=down.block_n,
+        BLOCK_K=down.block_k, PAIR_BLOCKS=aligned.pair_blocks,
+        FP8_WEIGHTS=isinstance(w2, Fp8Weight), num_warps=down.num_warps,
+        num_stages=down.num_stages, **overlap)
     out = hidden_states.new_empty(num_tokens, hidden)
     _sum_pairs_kernel[(num_tokens, triton.cdiv(hidden, SUM_BLOCK))](
         scaled, topk_ids, out, hidden, TOP_K=top_k, BLOCK=SUM_BLOCK,

@@ -284,10 +284,11 @@ def mlp(hf_config: Any, options: DecoderOptions, kernels: KernelBackend, tp_rank
         return MLP(hf_config, options, kernels, tp_rank, tp_size)
     shared_size = getattr(text_config(hf_config), "shared_expert_intermediate_size", 0)
     if not shared_size:
-        return SparseMoeBlock(hf_config, kernels, tp_rank, tp_size, options.expert_parallel)
+        return SparseMoeBlock(hf_config, kernels, tp_rank, tp_size, options.expert_parallel,
+                              options.fp8)
     shared_expert = MLP(hf_config, options, kernels, tp_rank, tp_size, shared_size)
     return SharedExpertMoeBlock(hf_config, shared_expert, kernels, tp_rank, tp_size,
-                                options.expert_parallel)
+                                options.expert_parallel, options.fp8)
 
 
 def layer_norms(hf_config: Any, options: DecoderOptions,

@@ -14,7 +14,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from nanofn.kernels import TORCH_KERNELS, KernelBackend
-from nanofn.kernels.fp8 import FP8_DTYPE
+from nanofn.kernels.fp8 import FP8_DTYPE, Fp8Weight
 from nanofn.model.config import (check_activation, check_context_fits_window, num_linear_layers,
                                  text_config)
 from nanofn.model.decoder import CausalLM, decoder_options
@@ -49,10 +49,12 @@ GROUPED_PROJECTIONS: dict[str, tuple[str, tuple[str, ...]]] = {
     "in_proj_ba": ("ba", ("in_proj_b", "in_proj_a")),
 }
 # An MoE layer's experts, stacked into ``w13`` ([gate | up]) and ``w2`` (``moe.StackedExperts``):
-# per-expert tensors (``experts.<index>.gate_proj.weight``) or transformers' fused ones
-# (``experts.gate_up_proj``, ``experts.down_proj``, which fill a parameter whole).
+# per-expert tensors (``experts.<index>.gate_proj.weight``; an FP8 checkpoint's scales beside
+# them, into ``w13_scale`` and ``w2_scale``) or transformers' fused ones (``experts.gate_up_proj``,
+# ``experts.down_proj``, which fill a parameter whole).
 EXPERT_TENSOR = re.compile(r"(?P<experts>.+\.mlp\.experts)\.(?:(?P<index>\d+)\."
-                           r"(?P<projection>gate_proj|up_proj|down_proj)\.weight"
+                           r"(?P<projection>gate_proj|up_proj|down_proj)\."
+                           r"(?P<leaf>weight|weight_scale_inv|weight_scale)"
                            r"|(?P<fused>gate_up_proj|down_proj))")
 EXPERT_PROJECTIONS: dict[str, tuple[str, int | None]] = {  # -> (parameter, part of w13)
     "gate_proj": ("w13", 0), "up_proj": ("w13", 1), "down_proj": ("w2", None),
@@ -114,13 +116,14 @@ def build_model(
 
 
 def check_fp8_supported(scheme: Fp8Scheme, options: Any) -> None:
-    """FP8 is read for dense decoders (Qwen3, Qwen2, Llama, Mistral) and the hybrid Qwen3.5
-    (its full-attention and MLP projections; its linear attention stays in full precision),
-    not yet for mixture-of-experts models (their experts)."""
-    if options.sparse_moe:
-        raise ValueError(f"{scheme.description}: FP8 is not supported for mixture-of-experts "
-                         f"models yet; only dense decoders (Qwen3, Qwen2, Llama, Mistral) and "
-                         f"the hybrid Qwen3.5")
+    """FP8 is read for dense decoders (Qwen3, Qwen2, Llama, Mistral), the hybrid Qwen3.5 (its
+    full-attention and MLP projections; its linear attention stays in full precision) and
+    mixture-of-experts models (their experts too, weight-only: ``moe.py``), except with static
+    activation scales there (the experts take no activation scale)."""
+    if options.sparse_moe and scheme.static_input_scale:
+        raise ValueError(f"{scheme.description}: static activation scales are not supported "
+                         f"for mixture-of-experts models (their experts multiply weight-only); "
+                         f"dynamic activations are")
 
 
 def check_ignored_modules(model: CausalLM, scheme: Fp8Scheme) -> None:
@@ -171,12 +174,13 @@ def init_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
     at load holds the quantized weights of the bf16 model of the same seed, and the two can be
     compared (``benchmarks/fp8_agreement.py``)."""
     generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
-    fp8_layers = {id(module.weight): module for module in model.modules()
-                  if isinstance(getattr(module, "fp8", None), Fp8Scheme)}
-    scales = {id(getattr(layer, layer.fp8.scale_name)) for layer in fp8_layers.values()}
+    fp8_weights = {id(weight.data): (module.fp8, weight) for module in model.modules()
+                   if isinstance(getattr(module, "fp8", None), Fp8Scheme)
+                   for weight in getattr(module, "matrices", None) or (module.matrix,)}
+    scales = {id(weight.scale) for _, weight in fp8_weights.values()}
     for name, param in model.named_parameters():
-        if id(param) in fp8_layers:
-            _fill_fp8(fp8_layers[id(param)], generator)
+        if id(param) in fp8_weights:
+            _fill_fp8(*fp8_weights[id(param)], generator)
         elif id(param) in scales:
             continue  # (filled with its weight)
         elif param.dim() > 1:
@@ -185,14 +189,17 @@ def init_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
             param.fill_(0.0 if name.endswith(("A_log", "bias")) else 1.0)
 
 
-def _fill_fp8(layer: torch.nn.Module, generator: torch.Generator) -> None:
-    """An FP8 projection's dummy weight: drawn as a matrix of the model's dtype is drawn, then
-    quantized, its scales written."""
-    weight = torch.empty(layer.weight.shape, device=layer.weight.device)
-    weight.normal_(0.0, DUMMY_WEIGHT_STD, generator=generator)
-    q, scale = layer.fp8.quantize(weight)
-    layer.weight.copy_(q)
-    getattr(layer, layer.fp8.scale_name).copy_(scale)
+def _fill_fp8(scheme: Fp8Scheme, weight: Fp8Weight, generator: torch.Generator) -> None:
+    """An FP8 projection's (or stacked experts') dummy weight: drawn as a matrix of the model's
+    dtype is drawn, then quantized matrix by matrix, its scales written."""
+    drawn = torch.empty(weight.shape, device=weight.data.device)
+    drawn.normal_(0.0, DUMMY_WEIGHT_STD, generator=generator)
+    for matrix, data, scale in zip(drawn.view(-1, *drawn.shape[-2:]),
+                                   weight.data.view(-1, *drawn.shape[-2:]),
+                                   weight.scale.view(-1, *weight.scale.shape[-2:])):
+        q, scales = scheme.quantize(matrix)
+        data.copy_(q)
+        scale.copy_(scales)
 
 
 def load_weights(model: CausalLM, model_dir: str | Path) -> None:
@@ -339,16 +346,18 @@ def _expert_parameter(match: re.Match) -> tuple[str, tuple[int, int] | int | Non
         return f"{match['experts']}.{EXPERT_PROJECTIONS[match['fused']][0]}", None
     param, part = EXPERT_PROJECTIONS[match["projection"]]
     expert = int(match["index"])
-    return f"{match['experts']}.{param}", expert if part is None else (expert, part)
+    suffix = "" if match["leaf"] == "weight" else "_scale"
+    return f"{match['experts']}.{param}{suffix}", expert if part is None else (expert, part)
 
 
 def _checkpoint_names(param_name: str, param: torch.nn.Parameter) -> list[str]:
     """The Hugging Face tensors that together fill one nanofn parameter (an MoE layer's
     stacked experts: the per-expert tensors, which one fused tensor may stand for)."""
     module_path, _, leaf = param_name.rpartition(".")
-    if module_path.endswith(".mlp.experts") and leaf in ("w13", "w2"):
-        projections = ("gate_proj", "up_proj") if leaf == "w13" else ("down_proj",)
-        return [f"{module_path}.{expert}.{projection}.weight"
+    if module_path.endswith(".mlp.experts") and leaf.removesuffix("_scale") in ("w13", "w2"):
+        projections = ("gate_proj", "up_proj") if leaf.startswith("w13") else ("down_proj",)
+        tensor = getattr(param, "checkpoint_leaf", "weight")  # (a scale's: weight_scale_inv)
+        return [f"{module_path}.{expert}.{projection}.{tensor}"
                 for expert in param.experts for projection in projections]
     parent, _, module = module_path.rpartition(".")
     sources = [hf for hf, (fused, _) in FUSED_PROJECTIONS.items() if fused == module]

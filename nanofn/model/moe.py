@@ -13,6 +13,12 @@ pairs of its experts only; the ranks' outputs are summed alike, by the same all-
 rank routes every token alike (the router is replicated).
 A shared expert splits as the dense MLP, its gate is replicated, and its partial sums join the
 routed experts' in one all-reduce.
+
+In an FP8 model (``quantization.py``) the experts are FP8 too: ``w13`` and ``w2`` in e4m3 with
+``w13_scale`` and ``w2_scale``, a float32 multiplier per row and group of K columns as a dense
+FP8 projection's (the checkpoint's per-expert ``weight_scale_inv`` or ``weight_scale``), split
+with their rows (w13) or their columns' groups (w2). They multiply weight-only
+(``kernels/moe.py``). The router and the shared expert's gate stay in the model's dtype.
 """
 
 from __future__ import annotations
@@ -23,10 +29,12 @@ import torch
 from torch import nn
 
 from nanofn.kernels import KernelBackend, silu_and_mul
+from nanofn.kernels.fp8 import FP8_DTYPE, Fp8Weight, quantize_groups
 from nanofn.kernels.partial_sums import Unsummed
 from nanofn.model.config import text_config
 from nanofn.model.layers import RMSNorm
 from nanofn.model.parallel import check_shape, divide, load_replicated
+from nanofn.model.quantization import Fp8Scheme
 
 
 def is_sparse_layer(hf_config: Any, layer_index: int) -> bool:
@@ -71,7 +79,7 @@ class StackedExperts(nn.Module):
     no other expert's tensors) and ``num_experts`` counts every rank's."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, tp_rank: int,
-                 tp_size: int, expert_parallel: bool = False):
+                 tp_size: int, expert_parallel: bool = False, fp8: Fp8Scheme | None = None):
         super().__init__()
         self.num_experts, self.intermediate_size = num_experts, intermediate_size  # every rank's
         if expert_parallel:
@@ -82,15 +90,47 @@ class StackedExperts(nn.Module):
             local_experts, self.first_expert = num_experts, 0
             self.local_size = divide(intermediate_size, tp_size, "moe_intermediate_size")
             self.first = tp_rank * self.local_size
-        self.w13 = nn.Parameter(torch.empty(local_experts, 2 * self.local_size, hidden_size),
-                                requires_grad=False)
+        self.fp8 = fp8
+        dtype = None if fp8 is None else FP8_DTYPE
+        self.w13 = nn.Parameter(torch.empty(local_experts, 2 * self.local_size, hidden_size,
+                                            dtype=dtype), requires_grad=False)
         self.w13.weight_loader = self.load_w13
-        self.w2 = nn.Parameter(torch.empty(local_experts, hidden_size, self.local_size),
-                               requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(local_experts, hidden_size, self.local_size,
+                                           dtype=dtype), requires_grad=False)
         self.w2.weight_loader = self.load_w2
-        for param in (self.w13, self.w2):
+        stacked = [self.w13, self.w2]
+        if fp8 is not None:
+            stacked += self._add_scales(fp8, local_experts, hidden_size)
+        for param in stacked:
             param.experts = range(self.first_expert, self.first_expert + local_experts)
             param.num_experts = num_experts
+        self.matrices = ((self.w13, self.w2) if fp8 is None else
+                         (Fp8Weight(self.w13, self.w13_scale, self.w13_group),
+                          Fp8Weight(self.w2, self.w2_scale, self.w2_group)))
+
+    def _add_scales(self, fp8: Fp8Scheme, local_experts: int,
+                    hidden_size: int) -> list[nn.Parameter]:
+        """``w13_scale [E_local, 2 * I_local, G_H]`` and ``w2_scale [E_local, H, G_I_local]``:
+        w2's groups of K split with its columns, so a rank's share must hold whole groups."""
+        full_inter = self.intermediate_size
+        self.w13_group = fp8.group_size(hidden_size)
+        self.w2_group = min(fp8.group_size(full_inter), self.local_size)
+        if self.local_size % self.w2_group:
+            raise ValueError(f"{fp8.description}: an expert's intermediate size per rank "
+                             f"({self.local_size}) is not a multiple of the scales' "
+                             f"{self.w2_group} columns; lower tp_size")
+        self.w13_scale = nn.Parameter(torch.empty(local_experts, 2 * self.local_size,
+                                                  fp8.num_groups(hidden_size),
+                                                  dtype=torch.float32), requires_grad=False)
+        self.w13_scale.weight_loader = self.load_w13_scale
+        self.w2_scale = nn.Parameter(torch.empty(local_experts, hidden_size,
+                                                 self.local_size // self.w2_group,
+                                                 dtype=torch.float32), requires_grad=False)
+        self.w2_scale.weight_loader = self.load_w2_scale
+        for scale in (self.w13_scale, self.w2_scale):
+            scale.checkpoint_leaf = fp8.scale_name  # (experts.N.gate_proj.weight_scale_inv)
+            scale.filled_by_weight = fp8.quantize_at_load
+        return [self.w13_scale, self.w2_scale]
 
     @property
     def expert_parallel(self) -> bool:
@@ -110,17 +150,37 @@ class StackedExperts(nn.Module):
         """``shard_id`` ``(expert, 0)``: that expert's ``gate_proj [I, H]``, ``(expert, 1)``:
         its ``up_proj`` (another rank's expert: nothing to copy); None: all experts'
         ``gate_up_proj``, ``[E, 2I, H]`` (transformers 5's layout, assumed where ``H == 2I``
-        leaves it ambiguous) or ``[E, H, 2I]``."""
+        leaves it ambiguous) or ``[E, H, 2I]``. FP8: see ``_checked_fp8``."""
         hidden = param.shape[2]
-        full = 2 * self.intermediate_size
         if shard_id is None:
-            loaded = self._rank_experts(_experts_first(loaded, (self.num_experts, full, hidden)))
+            loaded = _experts_first(loaded, (self.num_experts, 2 * self.intermediate_size, hidden))
+            loaded = self._rank_experts(loaded)
+        else:
+            check_shape(loaded, (self.intermediate_size, hidden))
+        if self.fp8 is not None:
+            loaded = self._checked_fp8(loaded, self.w13_scale, self._place_w13, shard_id)
+        self._place_w13(param, loaded, shard_id)
+
+    def load_w13_scale(self, param: nn.Parameter, loaded: torch.Tensor,
+                       shard_id: tuple[int, int] | None = None) -> None:
+        """A checkpoint's scales of an expert's ``gate_proj`` or ``up_proj``, as row
+        multipliers (``Fp8Scheme.row_scales``)."""
+        if shard_id is None:
+            raise ValueError("FP8 scales of fused expert tensors are not read (only per-expert "
+                             "gate_proj, up_proj and down_proj tensors with their own scales)")
+        self._place_w13(param, self.fp8.row_scales(loaded, self.intermediate_size,
+                                                   self.w13.shape[2]), shard_id)
+
+    def _place_w13(self, param: nn.Parameter, loaded: torch.Tensor,
+                   shard_id: tuple[int, int] | None) -> None:
+        """This rank's rows of an expert's gate or up rows (or, ``shard_id`` None, of this
+        rank's experts' ``[E_local, 2I, ...]``) into ``param`` (``w13`` or its scales)."""
+        if shard_id is None:
             for part in (0, 1):
                 self._rank_rows(param, part).copy_(
                     loaded.narrow(1, part * self.intermediate_size + self.first, self.local_size))
             return
         expert, part = shard_id
-        check_shape(loaded, (self.intermediate_size, hidden))
         if (local := self._local_expert(expert)) is not None:
             self._rank_rows(param[local], part).copy_(
                 loaded.narrow(0, self.first, self.local_size))
@@ -128,15 +188,56 @@ class StackedExperts(nn.Module):
     def load_w2(self, param: nn.Parameter, loaded: torch.Tensor,
                 shard_id: int | None = None) -> None:
         """``shard_id`` an expert: its ``down_proj [H, I]``; None: all experts' ``down_proj``,
-        ``[E, H, I]`` (transformers 5's, assumed where ``H == I``) or ``[E, I, H]``."""
+        ``[E, H, I]`` (transformers 5's, assumed where ``H == I``) or ``[E, I, H]``. FP8: see
+        ``_checked_fp8``."""
         hidden = param.shape[1]
         if shard_id is None:
             loaded = _experts_first(loaded, (self.num_experts, hidden, self.intermediate_size))
-            param.data.copy_(self._rank_experts(loaded).narrow(2, self.first, self.local_size))
-            return
-        check_shape(loaded, (hidden, self.intermediate_size))
-        if (local := self._local_expert(shard_id)) is not None:
+            loaded = self._rank_experts(loaded)
+        else:
+            check_shape(loaded, (hidden, self.intermediate_size))
+        if self.fp8 is not None:
+            loaded = self._checked_fp8(loaded, self.w2_scale, self._place_w2_scale, shard_id)
+        if shard_id is None:
+            param.data.copy_(loaded.narrow(2, self.first, self.local_size))
+        elif (local := self._local_expert(shard_id)) is not None:
             param.data[local].copy_(loaded.narrow(1, self.first, self.local_size))
+
+    def load_w2_scale(self, param: nn.Parameter, loaded: torch.Tensor,
+                      shard_id: int | None = None) -> None:
+        """A checkpoint's scales of an expert's ``down_proj``, as row multipliers."""
+        if shard_id is None:
+            raise ValueError("FP8 scales of fused expert tensors are not read (only per-expert "
+                             "gate_proj, up_proj and down_proj tensors with their own scales)")
+        self._place_w2_scale(param, self.fp8.row_scales(loaded, param.shape[1],
+                                                        self.intermediate_size), shard_id)
+
+    def _place_w2_scale(self, param: nn.Parameter, scales: torch.Tensor,
+                        shard_id: int | None) -> None:
+        """This rank's groups of an expert's ``down_proj`` row multipliers ``[H, G_I]`` (or,
+        ``shard_id`` None, of this rank's experts' ``[E_local, H, G_I]``): the groups of its
+        columns, or a scale a row whole (every rank's)."""
+        first, count = ((0, 1) if scales.shape[-1] == 1 else
+                        (self.first // self.w2_group, self.local_size // self.w2_group))
+        if shard_id is None:
+            param.data.copy_(scales.narrow(2, first, count))
+        elif (local := self._local_expert(shard_id)) is not None:
+            param.data[local].copy_(scales.narrow(1, first, count))
+
+    def _checked_fp8(self, loaded: torch.Tensor, scale: nn.Parameter, place_scales: Any,
+                     shard_id: Any) -> torch.Tensor:
+        """An FP8 model's expert tensor: an FP8 checkpoint's as it is (its scales come as
+        tensors of their own); a full-precision one quantized (``quantize_at_load``: one scale a
+        row, the per-channel scheme), its scales placed as a checkpoint's would be."""
+        if not self.fp8.quantize_at_load:
+            if loaded.dtype != FP8_DTYPE:
+                raise ValueError(f"expected a float8_e4m3fn expert weight "
+                                 f"({self.fp8.description}), found "
+                                 f"{str(loaded.dtype).removeprefix('torch.')}")
+            return loaded
+        q, scales = quantize_groups(loaded.to(scale.device), loaded.shape[-1])
+        place_scales(scale, scales, shard_id)
+        return q
 
     def _local_expert(self, expert: int) -> int | None:
         """A checkpoint expert's index among this rank's, None where another rank holds it."""
@@ -170,14 +271,14 @@ class SparseMoeBlock(nn.Module):
     """The MLP of a sparse layer: ``gate`` (the router) and ``experts``."""
 
     def __init__(self, hf_config: Any, kernels: KernelBackend, tp_rank: int, tp_size: int,
-                 expert_parallel: bool = False):
+                 expert_parallel: bool = False, fp8: Fp8Scheme | None = None):
         super().__init__()
         config = text_config(hf_config)
         self.gate = Router(config.num_experts, config.hidden_size, config.num_experts_per_tok,
                            renormalizes_top_k(config), kernels)
         self.experts = StackedExperts(config.num_experts, config.hidden_size,
                                       config.moe_intermediate_size, tp_rank, tp_size,
-                                      expert_parallel)
+                                      expert_parallel, fp8)
         self.kernels = kernels
         self.tp_size = tp_size
 
@@ -186,7 +287,7 @@ class SparseMoeBlock(nn.Module):
         expert parallelism its experts' share of every token's (each (token, expert) pair is
         computed by the rank that holds the expert)."""
         topk_weights, topk_ids = self.gate(hidden)
-        return self.kernels.fused_moe(hidden, self.experts.w13, self.experts.w2, topk_weights,
+        return self.kernels.fused_moe(hidden, *self.experts.matrices, topk_weights,
                                       self.experts.local_ids(topk_ids),
                                       expert_parallel=self.experts.expert_parallel)
 
@@ -213,8 +314,9 @@ class SharedExpertMoeBlock(SparseMoeBlock):
     ``sigmoid(shared_expert_gate(x))``, one number a token, and added to the routed experts'."""
 
     def __init__(self, hf_config: Any, shared_expert: nn.Module, kernels: KernelBackend,
-                 tp_rank: int, tp_size: int, expert_parallel: bool = False):
-        super().__init__(hf_config, kernels, tp_rank, tp_size, expert_parallel)
+                 tp_rank: int, tp_size: int, expert_parallel: bool = False,
+                 fp8: Fp8Scheme | None = None):
+        super().__init__(hf_config, kernels, tp_rank, tp_size, expert_parallel, fp8)
         self.shared_expert = shared_expert
         self.shared_expert_gate = SharedExpertGate(text_config(hf_config).hidden_size, kernels)
 
