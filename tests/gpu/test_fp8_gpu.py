@@ -137,9 +137,10 @@ def test_fp8_kv_decode_and_prefill_match_the_reference_and_stay_near_bf16(batch)
     assert relative_error(out, expected) < TOLERANCE
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5", "qwen3_moe"])
 def test_an_engine_with_fp8_weights_and_kv_matches_the_torch_references(tiny_checkpoint, arch):
-    """The tiny qwen3 (and the hybrid Qwen3.5) in bf16, quantized at load, FP8 KV cache:
+    """The tiny qwen3 (and the hybrid Qwen3.5, and Qwen3-MoE with FP8 experts) in bf16,
+    quantized at load, FP8 KV cache:
     Triton's kernels (CUDA graphs for decode) against the torch references, teacher-forced;
     projections 1 byte a weight (the hybrid's linear attention's stay bf16).
 

@@ -1,7 +1,7 @@
 """A mixture-of-experts model (Qwen3-MoE) on a GPU: bf16 greedy tokens and prompt logprobs
 against transformers, CUDA graphs against eager, and the fused Triton experts against the torch
-reference at Qwen3-30B-A3B's expert count and routing, eagerly and replayed from a CUDA graph.
-Skipped without CUDA."""
+reference at Qwen3-30B-A3B's expert count and routing (bf16 and FP8 experts), eagerly and
+replayed from a CUDA graph. Skipped without CUDA."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from nanofn.kernels import moe, triton_moe
+from nanofn.kernels.fp8 import Fp8Weight, quantize_groups
 from test_hybrid_gpu import (check_bf16_tokens_and_prompt_logprobs, prompts_for,  # (tests/gpu)
                              relative_error, run)
 
@@ -52,6 +53,23 @@ def test_the_fused_experts_match_the_reference(num_tokens):
     exact = moe.fused_moe(x.float(), w13.float(), w2.float(), topk_weights.float(), topk_ids)
     rounded = moe.fused_moe(x, w13, w2, topk_weights, topk_ids)
     got = triton_moe.fused_moe(x, w13, w2, topk_weights, topk_ids)
+    assert got.dtype == torch.bfloat16
+    assert relative_error(got, exact) <= 2 * relative_error(rounded, exact) + 1e-3
+
+
+@pytest.mark.parametrize("group_size", [128, None], ids=["block", "channel"])
+@pytest.mark.parametrize("num_tokens", [1, 6, 300, 2500])
+def test_fp8_experts_match_the_reference(num_tokens, group_size):
+    """FP8 experts (block-wise or per-channel scales), weight-only: the Triton kernels against
+    the reference on the same codes and scales, as close to its float32 computation as the
+    bf16 reference is."""
+    x, w13, w2, topk_weights, topk_ids = experts_and_routing(num_tokens, num_tokens + 3)
+    fp8 = [Fp8Weight(*quantize_groups(w.float(), group_size or w.shape[-1]),
+                     group_size or w.shape[-1]) for w in (w13, w2)]
+    dequantized = [w.dequantized(torch.float32) for w in fp8]
+    exact = moe.fused_moe(x.float(), *dequantized, topk_weights.float(), topk_ids)
+    rounded = moe.fused_moe(x, *fp8, topk_weights, topk_ids)
+    got = triton_moe.fused_moe(x, *fp8, topk_weights, topk_ids)
     assert got.dtype == torch.bfloat16
     assert relative_error(got, exact) <= 2 * relative_error(rounded, exact) + 1e-3
 
