@@ -104,16 +104,18 @@ def is_projection(name: str) -> bool:
     return name.endswith(".weight") and name.split(".")[-2] in PROJECTIONS
 
 
-def write_fp8_checkpoint(source, fp8_dir, dequantized_dir, scheme: str) -> None:
-    """``source`` quantized as ``scheme`` into ``fp8_dir``, and the weights that checkpoint
-    stands for, dequantized, as a plain checkpoint into ``dequantized_dir``."""
+def write_fp8_checkpoint(source, fp8_dir, dequantized_dir, scheme: str,
+                         quantizes=is_projection) -> None:
+    """``source`` quantized as ``scheme`` into ``fp8_dir`` (the tensors ``quantizes`` names),
+    and the weights that checkpoint stands for, dequantized, as a plain checkpoint into
+    ``dequantized_dir``."""
     quantize, scale_name, scale_dtype, quantization_config = SCHEMES[scheme]
     for folder in (fp8_dir, dequantized_dir):
         shutil.copytree(source, folder)
     tensors = load_file(source / "model.safetensors")
     quantized, dequantized = {}, {}
     for name, tensor in tensors.items():
-        if not is_projection(name):
+        if not quantizes(name):
             quantized[name] = dequantized[name] = tensor
             continue
         q, scale, dequantized[name] = quantize(tensor.float(), scale_dtype)
@@ -379,11 +381,24 @@ def test_an_unsupported_quantized_checkpoint_is_an_error_naming_its_format(tiny_
 LINEAR_ATTENTION_KEPT = ["lm_head", "re:.*linear_attn.*"]
 
 
-def write_hybrid_fp8_checkpoint(tiny_checkpoint, tmp_path, scheme: str, ignore: list[str]):
-    """The tiny Qwen3.5 in ``scheme`` (its attention and MLP projections: the linear
-    attention's are left as they are), the config's ignore list ``ignore``."""
+# Qwen's own Qwen3.5 (and Qwen3.6) FP8 checkpoints quantize these of the linear attention too
+# and keep in_proj_a and in_proj_b (and the convolution, the norms) in bf16
+QWEN_LINEAR_ATTENTION = ("in_proj_qkv", "in_proj_z", "out_proj")
+QWEN_KEPT = ["lm_head", "re:.*linear_attn\\.in_proj_[ab]"]
+
+
+def quantized_as_qwen_does(name: str) -> bool:
+    return is_projection(name) or (name.endswith(".weight")
+                                   and name.split(".")[-2] in QWEN_LINEAR_ATTENTION)
+
+
+def write_hybrid_fp8_checkpoint(tiny_checkpoint, tmp_path, scheme: str, ignore: list[str],
+                                quantizes=is_projection):
+    """The tiny Qwen3.5 in ``scheme`` (the tensors ``quantizes`` names: its attention and MLP
+    projections, or Qwen's choice), the config's ignore list ``ignore``."""
     fp8_dir, dequantized_dir = tmp_path / "fp8", tmp_path / "dequantized"
-    write_fp8_checkpoint(tiny_checkpoint("qwen3_5", **WIDE), fp8_dir, dequantized_dir, scheme)
+    write_fp8_checkpoint(tiny_checkpoint("qwen3_5", **WIDE), fp8_dir, dequantized_dir, scheme,
+                         quantizes)
     config = json.loads((fp8_dir / "config.json").read_text())["quantization_config"]
     config["ignore" if scheme.startswith("ct-") else "modules_to_not_convert"] = ignore
     set_config(fp8_dir, quantization_config=config)
@@ -431,14 +446,37 @@ def test_an_fp8_qwen3_5_keeps_its_greedy_tokens_in_a_small_cache_and_chunks(
     assert happened(figures)
 
 
-def test_an_fp8_qwen3_5_that_quantizes_its_linear_attention_is_refused(tiny_checkpoint,
+def test_qwen_s_own_fp8_qwen3_5_loads_its_linear_attention_dequantized(tiny_checkpoint,
+                                                                        tmp_path):
+    """Qwen's layout: the linear attention's in_proj_qkv, in_proj_z and out_proj in FP8 too
+    (in_proj_a and in_proj_b in bf16, its ignore list says): nanofn holds them dequantized in
+    the model's dtype, and its greedy tokens are transformers' on the dequantized weights."""
+    fp8_dir, dequantized_dir = write_hybrid_fp8_checkpoint(
+        tiny_checkpoint, tmp_path, "qwen-block", QWEN_KEPT, quantized_as_qwen_does)
+    stored = load_file(fp8_dir / "model.safetensors")
+    assert stored["model.layers.0.linear_attn.out_proj.weight"].dtype == FP8_DTYPE
+    reference = reference_model(dequantized_dir, "qwen-block")
+    with LLM(str(fp8_dir), num_kv_blocks=32, max_model_len=64) as llm:
+        outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=NEW_TOKENS),
+                               use_tqdm=False)
+        weights = dict(llm.engine.runner.model.named_parameters())
+    assert weights["model.layers.0.linear_attn.out_proj.weight"].dtype == torch.float32
+    for prompt, output in zip(PROMPTS, outputs):
+        assert list(output.outputs[0].token_ids) == greedy_tokens(reference, prompt, NEW_TOKENS)
+
+
+def test_a_dequantized_weight_without_its_scales_is_refused_naming_them(tiny_checkpoint,
                                                                          tmp_path):
-    fp8_dir, _ = write_hybrid_fp8_checkpoint(tiny_checkpoint, tmp_path, "ct-channel-dynamic",
-                                             ["lm_head", "re:.*linear_attn\\.in_proj_.*"])
-    config = AutoConfig.from_pretrained(fp8_dir)
-    with pytest.raises(ValueError, match="it quantizes model.layers.0.linear_attn.out_proj, a "
-                                         "linear-attention projection"):
-        build_model(config, dtype="float32", device="cpu")
+    fp8_dir, _ = write_hybrid_fp8_checkpoint(tiny_checkpoint, tmp_path, "qwen-block", QWEN_KEPT,
+                                             quantized_as_qwen_does)
+    tensors = load_file(fp8_dir / "model.safetensors")
+    del tensors["model.layers.2.linear_attn.in_proj_z.weight_scale_inv"]
+    save_file(tensors, fp8_dir / "model.safetensors", metadata={"format": "pt"})
+    model = build_model(AutoConfig.from_pretrained(fp8_dir), dtype="float32", device="cpu")
+    with pytest.raises(ValueError, match=r"in_proj_z.weight'.*without its scales \(model\.layers"
+                                         r"\.2\.linear_attn\.in_proj_z\.weight_scale_inv is "
+                                         r"missing\)"):
+        load_weights(model, fp8_dir)
 
 
 def test_quantization_fp8_of_qwen3_5_keeps_its_linear_attention_and_its_logits_near(

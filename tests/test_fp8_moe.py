@@ -12,8 +12,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from test_fp8 import (E4M3_MAX, LINEAR_ATTENTION_KEPT, PROJECTIONS, PROMPTS, NEW_TOKENS, WIDE,
-                      greedy_tokens, set_config, write_fp8_checkpoint)
+from test_fp8 import (E4M3_MAX, LINEAR_ATTENTION_KEPT, PROJECTIONS, PROMPTS, NEW_TOKENS,
+                      QWEN_KEPT, WIDE, greedy_tokens, is_projection, quantized_as_qwen_does,
+                      set_config, write_fp8_checkpoint)
 from test_moe_model import fuse_experts
 from test_parity import nanofn_greedy
 
@@ -63,14 +64,23 @@ def write_moe_fp8_checkpoint(tiny_checkpoint, tmp_path, arch: str, scheme: str, 
     """The tiny ``arch`` with every attention, MLP and expert projection in ``scheme`` (a
     hybrid's linear attention kept, as its ignore list says), and its dequantized twin."""
     fp8_dir, dequantized_dir = tmp_path / "fp8", tmp_path / "dequantized"
+    qwen_s = arch == "qwen3_5_moe"  # (Qwen's own layout: see below)
     write_fp8_checkpoint(tiny_checkpoint(arch, **{**MOE_WIDE, **overrides}), fp8_dir,
-                         dequantized_dir, scheme)
+                         dequantized_dir, scheme,
+                         quantized_with_routers if qwen_s else is_projection)
     if arch != "qwen3_moe":
         config = json.loads((fp8_dir / "config.json").read_text())["quantization_config"]
-        config["ignore" if scheme.startswith("ct-") else "modules_to_not_convert"] = \
-            LINEAR_ATTENTION_KEPT
+        config["ignore" if scheme.startswith("ct-") else "modules_to_not_convert"] = (
+            QWEN_KEPT if qwen_s else LINEAR_ATTENTION_KEPT)
         set_config(fp8_dir, quantization_config=config)
     return fp8_dir, dequantized_dir
+
+
+def quantized_with_routers(name: str) -> bool:
+    """Qwen's own layout (linear attention's in_proj_qkv, in_proj_z and out_proj in FP8 too),
+    and the routers as well: a checkpoint may quantize them, which nanofn dequantizes."""
+    return quantized_as_qwen_does(name) or name.endswith((".mlp.gate.weight",
+                                                          ".shared_expert_gate.weight"))
 
 
 @pytest.mark.parametrize("arch, scheme", [("qwen3_moe", "qwen-block"),
@@ -80,8 +90,9 @@ def write_moe_fp8_checkpoint(tiny_checkpoint, tmp_path, arch: str, scheme: str, 
 def test_an_fp8_moe_generates_the_greedy_tokens_of_its_dequantized_weights(
         tiny_checkpoint, tmp_path, arch, scheme):
     """Qwen3-MoE (a dense layer among the sparse ones), Qwen3.5-MoE and Qwen3-Next (linear
-    attention, a shared expert): their experts, attention and MLP projections in FP8; nanofn's
-    greedy tokens are transformers' on the dequantized weights."""
+    attention, a shared expert): their experts, attention and MLP projections in FP8 (Qwen3.5's
+    linear attention and routers too, loaded dequantized); nanofn's greedy tokens are
+    transformers' on the dequantized weights."""
     fp8_dir, dequantized_dir = write_moe_fp8_checkpoint(tiny_checkpoint, tmp_path, arch, scheme)
     reference = reference_model(dequantized_dir, scheme)
     with LLM(str(fp8_dir), num_kv_blocks=32, max_model_len=64) as llm:

@@ -14,7 +14,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from nanofn.kernels import TORCH_KERNELS, KernelBackend
-from nanofn.kernels.fp8 import FP8_DTYPE, Fp8Weight
+from nanofn.kernels.fp8 import FP8_DTYPE, Fp8Weight, dequantize_groups
 from nanofn.model.config import (check_activation, check_context_fits_window, num_linear_layers,
                                  text_config)
 from nanofn.model.decoder import CausalLM, decoder_options
@@ -112,6 +112,7 @@ def build_model(
         model = model_class(hf_config, options, kernels, max_positions, tp_rank, tp_size)
     if scheme is not None:
         check_ignored_modules(model, scheme)
+    model.fp8_scheme = scheme  # (``load_weights`` dequantizes what the model holds unquantized)
     return model.eval()
 
 
@@ -129,23 +130,18 @@ def check_fp8_supported(scheme: Fp8Scheme, options: Any) -> None:
 def check_ignored_modules(model: CausalLM, scheme: Fp8Scheme) -> None:
     """The checkpoint's ignore list against what nanofn quantizes, refusing a mismatch by the
     module's name: every attention and MLP projection is FP8 or none is (none of them may be
-    ignored), and a hybrid model's linear-attention projections stay in full precision (as LLM
-    Compressor's recipes for Qwen3.5 leave them: a checkpoint must ignore them)."""
+    ignored). A hybrid model's linear-attention projections stay in full precision whichever
+    way the checkpoint holds them (LLM Compressor's recipes for Qwen3.5 ignore them, Qwen's own
+    FP8 checkpoints quantize them: those load dequantized, ``_Dequantizer``)."""
     for name, param in model.named_parameters():
-        fp8 = param.dtype == FP8_DTYPE
-        linear_attention = ".linear_attn." in name and name.endswith("proj.weight")
-        if not name.endswith(".weight") or not (fp8 or linear_attention):
+        if not name.endswith(".weight") or param.dtype != FP8_DTYPE:
             continue
         for checkpoint_name in _checkpoint_names(name, param):
             module = checkpoint_name.removesuffix(".weight")
-            if fp8 and scheme.is_ignored(module):
+            if scheme.is_ignored(module):
                 raise ValueError(f"unsupported FP8 checkpoint: it keeps {module} unquantized "
                                  f"(its ignore list), and nanofn quantizes every attention and "
                                  f"MLP projection or none")
-            if linear_attention and not (scheme.quantize_at_load or scheme.is_ignored(module)):
-                raise ValueError(f"unsupported FP8 checkpoint: it quantizes {module}, a "
-                                 f"linear-attention projection (not in its ignore list), which "
-                                 f"nanofn keeps in full precision")
 
 
 @contextlib.contextmanager
@@ -215,6 +211,9 @@ def load_weights(model: CausalLM, model_dir: str | Path) -> None:
     missing = {name for param_name, param in params.items()
                if not getattr(param, "filled_by_weight", False)  # (FP8 scales made at load)
                for name in _checkpoint_names(param_name, param)}
+    scheme = getattr(model, "fp8_scheme", None)
+    dequantize = (_Dequantizer(files, scheme) if scheme and not scheme.quantize_at_load
+                  else None)
     for path in files:
         with _open_checkpoint(path) as checkpoint:
             for stored_name in checkpoint.keys():
@@ -224,6 +223,8 @@ def load_weights(model: CausalLM, model_dir: str | Path) -> None:
                 if name.startswith(MTP_PREFIX) and hasattr(model, "mtp_weights"):
                     model.mtp_weights[name] = checkpoint.get_tensor(stored_name)
                     continue
+                if dequantize and dequantize.is_companion(name, params):
+                    continue
                 param_name, shard_id = _parameter_name(name)
                 if param_name not in params:
                     raise ValueError(f"unexpected tensor {stored_name!r} in {path}: the model has no such parameter")
@@ -231,13 +232,50 @@ def load_weights(model: CausalLM, model_dir: str | Path) -> None:
                 if _another_ranks_expert(param, shard_id):
                     continue
                 try:
-                    param.weight_loader(param, checkpoint.get_tensor(stored_name), shard_id)
+                    tensor = checkpoint.get_tensor(stored_name)
+                    if tensor.dtype == FP8_DTYPE and param.dtype != FP8_DTYPE and dequantize:
+                        tensor = dequantize(stored_name, tensor, param.dtype)
+                    param.weight_loader(param, tensor, shard_id)
                 except ValueError as error:
                     raise ValueError(f"tensor {stored_name!r} in {path}: {error}") from error
                 missing.difference_update(_names_filled(name, shard_id, param_name, param))
     if missing:
         raise ValueError(f"checkpoint {model_dir} lacks tensors: {', '.join(_described(missing))}")
     _drop_loaders(params.values())
+
+
+class _Dequantizer:
+    """An FP8 checkpoint's tensors that nanofn holds in full precision (a hybrid's
+    linear-attention projections, which Qwen's own Qwen3.5 FP8 checkpoints quantize; a router
+    it quantizes): each dequantized with its scales (read from whichever file holds them) and
+    rounded to the parameter's dtype as it loads; the scales, and a static activation scale,
+    go with it."""
+
+    def __init__(self, files: list[Path], scheme: Fp8Scheme):
+        self.scheme = scheme
+        self.locations = {}
+        for path in files:
+            with _open_checkpoint(path) as checkpoint:
+                self.locations.update(dict.fromkeys(checkpoint.keys(), path))
+
+    def is_companion(self, name: str, params: dict[str, torch.nn.Parameter]) -> bool:
+        """Whether ``name`` is the scale (or activation scale) of a weight loaded dequantized:
+        one whose parameter is not FP8."""
+        module, _, leaf = name.rpartition(".")
+        if leaf not in (self.scheme.scale_name, "input_scale"):
+            return False
+        param = params.get(_parameter_name(f"{module}.weight")[0])
+        return param is not None and param.dtype != FP8_DTYPE
+
+    def __call__(self, stored_name: str, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        scale_name = stored_name.removesuffix("weight") + self.scheme.scale_name
+        if scale_name not in self.locations:
+            raise ValueError(f"an FP8 weight without its scales ({scale_name} is missing)")
+        with _open_checkpoint(self.locations[scale_name]) as checkpoint:
+            scales = checkpoint.get_tensor(scale_name)
+        rows, columns = weight.shape
+        row_scales = self.scheme.row_scales(scales, rows, columns)
+        return dequantize_groups(weight, row_scales, self.scheme.group_size(columns)).to(dtype)
 
 
 def _another_ranks_expert(param: torch.nn.Parameter, shard_id: Any) -> bool:
