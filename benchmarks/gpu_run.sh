@@ -2,7 +2,7 @@
 # One call on a GPU machine: the GPU test suite, then the benchmarks, logs under $OUT and a
 # short table last; the logs come back as $OUT/logs-MODE.tgz. Usage: bash benchmarks/gpu_run.sh
 # [tests|tests-1|tests-2|tests-3|bench|all|kernels|serve|dp|tp|tp-ab|tp-profile|multinode|hybrid|
-# hybrid-bench|hybrid-prefix|moe-bench|moe-tp|moe-ep|fp8-bench|baseline] (default: all;
+# hybrid-bench|hybrid-prefix|moe-bench|moe-tp|moe-ep|fp8-bench|fp8-moe|baseline] (default: all;
 # baseline: the torch reference attention, eager, for comparison; dp, tp, tp-ab, multinode,
 # moe-tp and moe-ep need two GPUs; NO_TESTS=1 skips dp's tests)
 # Expects the wheels of ../shared/tools/gpu-wheels.sh in .whl/ (pyrsistent is missing there),
@@ -252,6 +252,14 @@ if [ "$what" = fp8-bench ]; then  # FP8 weights and KV cache (issue 36), beside 
     timeout 200 python3 benchmarks/fp8_agreement.py --random-weights $shape \
       --json "$OUT/agreement-$shape.json" 2>&1 | tee "$OUT/agreement-$shape.txt" | tail -3
   done
+fi
+if [ "$what" = fp8-moe ]; then  # FP8 experts, weight-only (issue 36), beside bf16's 30B-A3B
+  timeout 200 python3 -m pytest tests/gpu/test_moe_gpu.py tests/gpu/test_fp8_gpu.py -q -rs \
+    -k "fp8_experts or (engine_with_fp8 and moe)" 2>&1 | tee "$OUT/gpu_fp8_moe_tests.log" | tail -3
+  single qwen3-30b-a3b-fp8 --random-weights qwen3-30b-a3b --quantization=fp8
+  single qwen3-30b-a3b-bf16 --random-weights qwen3-30b-a3b
+  bench qwen3-30b-a3b-fp8 --random-weights qwen3-30b-a3b --quantization fp8 --profile
+  bench qwen3-30b-a3b-bf16 --random-weights qwen3-30b-a3b --profile
 fi
 if [ "$what" = hybrid-prefix ]; then  # the shared-prefix workload, prefix caching on and off
   bench qwen3.5-9b-shared-prefix --random-weights qwen3.5-9b-shape --workload shared-prefix
