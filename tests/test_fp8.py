@@ -446,21 +446,26 @@ def test_an_fp8_qwen3_5_keeps_its_greedy_tokens_in_a_small_cache_and_chunks(
     assert happened(figures)
 
 
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
+@pytest.mark.parametrize("tp_size", [1, 2])
 def test_qwen_s_own_fp8_qwen3_5_loads_its_linear_attention_dequantized(tiny_checkpoint,
-                                                                        tmp_path):
+                                                                        tmp_path, tp_size):
     """Qwen's layout: the linear attention's in_proj_qkv, in_proj_z and out_proj in FP8 too
     (in_proj_a and in_proj_b in bf16, its ignore list says): nanofn holds them dequantized in
-    the model's dtype, and its greedy tokens are transformers' on the dequantized weights."""
+    the model's dtype, and its greedy tokens are transformers' on the dequantized weights (at
+    TP=2 too, the dequantized projections split as full-precision ones)."""
     fp8_dir, dequantized_dir = write_hybrid_fp8_checkpoint(
         tiny_checkpoint, tmp_path, "qwen-block", QWEN_KEPT, quantized_as_qwen_does)
     stored = load_file(fp8_dir / "model.safetensors")
     assert stored["model.layers.0.linear_attn.out_proj.weight"].dtype == FP8_DTYPE
     reference = reference_model(dequantized_dir, "qwen-block")
-    with LLM(str(fp8_dir), num_kv_blocks=32, max_model_len=64) as llm:
+    with LLM(str(fp8_dir), num_kv_blocks=32, max_model_len=64,
+             tensor_parallel_size=tp_size) as llm:
         outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=NEW_TOKENS),
                                use_tqdm=False)
-        weights = dict(llm.engine.runner.model.named_parameters())
-    assert weights["model.layers.0.linear_attn.out_proj.weight"].dtype == torch.float32
+        if tp_size == 1:  # (at TP=2 the ranks' models are in their processes)
+            weights = dict(llm.engine.runner.model.named_parameters())
+            assert weights["model.layers.0.linear_attn.out_proj.weight"].dtype == torch.float32
     for prompt, output in zip(PROMPTS, outputs):
         assert list(output.outputs[0].token_ids) == greedy_tokens(reference, prompt, NEW_TOKENS)
 
