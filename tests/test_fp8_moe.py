@@ -83,17 +83,19 @@ def quantized_with_routers(name: str) -> bool:
                                                           ".shared_expert_gate.weight"))
 
 
-@pytest.mark.parametrize("arch, scheme", [("qwen3_moe", "qwen-block"),
-                                          ("qwen3_moe", "ct-channel-dynamic"),
-                                          ("qwen3_5_moe", "qwen-block"),
-                                          ("qwen3_next", "ct-block")])
+@pytest.mark.parametrize("arch, scheme, inter", [("qwen3_moe", "qwen-block", 256),
+                                                 ("qwen3_moe", "qwen-block", 200),
+                                                 ("qwen3_moe", "ct-channel-dynamic", 256),
+                                                 ("qwen3_5_moe", "qwen-block", 256),
+                                                 ("qwen3_next", "ct-block", 256)])
 def test_an_fp8_moe_generates_the_greedy_tokens_of_its_dequantized_weights(
-        tiny_checkpoint, tmp_path, arch, scheme):
+        tiny_checkpoint, tmp_path, arch, scheme, inter):
     """Qwen3-MoE (a dense layer among the sparse ones), Qwen3.5-MoE and Qwen3-Next (linear
     attention, a shared expert): their experts, attention and MLP projections in FP8 (Qwen3.5's
     linear attention and routers too, loaded dequantized); nanofn's greedy tokens are
-    transformers' on the dequantized weights."""
-    fp8_dir, dequantized_dir = write_moe_fp8_checkpoint(tiny_checkpoint, tmp_path, arch, scheme)
+    transformers' on the dequantized weights. (Experts of 200: a short last group of 72.)"""
+    fp8_dir, dequantized_dir = write_moe_fp8_checkpoint(tiny_checkpoint, tmp_path, arch, scheme,
+                                                        moe_intermediate_size=inter)
     reference = reference_model(dequantized_dir, scheme)
     with LLM(str(fp8_dir), num_kv_blocks=32, max_model_len=64) as llm:
         outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=NEW_TOKENS),

@@ -111,11 +111,12 @@ class StackedExperts(nn.Module):
     def _add_scales(self, fp8: Fp8Scheme, local_experts: int,
                     hidden_size: int) -> list[nn.Parameter]:
         """``w13_scale [E_local, 2 * I_local, G_H]`` and ``w2_scale [E_local, H, G_I_local]``:
-        w2's groups of K split with its columns, so a rank's share must hold whole groups."""
+        w2's groups of K split with its columns, so a rank's share of them (where ranks split
+        them) must hold whole groups."""
         full_inter = self.intermediate_size
         self.w13_group = fp8.group_size(hidden_size)
         self.w2_group = min(fp8.group_size(full_inter), self.local_size)
-        if self.local_size % self.w2_group:
+        if self.local_size != full_inter and self.local_size % self.w2_group:
             raise ValueError(f"{fp8.description}: an expert's intermediate size per rank "
                              f"({self.local_size}) is not a multiple of the scales' "
                              f"{self.w2_group} columns; lower tp_size")
@@ -124,7 +125,7 @@ class StackedExperts(nn.Module):
                                                   dtype=torch.float32), requires_grad=False)
         self.w13_scale.weight_loader = self.load_w13_scale
         self.w2_scale = nn.Parameter(torch.empty(local_experts, hidden_size,
-                                                 self.local_size // self.w2_group,
+                                                 -(-self.local_size // self.w2_group),
                                                  dtype=torch.float32), requires_grad=False)
         self.w2_scale.weight_loader = self.load_w2_scale
         for scale in (self.w13_scale, self.w2_scale):
@@ -218,7 +219,7 @@ class StackedExperts(nn.Module):
         ``shard_id`` None, of this rank's experts' ``[E_local, H, G_I]``): the groups of its
         columns, or a scale a row whole (every rank's)."""
         first, count = ((0, 1) if scales.shape[-1] == 1 else
-                        (self.first // self.w2_group, self.local_size // self.w2_group))
+                        (self.first // self.w2_group, param.shape[-1]))
         if shard_id is None:
             param.data.copy_(scales.narrow(2, first, count))
         elif (local := self._local_expert(shard_id)) is not None:
