@@ -14,7 +14,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from nanofn.kernels import TORCH_KERNELS, KernelBackend
-from nanofn.kernels.fp8 import FP8_DTYPE, Fp8Weight, dequantize_groups
+from nanofn.kernels.fp8 import FP8_DTYPE, Fp8Weight, dequantize_groups, quantize_groups
 from nanofn.model.config import (check_activation, check_context_fits_window, num_linear_layers,
                                  text_config)
 from nanofn.model.decoder import CausalLM, decoder_options
@@ -190,6 +190,11 @@ def _fill_fp8(scheme: Fp8Scheme, weight: Fp8Weight, generator: torch.Generator) 
     dtype is drawn, then quantized matrix by matrix, its scales written."""
     drawn = torch.empty(weight.shape, device=weight.data.device)
     drawn.normal_(0.0, DUMMY_WEIGHT_STD, generator=generator)
+    if scheme.weight_scales == "channel":  # (every row at once: 30B-A3B's 12,288 matrices)
+        q, scales = quantize_groups(drawn, drawn.shape[-1])
+        weight.data.copy_(q)
+        weight.scale.copy_(scales)
+        return
     for matrix, data, scale in zip(drawn.view(-1, *drawn.shape[-2:]),
                                    weight.data.view(-1, *drawn.shape[-2:]),
                                    weight.scale.view(-1, *weight.scale.shape[-2:])):
