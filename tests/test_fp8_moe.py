@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from test_fp8 import (E4M3_MAX, LINEAR_ATTENTION_KEPT, PROJECTIONS, PROMPTS, NEW_TOKENS,
+from test_fp8 import (E4M3_MAX, PROJECTIONS, PROMPTS, NEW_TOKENS,
                       QWEN_KEPT, WIDE, greedy_tokens, is_projection, quantized_as_qwen_does,
                       set_config, write_fp8_checkpoint)
 from test_moe_model import fuse_experts
@@ -61,18 +61,15 @@ def reference_model(dequantized_dir, scheme: str):
 
 
 def write_moe_fp8_checkpoint(tiny_checkpoint, tmp_path, arch: str, scheme: str, **overrides):
-    """The tiny ``arch`` with every attention, MLP and expert projection in ``scheme`` (a
-    hybrid's linear attention kept, as its ignore list says), and its dequantized twin."""
+    """The tiny ``arch`` in ``scheme`` as ``LAYOUTS`` quantizes it, its ignore list saying what
+    it keeps, and its dequantized twin."""
     fp8_dir, dequantized_dir = tmp_path / "fp8", tmp_path / "dequantized"
-    qwen_s = arch == "qwen3_5_moe"  # (Qwen's own layout: see below)
+    quantizes, ignore = LAYOUTS[arch]
     write_fp8_checkpoint(tiny_checkpoint(arch, **{**MOE_WIDE, **overrides}), fp8_dir,
-                         dequantized_dir, scheme,
-                         quantized_with_routers if qwen_s else is_projection)
-    if arch != "qwen3_moe":
-        config = json.loads((fp8_dir / "config.json").read_text())["quantization_config"]
-        config["ignore" if scheme.startswith("ct-") else "modules_to_not_convert"] = (
-            QWEN_KEPT if qwen_s else LINEAR_ATTENTION_KEPT)
-        set_config(fp8_dir, quantization_config=config)
+                         dequantized_dir, scheme, quantizes)
+    config = json.loads((fp8_dir / "config.json").read_text())["quantization_config"]
+    config["ignore" if scheme.startswith("ct-") else "modules_to_not_convert"] = ignore
+    set_config(fp8_dir, quantization_config=config)
     return fp8_dir, dequantized_dir
 
 
@@ -83,6 +80,21 @@ def quantized_with_routers(name: str) -> bool:
                                                           ".shared_expert_gate.weight"))
 
 
+def quantized_with_grouped_linear_attention(name: str) -> bool:
+    """Every projection, Qwen3-Next's linear attention's too (its two grouped input
+    projections, which nanofn dequantizes before regrouping their rows)."""
+    return is_projection(name) or (name.endswith(".weight") and name.split(".")[-2] in
+                                   ("in_proj_qkvz", "in_proj_ba", "out_proj"))
+
+
+# arch -> (the tensors its FP8 checkpoint quantizes, its ignore list)
+LAYOUTS = {
+    "qwen3_moe": (is_projection, ["lm_head"]),
+    "qwen3_5_moe": (quantized_with_routers, QWEN_KEPT),
+    "qwen3_next": (quantized_with_grouped_linear_attention, ["lm_head"]),
+}
+
+
 @pytest.mark.parametrize("arch, scheme, inter", [("qwen3_moe", "qwen-block", 256),
                                                  ("qwen3_moe", "qwen-block", 200),
                                                  ("qwen3_moe", "ct-channel-dynamic", 256),
@@ -91,9 +103,10 @@ def quantized_with_routers(name: str) -> bool:
 def test_an_fp8_moe_generates_the_greedy_tokens_of_its_dequantized_weights(
         tiny_checkpoint, tmp_path, arch, scheme, inter):
     """Qwen3-MoE (a dense layer among the sparse ones), Qwen3.5-MoE and Qwen3-Next (linear
-    attention, a shared expert): their experts, attention and MLP projections in FP8 (Qwen3.5's
-    linear attention and routers too, loaded dequantized); nanofn's greedy tokens are
-    transformers' on the dequantized weights. (Experts of 200: a short last group of 72.)"""
+    attention, a shared expert): their experts, attention and MLP projections in FP8 (their
+    linear attention too, Qwen3.5-MoE's routers too: loaded dequantized, ``LAYOUTS``); nanofn's
+    greedy tokens are transformers' on the dequantized weights. (Experts of 200: a short last
+    group of 72.)"""
     fp8_dir, dequantized_dir = write_moe_fp8_checkpoint(tiny_checkpoint, tmp_path, arch, scheme,
                                                         moe_intermediate_size=inter)
     reference = reference_model(dequantized_dir, scheme)
