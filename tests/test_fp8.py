@@ -171,13 +171,17 @@ def fake_quantized_inputs(scheme: str):
     return hook
 
 
-def reference_model(dequantized_dir, scheme: str | None):
+def reference_model(dequantized_dir, scheme: str | None, quantized_inputs=None):
+    """transformers on the dequantized weights, the projections' inputs (their ``nn.Linear``
+    modules: not a routed model's fused experts) quantized by ``quantized_inputs(scheme)``'s
+    hook (``fake_quantized_inputs`` unless given)."""
     model = AutoModelForCausalLM.from_pretrained(dequantized_dir, dtype=torch.float32,
                                                  attn_implementation="eager").eval()
     if scheme is not None:
         for name, module in model.named_modules():
             if name.split(".")[-1] in PROJECTIONS:
-                module.register_forward_pre_hook(fake_quantized_inputs(scheme))
+                module.register_forward_pre_hook((quantized_inputs or fake_quantized_inputs)(
+                    scheme))
     return model
 
 
@@ -187,6 +191,22 @@ def greedy_tokens(model, prompt: list[int], count: int) -> list[int]:
         for _ in range(count):
             tokens.append(int(model(torch.tensor([tokens])).logits[0, -1].argmax()))
     return tokens[len(prompt):]
+
+
+def nanofn_greedy_and_params(fp8_dir, **options) -> tuple[list[list[int]], dict]:
+    """nanofn's greedy tokens of ``PROMPTS`` from a checkpoint, and its model's parameters by
+    name (none at tensor parallelism: the ranks' models are in their processes)."""
+    with LLM(str(fp8_dir), num_kv_blocks=32, max_model_len=64, **options) as llm:
+        outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=NEW_TOKENS),
+                               use_tqdm=False)
+        one_rank = options.get("tensor_parallel_size", 1) == 1
+        params = dict(llm.engine.runner.model.named_parameters()) if one_rank else {}
+    return [list(output.outputs[0].token_ids) for output in outputs], params
+
+
+def reference_greedy(reference) -> list[list[int]]:
+    """The reference model's greedy tokens of ``PROMPTS``."""
+    return [greedy_tokens(reference, prompt, NEW_TOKENS) for prompt in PROMPTS]
 
 
 def nanofn_logits(path, prompt: list[int], **build_kwargs) -> torch.Tensor:
@@ -277,15 +297,9 @@ def test_fp8_checkpoint_generates_the_greedy_tokens_of_its_dequantized_weights(f
     transformers' on the dequantized weights with the activations quantized alike."""
     for kwargs in ({}, WIDE):
         fp8_dir, dequantized_dir = fp8_checkpoints(scheme, **kwargs)
-        reference = reference_model(dequantized_dir, scheme)
-        with LLM(str(fp8_dir), num_kv_blocks=32, max_model_len=64) as llm:
-            outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=NEW_TOKENS),
-                                   use_tqdm=False)
-            weights = dict(llm.engine.runner.model.named_parameters())
+        tokens, weights = nanofn_greedy_and_params(fp8_dir)
         assert weights["model.layers.0.self_attn.qkv_proj.weight"].dtype == FP8_DTYPE
-        for prompt, output in zip(PROMPTS, outputs):
-            assert list(output.outputs[0].token_ids) == greedy_tokens(reference, prompt,
-                                                                      NEW_TOKENS), kwargs
+        assert tokens == reference_greedy(reference_model(dequantized_dir, scheme)), kwargs
 
 
 @pytest.mark.parametrize("arch, kwargs", [("qwen2", {}), ("llama", {"attention_bias": True,
@@ -413,18 +427,13 @@ def test_an_fp8_qwen3_5_generates_the_greedy_tokens_of_its_dequantized_weights(
     transformers' on the dequantized weights, activations quantized alike."""
     fp8_dir, dequantized_dir = write_hybrid_fp8_checkpoint(tiny_checkpoint, tmp_path, scheme,
                                                            LINEAR_ATTENTION_KEPT)
-    reference = reference_model(dequantized_dir, scheme)
-    with LLM(str(fp8_dir), num_kv_blocks=32, max_model_len=64) as llm:
-        outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=NEW_TOKENS),
-                               use_tqdm=False)
-        weights = dict(llm.engine.runner.model.named_parameters())
+    tokens, weights = nanofn_greedy_and_params(fp8_dir)
     full_attention = next(n for n in weights if n.endswith("self_attn.qkv_proj.weight"))
     assert weights[full_attention].dtype == FP8_DTYPE
     assert weights["model.layers.0.mlp.gate_up_proj.weight"].dtype == FP8_DTYPE
     assert weights["model.layers.0.linear_attn.in_proj.weight"].dtype == torch.float32
     assert weights["model.layers.0.linear_attn.out_proj.weight"].dtype == torch.float32
-    for prompt, output in zip(PROMPTS, outputs):
-        assert list(output.outputs[0].token_ids) == greedy_tokens(reference, prompt, NEW_TOKENS)
+    assert tokens == reference_greedy(reference_model(dequantized_dir, scheme))
 
 
 @pytest.mark.parametrize("options, happened", [
@@ -458,16 +467,10 @@ def test_qwen_s_own_fp8_qwen3_5_loads_its_linear_attention_dequantized(tiny_chec
         tiny_checkpoint, tmp_path, "qwen-block", QWEN_KEPT, quantized_as_qwen_does)
     stored = load_file(fp8_dir / "model.safetensors")
     assert stored["model.layers.0.linear_attn.out_proj.weight"].dtype == FP8_DTYPE
-    reference = reference_model(dequantized_dir, "qwen-block")
-    with LLM(str(fp8_dir), num_kv_blocks=32, max_model_len=64,
-             tensor_parallel_size=tp_size) as llm:
-        outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=NEW_TOKENS),
-                               use_tqdm=False)
-        if tp_size == 1:  # (at TP=2 the ranks' models are in their processes)
-            weights = dict(llm.engine.runner.model.named_parameters())
-            assert weights["model.layers.0.linear_attn.out_proj.weight"].dtype == torch.float32
-    for prompt, output in zip(PROMPTS, outputs):
-        assert list(output.outputs[0].token_ids) == greedy_tokens(reference, prompt, NEW_TOKENS)
+    tokens, weights = nanofn_greedy_and_params(fp8_dir, tensor_parallel_size=tp_size)
+    if tp_size == 1:
+        assert weights["model.layers.0.linear_attn.out_proj.weight"].dtype == torch.float32
+    assert tokens == reference_greedy(reference_model(dequantized_dir, "qwen-block"))
 
 
 def test_a_dequantized_weight_without_its_scales_is_refused_naming_them(tiny_checkpoint,

@@ -10,11 +10,12 @@ import shutil
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig
 
-from test_fp8 import (E4M3_MAX, PROJECTIONS, PROMPTS, NEW_TOKENS,
-                      QWEN_KEPT, WIDE, greedy_tokens, is_projection, quantized_as_qwen_does,
+from test_fp8 import (E4M3_MAX, PROMPTS, QWEN_KEPT, WIDE, greedy_tokens, is_projection,
+                      nanofn_greedy_and_params, quantized_as_qwen_does, reference_greedy,
                       set_config, write_fp8_checkpoint)
+from test_fp8 import reference_model as fp8_reference_model
 from test_moe_model import fuse_experts
 from test_parity import nanofn_greedy
 
@@ -50,14 +51,8 @@ def quantized_as_nanofn_does(scheme: str):
 
 
 def reference_model(dequantized_dir, scheme: str):
-    """transformers on the dequantized weights: the projections' inputs quantized (their
-    ``nn.Linear`` modules), the routed experts' not (a fused module of its own)."""
-    model = AutoModelForCausalLM.from_pretrained(dequantized_dir, dtype=torch.float32,
-                                                 attn_implementation="eager").eval()
-    for name, module in model.named_modules():
-        if name.split(".")[-1] in PROJECTIONS:
-            module.register_forward_pre_hook(quantized_as_nanofn_does(scheme))
-    return model
+    """test_fp8's reference, its projections' inputs quantized as nanofn's GEMMs do them."""
+    return fp8_reference_model(dequantized_dir, scheme, quantized_as_nanofn_does)
 
 
 def write_moe_fp8_checkpoint(tiny_checkpoint, tmp_path, arch: str, scheme: str, **overrides):
@@ -109,16 +104,11 @@ def test_an_fp8_moe_generates_the_greedy_tokens_of_its_dequantized_weights(
     group of 72.)"""
     fp8_dir, dequantized_dir = write_moe_fp8_checkpoint(tiny_checkpoint, tmp_path, arch, scheme,
                                                         moe_intermediate_size=inter)
-    reference = reference_model(dequantized_dir, scheme)
-    with LLM(str(fp8_dir), num_kv_blocks=32, max_model_len=64) as llm:
-        outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=NEW_TOKENS),
-                               use_tqdm=False)
-        weights = dict(llm.engine.runner.model.named_parameters())
+    tokens, weights = nanofn_greedy_and_params(fp8_dir)
     assert weights["model.layers.0.mlp.experts.w13"].dtype == FP8_DTYPE
     assert weights["model.layers.0.mlp.experts.w2"].dtype == FP8_DTYPE
     assert weights["model.layers.0.mlp.gate.weight"].dtype == torch.float32  # (the router)
-    for prompt, output in zip(PROMPTS, outputs):
-        assert list(output.outputs[0].token_ids) == greedy_tokens(reference, prompt, NEW_TOKENS)
+    assert tokens == reference_greedy(reference_model(dequantized_dir, scheme))
 
 
 @pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")

@@ -386,7 +386,8 @@ def bench_data_types(hf_config: Any, options: Any, dtype: Any) -> dict[str, Any]
     """The data types a run computes with (``options``: its ``EngineOptions``), in words: the
     projections' weights, the KV cache's, the activations' (quantized to FP8 with FP8
     projections), and the rest; and ``floor``'s byte sizes for them (``floor_bytes``)."""
-    from nanofn.model.config import num_linear_layers, text_config
+    from nanofn.model.config import num_linear_layers
+    from nanofn.model.decoder import decoder_options
     from nanofn.model.quantization import fp8_scheme
 
     scheme = fp8_scheme(hf_config, options.quantization)
@@ -394,7 +395,7 @@ def bench_data_types(hf_config: Any, options: Any, dtype: Any) -> dict[str, Any]
     kv_cache = "fp8_e4m3" if options.kv_cache_dtype.startswith("fp8") else name
     weights = "fp8_e4m3" if scheme else name
     activations = f"fp8_e4m3 into the projections ({scheme.description})" if scheme else name
-    if scheme and getattr(text_config(hf_config), "num_experts", 0):
+    if scheme and decoder_options(hf_config).sparse_moe:
         activations += f", {name} into the routed experts (FP8 weight-only)"
     rest = ("embeddings, norms, LM head and linear attention" if num_linear_layers(hf_config)
             else "embeddings, norms and LM head")

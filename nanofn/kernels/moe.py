@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from nanofn.kernels.activation import silu_and_mul
-from nanofn.kernels.fp8 import Fp8Weight
+from nanofn.kernels.fp8 import Fp8Weight, dequantize_groups
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int,
@@ -33,8 +33,8 @@ def expert_matrix(weights: torch.Tensor | Fp8Weight, expert: int,
                   dtype: torch.dtype) -> torch.Tensor:
     """Expert ``expert``'s matrix of stacked ``weights``; of FP8 ones, dequantized to ``dtype``."""
     if isinstance(weights, Fp8Weight):
-        return Fp8Weight(weights.data[expert], weights.scale[expert],
-                         weights.group_size).dequantized(dtype)
+        return dequantize_groups(weights.data[expert], weights.scale[expert],
+                                 weights.group_size).to(dtype)
     return weights[expert]
 
 

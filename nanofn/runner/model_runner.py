@@ -218,10 +218,11 @@ class ModelRunner:
         and on the device (every path reads them there, graphs too)."""
         slots = np.array([s.slot for s in started], np.int64)
         states = np.array([s.state_slot for s in started], np.int64)
-        if not ((states >= 0) & (states < self.num_state_slots)).all():  # (-1 would read the
-            raise ValueError(  # padding's spare state; past the states, any memory)
-                f"a hybrid model's starting sequences need state slots in [0, "
-                f"{self.num_state_slots}), got {dict(zip((s.seq_id for s in started), states.tolist()))}")
+        if not ((states >= 0) & (states < self.num_state_slots)).all():
+            # (-1 would read and write the padding's spare state; past the states, any memory)
+            given = {s.seq_id: s.state_slot for s in started}
+            raise ValueError(f"a hybrid model's starting sequences need state slots in [0, "
+                             f"{self.num_state_slots}), got {given}")
         self._state_slot_of[slots] = states
         self.slot_tables.state_slot[to_device(slots, self.device)] = to_device(states,
                                                                              self.device)

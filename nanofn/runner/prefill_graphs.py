@@ -163,9 +163,10 @@ class PrefillGraphs:
                  max_num_batched_tokens: int, block_size: int, hidden_size: int,
                  dtype: torch.dtype, num_heads: int, num_kv_heads: int,
                  states: RecurrentState | None = None):
-        """``dtype``: the model's (the hidden states left for the LM head). ``num_heads``, ``num_kv_heads``: this rank's (they set the tile map's tiles).
-        ``states``: a hybrid model's (the padding sequences' spare slot has a state slot of
-        its own, and its chunked delta rule takes its chunks from the inputs)."""
+        """``dtype``: the model's (the hidden states left for the LM head). ``num_heads``,
+        ``num_kv_heads``: this rank's (they set the tile map's tiles). ``states``: a hybrid
+        model's (the padding sequences' spare slot has a state slot of its own, and its chunked
+        delta rule takes its chunks from the inputs)."""
         device = kv_cache.device
         self.states = states
         self.sizes = prefill_graph_tokens(max_num_batched_tokens)
