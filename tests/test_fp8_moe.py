@@ -17,7 +17,7 @@ from test_fp8 import (E4M3_MAX, PROMPTS, QWEN_KEPT, WIDE, greedy_tokens, is_proj
                       set_config, write_fp8_checkpoint)
 from test_fp8 import reference_model as fp8_reference_model
 from test_moe_model import fuse_experts
-from test_parity import nanofn_greedy
+from test_parity import nanofn_greedy, random_prompts
 
 from nanofn import LLM, SamplingParams
 from nanofn.kernels.fp8 import FP8_DTYPE
@@ -237,3 +237,35 @@ def test_bench_says_the_experts_take_full_precision_activations(tiny_checkpoint)
                              torch.bfloat16)
     assert types["weights"] == "fp8_e4m3"
     assert types["activations"].endswith("bfloat16 into the routed experts (FP8 weight-only)")
+
+
+@pytest.mark.parametrize("options, happened", [
+    (dict(num_kv_blocks=5, max_model_len=80), lambda figures: figures.num_preemptions > 0),
+    (dict(max_num_batched_tokens=16, max_num_seqs=2),
+     lambda figures: figures.prefix_cache_hit_rate > 0)], ids=["preempted", "chunked-prefix-hits"])
+def test_an_fp8_moe_keeps_its_greedy_tokens_in_a_small_cache_and_chunks(
+        tiny_checkpoint, tmp_path, options, happened):
+    """The FP8 Qwen3-MoE behind one 40-token prefix: in a cache so small that sequences give
+    way (5 blocks), and in 16-token chunks that hit the prefix cache, its greedy tokens stay
+    transformers' on the dequantized weights."""
+    fp8_dir, dequantized_dir = write_moe_fp8_checkpoint(tiny_checkpoint, tmp_path, "qwen3_moe",
+                                                        "qwen-block")
+    reference = reference_model(dequantized_dir, "qwen-block")
+    prompts = random_prompts([3, 9, 20, 1], seed=21, shared_prefix=random_prompts([40], seed=22)[0])
+    got, figures = nanofn_greedy(fp8_dir, prompts, **options)
+    assert got == [greedy_tokens(reference, prompt, len(got[0])) for prompt in prompts]
+    assert happened(figures)
+
+
+def test_the_fp8_moe_floor_reads_its_experts_at_one_byte():
+    """One request on the Qwen3-30B-A3B shape: FP8 saves a byte a step for each weight the
+    step reads, the chosen experts' included (the LM head stays bf16)."""
+    from nanofn.cli.bench import DEFAULT_BANDWIDTH_GBPS, ModelDims, floor
+    from nanofn.model.tiny import PRESETS
+
+    dims = ModelDims.from_config(PRESETS["qwen3-30b-a3b"])
+    bf16, fp8 = (floor(dims, [512], [513], projection_bytes=b).decode_s for b in (None, 1))
+    saved_a_step = (bf16 - fp8) / 512
+    fp8_weights = dims.shared_body_params + dims.experts_read(1)
+    assert dims.experts_read(1) > dims.shared_body_params  # (the experts are most of it)
+    assert saved_a_step == pytest.approx(fp8_weights / (DEFAULT_BANDWIDTH_GBPS * 1e9))
