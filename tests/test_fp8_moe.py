@@ -128,13 +128,19 @@ def test_two_ranks_of_an_fp8_moe_give_its_greedy_tokens(tiny_checkpoint, tmp_pat
 
 def test_an_expert_s_scales_split_off_their_groups_are_refused(tiny_checkpoint, tmp_path):
     """384 columns of down_proj over two ranks: 192 a rank, one block and a half (the dense
-    projections split on block boundaries)."""
+    projections split on block boundaries). Expert parallelism, which the error suggests,
+    keeps each expert whole and loads."""
     fp8_dir, _ = write_moe_fp8_checkpoint(tiny_checkpoint, tmp_path, "qwen3_moe", "qwen-block",
                                           moe_intermediate_size=384)
     config = AutoConfig.from_pretrained(fp8_dir)
     with pytest.raises(ValueError, match=r"expert's intermediate size per rank \(192\) is not a "
-                                         r"multiple of the scales' 128 columns; lower tp_size"):
+                                         r"multiple of the scales' 128 columns; lower tp_size, "
+                                         r"or set enable_expert_parallel"):
         build_model(config, dtype="float32", device="cpu", tp_rank=0, tp_size=2)
+    model = build_model(config, dtype="float32", device="cpu", tp_rank=1, tp_size=2,
+                        expert_parallel=True)
+    load_weights(model, fp8_dir)
+    assert model.model.layers[0].mlp.experts.w2.shape[2] == 384
 
 
 def test_static_activation_scales_are_refused_for_moe_models(tiny_checkpoint, tmp_path):

@@ -119,7 +119,8 @@ class StackedExperts(nn.Module):
         if self.local_size != full_inter and self.local_size % self.w2_group:
             raise ValueError(f"{fp8.description}: an expert's intermediate size per rank "
                              f"({self.local_size}) is not a multiple of the scales' "
-                             f"{self.w2_group} columns; lower tp_size")
+                             f"{self.w2_group} columns; lower tp_size, or set "
+                             f"enable_expert_parallel (each rank holds whole experts)")
         self.w13_scale = nn.Parameter(torch.empty(local_experts, 2 * self.local_size,
                                                   fp8.num_groups(hidden_size),
                                                   dtype=torch.float32), requires_grad=False)
