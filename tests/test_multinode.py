@@ -158,3 +158,30 @@ def test_a_host_that_never_comes_is_named_with_the_command_to_start_it(tiny_qwen
                                            f"1 run nanofn worker --nnodes 2 --node-rank NODE "
                                            f"--master-addr 127.0.0.1 --master-port {port}"):
         two_host_llm(tiny_qwen3, port)
+
+
+def test_a_remote_rank_s_connections_send_each_message_at_once():
+    """Nagle's algorithm off at both ends of a remote rank's connections: the engine writes a
+    plan and nothing answers it, so with it on a plan waited for the delayed acknowledgement of
+    the one before (a median 13-15 ms on localhost: ``benchmarks/experiments/plan_transport.py``)."""
+    import pickle
+    import socket
+
+    import nanofn.runner.remote_ranks as remote_ranks
+
+    class Store(dict):
+        set = dict.__setitem__
+
+    store = Store()
+    listener = remote_ranks.PlanListener("127.0.0.1", store)
+    port, key = pickle.loads(store[remote_ranks.PLANS_KEY])
+    rank_end = remote_ranks.connect("127.0.0.1", port, key)
+    engine_end = listener._connections.get(timeout=10)
+    try:
+        for connection in (rank_end, engine_end):
+            with socket.fromfd(connection.fileno(), socket.AF_INET, socket.SOCK_STREAM) as sock:
+                assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+    finally:
+        rank_end.close()
+        engine_end.close()
+        listener.close()

@@ -1,14 +1,15 @@
 """What a remote tensor-parallel rank's plan transport costs per step, against a local rank's:
-a decode plan of N sequences, pickled once, written to a child process that reads it and
-answers one byte, over a pipe (a local rank) and over an authenticated TCP connection on
-localhost (a remote rank, ``nanofn.runner.remote_ranks``). No model, no GPU.
+a decode plan of N sequences, pickled once, written every ``--gap-ms`` to a child process that
+reads it and answers nothing (as a rank reads the engine's plans), over a pipe (a local rank),
+over an authenticated TCP connection on localhost as ``nanofn.runner.remote_ranks`` makes it
+(Nagle's algorithm off), and over the same connection with Nagle's algorithm on. No model, no
+GPU.
 
-Usage: python benchmarks/experiments/plan_transport.py [--num-seqs 256] [--steps 2000]
+Usage: python benchmarks/experiments/plan_transport.py [--num-seqs 256] [--steps 1000] [--gap-ms 5]
 
-Prints the plan's size, the pickling time and the median and p99 round trip of each transport
-(the round trip holds one plan write and read and the 1-byte answer; a real step's tokens come
-back from rank 0, local, so a remote rank adds about the write and the read). On a real network
-add the link's latency, once a step.
+Prints the plan's size, the pickling time, and the median, p99 and largest delay from each
+write to its read (the clock is the host's monotonic clock, shared by both processes). On a
+real network add the link's latency, once a step.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from multiprocessing.connection import Client, Listener
 
 import numpy as np
 
+from nanofn.runner.remote_ranks import without_delay
 from nanofn.state import Events, NewSeq, SamplingParams, SchedulerConfig, initial_state, step
 
 
@@ -40,31 +42,33 @@ def decode_plan(num_seqs: int):
     return plan
 
 
-def echo(connection) -> None:
-    """The child: read each message, answer one byte, until an empty message."""
-    while connection.recv_bytes():
-        connection.send_bytes(b"k")
+def read_plans(connection, delays) -> None:
+    """The child: read each (time written, plan) until an empty one; send back the delays."""
+    arrived = []
+    while (message := pickle.loads(connection.recv_bytes())) is not None:
+        arrived.append(time.monotonic() - message[0])
+    delays.send(arrived)
 
 
-def echo_over_tcp(address, key) -> None:
-    echo(Client(address, authkey=key))
+def read_plans_over_tcp(address, key, delays, nagle: bool) -> None:
+    connection = Client(address, authkey=key)
+    read_plans(connection if nagle else without_delay(connection), delays)
 
 
-def round_trips(connection, message: bytes, steps: int) -> np.ndarray:
-    times = []
+def delays(connection, plan_bytes: bytes, steps: int, gap_s: float, results) -> np.ndarray:
+    """Write ``steps`` plans ``gap_s`` apart; the reader's delays, in us."""
     for _ in range(steps):
-        start = time.perf_counter()
-        connection.send_bytes(message)
-        connection.recv_bytes()
-        times.append(time.perf_counter() - start)
-    connection.send_bytes(b"")
-    return np.array(times[steps // 10:]) * 1e6
+        connection.send_bytes(pickle.dumps((time.monotonic(), plan_bytes)))
+        time.sleep(gap_s)
+    connection.send_bytes(pickle.dumps(None))
+    return np.array(results.recv()[steps // 10:]) * 1e6
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--num-seqs", type=int, default=256)
-    ap.add_argument("--steps", type=int, default=2000)
+    ap.add_argument("--steps", type=int, default=1000)
+    ap.add_argument("--gap-ms", type=float, default=5.0)
     a = ap.parse_args()
     plan = decode_plan(a.num_seqs)
     start = time.perf_counter()
@@ -74,23 +78,29 @@ def main() -> None:
     print(f"decode plan of {a.num_seqs} sequences: {len(message):,} bytes pickled, "
           f"{pickling_us:.0f} us to pickle (once a step, for every rank)")
     context = multiprocessing.get_context("spawn")
+    gap_s = a.gap_ms / 1e3
+    results, sink = context.Pipe(duplex=False)
     ours, theirs = context.Pipe()
-    child = context.Process(target=echo, args=(theirs,))
+    child = context.Process(target=read_plans, args=(theirs, sink))
     child.start()
-    report("pipe (a local rank)", round_trips(ours, message, a.steps))
+    report("pipe (a local rank)", delays(ours, message, a.steps, gap_s, results))
     child.join()
-    key = secrets.token_bytes(32)
-    with Listener(("127.0.0.1", 0), authkey=key) as listener:
-        child = context.Process(target=echo_over_tcp, args=(listener.address, key))
-        child.start()
-        report("TCP on localhost (a remote rank)", round_trips(listener.accept(), message,
-                                                              a.steps))
-        child.join()
+    for name, nagle in (("TCP on localhost, as remote_ranks connects (a remote rank)", False),
+                        ("TCP on localhost, Nagle's algorithm on", True)):
+        key = secrets.token_bytes(32)
+        with Listener(("127.0.0.1", 0), authkey=key) as listener:
+            child = context.Process(target=read_plans_over_tcp,
+                                    args=(listener.address, key, sink, nagle))
+            child.start()
+            connection = listener.accept()
+            report(name, delays(connection if nagle else without_delay(connection), message,
+                                a.steps, gap_s, results))
+            child.join()
 
 
 def report(name: str, micros: np.ndarray) -> None:
-    print(f"{name}: round trip median {np.median(micros):.0f} us, p99 "
-          f"{np.percentile(micros, 99):.0f} us")
+    print(f"{name}: write to read median {np.median(micros):.0f} us, p99 "
+          f"{np.percentile(micros, 99):.0f} us, largest {micros.max():.0f} us")
 
 
 if __name__ == "__main__":

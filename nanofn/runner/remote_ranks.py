@@ -15,12 +15,12 @@ apart. Why not a broadcast over the process group: it would put a collective (an
 second communicator on the CPU) into every step of every rank, whose failure modes are the
 group's (a rank stuck for good in a C call); a socket is read by one Python call, fails with an
 end of file, and keeps the engine's process out of the group (see ``tensor_parallel``).
-Measured on a shared 2-core CPU machine (``benchmarks/experiments/plan_transport.py``, two runs): a
-256-sequence decode plan pickles to 10.5 kB in 33 us (once a step, for all ranks); writing it
-and reading a 1-byte answer takes a median 17-23 us over a pipe and 17-23 us over TCP on
-localhost (p99 24-49 us either way): the transport adds nothing measurable per step. On a real
-network add the link's latency once a step, which async scheduling overlaps with the device's
-work.
+A 256-sequence decode plan pickles to 10.5 kB in 33 us (once a step, for all ranks). Written
+every 5 ms with nothing coming back, as the engine writes them, it reaches the reader a median
+~70 us later over a pipe and over TCP on localhost alike, with Nagle's algorithm off
+(``without_delay``; ``benchmarks/experiments/plan_transport.py``, a shared 2-core CPU machine).
+On a real network add the link's latency once a step, which async scheduling overlaps with the
+device's work.
 
 Watching: a remote rank sends a heartbeat every ``HEARTBEAT_S`` over a second connection, the
 control connection, which also carries its traceback if it fails. The engine's
@@ -72,7 +72,7 @@ class PlanListener:
     def _accept(self) -> None:
         while True:
             try:
-                self._connections.put(self._listener.accept())
+                self._connections.put(without_delay(self._listener.accept()))
             except OSError:  # closed
                 return
             except Exception:  # a peer that failed the authentication, or went away
@@ -112,6 +112,22 @@ class PlanListener:
 
     def close(self) -> None:
         self._listener.close()
+
+
+def without_delay(connection: Connection) -> Connection:
+    """``connection`` with Nagle's algorithm off. The engine writes a plan and expects nothing
+    back on that connection, so with it on, a plan smaller than a segment waited for the
+    receiver's delayed acknowledgement of the one before: on localhost, 10.5 kB plans every
+    5 ms arrived a median 15 ms late, against 66 us with it off
+    (``benchmarks/experiments/plan_transport.py``)."""
+    with socket.fromfd(connection.fileno(), socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return connection
+
+
+def connect(master_addr: str, port: int, key: bytes) -> Connection:
+    """A remote rank's connection to the engine's ``PlanListener``."""
+    return without_delay(Client((master_addr, port), authkey=key))
 
 
 def _hello(connection: Connection) -> tuple | None:
@@ -293,9 +309,9 @@ def remote_rank_main(rank: int, tensor_parallel_size: int, nnodes: int, master_a
     store = dist.TCPStore(master_addr, master_port, is_master=False, timeout=JOIN_TIMEOUT)
     port, key = pickle.loads(store.get(PLANS_KEY))
     hello = (rank, tensor_parallel_size, nnodes)
-    plans = Client((master_addr, port), authkey=key)
+    plans = connect(master_addr, port, key)
     plans.send(("plans", *hello))
-    control = Client((master_addr, port), authkey=key)
+    control = connect(master_addr, port, key)
     control.send(("control", *hello))
     reply = plans.recv()
     if reply[0] == "refused":
