@@ -200,7 +200,9 @@ fi
 if [ "$what" = multinode ]; then  # two GPUs as two "hosts" of one GPU each, against TP=2
   timeout 300 python3 -m pytest tests/gpu/test_multi_gpu.py -q -rs -k hosts 2>&1 \
     | tee "$OUT/gpu_multinode_tests.log" | tail -5
-  bench qwen3-8b-tp2 --random-weights qwen3-8b --tensor-parallel-size 2
+  # against TP=2 on NCCL alone: across hosts no all-reduce goes through peer memory
+  bench qwen3-8b-tp2-nccl --random-weights qwen3-8b --tensor-parallel-size 2 \
+    --disable-custom-all-reduce
   CUDA_VISIBLE_DEVICES=1 python3 -m nanofn worker --tensor-parallel-size 2 --nnodes 2 \
     --node-rank 1 --master-addr 127.0.0.1 --master-port 29517 > "$OUT/worker-node1.log" 2>&1 &
   worker=$!
