@@ -19,7 +19,11 @@ ones (qkv and gate-up: by up to 1 us at 256 rows). Kept to measure again before 
 for these shapes.
 
 Usage: python benchmarks/experiments/gemm_sweep.py [--rows 256,128,64,32,8] [--budget-s 400]
-       [--tiled]
+       [--tiled] [--shapes qwen3-0.6b|qwen3-8b-rank-of-2]
+
+``--shapes qwen3-8b-rank-of-2``: one TP=2 rank's projections of Qwen3-8B, where a Triton GEMM
+would have to match cuBLAS before its epilogue could store each tile into the other rank's
+peer buffer (the summands then read locally by the norm: the thirty-first session's note).
 """
 
 from __future__ import annotations
@@ -36,7 +40,15 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-SHAPES = {"qkv": (4096, 1024), "o": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072)}
+# (N, K) of each projection: Qwen3-0.6B's, and one rank's of Qwen3-8B at TP=2 (16 of 32 heads,
+# 4 of 8 KV heads, 6,144 of 12,288 MLP columns), whose cuBLAS products scale worst from TP=1
+SHAPES_BY_MODEL = {
+    "qwen3-0.6b": {"qkv": (4096, 1024), "o": (1024, 2048), "gate_up": (6144, 1024),
+                   "down": (1024, 3072)},
+    "qwen3-8b-rank-of-2": {"qkv": (3072, 4096), "o": (4096, 2048), "gate_up": (12288, 4096),
+                           "down": (4096, 6144)},
+}
+SHAPES = SHAPES_BY_MODEL["qwen3-0.6b"]
 L2_BYTES = 128 << 20  # rotate over weights of at least this many bytes
 
 
@@ -196,19 +208,21 @@ def main() -> None:
     ap = sweep_arguments("256,128,64,32,8")
     ap.add_argument("--tiled", action="store_true",
                     help="row tiles and split-K into partial sums (the consumer's to add up)")
+    ap.add_argument("--shapes", choices=SHAPES_BY_MODEL, default="qwen3-0.6b")
     a = ap.parse_args()
+    shapes = SHAPES_BY_MODEL[a.shapes]
     started = time.time()
     results = {}
     print("| projection | rows | weight bytes floor | F.linear | x @ w_t | best Triton | config |")
     print("|---|---|---|---|---|---|---|")
     weights, transposed, copies = {}, {}, {}
-    for name, (n, k) in SHAPES.items():
+    for name, (n, k) in shapes.items():
         copies[name] = max(4, math.ceil(L2_BYTES / (n * k * 2)))
         weights[name] = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k**-0.5
                          for _ in range(copies[name])]
         transposed[name] = [w.t().contiguous() for w in weights[name]]
     for rows in map(int, a.rows.split(",")):  # (the most frequent row counts first)
-        for name, (n, k) in SHAPES.items():
+        for name, (n, k) in shapes.items():
             ws, wts, count = weights[name], transposed[name], copies[name]
             x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
             linear = time_us(lambda i: F.linear(x, ws[i]), count)
