@@ -185,3 +185,36 @@ def test_a_remote_rank_s_connections_send_each_message_at_once():
         rank_end.close()
         engine_end.close()
         listener.close()
+
+
+def test_a_connection_reset_before_it_says_who_it_is_leaves_the_listener_listening():
+    """A peer that resets its connection during the authentication (a port scanner, a rank's
+    host going down) is dropped; the next rank still connects."""
+    import pickle
+    import queue
+    import socket
+    import struct
+
+    import nanofn.runner.remote_ranks as remote_ranks
+
+    class Store(dict):
+        set = dict.__setitem__
+
+    store = Store()
+    listener = remote_ranks.PlanListener("127.0.0.1", store)
+    port, key = pickle.loads(store[remote_ranks.PLANS_KEY])
+    try:
+        for _ in range(3):
+            with socket.create_connection(("127.0.0.1", port)) as stray:
+                stray.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        rank_ends = queue.SimpleQueue()  # (a rank's handshake blocks if nothing listens)
+        threading.Thread(target=lambda: rank_ends.put(remote_ranks.connect("127.0.0.1", port, key)),
+                         daemon=True).start()
+        engine_end = listener._connections.get(timeout=10)
+        rank_end = rank_ends.get(timeout=10)
+        rank_end.send("hello")
+        assert engine_end.recv() == "hello"
+        rank_end.close()
+        engine_end.close()
+    finally:
+        listener.close()

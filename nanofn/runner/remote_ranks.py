@@ -67,16 +67,17 @@ class PlanListener:
         self._listener = Listener((address, 0), authkey=self._key)
         store.set(PLANS_KEY, pickle.dumps((self._listener.address[1], self._key)))
         self._connections: queue.SimpleQueue = queue.SimpleQueue()
+        self._closed = threading.Event()
         threading.Thread(target=self._accept, name="nanofn-plan-listener", daemon=True).start()
 
     def _accept(self) -> None:
-        while True:
+        """Until closed: each authenticated connection, to ``accept_ranks``. A peer that fails
+        the authentication or goes away during it (a reset is an ``OSError`` too) is dropped."""
+        while not self._closed.is_set():
             try:
                 self._connections.put(without_delay(self._listener.accept()))
-            except OSError:  # closed
-                return
-            except Exception:  # a peer that failed the authentication, or went away
-                continue
+            except Exception:
+                time.sleep(0.01)  # (an error that persists, no file descriptors left, say)
 
     def accept_ranks(self, config: Any, check: Callable[[], None]) -> list[RemoteRank]:
         """The remote ranks of ``config`` once each has connected twice (plans, control), in
@@ -111,6 +112,7 @@ class PlanListener:
                 halves[kind, rank] = connection
 
     def close(self) -> None:
+        self._closed.set()
         self._listener.close()
 
 
