@@ -160,12 +160,11 @@ def test_a_host_that_never_comes_is_named_with_the_command_to_start_it(tiny_qwen
         two_host_llm(tiny_qwen3, port)
 
 
-def test_a_remote_rank_s_connections_send_each_message_at_once():
-    """Nagle's algorithm off at both ends of a remote rank's connections: the engine writes a
-    plan and nothing answers it, so with it on a plan waited for the delayed acknowledgement of
-    the one before (a median 13-15 ms on localhost: ``benchmarks/experiments/plan_transport.py``)."""
+@pytest.fixture
+def plan_listener():
+    """The engine's ``PlanListener`` on localhost, and its port and key as a rank reads them
+    from the store."""
     import pickle
-    import socket
 
     import nanofn.runner.remote_ranks as remote_ranks
 
@@ -174,8 +173,20 @@ def test_a_remote_rank_s_connections_send_each_message_at_once():
 
     store = Store()
     listener = remote_ranks.PlanListener("127.0.0.1", store)
-    port, key = pickle.loads(store[remote_ranks.PLANS_KEY])
-    rank_end = remote_ranks.connect("127.0.0.1", port, key)
+    yield listener, *pickle.loads(store[remote_ranks.PLANS_KEY])
+    listener.close()
+
+
+def test_a_remote_rank_s_connections_send_each_message_at_once(plan_listener):
+    """Nagle's algorithm off at both ends of a remote rank's connections: the engine writes a
+    plan and nothing answers it, so with it on a plan waited for the delayed acknowledgement of
+    the one before (a median 13-15 ms on localhost: ``benchmarks/experiments/plan_transport.py``)."""
+    import socket
+
+    from nanofn.runner.remote_ranks import connect
+
+    listener, port, key = plan_listener
+    rank_end = connect("127.0.0.1", port, key)
     engine_end = listener._connections.get(timeout=10)
     try:
         for connection in (rank_end, engine_end):
@@ -184,37 +195,27 @@ def test_a_remote_rank_s_connections_send_each_message_at_once():
     finally:
         rank_end.close()
         engine_end.close()
-        listener.close()
 
 
-def test_a_connection_reset_before_it_says_who_it_is_leaves_the_listener_listening():
+def test_a_connection_reset_before_it_says_who_it_is_leaves_the_listener_listening(plan_listener):
     """A peer that resets its connection during the authentication (a port scanner, a rank's
     host going down) is dropped; the next rank still connects."""
-    import pickle
     import queue
     import socket
     import struct
 
-    import nanofn.runner.remote_ranks as remote_ranks
+    from nanofn.runner.remote_ranks import connect
 
-    class Store(dict):
-        set = dict.__setitem__
-
-    store = Store()
-    listener = remote_ranks.PlanListener("127.0.0.1", store)
-    port, key = pickle.loads(store[remote_ranks.PLANS_KEY])
-    try:
-        for _ in range(3):
-            with socket.create_connection(("127.0.0.1", port)) as stray:
-                stray.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-        rank_ends = queue.SimpleQueue()  # (a rank's handshake blocks if nothing listens)
-        threading.Thread(target=lambda: rank_ends.put(remote_ranks.connect("127.0.0.1", port, key)),
-                         daemon=True).start()
-        engine_end = listener._connections.get(timeout=10)
-        rank_end = rank_ends.get(timeout=10)
-        rank_end.send("hello")
-        assert engine_end.recv() == "hello"
-        rank_end.close()
-        engine_end.close()
-    finally:
-        listener.close()
+    listener, port, key = plan_listener
+    for _ in range(3):
+        with socket.create_connection(("127.0.0.1", port)) as stray:
+            stray.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    rank_ends = queue.SimpleQueue()  # (a rank's handshake blocks if nothing listens)
+    threading.Thread(target=lambda: rank_ends.put(connect("127.0.0.1", port, key)),
+                     daemon=True).start()
+    engine_end = listener._connections.get(timeout=10)
+    rank_end = rank_ends.get(timeout=10)
+    rank_end.send("hello")
+    assert engine_end.recv() == "hello"
+    rank_end.close()
+    engine_end.close()
