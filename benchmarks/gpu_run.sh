@@ -4,7 +4,8 @@
 # [tests|tests-1|tests-2|tests-3|bench|all|kernels|serve|dp|tp|tp-ab|tp-profile|multinode|hybrid|
 # hybrid-bench|hybrid-prefix|moe-bench|moe-tp|moe-ep|fp8-bench|fp8-moe|baseline] (default: all;
 # baseline: the torch reference attention, eager, for comparison; dp, tp, tp-ab, multinode,
-# moe-tp and moe-ep need two GPUs; NO_TESTS=1 skips dp's tests)
+# moe-tp and moe-ep need two GPUs; NO_TESTS=1 skips dp's tests; DP_PROFILE=1 samples dp's engine
+# processes with py-spy, whose wheel gpu-wheels.sh fetches: py-spy==0.4.3)
 # Expects the wheels of ../shared/tools/gpu-wheels.sh in .whl/ (pyrsistent is missing there),
 # and flash-attn-4 in /tmp/fa4site if it is to be tested and measured (benchmarks/fa4_install.sh);
 # set NANOFN_COMMIT to the commit being measured (the device copy has no .git).
@@ -149,6 +150,14 @@ if [ "$what" = dp ]; then  # two GPUs: serve --data-parallel-size 2 against one 
     server=$!
     for _ in $(seq 1 240); do curl -sf localhost:$port/health > /dev/null && break; sleep 1; done
     http_before=$(cpu_s http); engine_before=$(cpu_s engine)
+    if [ -n "${DP_PROFILE:-}" ]; then  # where the engine processes' host time goes (py-spy's
+      # wheel in .whl/; reading another process needs ptrace: a log line says if refused)
+      for p in $(pgrep -P $server); do
+        [ "$(cat /proc/$p/comm)" = nanofn-engine ] || continue
+        /tmp/site/bin/py-spy record --pid $p --duration 8 --rate 100 --nonblocking --format raw \
+          -o "$OUT/pyspy-$name-$p.txt" > "$OUT/pyspy-$name-$p.log" 2>&1 &
+      done
+    fi
     timeout 300 python3 benchmarks/serve.py --url http://127.0.0.1:$port \
       --requests $((4 * streams)) --concurrency $streams --prompt-len 512 --max-tokens 256 \
       --json "$OUT/serve-$name.json" | tee "$OUT/serve-$name.txt"
@@ -157,6 +166,20 @@ if [ "$what" = dp ]; then  # two GPUs: serve --data-parallel-size 2 against one 
     curl -s localhost:$port/metrics | grep -E '^nanofn:sequences_finished_total' \
       | tee -a "$OUT/serve-$name.txt"  # per replica and summed
     kill -TERM $server; wait $server
+  done
+  for f in "$OUT"/pyspy-*.txt; do  # the frames the engine processes were in most, inclusive
+    [ -f "$f" ] && python3 - "$f" <<'PY'
+import collections, sys
+inclusive, total = collections.Counter(), 0
+for line in open(sys.argv[1]):
+    stack, count = line.rsplit(" ", 1)
+    total += int(count)
+    for frame in set(stack.split(";")):
+        inclusive[frame] += int(count)
+print(f"== {sys.argv[1]}: {total} samples")
+for frame, count in inclusive.most_common(30):
+    print(f"{count / total:6.1%} {frame[:150]}")
+PY
   done
   # the engine alone, the same requests through LLM.generate: what one replica could serve
   timeout 200 python3 - "$model" <<'PY' | tee "$OUT/offline-c256.txt"
