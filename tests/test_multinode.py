@@ -219,3 +219,29 @@ def test_a_connection_reset_before_it_says_who_it_is_leaves_the_listener_listeni
     assert engine_end.recv() == "hello"
     rank_end.close()
     engine_end.close()
+
+
+def test_a_peer_that_connects_and_says_nothing_does_not_hold_up_the_ranks(plan_listener,
+                                                                          monkeypatch):
+    """A peer that connects and then says nothing (its host gone down mid-handshake, with no
+    reset) is dropped after ``HELLO_TIMEOUT_S``; it held the accept thread for good, so that no
+    rank could connect after it."""
+    import queue
+    import socket
+
+    import nanofn.runner.remote_ranks as remote_ranks
+
+    monkeypatch.setattr(remote_ranks, "HELLO_TIMEOUT_S", 1.0)
+    listener, port, key = plan_listener
+    with socket.create_connection(("127.0.0.1", port)) as silent:
+        silent.recv(1)  # the challenge: the accept thread is reading this peer's answer now
+        rank_ends = queue.SimpleQueue()  # (a rank's handshake blocks if nothing listens)
+        threading.Thread(target=lambda: rank_ends.put(remote_ranks.connect("127.0.0.1", port,
+                                                                           key)),
+                         daemon=True).start()
+        engine_end = listener._connections.get(timeout=20)
+        rank_end = rank_ends.get(timeout=10)
+    rank_end.send("hello")
+    assert engine_end.recv() == "hello"
+    rank_end.close()
+    engine_end.close()

@@ -41,12 +41,14 @@ import queue
 import secrets
 import signal
 import socket
+import struct
 import sys
 import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
-from multiprocessing.connection import Client, Connection, Listener
+from multiprocessing.connection import (Client, Connection, Listener, answer_challenge,
+                                        deliver_challenge)
 from typing import Any
 
 PLANS_KEY = "nanofn/plan_listener"  # in the store: (port, authentication key)
@@ -64,7 +66,7 @@ class PlanListener:
 
     def __init__(self, address: str, store: Any):
         self._key = secrets.token_bytes(32)
-        self._listener = Listener((address, 0), authkey=self._key)
+        self._listener = Listener((address, 0))  # authenticated by _authenticated
         store.set(PLANS_KEY, pickle.dumps((self._listener.address[1], self._key)))
         self._connections: queue.SimpleQueue = queue.SimpleQueue()
         self._closed = threading.Event()
@@ -72,12 +74,29 @@ class PlanListener:
 
     def _accept(self) -> None:
         """Until closed: each authenticated connection, to ``accept_ranks``. A peer that fails
-        the authentication or goes away during it (a reset is an ``OSError`` too) is dropped."""
+        the authentication, goes away during it (a reset is an ``OSError`` too) or says nothing
+        for ``HELLO_TIMEOUT_S`` is dropped."""
         while not self._closed.is_set():
             try:
-                self._connections.put(without_delay(self._listener.accept()))
+                connection = self._listener.accept()
             except Exception:
                 time.sleep(0.01)  # (an error that persists, no file descriptors left, say)
+                continue
+            try:
+                self._connections.put(without_delay(self._authenticated(connection)))
+            except Exception:
+                connection.close()
+
+    def _authenticated(self, connection: Connection) -> Connection:
+        """``connection`` once its peer has proved it holds the key (as ``Listener`` does
+        with an ``authkey``), each read waiting ``HELLO_TIMEOUT_S`` at most: a peer that
+        connects and then says nothing (its host gone down mid-handshake, with no reset)
+        would otherwise hold this thread, and every rank after it, for good."""
+        _set_receive_timeout(connection, HELLO_TIMEOUT_S)
+        deliver_challenge(connection, self._key)
+        answer_challenge(connection, self._key)
+        _set_receive_timeout(connection, 0.0)  # (0: none)
+        return connection
 
     def accept_ranks(self, config: Any, check: Callable[[], None]) -> list[RemoteRank]:
         """The remote ranks of ``config`` once each has connected twice (plans, control), in
@@ -125,6 +144,14 @@ def without_delay(connection: Connection) -> Connection:
     with socket.fromfd(connection.fileno(), socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     return connection
+
+
+def _set_receive_timeout(connection: Connection, seconds: float) -> None:
+    """Make each read of ``connection`` fail (``BlockingIOError``) after ``seconds`` without
+    data (``SO_RCVTIMEO``; 0: wait for ever)."""
+    timeval = struct.pack("ll", int(seconds), int(seconds % 1 * 1e6))
+    with socket.fromfd(connection.fileno(), socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
 
 
 def connect(master_addr: str, port: int, key: bytes) -> Connection:
