@@ -245,3 +245,46 @@ def test_a_peer_that_connects_and_says_nothing_does_not_hold_up_the_ranks(plan_l
     assert engine_end.recv() == "hello"
     rank_end.close()
     engine_end.close()
+
+
+def test_a_remote_rank_that_dies_while_starting_is_named_as_remote(tiny_qwen3):
+    """A remote rank that takes its part and dies before it starts (it could not unpickle the
+    config: another transformers on its host, say) is named as a rank on node 1 that lost its
+    connection, not as a local spawned worker (``code None``, and advice about a script's
+    main guard that has nothing to do with it)."""
+    import pickle
+    import queue
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    import nanofn.runner.remote_ranks as remote_ranks
+
+    port = free_port()
+    errors = queue.SimpleQueue()
+
+    def rank_that_dies_on_its_part():
+        try:
+            store = dist.TCPStore("127.0.0.1", port, is_master=False,
+                                  timeout=timedelta(seconds=60))
+            plans_port, key = pickle.loads(store.get(remote_ranks.PLANS_KEY))
+            plans = remote_ranks.connect("127.0.0.1", plans_port, key)
+            plans.send(("plans", 1, 2, 2))
+            control = remote_ranks.connect("127.0.0.1", plans_port, key)
+            control.send(("control", 1, 2, 2))
+            if plans.poll(60):
+                plans.recv_bytes()  # its part, which it cannot read
+            plans.close()
+            control.close()
+        except Exception as error:
+            errors.put(error)
+
+    rank = threading.Thread(target=rank_that_dies_on_its_part, daemon=True)
+    rank.start()
+    with pytest.raises(RuntimeError) as failure:
+        two_host_llm(tiny_qwen3, port)
+    rank.join(timeout=10)
+    assert errors.empty(), errors.get()
+    message = str(failure.value)
+    assert "tensor-parallel rank 1 on node 1 exited or lost its connection" in message
+    assert "__main__" not in message

@@ -131,3 +131,18 @@ def test_a_worker_that_raises_is_named_with_its_traceback(tiny_qwen3, monkeypatc
     llm.close()
     assert not any(w.is_alive() for w in workers), "a worker process was left"
     assert "Traceback" not in capfd.readouterr().err  # the traceback is in the error alone
+
+
+def exiting_worker_main(*args) -> None:
+    """A worker that dies before it says hello, as one of a script without a main guard does
+    (it re-runs the script, which fails to start processes of its own)."""
+    os._exit(3)
+
+
+def test_a_worker_that_dies_while_starting_is_named_with_the_likely_cause(tiny_qwen3,
+                                                                          monkeypatch):
+    """Its pipe's end polls as a message: reading it was a bare ``EOFError``."""
+    monkeypatch.setattr(tensor_parallel, "_worker_main", exiting_worker_main)
+    with pytest.raises(RuntimeError, match=r"rank 0 exited while starting \(code 3\). Workers "
+                                           r"are spawned processes.*__name__ == '__main__'"):
+        LLM(str(tiny_qwen3), tensor_parallel_size=2, max_model_len=1024, num_kv_blocks=512)

@@ -40,7 +40,8 @@ import torch
 import torch.distributed as dist
 
 from nanofn.runner.model_runner import ModelRunner, RunnerConfig
-from nanofn.runner.remote_ranks import HEARTBEAT_S, PlanListener, exit_description
+from nanofn.runner.remote_ranks import (HEARTBEAT_S, PlanListener, RemoteRank,
+                                        exit_description)
 from nanofn.runner.timeline import DeviceTimeline
 from nanofn.state.plan import BatchPlan, SampleOutput, TokenBitmask
 
@@ -282,12 +283,22 @@ class TensorParallelExecutor:
         for rank, (pipe, worker) in enumerate(zip(self._pipes, self._workers)):
             while not pipe.poll(POLL_S):
                 if not worker.is_alive():
-                    raise RuntimeError(
-                        f"tensor-parallel rank {rank} exited while starting (code "
+                    raise _died_while_starting(rank, worker)
+            try:
+                pipe.recv()
+            except (EOFError, OSError):  # (a dead worker's pipe polls as ready: its end)
+                worker.join(timeout=LEAVE_S)  # (its exit code)
+                raise _died_while_starting(rank, worker) from None
+
+
+def _died_while_starting(rank: int, worker: Any) -> RuntimeError:
+    if isinstance(worker, RemoteRank):
+        return RuntimeError(f"tensor-parallel rank {rank} {exit_description(worker)}, while "
+                            f"starting")
+    return RuntimeError(f"tensor-parallel rank {rank} exited while starting (code "
                         f"{worker.exitcode}). Workers are spawned processes: a script that "
                         f"creates an LLM with tensor_parallel_size > 1 must do so under "
                         f"`if __name__ == '__main__':`")
-            pipe.recv()
 
 
 def _pickled(message: Any) -> bytes:
