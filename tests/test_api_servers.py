@@ -241,3 +241,28 @@ def test_an_api_server_count_below_one_is_a_usage_error(capsys):
 
     assert main(["serve", "--api-server-count", "0"]) == 2
     assert "--api-server-count must be positive, got 0" in capsys.readouterr().err
+
+
+class _UnpicklableDecodeError(UnicodeDecodeError):
+    """An error that cannot cross a pipe (a lambda in it), of a built-in class that takes five
+    arguments."""
+
+    def __init__(self):
+        super().__init__("utf-8", b"\xff", 0, 1, "invalid start byte")
+        self.hook = lambda: None
+
+
+@pytest.mark.parametrize("error, kind, words", [
+    (ValueError("max_tokens must be at least 1"), ValueError, "max_tokens must be at least 1"),
+    (_UnpicklableDecodeError(), RuntimeError,
+     "_UnpicklableDecodeError: 'utf-8' codec can't decode byte 0xff"),
+])
+def test_an_error_crosses_to_the_http_process_as_one_it_can_read(error, kind, words):
+    """What the engine process sends back for a refused request or its own failure
+    (``portable``): the error itself when it pickles, else one of a built-in class; an error
+    whose built-in class takes more than a message raised a TypeError there, which ended the
+    engine's serving."""
+    from nanofn.server.engine_process import portable
+
+    crossed = pickle.loads(pickle.dumps(portable(error)))
+    assert type(crossed) is kind and words in str(crossed)

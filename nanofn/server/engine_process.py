@@ -61,13 +61,17 @@ def dumps(message: tuple) -> bytes:
 
 def portable(error: BaseException) -> BaseException:
     """``error`` if it survives pickling, else its nearest built-in class with its message (so a
-    ``ValueError`` or ``OSError`` stays one for the caller)."""
+    ``ValueError`` or ``OSError`` stays one for the caller); a ``RuntimeError`` naming it where
+    that class takes more than a message (``UnicodeDecodeError``: five arguments)."""
     try:
         pickle.loads(dumps((error,)))
         return error
     except Exception:
         base = next(c for c in type(error).__mro__ if getattr(builtins, c.__name__, None) is c)
-        return base(str(error))
+        try:
+            return base(str(error))
+        except TypeError:
+            return RuntimeError(f"{type(error).__name__}: {error}")
 
 
 # --- the engine's process ----------------------------------------------------------------------
