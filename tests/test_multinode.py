@@ -177,6 +177,24 @@ def plan_listener():
     listener.close()
 
 
+def assert_a_rank_gets_through(listener, port: int, key: bytes, wait_s: float = 10) -> None:
+    """A rank connects (in a thread: its handshake blocks if nothing listens) and its message
+    reaches the engine's end."""
+    import queue
+
+    from nanofn.runner.remote_ranks import connect
+
+    rank_ends = queue.SimpleQueue()
+    threading.Thread(target=lambda: rank_ends.put(connect("127.0.0.1", port, key)),
+                     daemon=True).start()
+    engine_end = listener._connections.get(timeout=wait_s)
+    rank_end = rank_ends.get(timeout=10)
+    rank_end.send("hello")
+    assert engine_end.recv() == "hello"
+    rank_end.close()
+    engine_end.close()
+
+
 def test_a_remote_rank_s_connections_send_each_message_at_once(plan_listener):
     """Nagle's algorithm off at both ends of a remote rank's connections: the engine writes a
     plan and nothing answers it, so with it on a plan waited for the delayed acknowledgement of
@@ -200,25 +218,14 @@ def test_a_remote_rank_s_connections_send_each_message_at_once(plan_listener):
 def test_a_connection_reset_before_it_says_who_it_is_leaves_the_listener_listening(plan_listener):
     """A peer that resets its connection during the authentication (a port scanner, a rank's
     host going down) is dropped; the next rank still connects."""
-    import queue
     import socket
     import struct
-
-    from nanofn.runner.remote_ranks import connect
 
     listener, port, key = plan_listener
     for _ in range(3):
         with socket.create_connection(("127.0.0.1", port)) as stray:
             stray.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-    rank_ends = queue.SimpleQueue()  # (a rank's handshake blocks if nothing listens)
-    threading.Thread(target=lambda: rank_ends.put(connect("127.0.0.1", port, key)),
-                     daemon=True).start()
-    engine_end = listener._connections.get(timeout=10)
-    rank_end = rank_ends.get(timeout=10)
-    rank_end.send("hello")
-    assert engine_end.recv() == "hello"
-    rank_end.close()
-    engine_end.close()
+    assert_a_rank_gets_through(listener, port, key)
 
 
 def test_a_peer_that_connects_and_says_nothing_does_not_hold_up_the_ranks(plan_listener,
@@ -226,7 +233,6 @@ def test_a_peer_that_connects_and_says_nothing_does_not_hold_up_the_ranks(plan_l
     """A peer that connects and then says nothing (its host gone down mid-handshake, with no
     reset) is dropped after ``HELLO_TIMEOUT_S``; it held the accept thread for good, so that no
     rank could connect after it."""
-    import queue
     import socket
 
     import nanofn.runner.remote_ranks as remote_ranks
@@ -235,16 +241,7 @@ def test_a_peer_that_connects_and_says_nothing_does_not_hold_up_the_ranks(plan_l
     listener, port, key = plan_listener
     with socket.create_connection(("127.0.0.1", port)) as silent:
         silent.recv(1)  # the challenge: the accept thread is reading this peer's answer now
-        rank_ends = queue.SimpleQueue()  # (a rank's handshake blocks if nothing listens)
-        threading.Thread(target=lambda: rank_ends.put(remote_ranks.connect("127.0.0.1", port,
-                                                                           key)),
-                         daemon=True).start()
-        engine_end = listener._connections.get(timeout=20)
-        rank_end = rank_ends.get(timeout=10)
-    rank_end.send("hello")
-    assert engine_end.recv() == "hello"
-    rank_end.close()
-    engine_end.close()
+        assert_a_rank_gets_through(listener, port, key, wait_s=20)
 
 
 def test_a_remote_rank_that_dies_while_starting_is_named_as_remote(tiny_qwen3):

@@ -89,9 +89,9 @@ class DecodeGraphs:
                  states: RecurrentState | None = None):
         """``dtype``: the model's (the hidden states the graphs leave for the LM head; an FP8
         KV cache's is not it). ``slot_temperature`` (float32 per slot, 0 for greedy, the spare
-        slot last): capture the sampling graphs too. ``states``: a hybrid model's, read and written in place by
-        slot (``tables.state_slot``; the padding rows' spare slot has a state slot of its
-        own)."""
+        slot last): capture the sampling graphs too. ``states``: a hybrid model's, read and
+        written in place by slot (``tables.state_slot``; the padding rows' spare slot has a
+        state slot of its own)."""
         self.states = states
         device = kv_cache.device
         self.sizes = graph_batch_sizes(max_batch)

@@ -141,8 +141,7 @@ def without_delay(connection: Connection) -> Connection:
     receiver's delayed acknowledgement of the one before: on localhost, 10.5 kB plans every
     5 ms arrived a median 15 ms late, against 66 us with it off
     (``benchmarks/experiments/plan_transport.py``)."""
-    with socket.fromfd(connection.fileno(), socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    _set_option(connection, socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     return connection
 
 
@@ -150,8 +149,13 @@ def _set_receive_timeout(connection: Connection, seconds: float) -> None:
     """Make each read of ``connection`` fail (``BlockingIOError``) after ``seconds`` without
     data (``SO_RCVTIMEO``; 0: wait for ever)."""
     timeval = struct.pack("ll", int(seconds), int(seconds % 1 * 1e6))
+    _set_option(connection, socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+
+
+def _set_option(connection: Connection, level: int, option: int, value: int | bytes) -> None:
+    """A socket option of ``connection``'s socket (through a duplicate of its descriptor)."""
     with socket.fromfd(connection.fileno(), socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+        sock.setsockopt(level, option, value)
 
 
 def connect(master_addr: str, port: int, key: bytes) -> Connection:
