@@ -69,6 +69,32 @@ def test_decode_attention_matches_reference(interpreter, dtype, group, block_siz
     torch.testing.assert_close(out, reference.decode_attention(*args), **TOLERANCES[dtype])
 
 
+def in_decode_tile(tile, function, *args, **kwargs):
+    """``function(*args, **kwargs)`` with ``tile`` (keys, stages, warps) as the decode tile of
+    every cache dtype."""
+    tiles = dict.fromkeys(triton_attention.DECODE_TILES, tile)
+    with mock.patch.dict(triton_attention.DECODE_TILES, tiles):
+        return function(*args, **kwargs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("group", [1, 3])
+@pytest.mark.parametrize("num_splits", [1, 4], ids=["one-partition", "split-k"])
+def test_decode_in_tiles_of_three_stages_matches_reference(interpreter, dtype, group, num_splits):
+    """Three stages read the block table a trip ahead (``BLOCKS_AHEAD``), the last trip's
+    reads clamped to the context: contexts shorter than a tile, of whole tiles, and past."""
+    num_kv_heads, head_dim = 2, 32
+    seq_lens = [1, 17, 64, 100, 128, 130, 300]
+    cache = PagedCache(seq_lens, 16, num_kv_heads, head_dim, dtype, seed=3, extra_blocks=16)
+    q = random_queries(len(seq_lens), num_kv_heads * group, head_dim, dtype, seed=4)
+    args = (q, cache.k_cache, cache.v_cache, cache.seq_lens, cache.block_tables, head_dim**-0.5)
+
+    out = interpreter(in_decode_tile, (64, 3, 4), triton_attention.decode_attention, *args,
+                      num_splits=num_splits)
+
+    torch.testing.assert_close(out, reference.decode_attention(*args), **TOLERANCES[dtype])
+
+
 @pytest.mark.parametrize("num_splits", [1, 4], ids=["one-partition", "split-k"])
 def test_decode_attention_taken_in_another_order_writes_each_row_its_own_result(interpreter,
                                                                                 num_splits):
@@ -215,6 +241,22 @@ def test_rotary_decode_attention_matches_rotating_storing_then_attending(interpr
     assert out[~live].abs().max() == 0
     torch.testing.assert_close(k_cache, args[5], **TOLERANCES[dtype])
     torch.testing.assert_close(v_cache, args[6], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("num_splits", [1, 4], ids=["one-partition", "split-k"])
+def test_rotary_decode_attention_in_tiles_of_three_stages_matches(interpreter, num_splits):
+    """As above, with the block table read a trip ahead (a tile of three stages)."""
+    seq_lens = [1, 65, 64, 130, 0, 17, 200]
+    args = rotary_decode_inputs(seq_lens, 2, torch.float16, seed=13)
+
+    out, k_cache, v_cache = interpreter(in_decode_tile, (64, 3, 4), attend_and_return_caches,
+                                        triton_attention.rotary_decode_attention, *args,
+                                        num_splits=num_splits)
+
+    expected = reference_rotary_decode_attention(*args)
+    live = args[8] > 0
+    torch.testing.assert_close(out[live], expected[live], **TOLERANCES[torch.float16])
+    torch.testing.assert_close(k_cache, args[5], **TOLERANCES[torch.float16])
 
 
 def test_rotary_decode_attention_writes_only_each_tokens_own_slot(interpreter):

@@ -104,6 +104,45 @@ def new_tokens(tokens):
     return q, k, v, positions, empty(4096, HEAD_DIM, dtype=torch.float32), slots
 
 
+def decode_loop_waits(kv_dtype: torch.dtype, tile: tuple[int, int, int], batch: int,
+                      splits: int) -> list[str]:
+    """The cp.async waits (``DEPBAR.LE``) of each loop of the decode kernel's SASS, as
+    ``decode_attention`` compiles it at ``batch`` sequences in ``splits`` partitions with the
+    decode tile ``tile`` (keys, stages, warps) for a cache of ``kv_dtype``."""
+    caches = empty(64, BLOCK, KV_HEADS, HEAD_DIM, dtype=kv_dtype), empty(64, BLOCK, KV_HEADS,
+                                                                      HEAD_DIM, dtype=kv_dtype)
+    with mock.patch.dict(triton_attention.DECODE_TILES, {kv_dtype.itemsize: tile}):
+        _, sass = compiled_code(triton_attention._decode_kernel, triton_attention.decode_attention,
+                                empty(batch, HEADS, HEAD_DIM), *caches,
+                                torch.ones(batch, dtype=torch.int32),
+                                torch.zeros(batch, 256, dtype=torch.int32), HEAD_DIM**-0.5,
+                                None, splits)
+    lines = [line for line in sass.splitlines() if re.search(r"/\*[0-9a-f]{4}\*/", line)]
+    address = lambda line: int(re.search(r"/\*([0-9a-f]{4})\*/", line).group(1), 16)  # noqa: E731
+    waits = []
+    for line in lines:
+        back = re.search(r"BRA\s+0x([0-9a-f]+)", line)
+        if back and int(back.group(1), 16) < address(line):  # a loop: its body's waits
+            body = [x for x in lines if int(back.group(1), 16) <= address(x) <= address(line)]
+            waits.append(" ".join(re.findall(r"DEPBAR\.LE SB0, 0x\d", " ".join(body))))
+    return waits
+
+
+@pytest.mark.parametrize("kv_dtype", [BF16, FP8_DTYPE], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("batch, splits", [(256, 1), (4, 8)], ids=["whole", "split"])
+def test_decode_tiles_of_three_stages_keep_the_next_tile_in_flight(compile_for_h100, kv_dtype,
+                                                                  batch, splits):
+    """With three stages the decode kernel's whole-tile loop waits only for its own tile,
+    the next one's two copies (keys, values) left in flight (``BLOCKS_AHEAD``: without it the
+    pipeliner gives the gathered loads one buffer, and each trip waits for every copy); with
+    two it waits for every copy. The masked loop of a partition's last tile is unchanged."""
+    def whole_tile_loop_waits(stages):
+        return compile_for_h100(decode_loop_waits, kv_dtype, (64, stages, 4), batch, splits)[0]
+
+    assert whole_tile_loop_waits(3) == "DEPBAR.LE SB0, 0x2"
+    assert whole_tile_loop_waits(2) == "DEPBAR.LE SB0, 0x0"
+
+
 @pytest.mark.parametrize("batch, splits, ordered", [(256, 1, True), (1, 8, False), (4, 3, True)])
 def test_attention_kernels_compile(compile_for_h100, batch, splits, ordered):
     """Decode (one partition, split-K and its merge, rows in an order or not; with the rotary

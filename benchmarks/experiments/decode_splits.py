@@ -11,7 +11,8 @@ Each call is replayed from a CUDA graph (``triton.testing.do_bench_cudagraph``).
 With ``--longest-first`` the fixed split counts take the rows longest context first too.
 With ``--tiles 64x2x4,128x2x4,...`` the columns are decode tiles instead (keys a tile, tiles in
 flight, warps; ``triton_attention.DECODE_TILES``), each at the heuristic's split count,
-longest context first. ``--kv-dtype fp8`` keeps the cache in e4m3 (its floor at 1 byte).
+longest context first; a tile ending in ``rN`` (``32x3x2r128``) caps an FP8 cache's
+whole-context programs at N registers a thread instead of ``FP8_DECODE_MAX_REGISTERS``. ``--kv-dtype fp8`` keeps the cache in e4m3 (its floor at 1 byte).
 
 Usage: python benchmarks/experiments/decode_splits.py [--bandwidth 3028] [--steps 50,300,...]
        [--longest-first] [--kv-dtype bf16|fp8] [--tiles BxSxW,...]
@@ -80,8 +81,8 @@ def main() -> None:
     args = ap.parse_args()
     device = torch.device("cuda")
     kv_dtype = torch.float8_e4m3fn if args.kv_dtype == "fp8" else torch.bfloat16
-    tiles = [tuple(map(int, t.split("x"))) for t in args.tiles.split(",")] if args.tiles else []
-    columns = ([f"tile {'x'.join(map(str, t))}" for t in tiles] if tiles else
+    tiles = args.tiles.split(",") if args.tiles else []
+    columns = ([f"tile {t}" for t in tiles] if tiles else
                ["heuristic"] + [f"{n} split{'s' * (n > 1)}" for n in SPLIT_COUNTS])
     print(f"{args.kv_dtype} cache")
     print("| step | batch | keys (max) | floor | heuristic, longest first (as in the engine) | "
@@ -106,14 +107,18 @@ def main() -> None:
         torch.cuda.empty_cache()
 
 
-def _with_tile(tile: tuple[int, int, int], inputs: tuple, order: torch.Tensor) -> float:
-    """``microseconds`` with ``tile`` as the decode tile, whatever ``decode_tile`` picks."""
-    chosen = triton_attention.decode_tile
-    triton_attention.decode_tile = lambda *args: triton_attention.DecodeTile(*tile)
+def _with_tile(tile: str, inputs: tuple, order: torch.Tensor) -> float:
+    """``microseconds`` with ``tile`` (``KEYSxSTAGESxWARPS[rREGISTERS]``) as the decode tile,
+    whatever ``decode_tile`` picks."""
+    sizes, _, registers = tile.partition("r")
+    chosen, cap = triton_attention.decode_tile, triton_attention.FP8_DECODE_MAX_REGISTERS
+    decode_tile = triton_attention.DecodeTile(*map(int, sizes.split("x")))
+    triton_attention.decode_tile = lambda *args: decode_tile
+    triton_attention.FP8_DECODE_MAX_REGISTERS = int(registers) if registers else cap
     try:
         return microseconds(inputs, None, order)
     finally:
-        triton_attention.decode_tile = chosen
+        triton_attention.decode_tile, triton_attention.FP8_DECODE_MAX_REGISTERS = chosen, cap
 
 
 if __name__ == "__main__":

@@ -107,6 +107,17 @@ def to_cache_dtype(x, cache_ptr):
 
 
 @triton.jit
+def _tile_blocks(block_table_ptr, keys, in_range, BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr):
+    """The cache blocks of positions ``keys``, from the block table (0 out of ``in_range``
+    with ``MASKED``)."""
+    if MASKED:
+        blocks = tl.load(block_table_ptr + keys // BLOCK_SIZE, mask=in_range, other=0)
+    else:
+        blocks = tl.load(block_table_ptr + keys // BLOCK_SIZE)
+    return blocks.to(tl.int64)
+
+
+@triton.jit
 def _load_kv_tile(
     k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, keys, in_range,
     stride_block, stride_slot, stride_head, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -115,11 +126,19 @@ def _load_kv_tile(
     """The keys and values ``[len(keys), HEAD_DIM]`` at positions ``keys``, gathered row by row
     through the block table, and their offsets in the cache. With ``MASKED``, zeros out of
     ``in_range``; without it every key must be in range (a whole tile): no masks to build."""
+    blocks = _tile_blocks(block_table_ptr, keys, in_range, BLOCK_SIZE, MASKED)
+    return _load_kv_in(k_cache_ptr, v_cache_ptr, blocks, kv_head, keys, in_range, stride_block,
+                       stride_slot, stride_head, BLOCK_SIZE, HEAD_DIM, MASKED)
+
+
+@triton.jit
+def _load_kv_in(
+    k_cache_ptr, v_cache_ptr, blocks, kv_head, keys, in_range,
+    stride_block, stride_slot, stride_head, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    """``_load_kv_tile`` with the keys' cache ``blocks`` already read."""
     dims = tl.arange(0, HEAD_DIM)
-    if MASKED:
-        blocks = tl.load(block_table_ptr + keys // BLOCK_SIZE, mask=in_range, other=0).to(tl.int64)
-    else:
-        blocks = tl.load(block_table_ptr + keys // BLOCK_SIZE).to(tl.int64)
     rows = blocks * stride_block + (keys % BLOCK_SIZE) * stride_slot + kv_head * stride_head
     offsets = rows[:, None] + dims[None, :]
     if MASKED:
@@ -183,22 +202,45 @@ def _attend_keys(
     k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, key_begin, key_end, qk_scale,
     stride_block, stride_slot, stride_head,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+    BLOCKS_AHEAD: tl.constexpr = False,
 ):
     """``_attend_tile`` over keys ``key_begin .. key_end - 1``, ``BLOCK_N`` at a time.
 
     Without ``MASKED`` every key in the range must be visible to every row: the caller passes
     only whole tiles before the causal diagonal, which then build no masks, for their loads
     either. With it, row ``r`` sees key ``n`` when ``n <= query_pos[r]`` and ``n < key_end``.
+
+    ``BLOCKS_AHEAD`` (whole tiles only): each trip reads the next tile's cache blocks from the
+    block table, so that a tile's loads depend on no load of their own trip. Triton's pipeliner
+    gives loads whose addresses come from a load of the same trip one buffer, whatever
+    ``num_stages``, filled after the trip's products: every tile's latency in series with its
+    work. With the blocks a trip ahead and ``num_stages`` of 3 it double-buffers, and the next
+    tile's keys and values are in flight while this one is attended to.
     """
-    for tile_begin in range(key_begin, key_end, BLOCK_N):
-        keys = tile_begin + tl.arange(0, BLOCK_N)
-        in_range = keys < key_end
-        k, v, _ = _load_kv_tile(k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, keys, in_range,
-                                stride_block, stride_slot, stride_head, BLOCK_SIZE, HEAD_DIM,
-                                MASKED)
-        visible = (keys[None, :] <= query_pos[:, None]) & in_range[None, :]
-        acc, row_sum, row_max = _attend_tile(acc, row_sum, row_max, q, k, v, visible, qk_scale,
-                                             MASKED)
+    if BLOCKS_AHEAD:
+        last_key = tl.maximum(key_end - 1, 0)  # (the trip past the last reads its blocks again)
+        blocks = _tile_blocks(block_table_ptr,
+                              tl.minimum(key_begin + tl.arange(0, BLOCK_N), last_key), None,
+                              BLOCK_SIZE, False)
+        for tile_begin in range(key_begin, key_end, BLOCK_N):
+            keys = tile_begin + tl.arange(0, BLOCK_N)
+            k, v, _ = _load_kv_in(k_cache_ptr, v_cache_ptr, blocks, kv_head, keys, None,
+                                  stride_block, stride_slot, stride_head, BLOCK_SIZE, HEAD_DIM,
+                                  False)
+            blocks = _tile_blocks(block_table_ptr, tl.minimum(keys + BLOCK_N, last_key), None,
+                                  BLOCK_SIZE, False)
+            acc, row_sum, row_max = _attend_tile(acc, row_sum, row_max, q, k, v, None, qk_scale,
+                                                 False)
+    else:
+        for tile_begin in range(key_begin, key_end, BLOCK_N):
+            keys = tile_begin + tl.arange(0, BLOCK_N)
+            in_range = keys < key_end
+            k, v, _ = _load_kv_tile(k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, keys,
+                                    in_range, stride_block, stride_slot, stride_head, BLOCK_SIZE,
+                                    HEAD_DIM, MASKED)
+            visible = (keys[None, :] <= query_pos[:, None]) & in_range[None, :]
+            acc, row_sum, row_max = _attend_tile(acc, row_sum, row_max, q, k, v, visible,
+                                                 qk_scale, MASKED)
     return acc, row_sum, row_max
 
 
@@ -276,7 +318,7 @@ def _decode_kernel(
     KV_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, HAS_ORDER: tl.constexpr,
     ROTATE: tl.constexpr, NORM: tl.constexpr, MERGE: tl.constexpr, SPLITS: tl.constexpr,
-    OVERLAP: tl.constexpr,
+    BLOCKS_AHEAD: tl.constexpr, OVERLAP: tl.constexpr,
 ):
     """Program (row x kv head, partition): the group's query heads over one context partition.
 
@@ -301,6 +343,10 @@ def _decode_kernel(
     value, read again after the wait; with it, the kernel ahead (the projection) writes nothing
     in the cache, and the angles, the norms' weights and the slot are read before the wait too,
     the projection's heads all together after it.
+
+    ``BLOCKS_AHEAD`` (a tile of three or more stages): the whole tiles' loop reads the block
+    table a trip ahead, so that the next tile's keys and values load while this one is attended
+    to (``_attend_keys``).
     """
     row, kv_head = tl.program_id(0) // KV_HEADS, tl.program_id(0) % KV_HEADS
     if HAS_ORDER:
@@ -391,7 +437,7 @@ def _decode_kernel(
     acc, row_sum, row_max = _attend_keys(
         acc, row_sum, row_max, q, query_pos, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head,
         rest, whole_tiles_end, qk_scale, stride_block, stride_slot, stride_head,
-        BLOCK_SIZE, HEAD_DIM, BLOCK_N, False,
+        BLOCK_SIZE, HEAD_DIM, BLOCK_N, False, BLOCKS_AHEAD,
     )
     acc, row_sum, row_max = _attend_keys(
         acc, row_sum, row_max, q, query_pos, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head,
@@ -641,7 +687,10 @@ def decode_partition_count(q: torch.Tensor, k_cache: torch.Tensor, block_tables:
 
 
 class DecodeTile(NamedTuple):
-    """The decode kernel's launch: keys a tile, tiles in flight, warps a program."""
+    """The decode kernel's launch: keys a tile, pipeline stages, warps a program. With two
+    stages a tile's loads wait for the trip before it to finish; with three or more the next
+    tile's are in flight during a trip (``_attend_keys``' ``BLOCKS_AHEAD``), in as many more
+    buffers of shared memory."""
 
     block_n: int
     stages: int
@@ -736,7 +785,8 @@ def _launch_decode(q, k_cache, v_cache, seq_lens, block_tables, order, scale, nu
         BLOCK_M=max(16, triton.next_power_of_2(group)),
         BLOCK_N=tile.block_n, SPLIT_K=num_splits > 1, HAS_ORDER=order is not None,
         ROTATE=new is not None, NORM=norm, MERGE=arrivals is not None,
-        SPLITS=triton.next_power_of_2(num_splits), num_warps=tile.warps,
+        SPLITS=triton.next_power_of_2(num_splits), BLOCKS_AHEAD=tile.stages >= 3,
+        num_warps=tile.warps,
         num_stages=tile.stages,
         maxnreg=(FP8_DECODE_MAX_REGISTERS if num_splits == 1 and k_cache.element_size() == 1
                  else None),
