@@ -211,8 +211,9 @@ FP8_EXPERTS = {
 }
 
 
-def fp8_routed(kind, num_tokens, dtype, seed, skip_experts=()):
-    """``routed``'s inputs with FP8 experts of ``FP8_EXPERTS[kind]``, and tiles for them."""
+def fp8_routed(kind, num_tokens, dtype, seed, skip_experts=(), block_m=16):
+    """``routed``'s inputs with FP8 experts of ``FP8_EXPERTS[kind]``, and tiles for them of
+    ``block_m`` rows."""
     hidden, inter, group_size, block_k = FP8_EXPERTS[kind]
     x, w13, w2, topk_weights, topk_ids = routed(num_tokens, num_experts=6, top_k=2,
                                                 hidden=hidden, inter=inter, dtype=dtype,
@@ -220,23 +221,52 @@ def fp8_routed(kind, num_tokens, dtype, seed, skip_experts=()):
     w13 = fp8_experts(w13, group_size or hidden, seed)
     w2 = fp8_experts(w2, group_size or inter, seed + 1)
     gemm = triton_moe.GemmTiles(block_n=64, block_k=block_k)
-    return x, w13, w2, topk_weights, topk_ids, triton_moe.MoeTiles(16, gemm, gemm)
+    return x, w13, w2, topk_weights, topk_ids, triton_moe.MoeTiles(block_m, gemm, gemm)
 
 
 @pytest.mark.parametrize("kind", list(FP8_EXPERTS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("num_tokens, skip", [(1, ()), (12, (1, 4))],
                          ids=["decode-one-token", "unused-experts"])
+@pytest.mark.parametrize("block_m", [16, 64], ids=["exact-codes", "dequantized"])
 def test_fused_moe_with_fp8_experts_matches_the_reference(interpreter, kind, dtype, num_tokens,
-                                                          skip):
-    """Weight-only: each tile's codes times their scales, rounded to the activations' dtype, as
-    the reference dequantizes (12 tokens: sorted pairs, two experts without any)."""
+                                                          skip, block_m):
+    """Weight-only, the reference's results: a decode step's tiles multiply the codes and scale
+    the products, a prompt's dequantize each tile to the activations' dtype as the reference
+    does (12 tokens: sorted pairs, two experts without any)."""
+    assert triton_moe.exact_codes(block_m) == (block_m == 16)
     x, w13, w2, topk_weights, topk_ids, tiles = fp8_routed(kind, num_tokens, dtype, seed=7,
-                                                           skip_experts=skip)
+                                                           skip_experts=skip, block_m=block_m)
     out = interpreter(triton_moe.fused_moe, x, w13, w2, topk_weights, topk_ids, tiles=tiles)
     expected = moe.fused_moe(x, w13, w2, topk_weights, topk_ids)
     assert out.dtype == dtype
     torch.testing.assert_close(out, expected, **TOLERANCES[dtype])
+
+
+@pytest.mark.parametrize("kind", list(FP8_EXPERTS))
+@pytest.mark.parametrize("past_fp16", ["inputs", "gated-activations"])
+def test_fp8_experts_under_bf16_past_fp16s_range_match_the_reference(interpreter, kind,
+                                                                     past_fp16):
+    """bf16 activations multiply FP8 codes in fp16, divided by 256 first
+    (``triton_moe.in_fp16``): inputs, or gated activations between the two launches, far past
+    fp16's 65,504 give the reference's results (multiplied in fp16 as they are, they would be
+    infinite)."""
+    hidden, inter, group_size, block_k = FP8_EXPERTS[kind]
+    x, w13, w2, topk_weights, topk_ids = routed(12, num_experts=6, top_k=2, hidden=hidden,
+                                                inter=inter, dtype=torch.float32, seed=9)
+    scale_x, scale_w13 = (3e5, 1 / 3e5) if past_fp16 == "inputs" else (1.0, 150.0)
+    x = (x * scale_x).to(torch.bfloat16)
+    w13 = fp8_experts(w13 * scale_w13, group_size or hidden, 9)
+    w2 = fp8_experts(w2 / 1e3, group_size or inter, 10)
+    gemm = triton_moe.GemmTiles(block_n=64, block_k=block_k)
+    out = interpreter(triton_moe.fused_moe, x, w13, w2, topk_weights.to(torch.bfloat16),
+                      topk_ids, tiles=triton_moe.MoeTiles(16, gemm, gemm))
+    expected = moe.fused_moe(x, w13, w2, topk_weights.to(torch.bfloat16), topk_ids)
+    gate, up = (x.float() @ moe.expert_matrix(w13, 0, torch.float32).T).chunk(2, dim=-1)
+    largest = {"inputs": x, "gated-activations": torch.nn.functional.silu(gate) * up}[past_fp16]
+    assert largest.abs().max() > 4 * 65504 and expected.isfinite().all()
+    torch.testing.assert_close(out.float(), expected.float(), rtol=3e-2,
+                               atol=3e-2 * expected.abs().max().item())
 
 
 @pytest.mark.parametrize("kind", list(FP8_EXPERTS))

@@ -40,8 +40,9 @@ from triton.testing import do_bench
 
 from nanofn.kernels import moe, triton_moe
 from nanofn.kernels.fp8 import Fp8Weight
-from nanofn.kernels.triton_moe import (AlignedPairs, GemmTiles, _down_kernel, _fp8_tiles,
-                                       _gate_up_kernel, _weight_args, align_pairs)
+from nanofn.kernels.triton_moe import (AlignedPairs, GemmTiles, _activations_dtype, _down_kernel,
+                                       _fp8_tiles, _gate_up_kernel, _one_group, _weight_args,
+                                       align_pairs, exact_codes)
 from nanofn.model.quantization import Fp8Scheme
 
 Weights = torch.Tensor | Fp8Weight
@@ -64,35 +65,39 @@ def candidates(num_pairs: int, fp8: bool) -> Iterator[Candidate]:
     return itertools.product(*space)
 
 
-def gate_up(x: torch.Tensor, w13: Weights, aligned: AlignedPairs, num_pairs: int,
+def gate_up(x: torch.Tensor, w13: Weights, w2: Weights, aligned: AlignedPairs, num_pairs: int,
             tiles: GemmTiles) -> torch.Tensor:
     """``_gate_up_kernel`` as ``fused_moe`` launches it, in ``tiles`` (FP8: already cut)."""
     data, scale_args = _weight_args(w13)
     hidden, inter = x.shape[1], data.shape[1] // 2
-    out = x.new_empty(num_pairs, inter)
+    out = x.new_empty(num_pairs, inter, dtype=_activations_dtype(x.dtype, w2, aligned.block_m))
     grid = (aligned.block_experts.numel() * triton.cdiv(inter, tiles.block_n),)
     _gate_up_kernel[grid](x, data, out, aligned.sorted_pairs, aligned.block_experts, num_pairs,
                           hidden, inter, x.stride(0), data.stride(0), data.stride(1),
                           out.stride(0), *scale_args, TOP_K=num_pairs // x.shape[0],
                           BLOCK_M=aligned.block_m, BLOCK_N=tiles.block_n,
                           BLOCK_K=tiles.block_k, PAIR_BLOCKS=aligned.pair_blocks,
-                          FP8_WEIGHTS=isinstance(w13, Fp8Weight), OVERLAP=False,
+                          FP8_WEIGHTS=isinstance(w13, Fp8Weight),
+                          ONE_GROUP=_one_group(w13, hidden),
+                          EXACT_CODES=exact_codes(aligned.block_m), OVERLAP=False,
                           num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return out
 
 
 def down(activated: torch.Tensor, w2: Weights, routing: torch.Tensor, aligned: AlignedPairs,
          num_pairs: int, tiles: GemmTiles) -> torch.Tensor:
-    """``_down_kernel`` as ``fused_moe`` launches it, in ``tiles`` (FP8: already cut)."""
+    """``_down_kernel`` as ``fused_moe`` launches it, in ``tiles`` (FP8: already cut); its
+    output in the routing weights' dtype, the model's."""
     data, scale_args = _weight_args(w2)
     hidden, inter = data.shape[1], activated.shape[1]
-    out = activated.new_empty(num_pairs, hidden)
+    out = activated.new_empty(num_pairs, hidden, dtype=routing.dtype)
     grid = (aligned.block_experts.numel() * triton.cdiv(hidden, tiles.block_n),)
     _down_kernel[grid](activated, data, out, routing, aligned.sorted_pairs,
                        aligned.block_experts, num_pairs, hidden, inter, activated.stride(0),
                        data.stride(0), data.stride(1), out.stride(0), *scale_args,
                        BLOCK_M=aligned.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
                        PAIR_BLOCKS=aligned.pair_blocks, FP8_WEIGHTS=isinstance(w2, Fp8Weight),
+                       ONE_GROUP=_one_group(w2, inter), EXACT_CODES=exact_codes(aligned.block_m),
                        OVERLAP=False, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return out
 
@@ -164,14 +169,15 @@ def sweep(tokens: int, w13: Weights, w2: Weights, args: argparse.Namespace,
             continue  # (both cut to tiles already checked)
         aligned = align_pairs(ids, args.experts, block_m)
         try:
-            activated = gate_up(x, w13, aligned, num_pairs, gate_up_tiles)
+            activated = gate_up(x, w13, w2, aligned, num_pairs, gate_up_tiles)
             scaled = down(activated, w2, routing, aligned, num_pairs, down_tiles)
         except triton.runtime.errors.OutOfResources:
             continue  # (its stages do not fit in shared memory)
         got = scaled.view(tokens, args.top_k, args.hidden).sum(1, dtype=torch.float32)
         torch.testing.assert_close(got.to(x.dtype), expected, atol=3e-2, rtol=3e-2)
         launches: dict[str, tuple[GemmTiles, Callable[[], torch.Tensor]]] = {
-            "gate_up": (gate_up_tiles, lambda: gate_up(x, w13, aligned, num_pairs, gate_up_tiles)),
+            "gate_up": (gate_up_tiles, lambda: gate_up(x, w13, w2, aligned, num_pairs,
+                                                       gate_up_tiles)),
             "down": (down_tiles, lambda: down(activated, w2, routing, aligned, num_pairs,
                                               down_tiles))}
         for name, (used, launch) in launches.items():

@@ -18,10 +18,14 @@ products, a program per pair and then per token, with no alignment and no separa
 measured slower: RESULTS.md, twenty-first session; so did down and the sum in one kernel a
 token: twenty-fourth session.)
 
-FP8 experts (``Fp8Weight``) multiply weight-only, as the reference does: each k-step's weight
-tile is dequantized in registers (codes times their rows' scales, in float32) and rounded to the
-activations' dtype before the same product; the k-steps then lie within one scale group each,
-so a tile takes one scale a row (``_fp8_tiles``).
+FP8 experts (``Fp8Weight``) multiply weight-only, the k-steps within one scale group each, so
+that a tile takes one scale a row (``_fp8_tiles``). In a decode step's tiles (``exact_codes``)
+each k-step multiplies the activations by the weight tile's codes themselves, in fp16 for 16-bit
+activations (bf16 ones divided by a power of two into fp16's range: ``in_fp16``), and scales
+its float32 product by the rows' scales (with one scale a row, per channel, the sums once); a
+prompt's tiles dequantize each tile to the activations' dtype, as the reference does. (Codes
+dequantized to bf16 through float32 an element at a time bound a one-token step by the
+conversions: RESULTS.md, thirty-first session.)
 """
 
 from __future__ import annotations
@@ -278,6 +282,33 @@ def _block(sorted_pairs_ptr, block_experts_ptr, num_pairs, num_col_tiles, BLOCK_
     return col_tile, expert, pairs, pairs < num_pairs
 
 
+# bf16 activations multiply FP8 codes in fp16 divided by this (``in_fp16``): up to 2^24 in
+# range (clamped past it), exact from 2^-6 up, within 2^-17 below
+BF16_IN_FP16 = tl.constexpr(256.0)
+
+
+# ``in_fp16`` in an asm block where it runs on the GPU, plainly in Triton's interpreter (the
+# same values)
+IN_FP16_IN_ASM = tl.constexpr(not triton.knobs.runtime.interpret)
+
+
+@triton.jit
+def in_fp16(x):
+    """``x`` (bf16, or float32 values of the model's bf16) in fp16, divided by ``BF16_IN_FP16``
+    (a power of two: exact for bf16 values but the smallest) and clamped where fp16 would
+    overflow. A bf16 tile on the GPU: an asm block the compiler keeps where ``x`` was loaded,
+    two values at a time (a multiply by 2^-8 in bf16, two shifts into float32, a saturating
+    conversion): as plain operations it moved them into the product's operand layout, where
+    every warp converts the whole tile again."""
+    if x.dtype == tl.bfloat16 and IN_FP16_IN_ASM:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b32 s, lo, hi, m, z; mov.b32 m, 0x3B803B80; mov.b32 z, 0x80008000; "
+            "fma.rn.bf16x2 s, $1, m, z; shl.b32 lo, s, 16; and.b32 hi, s, 0xFFFF0000; "
+            "cvt.rn.satfinite.f16x2.f32 $0, hi, lo; }",
+            "=r,r", [x.to(tl.uint16, bitcast=True)], dtype=tl.float16, is_pure=False, pack=2)
+    return tl.clamp(x.to(tl.float32) * (1.0 / BF16_IN_FP16), -65504.0, 65504.0).to(tl.float16)
+
+
 @triton.jit
 def _dequantized(codes, scales, col_ok, dtype: tl.constexpr):
     """A weight tile's e4m3 ``codes [BLOCK_K, BLOCK_N]`` times its columns' (the weight's rows')
@@ -288,16 +319,57 @@ def _dequantized(codes, scales, col_ok, dtype: tl.constexpr):
 
 
 @triton.jit
+def _product_input(a, FP8_WEIGHTS: tl.constexpr, EXACT_CODES: tl.constexpr):
+    """An activation tile as products with exact FP8 codes take it: bf16 ``in_fp16``, others
+    as they are (codes convert exactly to fp16 and float32); for other weights, as it is."""
+    if FP8_WEIGHTS:
+        if EXACT_CODES:
+            if a.dtype == tl.bfloat16:
+                a = in_fp16(a)
+    return a
+
+
+@triton.jit
+def _add_product(acc, a, codes, scales, col_ok, FP8_WEIGHTS: tl.constexpr,
+                 ONE_GROUP: tl.constexpr, EXACT_CODES: tl.constexpr, UNSCALE: tl.constexpr):
+    """``acc`` plus one k-step's product of activations ``a`` (``_product_input``'s) and a
+    weight tile, whose rows' scales for this k-step are at ``scales``. Of FP8 codes: with
+    ``EXACT_CODES`` the codes themselves in ``a``'s dtype (one conversion for every two codes
+    into fp16; into bf16 only through float32, two more), the product scaled by the scales and
+    ``UNSCALE`` (or, with ``ONE_GROUP``, the sums once: ``_times_scales``); else the codes
+    dequantized to ``a``'s dtype first, as the reference does."""
+    if FP8_WEIGHTS and EXACT_CODES:
+        product = tl.dot(a, codes.to(a.dtype), input_precision="ieee")
+        if ONE_GROUP:
+            return acc + product
+        return acc + _times_scales(product, scales, col_ok, UNSCALE)
+    if FP8_WEIGHTS:
+        codes = _dequantized(codes, scales, col_ok, a.dtype)
+    return tl.dot(a, codes, acc, input_precision="ieee")
+
+
+@triton.jit
+def _times_scales(product, scales, col_ok, UNSCALE: tl.constexpr):
+    """A product of exact codes (``_add_product``) times their columns' (the weight's rows')
+    scales from ``scales`` and ``UNSCALE``."""
+    return product * (tl.load(scales, mask=col_ok, other=0.0) * UNSCALE)[None, :]
+
+
+@triton.jit
 def _gate_up_kernel(x_ptr, w13_ptr, out_ptr, sorted_pairs_ptr, block_experts_ptr, num_pairs,
                     hidden, inter, x_stride, w_stride_e, w_stride_n, out_stride, scale_ptr,
                     scale_stride_e, scale_stride_n, scale_stride_g, group_size,
                     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, PAIR_BLOCKS: tl.constexpr, FP8_WEIGHTS: tl.constexpr,
-                    OVERLAP: tl.constexpr):
+                    ONE_GROUP: tl.constexpr, EXACT_CODES: tl.constexpr, OVERLAP: tl.constexpr):
     """A block of sorted pairs and a tile of intermediate columns (``_block``):
     ``silu(x @ gate.T) * (x @ up.T)`` of the block's expert, to the pairs' rows.
-    ``FP8_WEIGHTS``: ``w13`` holds e4m3 codes, dequantized by ``scale_ptr``'s groups of
-    ``group_size`` columns (else ``scale_ptr`` and its strides are not read)."""
+    ``FP8_WEIGHTS``: ``w13`` holds e4m3 codes, scaled by ``scale_ptr``'s groups of
+    ``group_size`` columns (``ONE_GROUP``: a group a row), multiplied as ``_add_product`` says;
+    else ``scale_ptr`` and its strides are not read. An fp16 ``out_ptr`` under bf16 ``x_ptr``
+    takes the activations ``in_fp16`` (for FP8 down weights' exact codes)."""
+    unscale: tl.constexpr = (BF16_IN_FP16 if EXACT_CODES and x_ptr.dtype.element_ty == tl.bfloat16
+                             else 1.0)
     wait_for_previous(OVERLAP)
     col_tile, expert, pairs, pair_ok = _block(sorted_pairs_ptr, block_experts_ptr, num_pairs,
                                               tl.cdiv(inter, BLOCK_N), BLOCK_M, PAIR_BLOCKS)
@@ -307,8 +379,7 @@ def _gate_up_kernel(x_ptr, w13_ptr, out_ptr, sorted_pairs_ptr, block_experts_ptr
     cols = col_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < inter
     weights = w13_ptr + expert.to(tl.int64) * w_stride_e
-    if FP8_WEIGHTS:
-        scales = scale_ptr + expert.to(tl.int64) * scale_stride_e + cols * scale_stride_n
+    scales = scale_ptr + expert.to(tl.int64) * scale_stride_e + cols * scale_stride_n
     gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
@@ -320,13 +391,18 @@ def _gate_up_kernel(x_ptr, w13_ptr, out_ptr, sorted_pairs_ptr, block_experts_ptr
                          mask=col_ok[None, :] & k_ok[:, None], other=0.0)
         b_up = tl.load(weights + (cols[None, :] + inter) * w_stride_n + ks[:, None],
                        mask=col_ok[None, :] & k_ok[:, None], other=0.0)
-        if FP8_WEIGHTS:
-            gate_scales = scales + (k0 // group_size) * scale_stride_g
-            b_gate = _dequantized(b_gate, gate_scales, col_ok, a.dtype)
-            b_up = _dequantized(b_up, gate_scales + inter * scale_stride_n, col_ok, a.dtype)
-        gate = tl.dot(a, b_gate, gate, input_precision="ieee")
-        up = tl.dot(a, b_up, up, input_precision="ieee")
+        a = _product_input(a, FP8_WEIGHTS, EXACT_CODES)
+        gate_scales = scales + (k0 // group_size) * scale_stride_g
+        gate = _add_product(gate, a, b_gate, gate_scales, col_ok, FP8_WEIGHTS, ONE_GROUP,
+                            EXACT_CODES, unscale)
+        up = _add_product(up, a, b_up, gate_scales + inter * scale_stride_n, col_ok, FP8_WEIGHTS,
+                          ONE_GROUP, EXACT_CODES, unscale)
+    if FP8_WEIGHTS and EXACT_CODES and ONE_GROUP:
+        gate = _times_scales(gate, scales, col_ok, unscale)
+        up = _times_scales(up, scales + inter * scale_stride_n, col_ok, unscale)
     activated = gate / (1.0 + tl.exp(-gate)) * up
+    if out_ptr.dtype.element_ty == tl.float16 and x_ptr.dtype.element_ty == tl.bfloat16:
+        activated = in_fp16(activated)
     tl.store(out_ptr + pairs[:, None].to(tl.int64) * out_stride + cols[None, :],
              activated.to(out_ptr.dtype.element_ty), mask=pair_ok[:, None] & col_ok[None, :])
 
@@ -336,10 +412,14 @@ def _down_kernel(a_ptr, w2_ptr, out_ptr, routing_ptr, sorted_pairs_ptr, block_ex
                  num_pairs, hidden, inter, a_stride, w_stride_e, w_stride_n, out_stride,
                  scale_ptr, scale_stride_e, scale_stride_n, scale_stride_g, group_size,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 PAIR_BLOCKS: tl.constexpr, FP8_WEIGHTS: tl.constexpr, OVERLAP: tl.constexpr):
+                 PAIR_BLOCKS: tl.constexpr, FP8_WEIGHTS: tl.constexpr, ONE_GROUP: tl.constexpr,
+                 EXACT_CODES: tl.constexpr, OVERLAP: tl.constexpr):
     """A block of sorted pairs and a tile of hidden columns (``_block``):
     the block's expert's down projection of the pairs' activations, times their routing
-    weights, to the pairs' rows. ``FP8_WEIGHTS``: as ``_gate_up_kernel``'s."""
+    weights, to the pairs' rows. ``FP8_WEIGHTS``: as ``_gate_up_kernel``'s; fp16 activations
+    under a bf16 ``out_ptr`` are ``in_fp16``'s."""
+    unscale: tl.constexpr = (BF16_IN_FP16 if EXACT_CODES and out_ptr.dtype.element_ty == tl.bfloat16
+                             else 1.0)
     wait_for_previous(OVERLAP)
     col_tile, expert, pairs, pair_ok = _block(sorted_pairs_ptr, block_experts_ptr, num_pairs,
                                               tl.cdiv(hidden, BLOCK_N), BLOCK_M, PAIR_BLOCKS)
@@ -349,8 +429,7 @@ def _down_kernel(a_ptr, w2_ptr, out_ptr, routing_ptr, sorted_pairs_ptr, block_ex
     cols = col_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < hidden
     weights = w2_ptr + expert.to(tl.int64) * w_stride_e
-    if FP8_WEIGHTS:
-        scales = scale_ptr + expert.to(tl.int64) * scale_stride_e + cols * scale_stride_n
+    scales = scale_ptr + expert.to(tl.int64) * scale_stride_e + cols * scale_stride_n
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, inter, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
@@ -359,9 +438,11 @@ def _down_kernel(a_ptr, w2_ptr, out_ptr, routing_ptr, sorted_pairs_ptr, block_ex
                     mask=pair_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(weights + cols[None, :] * w_stride_n + ks[:, None],
                     mask=col_ok[None, :] & k_ok[:, None], other=0.0)
-        if FP8_WEIGHTS:
-            b = _dequantized(b, scales + (k0 // group_size) * scale_stride_g, col_ok, a.dtype)
-        acc = tl.dot(a, b, acc, input_precision="ieee")
+        acc = _add_product(acc, _product_input(a, FP8_WEIGHTS, EXACT_CODES), b,
+                           scales + (k0 // group_size) * scale_stride_g, col_ok, FP8_WEIGHTS,
+                           ONE_GROUP, EXACT_CODES, unscale)
+    if FP8_WEIGHTS and EXACT_CODES and ONE_GROUP:
+        acc = _times_scales(acc, scales, col_ok, unscale)
     routing = tl.load(routing_ptr + rows, mask=pair_ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + rows[:, None] * out_stride + cols[None, :],
              (acc * routing[:, None]).to(out_ptr.dtype.element_ty),
@@ -458,6 +539,31 @@ def _fp8_tiles(tiles: GemmTiles, weights: torch.Tensor | Fp8Weight, k: int) -> G
     return replace(tiles, block_k=block_k)
 
 
+# Tile rows up to which FP8 codes multiply exact (``_add_product``): a decode step's tiles,
+# bound by the codes' conversions (a k-step of gate_up at 8 pairs 1,245 -> 595 instructions,
+# of down 397 -> 226). A prompt's larger tiles dequantize the codes, which 128 rows amortise:
+# scaling each k-step's product there kept a second pair of accumulators, which spilled.
+EXACT_CODES_UP_TO_BLOCK_M = 32
+
+
+def exact_codes(block_m: int) -> bool:
+    """Whether FP8 experts' codes multiply exact in tiles of ``block_m`` rows."""
+    return block_m <= EXACT_CODES_UP_TO_BLOCK_M
+
+
+def _activations_dtype(dtype: torch.dtype, w2: torch.Tensor | Fp8Weight,
+                       block_m: int) -> torch.dtype:
+    """The gated activations' dtype between the two launches: fp16 (``in_fp16``) for FP8 down
+    weights' exact codes under bf16, whose products are fp16's, else the model's."""
+    fp16 = isinstance(w2, Fp8Weight) and exact_codes(block_m) and dtype == torch.bfloat16
+    return torch.float16 if fp16 else dtype
+
+
+def _one_group(weights: torch.Tensor | Fp8Weight, k: int) -> bool:
+    """Whether FP8 ``weights`` have one scale a row over their ``k`` columns (per channel)."""
+    return isinstance(weights, Fp8Weight) and weights.group_size >= k
+
+
 def _weight_args(weights: torch.Tensor | Fp8Weight) -> tuple[torch.Tensor, tuple]:
     """A grouped GEMM's matrices, and its last arguments: their scales, the scales' strides and
     group size; of a plain tensor, dummies the kernel does not read (``FP8_WEIGHTS`` off)."""
@@ -487,7 +593,8 @@ def fused_moe(hidden_states: torch.Tensor, w13: torch.Tensor | Fp8Weight,
     tiles = tiles or default_tiles(num_pairs, hidden_states.element_size())
     aligned = align_pairs(topk_ids, num_experts, tiles.block_m)
     num_blocks = aligned.block_experts.numel()
-    activated = hidden_states.new_empty(num_pairs, inter)
+    activated = hidden_states.new_empty(num_pairs, inter, dtype=_activations_dtype(
+        hidden_states.dtype, w2, tiles.block_m))
     gate_up, down = _fp8_tiles(tiles.gate_up, w13, hidden), _fp8_tiles(tiles.down, w2, inter)
     overlap = _overlap(hidden_states.device, num_pairs)
     _gate_up_kernel[(num_blocks * triton.cdiv(inter, gate_up.block_n),)](
@@ -496,7 +603,9 @@ def fused_moe(hidden_states: torch.Tensor, w13: torch.Tensor | Fp8Weight,
         w13_data.stride(1), activated.stride(0), *w13_scales, TOP_K=top_k,
         BLOCK_M=tiles.block_m, BLOCK_N=gate_up.block_n, BLOCK_K=gate_up.block_k,
         PAIR_BLOCKS=aligned.pair_blocks, FP8_WEIGHTS=isinstance(w13, Fp8Weight),
-        num_warps=gate_up.num_warps, num_stages=gate_up.num_stages, **overlap)
+        ONE_GROUP=_one_group(w13, hidden), EXACT_CODES=exact_codes(tiles.block_m),
+        num_warps=gate_up.num_warps,
+        num_stages=gate_up.num_stages, **overlap)
     scaled = hidden_states.new_empty(num_pairs, hidden)
     routing = topk_weights.flatten().contiguous()
     _down_kernel[(num_blocks * triton.cdiv(hidden, down.block_n),)](
@@ -504,7 +613,8 @@ def fused_moe(hidden_states: torch.Tensor, w13: torch.Tensor | Fp8Weight,
         num_pairs, hidden, inter, activated.stride(0), w2_data.stride(0), w2_data.stride(1),
         scaled.stride(0), *w2_scales, BLOCK_M=tiles.block_m, BLOCK_N=down.block_n,
         BLOCK_K=down.block_k, PAIR_BLOCKS=aligned.pair_blocks,
-        FP8_WEIGHTS=isinstance(w2, Fp8Weight), num_warps=down.num_warps,
+        FP8_WEIGHTS=isinstance(w2, Fp8Weight), ONE_GROUP=_one_group(w2, inter),
+        EXACT_CODES=exact_codes(tiles.block_m), num_warps=down.num_warps,
         num_stages=down.num_stages, **overlap)
     out = hidden_states.new_empty(num_tokens, hidden)
     _sum_pairs_kernel[(num_tokens, triton.cdiv(hidden, SUM_BLOCK))](
