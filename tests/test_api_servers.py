@@ -15,8 +15,8 @@ import time
 
 import httpx
 import pytest
-from server_helpers import (API_KEY, HEADERS, metric, needs_proc, spawned_children,
-                            start_server)
+from server_helpers import (API_KEY, HEADERS, free_port, metric, needs_proc,
+                            spawned_children, start_server)
 
 from nanofn.engine.options import EngineOptions
 from nanofn.server.async_engine import AsyncLLM, start_engine_process, wait_until_ready
@@ -136,6 +136,35 @@ def test_a_client_that_leaves_takes_only_its_own_requests(tiny_qwen3):
     assert clients[1].figures().num_running == 0
     process.join(timeout=30)
     assert process.exitcode == 0
+
+
+@needs_proc
+def test_an_engine_whose_clients_all_leave_while_it_builds_stops_building(tiny_qwen3):
+    """The server is stopped (SIGTERM, even SIGKILL) while an engine process is still being
+    built: its end of every pipe closes. The engine process, its workers with it, ends then,
+    rather than build on for no one (minutes on GPUs) until it fails to say it is ready. Here
+    the build cannot end by itself: it waits for the ranks of a second host that never
+    comes."""
+    options = EngineOptions.from_kwargs(str(tiny_qwen3), tensor_parallel_size=2, nnodes=2,
+                                        master_addr="127.0.0.1", master_port=free_port(),
+                                        **ENGINE)
+    process, conns = start_engine_process(options, {}, 2)
+    try:
+        deadline = time.monotonic() + 60
+        while not (workers := spawned_children(process.pid)):  # rank 0: the build is on
+            assert time.monotonic() < deadline, "the engine started no worker"
+            time.sleep(0.1)
+        for conn in conns:
+            conn.close()
+        process.join(timeout=30)
+        assert process.exitcode is not None, "the engine went on building for no client"
+        deadline = time.monotonic() + 30
+        while any(os.path.exists(f"/proc/{pid}") for pid in workers):
+            assert time.monotonic() < deadline, "the engine's worker outlived it"
+            time.sleep(0.1)
+    finally:
+        process.kill()
+        process.join()
 
 
 def open_stream(url: str):

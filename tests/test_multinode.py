@@ -244,31 +244,39 @@ def test_a_peer_that_connects_and_says_nothing_does_not_hold_up_the_ranks(plan_l
         assert_a_rank_gets_through(listener, port, key, wait_s=20)
 
 
-def test_a_remote_rank_that_dies_while_starting_is_named_as_remote(tiny_qwen3):
-    """A remote rank that takes its part and dies before it starts (it could not unpickle the
-    config: another transformers on its host, say) is named as a rank on node 1 that lost its
-    connection, not as a local spawned worker (``code None``, and advice about a script's
-    main guard that has nothing to do with it)."""
+def connect_as_rank(port: int, rank: int, tensor_parallel_size: int = 2) -> tuple:
+    """Connect to the engine meeting its ranks at ``port`` as a remote rank of ``nnodes`` 2
+    does, saying hello on both connections: (plans, control)."""
     import pickle
-    import queue
     from datetime import timedelta
 
     import torch.distributed as dist
 
     import nanofn.runner.remote_ranks as remote_ranks
 
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
+    plans_port, key = pickle.loads(store.get(remote_ranks.PLANS_KEY))
+    hello = (rank, tensor_parallel_size, 2)
+    plans = remote_ranks.connect("127.0.0.1", plans_port, key)
+    plans.send(("plans", *hello))
+    control = remote_ranks.connect("127.0.0.1", plans_port, key)
+    control.send(("control", *hello))
+    return plans, control
+
+
+def test_a_remote_rank_that_dies_while_starting_is_named_as_remote(tiny_qwen3):
+    """A remote rank that takes its part and dies before it starts (it could not unpickle the
+    config: another transformers on its host, say) is named as a rank on node 1 that lost its
+    connection, not as a local spawned worker (``code None``, and advice about a script's
+    main guard that has nothing to do with it)."""
+    import queue
+
     port = free_port()
     errors = queue.SimpleQueue()
 
     def rank_that_dies_on_its_part():
         try:
-            store = dist.TCPStore("127.0.0.1", port, is_master=False,
-                                  timeout=timedelta(seconds=60))
-            plans_port, key = pickle.loads(store.get(remote_ranks.PLANS_KEY))
-            plans = remote_ranks.connect("127.0.0.1", plans_port, key)
-            plans.send(("plans", 1, 2, 2))
-            control = remote_ranks.connect("127.0.0.1", plans_port, key)
-            control.send(("control", 1, 2, 2))
+            plans, control = connect_as_rank(port, 1)
             if plans.poll(60):
                 plans.recv_bytes()  # its part, which it cannot read
             plans.close()
@@ -285,3 +293,108 @@ def test_a_remote_rank_that_dies_while_starting_is_named_as_remote(tiny_qwen3):
     message = str(failure.value)
     assert "tensor-parallel rank 1 on node 1 exited or lost its connection" in message
     assert "__main__" not in message
+
+
+def test_the_ranks_after_one_whose_part_cannot_be_sent_are_cut_off_too(tiny_qwen3,
+                                                                       monkeypatch):
+    """Ranks 2 and 3 of 4 connect from node 1; rank 2's connections are reset then (its host
+    went down), so sending it its part fails and the start with it. Rank 3's connections end
+    too: it was not yet among the workers that a failed start kills, and its handle (held by
+    its reader thread) kept them open, rank 3 waiting for its part for good."""
+    import queue
+    import socket
+    import struct
+
+    from nanofn.runner.remote_ranks import PlanListener
+
+    port = free_port()
+    ranks = queue.SimpleQueue()  # each fake rank's (plans, control), in rank order
+
+    def connect_ranks_2_and_3():
+        for rank in (2, 3):
+            ranks.put(connect_as_rank(port, rank, tensor_parallel_size=4))
+
+    threading.Thread(target=connect_ranks_2_and_3, daemon=True).start()
+    accept = PlanListener.accept_ranks
+
+    def accept_then_reset_rank_2(self, config, check):
+        remotes = accept(self, config, check)
+        for connection in ranks.get(timeout=10):
+            with socket.fromfd(connection.fileno(), socket.AF_INET, socket.SOCK_STREAM) as sock:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                connection.close()
+        assert remotes[0].plans.poll(10)  # the reset has reached the engine's end
+        return remotes
+
+    monkeypatch.setattr(PlanListener, "accept_ranks", accept_then_reset_rank_2)
+    with pytest.raises(OSError):
+        LLM(str(tiny_qwen3), tensor_parallel_size=4, nnodes=2, master_addr="127.0.0.1",
+            master_port=port, **SMALL)
+    plans, control = ranks.get(timeout=10)
+    assert plans.poll(20), "rank 3's plan connection was left open"
+    with pytest.raises(EOFError):
+        plans.recv()
+    plans.close()
+    control.close()
+
+
+def test_a_remote_rank_killed_as_its_connection_ends_touches_no_other_descriptor(monkeypatch):
+    """The watchdog kills a remote rank just as its control connection ends (the rank died with
+    the others), which its reader thread then closes. It closed it while ``kill`` was using its
+    descriptor, whose number a socket opened meanwhile took (put there with ``dup2`` here): kill
+    shut that socket down. The reader thread now waits until kill is done."""
+    import socket
+    from multiprocessing.connection import Connection
+
+    from nanofn.runner.remote_ranks import RemoteRank
+
+    reached = threading.Event()  # the reader thread has closed the control connection, or waits to
+
+    class Control(Connection):
+        def close(self):
+            super().close()
+            reached.set()
+
+    class TellingLock:
+        """A lock that sets ``reached`` when a thread has to wait for it."""
+
+        def __init__(self):
+            self._lock = threading.Lock()
+
+        def __enter__(self):
+            if not self._lock.acquire(blocking=False):
+                reached.set()
+                self._lock.acquire()
+
+        def __exit__(self, *_):
+            self._lock.release()
+
+    engine_control, rank_control = socket.socketpair()
+    engine_plans, rank_plans = socket.socketpair()
+    control = Control(engine_control.detach())
+    rank = RemoteRank(1, 1, Connection(engine_plans.detach()), control)
+    rank._control_lock = TellingLock()
+    descriptor = control.fileno()
+    other, other_peer = socket.socketpair()  # another socket of the engine's process
+    fromfd, planted = socket.fromfd, []
+
+    def fromfd_as_the_rank_ends(fd, *args):
+        if fd == descriptor and not reached.is_set():  # kill, about to shut the control down
+            rank_control.close()
+            assert reached.wait(10)
+            if control.closed:
+                planted.append(os.dup2(other.fileno(), fd))  # the next one opened takes it
+        return fromfd(fd, *args)
+
+    monkeypatch.setattr(socket, "fromfd", fromfd_as_the_rank_ends)
+    try:
+        rank.kill()
+        rank.join(10)
+        assert not rank.is_alive()
+        other_peer.sendall(b"x")  # (a broken pipe if kill shut the other end down)
+        assert other.recv(1) == b"x", "kill shut down another socket"
+    finally:
+        for fd in planted:
+            os.close(fd)
+        for sock in (other, other_peer, rank_plans):
+            sock.close()

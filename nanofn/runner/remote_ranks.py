@@ -226,6 +226,7 @@ class RemoteRank:
         self.exitcode = None
         self.reports, self._report_sink = multiprocessing.Pipe(duplex=False)
         self._control = control
+        self._control_lock = threading.Lock()  # its closing, against kill's use of it
         self._lost = threading.Event()
         threading.Thread(target=self._listen, name=f"nanofn-remote-rank{rank}",
                          daemon=True).start()
@@ -243,7 +244,8 @@ class RemoteRank:
             pass
         finally:
             self._lost.set()
-            self._control.close()
+            with self._control_lock:
+                self._control.close()
             self._report_sink.close()
 
     def is_alive(self) -> bool:
@@ -253,11 +255,14 @@ class RemoteRank:
         self._lost.wait(timeout)
 
     def kill(self) -> None:
-        """Tell the rank to exit now, and cut both connections."""
-        with contextlib.suppress(OSError, ValueError):
-            self._control.send(KILL)
-        for connection in (self._control, self.plans):
-            _shut_down(connection)
+        """Tell the rank to exit now, and cut both connections. The reader thread closes the
+        control connection once it ends, which may be now: not while this writes to its
+        descriptor or shuts it down, whose number the next file or socket opened would take."""
+        with self._control_lock:
+            with contextlib.suppress(OSError, ValueError):
+                self._control.send(KILL)
+            _shut_down(self._control)
+        _shut_down(self.plans)
 
 
 def _shut_down(connection: Connection) -> None:

@@ -113,13 +113,16 @@ class TensorParallelExecutor:
     def _connect_remote_ranks(self, listener: PlanListener, hf_config: Any,
                               config: RunnerConfig) -> None:
         """Take the other hosts' ranks as they connect, in rank order after this host's, each
-        sent its part (while this host's own workers start)."""
-        for remote in listener.accept_ranks(config, self._raise_if_local_worker_died):
-            remote.plans.send(("config", hf_config, rank_config(config, remote.rank)))
+        sent its part (while this host's own workers start). All are workers before the first
+        part goes: if sending one fails, the failed start kills every one."""
+        remotes = listener.accept_ranks(config, self._raise_if_local_worker_died)
+        for remote in remotes:
             self._pipes.append(remote.plans)
             self._reports.append(remote.reports)
             self._workers.append(remote)
             self._hearts.append(remote.heart)
+        for remote in remotes:
+            remote.plans.send(("config", hf_config, rank_config(config, remote.rank)))
 
     def _raise_if_local_worker_died(self) -> None:
         for rank, worker in enumerate(self._workers):

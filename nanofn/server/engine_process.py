@@ -14,6 +14,8 @@ Engine -> each client: ``("ready", EngineFacts)`` once it is built (or ``("faile
 traceback)``), then one ``("step", outputs, refused, figures, counters)`` per step with that
 client's own outputs and refused adds, and ``("failed", error, traceback)`` if a step raises.
 A client whose pipe closes (its process died) has its requests aborted; the others go on.
+If every client's pipe closes while the engine is still being built, the engine process ends
+then, its workers with it.
 
 An output travels as an ``OutputDelta`` (``Engine.step_deltas``): the prompt once, and of
 each completion only the tokens, text and logprobs it gained since the request's previous
@@ -27,11 +29,14 @@ from __future__ import annotations
 
 import builtins
 import ctypes
+import multiprocessing
 import os
 import pickle
 import signal
 import threading
 import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from multiprocessing import connection
 from multiprocessing.connection import Connection
@@ -86,9 +91,10 @@ def run_engine_process(conns: list[Connection], options: EngineOptions,
     # Ctrl-C in a terminal reaches the whole process group; the server stops the engine.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        from nanofn.engine.engine import Engine
+        with _ended_if_abandoned(conns):
+            from nanofn.engine.engine import Engine
 
-        engine = Engine(options)
+            engine = Engine(options)
     except BaseException as error:
         _send_failure(conns, error)
         return
@@ -106,6 +112,38 @@ def run_engine_process(conns: list[Connection], options: EngineOptions,
         engine.close()
         for conn in conns:
             conn.close()
+
+
+@contextmanager
+def _ended_if_abandoned(conns: list[Connection]) -> Iterator[None]:
+    """While the engine builds (minutes on GPUs): once every client's pipe has ended (the
+    server was stopped, by SIGTERM or even SIGKILL, before the engine was ready), kill this
+    process's workers and exit, rather than build on for no one and only then fail to say it
+    is ready. The watching stops before "ready" goes out, which the clients' commands follow."""
+    stop, stop_writer = os.pipe()
+    watcher = threading.Thread(target=_exit_once_every_client_left, args=(conns, stop),
+                               name="nanofn-build-watch", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        os.close(stop_writer)  # (the watcher reads the end of file)
+        watcher.join()
+        os.close(stop)
+
+
+def _exit_once_every_client_left(conns: list[Connection], stop: int) -> None:
+    """Exit once every one of ``conns`` has ended, unless ``stop`` can be read first. A client
+    sends nothing before "ready": a pipe that can be read has ended."""
+    waiting = list(conns)
+    while waiting:
+        ready = connection.wait([*waiting, stop])
+        if stop in ready:
+            return
+        waiting = [conn for conn in waiting if conn not in ready]
+    for worker in multiprocessing.active_children():  # (tensor-parallel ranks)
+        worker.kill()
+    os._exit(1)
 
 
 def name_this_process(name: str) -> None:
