@@ -82,6 +82,29 @@ def test_decode_attention_matches_reference(batch, num_splits):
     assert_relative_error_below(out[context_rows], expected[context_rows])
 
 
+@pytest.mark.parametrize("tile", [(64, 3, 4), (32, 3, 4)], ids=["64x3x4", "32x3x4"])
+@pytest.mark.parametrize("kv_dtype", [DTYPE, torch.float8_e4m3fn], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("num_splits", [1, 8], ids=["one-partition", "split-k-8"])
+def test_decode_attention_in_tiles_of_three_stages_matches_reference(tile, kv_dtype, num_splits,
+                                                                     monkeypatch):
+    """Tiles of three stages read the block table a trip ahead (``BLOCKS_AHEAD``): on the
+    reference's cache entries (FP8 ones too), contexts shorter than a tile, of whole tiles and
+    past them, a padding row among them."""
+    seq_lens = [*random_lengths(40, 1, 2048, seed=21), 64, 96, 0]
+    cache = PagedCache(seq_lens, seed=22)
+    k_cache, v_cache = cache.k_cache.to(kv_dtype), cache.v_cache.to(kv_dtype)
+    q = random_queries(len(seq_lens), seed=23)
+    args = (q, k_cache, v_cache, cache.seq_lens, cache.block_tables)
+    monkeypatch.setitem(triton_attention.DECODE_TILES, k_cache.element_size(), tile)
+
+    out = triton_attention.decode_attention(*args, SCALE, num_splits=num_splits)
+
+    context_rows = [i for i, n in enumerate(seq_lens) if n > 0]
+    expected = reference.decode_attention(*upcast(q, k_cache.float(), v_cache.float(),
+                                                  *args[3:]), SCALE)
+    assert_relative_error_below(out[context_rows], expected[context_rows])
+
+
 @pytest.mark.parametrize("num_splits", [1, 8])
 def test_decode_attention_replays_from_a_cuda_graph(num_splits):
     seq_lens = random_lengths(32, 2, 1024, seed=6)  # still >= 1 after the decrement below
