@@ -282,6 +282,52 @@ def test_bench_prints_the_figures_and_writes_json(tiny_qwen3, tmp_path, capsys):
             f"{figures['prefix_cache_hit_rate']:.1%}, KV blocks 6 of 16 tokens") in out
 
 
+def test_bench_reports_the_kernels_compiled_inside_its_measured_run(tiny_qwen3, tmp_path,
+                                                                   capsys, monkeypatch):
+    """What ``counting_compilations`` finds while the measured run goes, and not during the
+    warm-up, is printed and written to the JSON by kernel. Here every forward pass stands for a
+    compilation (on a CPU nothing compiles: the torch kernels run)."""
+    from contextlib import contextmanager
+
+    from nanofn.kernels import compilations
+    from nanofn.runner.model_runner import ModelRunner
+
+    counting, forwards = [], []
+
+    @contextmanager
+    def each_forward_a_compilation():
+        found = compilations.Compilations()
+        counting.append(found)
+        yield found
+        counting.remove(found)
+
+    run_model = ModelRunner._run_model
+
+    def forward_and_count(runner, *args):
+        forwards.append(bool(counting))
+        for found in counting:
+            found.kernels.append("_forward")
+            found.seconds += 0.5
+        return run_model(runner, *args)
+
+    monkeypatch.setattr(compilations, "counting_compilations", each_forward_a_compilation)
+    monkeypatch.setattr(ModelRunner, "_run_model", forward_and_count)
+    report = tmp_path / "bench.json"
+    code, out, _ = run(capsys, "bench", str(tiny_qwen3), "--num-seqs", "3", "--max-input-len",
+                       "40", "--max-output-len", "8", "--num-kv-blocks", "12",
+                       "--max-model-len", "64", "--json", str(report))
+    assert code == 0
+    measured = sum(forwards)
+    assert 0 < measured < len(forwards)
+    # the measured run's forwards, the last ones: the warm-up's before them are not counted
+    assert forwards == [False] * (len(forwards) - measured) + [True] * measured
+    figures = json.loads(report.read_text())
+    assert figures["kernels_compiled"] == {"_forward": measured}
+    assert figures["compile_s"] == pytest.approx(0.5 * measured)
+    assert (f"kernels compiled during the run: {measured} in {0.5 * measured:.2f} s "
+            f"(_forward x{measured})") in out
+
+
 def test_bench_profile_needs_a_gpu_and_says_so_before_loading(tmp_path, capsys):
     code, _, err = run(capsys, "bench", str(tmp_path / "no-model-here"), "--device", "cpu",
                        "--profile")

@@ -311,3 +311,29 @@ def test_moe_gemms_on_fp8_experts_compile_without_spills(compile_for_h100, token
                                    torch.zeros(tokens, top_k, dtype=torch.int64))
         assert "LDL" not in sass and "STL" not in sass  # no spills
         assert "F2FP.F16.E4M3" in sass and "HADD2.F32" not in sass
+
+
+def norm_compilations() -> tuple[list[str], float, bool]:
+    """In a compiler child: the kernels ``counting_compilations`` counts while ``rms_norm``
+    runs in bf16 twice at one size, then in fp16, the seconds they took, and whether Triton's
+    hooks are back as they were once the block has ended (a launch after it is not counted)."""
+    from nanofn.kernels.compilations import counting_compilations
+
+    with counting_compilations() as found:
+        for dtype in (BF16, BF16, torch.float16):
+            triton_ops.rms_norm(empty(32, HIDDEN, dtype=dtype), empty(HIDDEN, dtype=dtype), 1e-6)
+    triton_ops.rms_norm(empty(32, HIDDEN, dtype=torch.float32), empty(HIDDEN, dtype=torch.float32),
+                        1e-6)
+    runtime = triton.knobs.runtime
+    restored = runtime.jit_cache_hook is None and runtime.jit_post_compile_hook is None
+    return found.kernels, found.seconds, restored
+
+
+def test_each_kernel_variant_compiled_in_a_block_is_counted_once():
+    """``counting_compilations`` (what ``nanofn bench`` reports of its measured run) counts a
+    kernel each time a new variant of it compiles, here a second dtype, and not a launch of a
+    variant already compiled; a fresh child, so that no earlier test compiled them."""
+    with compiler_process() as run:
+        kernels, seconds, restored = run(norm_compilations)
+    assert kernels == ["_rms_norm_kernel", "_rms_norm_kernel"]
+    assert seconds > 0 and restored

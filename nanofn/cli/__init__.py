@@ -632,6 +632,7 @@ def run_bench(args: argparse.Namespace) -> int:
         for label, (steps, busy, idle) in sorted(timeline.by_label().items()):
             print(f"  {label}: {steps} steps, device {busy:.3f} s, idle before them "
                   f"{idle:.3f} s" if steps else f"  {label}: idle {idle:.3f} s")
+    print(f"kernels compiled during the run: {_describe_compiled(result)}")
     print(f"engine: preemptions {result.num_preemptions}, prefix cache hit rate "
           f"{result.prefix_cache_hit_rate:.1%}, KV blocks {num_blocks:,} of "
           f"{config.block_size} tokens")
@@ -651,6 +652,17 @@ def run_bench(args: argparse.Namespace) -> int:
                 "tflops": rates[1]})
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
     return 0
+
+
+def _describe_compiled(result: Any) -> str:
+    """The Triton kernels compiled inside a measured run, in a few words."""
+    if result.kernels_compiled is None:
+        return "not counted (each tensor-parallel rank compiles in its own process)"
+    count = sum(result.kernels_compiled.values())
+    if count == 0:
+        return "none"
+    names = ", ".join(f"{name} x{n}" for name, n in sorted(result.kernels_compiled.items()))
+    return f"{count} in {result.compile_s:.2f} s ({names})"
 
 
 def _device_name(device: str) -> str:

@@ -11,9 +11,12 @@ running token once) at the memory bandwidth.
 
 from __future__ import annotations
 
+import importlib.util
 import random
 import time
-from collections.abc import Mapping, Sequence
+from collections import Counter
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -417,6 +420,10 @@ class Measurement:
     num_preemptions: int
     prefix_cache_hit_rate: float  # of this workload's admissions (the warm-up left out)
     device_busy_s: float | None = None  # with a timeline: the device's busy time in the run
+    # Triton kernels compiled during the run, by name (None: not counted, with tensor
+    # parallelism), and the seconds that took: the warm-up should have compiled them all
+    kernels_compiled: dict[str, int] | None = None
+    compile_s: float = 0.0
 
     @property
     def output_tok_s(self) -> float:
@@ -434,7 +441,8 @@ def measure(llm: Any, workload: Workload, timeline: Any = None) -> Measurement:
     """Warm up, then time one ``generate`` of the whole workload; with a ``DeviceTimeline``,
     also the device's busy time during it. The warm-up runs prompts of the workload's sizes
     (a step's worth of prefill) and some decoding, so that compilation and first-use
-    allocations stay out of the measurement, as engines warm up before serving."""
+    allocations stay out of the measurement, as engines warm up before serving; the Triton
+    kernels compiled inside the measured run even so are counted (one rank)."""
     vocab_size = llm.engine.text_config.vocab_size
     warmup = [[t % vocab_size for t in prompt] for prompt in workload.prompts[:WARMUP_PROMPTS]]
     llm.generate(warmup, SamplingParams(max_tokens=16, ignore_eos=True), use_tqdm=False)
@@ -442,16 +450,17 @@ def measure(llm: Any, workload: Workload, timeline: Any = None) -> Measurement:
     before = llm.engine.state.counters
     llm.engine.runner.timeline = timeline
     params = workload.sampling_params()  # (before the clock, as nano-vllm's bench builds them)
-    start = time.perf_counter()
-    if timeline is not None:
-        timeline.begin()
-    try:
-        outputs = llm.generate(workload.prompts, params, use_tqdm=False)
-    finally:
+    with _counting_compilations(llm) as compiled:
+        start = time.perf_counter()
         if timeline is not None:
-            timeline.end()
-        elapsed = time.perf_counter() - start
-        llm.engine.runner.timeline = None
+            timeline.begin()
+        try:
+            outputs = llm.generate(workload.prompts, params, use_tqdm=False)
+        finally:
+            if timeline is not None:
+                timeline.end()
+            elapsed = time.perf_counter() - start
+            llm.engine.runner.timeline = None
     after = llm.engine.state.counters
     admitted = after.num_admitted_tokens - before.num_admitted_tokens
     cached = after.num_cached_tokens - before.num_cached_tokens
@@ -463,4 +472,19 @@ def measure(llm: Any, workload: Workload, timeline: Any = None) -> Measurement:
         num_preemptions=after.num_preemptions - before.num_preemptions,
         prefix_cache_hit_rate=cached / admitted if admitted else 0.0,
         device_busy_s=timeline.busy_seconds() if timeline is not None else None,
+        kernels_compiled=None if compiled is None else dict(Counter(compiled.kernels)),
+        compile_s=0.0 if compiled is None else compiled.seconds,
     )
+
+
+@contextmanager
+def _counting_compilations(llm: Any) -> Iterator[Any]:
+    """``counting_compilations`` where the kernels run in this process (one rank, Triton
+    installed), else ``None``: tensor-parallel ranks compile in processes of their own."""
+    if llm.engine.options.tensor_parallel_size > 1 or importlib.util.find_spec("triton") is None:
+        yield None
+        return
+    from nanofn.kernels.compilations import counting_compilations
+
+    with counting_compilations() as compiled:
+        yield compiled
