@@ -786,8 +786,7 @@ def _launch_decode(q, k_cache, v_cache, seq_lens, block_tables, order, scale, nu
         BLOCK_N=tile.block_n, SPLIT_K=num_splits > 1, HAS_ORDER=order is not None,
         ROTATE=new is not None, NORM=norm, MERGE=arrivals is not None,
         SPLITS=triton.next_power_of_2(num_splits), BLOCKS_AHEAD=tile.stages >= 3,
-        num_warps=tile.warps,
-        num_stages=tile.stages,
+        num_warps=tile.warps, num_stages=tile.stages,
         maxnreg=(FP8_DECODE_MAX_REGISTERS if num_splits == 1 and k_cache.element_size() == 1
                  else None),
         **triton_overlap.launch_options(q.device),

@@ -604,8 +604,7 @@ def fused_moe(hidden_states: torch.Tensor, w13: torch.Tensor | Fp8Weight,
         BLOCK_M=tiles.block_m, BLOCK_N=gate_up.block_n, BLOCK_K=gate_up.block_k,
         PAIR_BLOCKS=aligned.pair_blocks, FP8_WEIGHTS=isinstance(w13, Fp8Weight),
         ONE_GROUP=_one_group(w13, hidden), EXACT_CODES=exact_codes(tiles.block_m),
-        num_warps=gate_up.num_warps,
-        num_stages=gate_up.num_stages, **overlap)
+        num_warps=gate_up.num_warps, num_stages=gate_up.num_stages, **overlap)
     scaled = hidden_states.new_empty(num_pairs, hidden)
     routing = topk_weights.flatten().contiguous()
     _down_kernel[(num_blocks * triton.cdiv(hidden, down.block_n),)](
