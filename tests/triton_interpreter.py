@@ -98,3 +98,59 @@ def prepare_interpreter_process() -> None:
         return tensor.fill_(float("nan")) if tensor.is_floating_point() else tensor
 
     torch.empty = nan_empty
+
+
+@contextlib.contextmanager
+def variant_recorder_process() -> Iterator[Callable[..., Any]]:
+    """Yields ``run(function, *args, **kwargs)``, which calls a picklable ``function`` in a child
+    where a kernel launch neither compiles nor runs: it adds the variant it would compile (the
+    kernel's name and Triton's specialization key for an H100) to ``recorded_variants()``.
+    Outputs stay as allocated, so the host code between launches must not read them; the one
+    place a model does (the experts' ids, which pick the sorting's scatter indices) is filled
+    with valid ids. The projections left to cuBLAS (``F.linear``, ``torch._scaled_mm``) only
+    allocate their outputs too: at a large model's shapes a CPU would take minutes a step."""
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(1, mp_context=context,
+                             initializer=prepare_recorder_process) as executor:
+        yield lambda function, *args, **kwargs: executor.submit(
+            function, *args, **kwargs).result(timeout=600)
+
+
+_VARIANTS: set[tuple[str, str]] = set()
+
+
+def recorded_variants() -> set[tuple[str, str]]:
+    """In the recorder child: the variants its launches have met so far."""
+    return set(_VARIANTS)
+
+
+def prepare_recorder_process() -> None:
+    """Set up the recorder child (see ``variant_recorder_process``)."""
+    import dataclasses
+
+    from triton.runtime.jit import JITFunction, compute_cache_key
+
+    from nanofn.kernels import triton_moe, triton_ops
+
+    prepare_compiler_process()
+
+    def record(self, *args, grid, warmup, **kwargs):
+        kwargs["debug"] = kwargs.get("debug", self.debug)
+        kwargs["instrumentation_mode"] = triton.knobs.compilation.instrumentation_mode
+        _, key_cache, _, _, binder = self.device_caches[0]
+        _, specialization, options = binder(*args, **kwargs)
+        _VARIANTS.add((self.fn.__name__, compute_cache_key(key_cache, specialization, options)))
+
+    JITFunction.run = record
+    torch.nn.functional.linear = lambda x, weight, bias=None: x.new_empty(
+        *x.shape[:-1], weight.shape[0])
+    torch._scaled_mm = lambda a, b, *args, out_dtype=None, **kwargs: a.new_empty(
+        a.shape[0], b.shape[1], dtype=out_dtype or a.dtype)
+    JITFunction.__getitem__ = lambda self, grid: functools.partial(self.run, grid=grid, warmup=False)
+
+    def select_valid_experts(logits, top_k, *args, **kwargs):
+        weights, ids = triton_moe.select_experts(logits, top_k, *args, **kwargs)
+        return weights, ids.random_(0, logits.shape[-1])
+
+    triton_ops.TRITON_KERNELS = dataclasses.replace(triton_ops.TRITON_KERNELS,
+                                                    select_experts=select_valid_experts)

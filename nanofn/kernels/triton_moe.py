@@ -142,7 +142,9 @@ def sorted_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> 
     return AlignedPairs(sorted_pairs[:-1], block_experts.to(torch.int32), block_m)
 
 
-@triton.jit
+# (a step's pair and block counts are masks' bounds: specialized on divisibility by 16, every
+# other count would compile a second variant in the middle of serving)
+@triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
 def _align_kernel(ids_ptr, sorted_pairs_ptr, block_experts_ptr, num_pairs, num_experts,
                   num_blocks, BLOCK_M: tl.constexpr, EXPERTS: tl.constexpr, CHUNK: tl.constexpr,
                   SUB: tl.constexpr, BLOCKS: tl.constexpr):
@@ -355,7 +357,7 @@ def _times_scales(product, scales, col_ok, UNSCALE: tl.constexpr):
     return product * (tl.load(scales, mask=col_ok, other=0.0) * UNSCALE)[None, :]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])  # (as ``_align_kernel``'s)
 def _gate_up_kernel(x_ptr, w13_ptr, out_ptr, sorted_pairs_ptr, block_experts_ptr, num_pairs,
                     hidden, inter, x_stride, w_stride_e, w_stride_n, out_stride, scale_ptr,
                     scale_stride_e, scale_stride_n, scale_stride_g, group_size,
@@ -407,7 +409,7 @@ def _gate_up_kernel(x_ptr, w13_ptr, out_ptr, sorted_pairs_ptr, block_experts_ptr
              activated.to(out_ptr.dtype.element_ty), mask=pair_ok[:, None] & col_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def _down_kernel(a_ptr, w2_ptr, out_ptr, routing_ptr, sorted_pairs_ptr, block_experts_ptr,
                  num_pairs, hidden, inter, a_stride, w_stride_e, w_stride_n, out_stride,
                  scale_ptr, scale_stride_e, scale_stride_n, scale_stride_g, group_size,

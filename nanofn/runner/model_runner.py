@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -22,8 +23,9 @@ from nanofn.model.quantization import fp8_scheme
 from nanofn.runner.cuda_graphs import DecodeGraphs
 from nanofn.runner.inputs import ModelInputs, SlotTables, prepare_inputs
 from nanofn.runner.sampler import (DeviceSample, Sampler, SamplingRows, costliest_rows,
-                                  logprob_scores, to_device)
+                                  logprob_scores, plain_rows, to_device)
 from nanofn.runner.timeline import DeviceTimeline
+from nanofn.runner.warm_up import eager_decode_batches, warm_up_plans
 from nanofn.state.config import blocks_for
 from nanofn.state.params import SamplingParams
 from nanofn.state.plan import (BatchPlan, ScheduledSeq, SeqStart, TokenBitmask, TokenLogprobs,
@@ -32,6 +34,7 @@ from nanofn.state.plan import (BatchPlan, ScheduledSeq, SeqStart, TokenBitmask, 
 log = logging.getLogger("nanofn")
 
 CPU_KV_CACHE_BYTES = 4 << 30  # the default KV cache on a CPU, as vLLM's CPU backend
+DECODE_GRAPHS_UP_TO = 512  # sequences: larger decode steps run eagerly
 
 
 @dataclass(frozen=True)
@@ -150,12 +153,15 @@ class ModelRunner:
         # full width it would need more memory than the KV cache leaves. Graphs are for Triton.
         # Plain sampling in the graphs too, where one rank samples with Triton.
         self.slot_temperature = None
+        if self.device.type == "cuda" and self.kernels is not TORCH_KERNELS:
+            self.warm_up()  # (before the graphs: their captures must not compile)
         if (self.device.type == "cuda" and not config.enforce_eager
                 and self.kernels is not TORCH_KERNELS):
             if config.tp_size == 1 and self.sampler.use_triton:
                 self.slot_temperature = torch.zeros(config.max_num_seqs + 1, device=self.device)
             self.graphs = DecodeGraphs(self.model, self.kv_cache, self.slot_tables,
-                                       min(config.max_num_seqs, 512), config.block_size,
+                                       min(config.max_num_seqs, DECODE_GRAPHS_UP_TO),
+                                       config.block_size,
                                        text.hidden_size, self.dtype, self.slot_temperature,
                                        self.states)
         if self.graphs is not None:
@@ -339,6 +345,31 @@ class ModelRunner:
                 f"gpu_memory_utilization {c.gpu_memory_utilization}; raise it or lower "
                 f"max_num_batched_tokens")
         return budget
+
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """Compile every kernel variant that serving's eager steps can meet, by taking them
+        (``warm_up``): in scratch block tables over the real KV cache (and state slot 0), which
+        hold nothing yet, sampled by a sampler of its own (the engine's keeps its stream)."""
+        c = self.config
+        started = time.perf_counter()
+        largest_graph = None if c.enforce_eager else min(c.max_num_seqs, DECODE_GRAPHS_UP_TO)
+        plans = warm_up_plans(min(c.max_num_batched_tokens, c.max_num_seqs * c.max_model_len),
+                              c.max_num_seqs, c.max_model_len, c.block_size, self.num_blocks,
+                              eager_decode_batches(c.max_num_seqs, largest_graph))
+        tables = SlotTables(c.max_num_seqs, c.max_blocks_per_seq, self.device,
+                            self.states is not None)
+        sampler = Sampler(0, self.device, self.sampler.use_triton)
+        for plan in plans:
+            inputs = prepare_inputs(plan, c.block_size, tables, self.device)
+            hidden = self._run_model(inputs, self.kv_cache, self.states)
+            logits = self.model.compute_logits(hidden[inputs.sample_rows])
+            for rows in (plain_rows(len(logits)), costliest_rows(len(logits))):
+                sampler.sample(logits, rows)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()  # (as after the profile step: the graphs' pools come next)
+        log.info("warm-up: %d steps in %.1f s", len(plans), time.perf_counter() - started)
 
     def _run_largest_step(self) -> int:
         """One forward pass of ``max_num_batched_tokens`` prompt tokens spread over

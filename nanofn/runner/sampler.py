@@ -558,6 +558,12 @@ def logprob_scores(logits_of: Callable[[int, int], torch.Tensor], targets: torch
     return parts[0] if len(parts) == 1 else tuple(map(torch.cat, zip(*parts)))
 
 
+def plain_rows(num_rows: int) -> SamplingRows:
+    """Rows that only the fused Triton kernel draws (temperature, nothing else)."""
+    return SamplingRows.from_requests([SampleRequest(SamplingParams(temperature=1.0), 1)]
+                                      * num_rows)
+
+
 def costliest_rows(num_rows: int) -> SamplingRows:
     """Rows that take every torch step that copies the vocabulary (penalties, temperature,
     min-p, a top-p over the whole vocabulary, logprobs): the sampler's memory at its worst."""
