@@ -129,3 +129,22 @@ def test_random_steps_after_the_warm_up_meet_no_new_kernel_variant(recorder, pre
     warmed, new = recorder(new_variants_after_warm_up, preset, 2, 40, 0, **options)
     assert warmed > 5
     assert new == []
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe", "qwen3_5"])
+def test_a_runner_that_warmed_up_samples_what_a_fresh_one_does(tiny_checkpoint, arch):
+    """The warm-up's steps run on every model family (here on the CPU's torch kernels, eager
+    decode steps included) and leave nothing behind: the KV blocks and the state slot they
+    wrote hold what no sequence reads, and the engine's sampler keeps its random stream."""
+    from nanofn import LLM, SamplingParams as Params
+
+    options = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64, seed=0,
+                   enforce_eager=True)
+    prompts = [[1, 2, 3, 4, 5], list(range(7, 40)), [9] * 20]
+    params = Params(max_tokens=12, temperature=0.8, ignore_eos=True)
+    path = tiny_checkpoint(arch)
+    fresh = [out.outputs[0].token_ids for out in LLM(path, **options).generate(prompts, params)]
+    warmed_llm = LLM(path, **options)
+    warmed_llm.engine.runner.warm_up()
+    warmed = [out.outputs[0].token_ids for out in warmed_llm.generate(prompts, params)]
+    assert warmed == fresh
