@@ -29,6 +29,7 @@ from nanofn.state.config import blocks_for
 from nanofn.state.params import SamplingParams
 from nanofn.state.plan import BatchPlan, ScheduledSeq, SeqStart, plan_of
 
+
 def powers_of_two_up_to(most: int, first: int = 1) -> list[int]:
     """``first``, twice it, ... up to ``most``, and ``most`` itself."""
     sizes = []
