@@ -99,7 +99,6 @@ def new_variants_after_warm_up(preset: str, layers: int, steps: int, seed: int,
                                **options) -> tuple[int, list[str]]:
     """In the recorder child: the variants the warm-up met, and the kernels of those that
     ``steps`` random eager steps met after it (decode-only steps too where they run eagerly)."""
-    from nanofn.runner.inputs import prepare_inputs
     from nanofn.runner.sampler import Sampler
 
     runner = small_runner(preset, layers, **options)
@@ -112,10 +111,8 @@ def new_variants_after_warm_up(preset: str, layers: int, steps: int, seed: int,
         eager_decode = options.get("enforce_eager", False) and rng.random() < 0.3
         plan = random_step(rng, decode_only=eager_decode)
         with torch.inference_mode():
-            inputs = prepare_inputs(plan, BLOCK, tables, runner.device)
-            hidden = runner._run_model(inputs, runner.kv_cache, runner.states)
-            logits = runner.model.compute_logits(hidden[inputs.sample_rows]).float().nan_to_num_()
-            sampler.sample(logits, random_rows(rng, len(logits)))
+            logits = runner.eager_logits(plan, tables, runner.kv_cache, runner.states)
+            sampler.sample(logits.nan_to_num_(), random_rows(rng, len(logits)))
     return len(warmed), sorted(name for name, _ in recorded_variants() - warmed)
 
 

@@ -25,11 +25,10 @@ from nanofn.runner.inputs import ModelInputs, SlotTables, prepare_inputs
 from nanofn.runner.sampler import (DeviceSample, Sampler, SamplingRows, costliest_rows,
                                   logprob_scores, plain_rows, to_device)
 from nanofn.runner.timeline import DeviceTimeline
-from nanofn.runner.warm_up import eager_decode_batches, warm_up_plans
+from nanofn.runner.warm_up import eager_decode_batches, prompt_plan, warm_up_plans
 from nanofn.state.config import blocks_for
 from nanofn.state.params import SamplingParams
-from nanofn.state.plan import (BatchPlan, ScheduledSeq, SeqStart, TokenBitmask, TokenLogprobs,
-                               plan_of)
+from nanofn.state.plan import BatchPlan, SeqStart, TokenBitmask, TokenLogprobs
 
 log = logging.getLogger("nanofn")
 
@@ -354,22 +353,35 @@ class ModelRunner:
         c = self.config
         started = time.perf_counter()
         largest_graph = None if c.enforce_eager else min(c.max_num_seqs, DECODE_GRAPHS_UP_TO)
-        plans = warm_up_plans(min(c.max_num_batched_tokens, c.max_num_seqs * c.max_model_len),
-                              c.max_num_seqs, c.max_model_len, c.block_size, self.num_blocks,
+        plans = warm_up_plans(self._largest_step_tokens(), c.max_num_seqs, c.max_model_len,
+                              c.block_size, self.num_blocks,
                               eager_decode_batches(c.max_num_seqs, largest_graph))
         tables = SlotTables(c.max_num_seqs, c.max_blocks_per_seq, self.device,
                             self.states is not None)
         sampler = Sampler(0, self.device, self.sampler.use_triton)
         for plan in plans:
-            inputs = prepare_inputs(plan, c.block_size, tables, self.device)
-            hidden = self._run_model(inputs, self.kv_cache, self.states)
-            logits = self.model.compute_logits(hidden[inputs.sample_rows])
+            logits = self.eager_logits(plan, tables, self.kv_cache, self.states)
             for rows in (plain_rows(len(logits)), costliest_rows(len(logits))):
                 sampler.sample(logits, rows)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()  # (as after the profile step: the graphs' pools come next)
         log.info("warm-up: %d steps in %.1f s", len(plans), time.perf_counter() - started)
+
+    def eager_logits(self, plan: BatchPlan, tables: SlotTables, kv_cache: torch.Tensor,
+                     states: RecurrentState | None) -> torch.Tensor:
+        """A plan's forward pass outside the graphs, in ``tables`` over ``kv_cache``, and the
+        logits of its sampling rows (the profile step's and the warm-up's)."""
+        inputs = prepare_inputs(plan, self.config.block_size, tables, self.device)
+        hidden = self._run_model(inputs, kv_cache, states)
+        return self.model.compute_logits(hidden[inputs.sample_rows])
+
+    def _largest_step_tokens(self) -> int:
+        """The most tokens a step takes: ``max_num_batched_tokens``, or as many as
+        ``max_num_seqs`` sequences of ``max_model_len`` hold if fewer."""
+        c = self.config
+        return min(c.max_num_batched_tokens, min(c.max_num_seqs, c.max_num_batched_tokens)
+                   * c.max_model_len)
 
     def _run_largest_step(self) -> int:
         """One forward pass of ``max_num_batched_tokens`` prompt tokens spread over
@@ -378,7 +390,7 @@ class ModelRunner:
         cache it used."""
         c = self.config
         num_seqs = min(c.max_num_seqs, c.max_num_batched_tokens)
-        tokens = min(c.max_num_batched_tokens, num_seqs * c.max_model_len)
+        tokens = self._largest_step_tokens()
         lens = [tokens // num_seqs + (i < tokens % num_seqs) for i in range(num_seqs)]
         blocks_per_seq = blocks_for(max(lens), c.block_size)
         scratch = torch.zeros(self.shape.kv_cache_shape(num_seqs * blocks_per_seq, c.block_size),
@@ -388,10 +400,8 @@ class ModelRunner:
         states = (RecurrentState.zeros(self.shape.recurrent, 1, self.dtype, self.device)
                   if hybrid else None)
         tables = SlotTables(num_seqs, blocks_per_seq, self.device, hybrid)
-        inputs = prepare_inputs(_prefill_plan(lens, blocks_per_seq), c.block_size, tables,
-                                self.device)
-        hidden = self._run_model(inputs, scratch, states)
-        logits = self.model.compute_logits(hidden[inputs.sample_rows])
+        logits = self.eager_logits(prompt_plan(lens, c.block_size, num_seqs * blocks_per_seq),
+                                   tables, scratch, states)
         # (a sampler of its own: the engine's keeps its random stream)
         Sampler(0, self.device).sample(logits, costliest_rows(len(logits))).wait()
         torch.cuda.synchronize(self.device)
@@ -550,17 +560,6 @@ def _step_kind(plan: BatchPlan) -> str:
         return "prefill"
     bucket = next(b for b in (1, 8, 32, 128, 1 << 30) if n <= b)
     return f"decode <= {bucket}" if bucket < 1 << 30 else "decode > 128"
-
-
-def _prefill_plan(lens: list[int], blocks_per_seq: int) -> BatchPlan:
-    """Whole prompts of the given lengths, sequence i in slot i owning blocks
-    ``i * blocks_per_seq ...``; used to measure memory."""
-    params = SamplingParams()
-    seqs = [ScheduledSeq(f"profile-{i}", i, (0,) * n, 0, True,
-                         tuple((col, i * blocks_per_seq + col) for col in range(blocks_per_seq)))
-            for i, n in enumerate(lens)]
-    return plan_of(0, seqs, [SeqStart(i, f"profile-{i}", params, n, state_slot=0)
-                             for i, n in enumerate(lens)])
 
 
 class SlotParams:
