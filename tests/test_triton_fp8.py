@@ -12,6 +12,7 @@ import torch
 import nanofn.kernels.attention as reference
 import nanofn.kernels.triton_attention as triton_attention
 from nanofn.kernels import triton_fp8, triton_gemm, triton_ops
+from nanofn.kernels.activation import Unactivated
 from nanofn.kernels.partial_sums import PartialSums, added_up
 from nanofn.kernels.fp8 import FP8_DTYPE, Fp8Weight, fp8_linear, quantize_groups, quantize_static
 from nanofn.kernels.triton_fp8 import GROUP
@@ -204,6 +205,33 @@ def test_activation_quantization_gives_the_references_codes_and_scales(interpret
     assert_e4m3_close(q, expected_q)
 
 
+def _gated_quantized_both_ways(gate_up, group_size, input_scale):
+    """``quantize_activations`` of ``gate_up``'s activation: computed by the quantization
+    kernel, and stored by ``silu_and_mul`` first."""
+    return (triton_fp8.quantize_activations(gate_up, group_size, input_scale, gated=True),
+            triton_fp8.quantize_activations(triton_ops.silu_and_mul(gate_up), group_size,
+                                            input_scale))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("group_size, static", [(128, False), (300, False), (300, True)])
+def test_the_quantization_of_an_activation_gives_the_stored_activations_codes(
+        interpreter, dtype, group_size, static):
+    """``gated``: the kernel reads ``[gate | up]`` (300 columns each: a short last group) and
+    quantizes ``silu(gate) * up`` as ``silu_and_mul`` rounds it, giving exactly the codes and
+    scales of that activation stored and then quantized; rows of different magnitudes, one of
+    zeros."""
+    generator = torch.Generator().manual_seed(16)
+    gate_up = torch.randn(5, 600, generator=generator) * torch.logspace(-2, 1, 5)[:, None] * 3
+    gate_up[1] = 0
+    input_scale = torch.tensor(0.01) if static else None
+    (q, scales), (expected_q, expected_scales) = interpreter(
+        _gated_quantized_both_ways, gate_up.to(dtype), group_size, input_scale)
+    assert q.shape == (5, 300) and q.dtype == FP8_DTYPE
+    torch.testing.assert_close(scales, expected_scales, rtol=0, atol=0)
+    torch.testing.assert_close(q.float(), expected_q.float(), rtol=0, atol=0)
+
+
 def exactly_quantized_input(rows: int, k: int, group_size: int, static: bool,
                             dtype: torch.dtype) -> torch.Tensor:
     """Activations that quantize without rounding: e4m3 values times a power of two per row
@@ -309,7 +337,8 @@ def test_the_rowwise_scaled_gemm_gives_the_reference_product(interpreter):
 @pytest.mark.parametrize("kind", WEIGHT_KINDS)
 def test_fp8_projection_kernels_compile(compile_for_h100, kind):
     """bf16 activations at Qwen3-0.6B's qkv_proj: the quantization kernel, the GEMV at 1 and 8
-    rows and the GEMM."""
+    rows and the GEMM; o_proj's split-K GEMM, and the same from an activation computed as it
+    is quantized."""
     k, n = HIDDEN, (HEADS + 2 * KV_HEADS) * HEAD_DIM
     groups = k // 128 if kind == "block" else 1
     weight = Fp8Weight(empty(n, k, dtype=FP8_DTYPE), empty(n, groups, dtype=torch.float32),
@@ -325,6 +354,9 @@ def test_fp8_projection_kernels_compile(compile_for_h100, kind):
                            128 if kind == "block" else wide_k, weight.input_scale)
         compile_for_h100(triton_fp8.fp8_partial_sums_gemm, empty(rows, wide_k), o_proj,
                          triton_gemm.gemm_config(wide_k, rows))
+        # down_proj's, activating [gate | up] as it quantizes (2,048 columns of activation)
+        compile_for_h100(triton_fp8.fp8_partial_sums_gemm, empty(rows, 2 * wide_k), o_proj,
+                         triton_gemm.gemm_config(wide_k, rows), gated=True)
     wide = 12288  # Qwen3-8B's down_proj: three tiles of 4,096 columns a row
     wide_weight = Fp8Weight(empty(n, wide, dtype=FP8_DTYPE),
                             empty(n, wide // 128 if kind == "block" else 1, dtype=torch.float32),
@@ -384,6 +416,34 @@ def test_the_triton_backend_multiplies_fp8_weights_with_these_kernels(interprete
     torch.testing.assert_close(summed, expected_summed, rtol=0, atol=0)
     torch.testing.assert_close(out, interpreter(triton_fp8.fp8_linear, normed, weight),
                                rtol=0, atol=0)
+
+
+def _mlp_both_ways(x, norm_weight, residual, gate_up, down):
+    """An FP8 MLP's down projection (as partial sums) of ``rms_norm_linear(..., gated=True)``'s
+    first result, and of ``silu_and_mul`` of the plain projection."""
+    activated, _ = triton_ops.rms_norm_linear(x, norm_weight, 1e-6, residual, gate_up, gated=True)
+    product, _ = triton_ops.rms_norm_linear(x, norm_weight, 1e-6, residual, gate_up)
+    return (activated, added_up(triton_ops.linear(activated, down, partial_sums=True)),
+            added_up(triton_ops.linear(triton_ops.silu_and_mul(product), down, partial_sums=True)))
+
+
+@pytest.mark.parametrize("kind", WEIGHT_KINDS)
+@pytest.mark.parametrize("rows", [3, 6, 20])
+def test_an_fp8_mlp_activates_in_the_down_projections_quantization(interpreter, kind, rows):
+    """Past the fused GEMV's rows, gated ``rms_norm_linear`` leaves its product
+    ``Unactivated`` and ``linear`` on an FP8 weight activates it in the kernel that quantizes
+    it (the GEMM's rows) or with ``silu_and_mul`` (the GEMV's): the down projection is the
+    same, bit for bit, as of the activation stored first. (3 rows: the fused GEMV activates.)"""
+    generator = torch.Generator().manual_seed(17)
+    gate_up, down = fp8_weight(256, 256, kind, seed=18), fp8_weight(64, 128, kind, seed=19)
+    if kind == "static":
+        down = Fp8Weight(down.data, down.scale, down.group_size, torch.tensor(2.0**-6))
+    x, residual = (torch.randn(rows, 256, generator=generator) for _ in range(2))
+    norm_weight = torch.rand(256, generator=generator) + 0.5
+    activated, out, expected = interpreter(_mlp_both_ways, x, norm_weight, residual, gate_up,
+                                           down)
+    assert isinstance(activated, Unactivated) == (rows > triton_fp8.NORM_GEMV_MAX_ROWS)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
 
 
 def _norm_linear_and_parts(x, norm_weight, residual, weight):

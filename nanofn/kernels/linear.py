@@ -47,7 +47,8 @@ def rms_norm_linear(
     (+ bias), x)``. The second result is the residual stream the layer carries on.
 
     ``gated``: the projection is the MLP's ``[gate | up]`` (``weight [2I, K]``) and the first
-    result its activation, ``silu_and_mul`` of the product (``[..., I]``)."""
+    result its activation, ``silu_and_mul`` of the product (``[..., I]``); a backend may
+    return it as ``activation.Unactivated``, which its own ``linear`` then takes."""
     out, summed = norm_then_linear(rms_norm, x, norm_weight, eps, residual, weight, bias, linear)
     return (silu_and_mul(out) if gated else out), summed
 

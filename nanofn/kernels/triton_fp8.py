@@ -5,7 +5,8 @@ per-tensor scale), times the e4m3 weight, each product scaled by its row's and g
 - ``quantize_activations``: one program per (row, group): the group's largest magnitude, then
   its values times the reciprocal of its scale ``amax * (1 / 448)`` (one IEEE division a
   scale, as ``fp8.quantize_groups`` takes it) rounded to e4m3 (a second pass over the group,
-  from L1/L2).
+  from L1/L2). down_proj's input it computes as it reads the MLP's ``[gate | up]`` (``gated``),
+  so that no activation kernel runs before it.
 - ``quantized_linear``: prompts on per-channel weights through cuBLASLt (``torch._scaled_mm``),
   after the quantization kernel (or the norm that quantizes, ``triton_ops``).
 - ``fp8_gemm``: many rows (decode batches; prompts on block-wise weights). Tiles of
@@ -42,7 +43,7 @@ from nanofn.kernels import triton_gemm, triton_overlap
 from nanofn.kernels.fp8 import FP8_DTYPE, MIN_SCALE, Fp8Weight
 from nanofn.kernels.partial_sums import PartialSums
 from nanofn.kernels.triton_gemv import (NORM, PLAIN, GemvConfig, gemv_config, gemv_epilogue,
-                                        input_tile)
+                                        input_tile, silu_times_up)
 from nanofn.kernels.triton_overlap import wait_for_previous
 
 GEMV_MAX_ROWS = 8  # rows up to which the GEMV runs (the GEMM's tiles are 64 rows at least)
@@ -93,10 +94,12 @@ def quantized(x, scale):
 @triton.jit
 def _quantize_kernel(
     x_ptr, q_ptr, scale_ptr, static_scale_ptr, k, group_size, stride_x, stride_q, stride_scale,
-    min_scale, BLOCK: tl.constexpr, STATIC: tl.constexpr, OVERLAP: tl.constexpr,
+    min_scale, BLOCK: tl.constexpr, STATIC: tl.constexpr, GATED: tl.constexpr,
+    OVERLAP: tl.constexpr,
 ):
     """Program ``(row, group)``: the group's codes, and its scale (unless ``STATIC``: the
-    static scale's codes)."""
+    static scale's codes). ``GATED``: the row is ``[gate | up]`` (``2 * k`` columns) and the
+    values quantized are ``silu(gate) * up``, rounded as ``silu_and_mul`` stores them."""
     row, group = tl.program_id(0).to(tl.int64), tl.program_id(1)
     begin = group * group_size
     end = tl.minimum(begin + group_size, k)
@@ -108,23 +111,33 @@ def _quantize_kernel(
         amax = tl.zeros([BLOCK], dtype=tl.float32)
         for start in range(begin, end, BLOCK):
             cols = start + tl.arange(0, BLOCK)
-            x = tl.load(x_row + cols, mask=cols < end, other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.abs(x))
+            amax = tl.maximum(amax, tl.abs(_input_block(x_row, cols, cols < end, k, GATED)))
         scale = tl.maximum(tl.max(amax, 0) * (1.0 / 448.0), min_scale)
         tl.store(scale_ptr + row * stride_scale + group, scale)
     for start in range(begin, end, BLOCK):
         cols = start + tl.arange(0, BLOCK)
-        x = tl.load(x_row + cols, mask=cols < end, other=0.0).to(tl.float32)
+        x = _input_block(x_row, cols, cols < end, k, GATED)
         tl.store(q_row + cols, quantized(x, scale), mask=cols < end)
 
 
+@triton.jit
+def _input_block(x_row, cols, mask, k, GATED: tl.constexpr):
+    """Columns ``cols`` of the row to quantize, in float32 (``GATED``: of its activation)."""
+    if GATED:
+        gate = tl.load(x_row + cols, mask=mask, other=0.0)
+        up = tl.load(x_row + k + cols, mask=mask, other=0.0)
+        return silu_times_up(gate, up, x_row.dtype.element_ty).to(tl.float32)
+    return tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+
+
 def quantize_activations(x: torch.Tensor, group_size: int,
-                         input_scale: torch.Tensor | None = None
+                         input_scale: torch.Tensor | None = None, gated: bool = False
                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """``x [M, K]`` (contiguous rows) as e4m3 codes and float32 scales ``[M, ceil(K /
     group_size)]`` (``fp8.quantize_groups``), or with a static ``input_scale`` its codes and
-    that scale as ``[M, 1]``."""
-    rows, k = x.shape
+    that scale as ``[M, 1]``. ``gated``: ``x`` is ``[gate | up]`` (``[M, 2K]``), and what is
+    quantized its ``silu_and_mul``, which is not stored."""
+    rows, k = x.shape[0], x.shape[1] // (2 if gated else 1)
     assert x.stride(-1) == 1, "rows must be contiguous"
     q = torch.empty(rows, k, dtype=FP8_DTYPE, device=x.device)
     static = input_scale is not None
@@ -138,7 +151,7 @@ def quantize_activations(x: torch.Tensor, group_size: int,
             x, q, scales, scales, k, k if static else group_size, x.stride(0), q.stride(0),
             scales.stride(0), MIN_SCALE,
             BLOCK=min(QUANTIZE_BLOCK, triton.next_power_of_2(min(group_size, k))),
-            STATIC=static, **triton_overlap.launch_options(x.device))
+            STATIC=static, GATED=gated, **triton_overlap.launch_options(x.device))
     return q, scales
 
 
@@ -208,9 +221,10 @@ def quantized_gemm(q: torch.Tensor, x_scales: torch.Tensor, weight: Fp8Weight,
     return out
 
 
-def fp8_partial_sums_gemm(x: torch.Tensor, weight: Fp8Weight,
-                          config: triton_gemm.GemmConfig) -> PartialSums:
-    """``fp8.fp8_linear`` of ``x [M, K]`` (contiguous rows) as float32 sums over ranges of K
+def fp8_partial_sums_gemm(x: torch.Tensor, weight: Fp8Weight, config: triton_gemm.GemmConfig,
+                          gated: bool = False) -> PartialSums:
+    """``fp8.fp8_linear`` of ``x [M, K]`` (contiguous rows; ``gated``: of the activation of
+    ``x = [gate | up]``, as ``quantize_activations`` takes it) as float32 sums over ranges of K
     for the norm after the projection to add up, as ``triton_gemm.partial_sums_gemm`` leaves
     bf16's (o_proj, down_proj): in ``config``'s row and output tiles, 128 columns a step, and
     its ranges, or fewer where K does not split into ranges of whole steps. In one range the
@@ -218,8 +232,8 @@ def fp8_partial_sums_gemm(x: torch.Tensor, weight: Fp8Weight,
     16 at 64, for an H200's 132 SMs: 8.6 us a call either way. Split (two ranges at 256 rows,
     four of 32-output tiles at 64), on the H200 the decode step of 256 sequences took 4.75 ->
     4.59 ms and of 64 2.21 -> 1.82 ms (the GEMMs' share of its critical path 478 -> 193 us)."""
-    q, x_scales = quantize_activations(x, weight.group_size, weight.input_scale)
-    rows, k = x.shape
+    q, x_scales = quantize_activations(x, weight.group_size, weight.input_scale, gated)
+    rows, k = q.shape
     splits = next(s for s in (config.split_k, 2, 1) if k % (s * GROUP) == 0 or s == 1)
     sums = torch.empty(splits, rows, weight.shape[0], dtype=torch.float32, device=x.device)
     _launch_gemm(q, x_scales, weight, None, sums,
@@ -457,14 +471,17 @@ def fp8_rms_norm_gemv(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
 
 
 def fp8_linear(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = None,
-               gemv_max_rows: int = GEMV_MAX_ROWS) -> torch.Tensor:
+               gemv_max_rows: int = GEMV_MAX_ROWS, gated: bool = False) -> torch.Tensor:
     """``fp8.fp8_linear`` for ``x [..., K]``: the GEMV up to ``gemv_max_rows`` rows, else the
-    quantization kernel and a GEMM (``quantized_linear``)."""
+    quantization kernel and a GEMM (``quantized_linear``). ``gated``: of the activation of
+    ``x = [gate | up]`` (``[..., 2K]``), which the quantization kernel computes (past the
+    GEMV's rows only: the GEMVs take the activation itself)."""
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     if len(rows) <= gemv_max_rows:
+        assert not gated, "the GEMV takes the activation, not [gate | up]"
         out = fp8_gemv(rows, weight, bias)
     else:
-        q, x_scales = quantize_activations(rows, weight.group_size, weight.input_scale)
+        q, x_scales = quantize_activations(rows, weight.group_size, weight.input_scale, gated)
         out = quantized_linear(q, x_scales, weight, bias, x.dtype)
     return out.view(*x.shape[:-1], -1)
 

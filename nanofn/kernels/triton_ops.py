@@ -50,6 +50,7 @@ from nanofn.kernels import triton_moe
 from nanofn.kernels import triton_fp8
 from nanofn.kernels.fp8 import FP8_DTYPE, MIN_SCALE, Fp8Weight
 from nanofn.kernels.linear import norm_then_linear
+from nanofn.kernels.activation import Unactivated
 from nanofn.kernels.partial_sums import PartialSums, RankSums, Unsummed, added_up, summed_shape
 
 SILU_BLOCK = 1024  # columns per silu_and_mul program
@@ -493,14 +494,17 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return out.view(*x.shape[:-1], size)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+def linear(x: torch.Tensor | Unactivated, weight: torch.Tensor, bias: torch.Tensor | None = None,
            partial_sums: bool = False, gemv_max_rows: int = GEMV_MAX_ROWS,
            triton_gemm_max_rows: int = TRITON_GEMM_MAX_ROWS) -> torch.Tensor | Unsummed:
     """``x @ weight.T (+ bias)``: a Triton GEMV for at most ``gemv_max_rows`` rows; asked for
     ``partial_sums``, the split-K GEMM's (no bias, at most ``triton_gemm_max_rows`` rows and
-    its config's); else cuBLAS."""
+    its config's); else cuBLAS. ``x`` may be an MLP's ``Unactivated`` gate-up product (from
+    ``rms_norm_linear``), activated here."""
     if isinstance(weight, Fp8Weight):  # W8A8: triton_fp8's GEMV or GEMMs
         return _fp8_linear(x, weight, bias, partial_sums, triton_gemm_max_rows)
+    if isinstance(x, Unactivated):
+        x = silu_and_mul(x.gate_up)
     rows = x.reshape(-1, x.shape[-1])
     if 0 < len(rows) <= gemv_max_rows:
         return triton_gemv.gemv(rows, weight, bias).view(*x.shape[:-1], -1)
@@ -510,16 +514,23 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
-def _fp8_linear(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None,
+def _fp8_linear(x: torch.Tensor | Unactivated, weight: Fp8Weight, bias: torch.Tensor | None,
                 partial_sums: bool, triton_gemm_max_rows: int) -> torch.Tensor | PartialSums:
     """``linear`` on an FP8 weight: asked for ``partial_sums``, past the GEMV's rows, the
     split-K W8A8 GEMM in ``triton_gemm``'s tiles (``fp8_partial_sums_gemm``); else
-    ``triton_fp8.fp8_linear``."""
-    if (partial_sums and x.dim() == 2 and len(x) > triton_fp8.GEMV_MAX_ROWS
-            and (config := _triton_gemm_config(triton_gemm.gemm_config, len(x), weight, bias,
+    ``triton_fp8.fp8_linear``. An ``Unactivated`` input past the GEMV's rows is activated by
+    the kernel that quantizes it (one kernel fewer than ``silu_and_mul`` and then that one)."""
+    gated = isinstance(x, Unactivated)
+    if gated:
+        x = x.gate_up
+    num_rows = x.numel() // x.shape[-1]
+    if gated and num_rows <= triton_fp8.GEMV_MAX_ROWS:
+        x, gated = silu_and_mul(x), False
+    if (partial_sums and x.dim() == 2 and num_rows > triton_fp8.GEMV_MAX_ROWS
+            and (config := _triton_gemm_config(triton_gemm.gemm_config, num_rows, weight, bias,
                                                triton_gemm_max_rows))):
-        return triton_fp8.fp8_partial_sums_gemm(x, weight, config)
-    return triton_fp8.fp8_linear(x, weight, bias)
+        return triton_fp8.fp8_partial_sums_gemm(x, weight, config, gated)
+    return triton_fp8.fp8_linear(x, weight, bias, gated=gated)
 
 
 def _triton_gemm_config(choose: Callable[[int, int], triton_gemm.GemmConfig | None],
@@ -585,8 +596,9 @@ def _fp8_rms_norm_linear(x: torch.Tensor | Unsummed, norm_weight: torch.Tensor, 
                          gemv_max_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``rms_norm_linear`` on an FP8 weight: one kernel for a few rows
     (``triton_fp8.fp8_rms_norm_gemv``), else the norm kernel that quantizes its output for the
-    product (``rms_norm_quantized``: no quantization kernel between them), the W8A8 product
-    and, gated, the activation kernel."""
+    product (``rms_norm_quantized``: no quantization kernel between them) and the W8A8
+    product, gated ``Unactivated`` (``linear`` activates it as it quantizes it for an FP8
+    ``down_proj``)."""
     size = weight.shape[-1]
     num_rows = summed_shape(x).numel() // size
     if 0 < num_rows <= min(gemv_max_rows, triton_fp8.NORM_GEMV_MAX_ROWS):
@@ -603,7 +615,7 @@ def _fp8_rms_norm_linear(x: torch.Tensor | Unsummed, norm_weight: torch.Tensor, 
         q, scales, summed = rms_norm_quantized(x, norm_weight, eps, residual, weight)
         out = triton_fp8.quantized_linear(q, scales, weight, bias, x.dtype)
         out = out.view(*summed.shape[:-1], -1)
-    return (silu_and_mul(out) if gated else out), summed
+    return (Unactivated(out) if gated else out), summed
 
 
 def _row_warps(block: int) -> int:

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from nanofn.kernels import KernelBackend
+from nanofn.kernels.activation import Unactivated
 from nanofn.kernels.partial_sums import Unsummed
 from nanofn.model.batch import AttentionBatch
 from nanofn.model.config import head_dim, num_kv_heads, rope_settings, rotary_dim, text_config
@@ -230,10 +231,10 @@ class MLP(nn.Module):
             fp8=options.fp8,
         )
 
-    def forward(self, activated: torch.Tensor) -> torch.Tensor | Unsummed:
+    def forward(self, activated: torch.Tensor | Unactivated) -> torch.Tensor | Unsummed:
         """The MLP's output from its activation ``silu(gate) * up`` (``DecoderLayer`` runs
-        ``gate_up_proj`` with the norm before it and the activation after it): its down
-        projection."""
+        ``gate_up_proj`` with the norm before it and the activation after it, or leaves the
+        activation ``Unactivated`` for ``down_proj``'s kernel): its down projection."""
         return self.down_proj(activated, for_norm=True)
 
     def forward_normed(self, hidden: torch.Tensor | Unsummed, residual: torch.Tensor,

@@ -33,6 +33,7 @@ from torch import nn
 from nanofn.kernels import TORCH_KERNELS, KernelBackend
 from nanofn.kernels.all_reduce import group_all_reduce
 from nanofn.kernels.fp8 import FP8_DTYPE, Fp8Weight
+from nanofn.kernels.activation import Unactivated
 from nanofn.kernels.partial_sums import Unsummed
 from nanofn.model.quantization import Fp8Scheme
 
@@ -192,10 +193,11 @@ class ColumnParallelLinear(_Linear):
 
     def forward_normed(self, x: torch.Tensor | Unsummed, residual: torch.Tensor | None,
                        norm_weight: torch.Tensor, eps: float,
-                       gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                       gated: bool = False) -> tuple[torch.Tensor | Unactivated, torch.Tensor]:
         """``(self(rms_norm(x + residual)), x + residual)`` (``residual`` None: ``x`` alone): a
         decoder layer's norm and the projection after it, as the kernels' ``rms_norm_linear``.
-        ``gated`` (a ``[gate | up]`` projection): the first is ``silu(gate) * up``."""
+        ``gated`` (a ``[gate | up]`` projection): the first is ``silu(gate) * up``, or
+        ``Unactivated`` for the same backend's ``linear`` to activate."""
         return self.kernels.rms_norm_linear(x, norm_weight, eps, residual, self.matrix, self.bias,
                                             gated=gated)
 

@@ -49,6 +49,23 @@ def test_activation_codes_and_scales_are_the_references(group_size):
 
 
 @pytest.mark.usefixtures("nan_filled_allocations")
+@pytest.mark.parametrize("rows", [9, 256, 2048])
+@pytest.mark.parametrize("kind", KINDS)
+def test_an_activation_quantized_as_computed_is_the_stored_ones_codes(kind, rows):
+    """The quantization kernel reading ``[gate | up]`` (down_proj's input, Qwen3-0.6B's 3,072
+    columns) gives the codes and scales of ``silu_and_mul``'s stored activation, bit for
+    bit, with the GPU's own silu and roundings."""
+    weight = fp8_weight("down", kind)
+    gate_up = randn(rows, 2 * SHAPES["down"][1], seed=rows, scale=3.0)
+    q, scales = triton_fp8.quantize_activations(gate_up, weight.group_size, weight.input_scale,
+                                                gated=True)
+    expected_q, expected_scales = triton_fp8.quantize_activations(
+        triton_ops.silu_and_mul(gate_up), weight.group_size, weight.input_scale)
+    assert torch.equal(scales, expected_scales)
+    assert torch.equal(q.view(torch.uint8), expected_q.view(torch.uint8))
+
+
+@pytest.mark.usefixtures("nan_filled_allocations")
 @pytest.mark.parametrize("rows", [1, 4, 8, 64, 512])
 @pytest.mark.parametrize("name", SHAPES)
 @pytest.mark.parametrize("kind", KINDS)
