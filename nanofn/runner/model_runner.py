@@ -154,13 +154,13 @@ class ModelRunner:
         self.slot_temperature = None
         if self.device.type == "cuda" and self.kernels is not TORCH_KERNELS:
             self.warm_up()  # (before the graphs: their captures must not compile)
-        if (self.device.type == "cuda" and not config.enforce_eager
+        largest_graph = self._largest_decode_graph()
+        if (self.device.type == "cuda" and largest_graph is not None
                 and self.kernels is not TORCH_KERNELS):
             if config.tp_size == 1 and self.sampler.use_triton:
                 self.slot_temperature = torch.zeros(config.max_num_seqs + 1, device=self.device)
             self.graphs = DecodeGraphs(self.model, self.kv_cache, self.slot_tables,
-                                       min(config.max_num_seqs, DECODE_GRAPHS_UP_TO),
-                                       config.block_size,
+                                       largest_graph, config.block_size,
                                        text.hidden_size, self.dtype, self.slot_temperature,
                                        self.states)
         if self.graphs is not None:
@@ -352,10 +352,9 @@ class ModelRunner:
         hold nothing yet, sampled by a sampler of its own (the engine's keeps its stream)."""
         c = self.config
         started = time.perf_counter()
-        largest_graph = None if c.enforce_eager else min(c.max_num_seqs, DECODE_GRAPHS_UP_TO)
         plans = warm_up_plans(self._largest_step_tokens(), c.max_num_seqs, c.max_model_len,
                               c.block_size, self.num_blocks,
-                              eager_decode_batches(c.max_num_seqs, largest_graph))
+                              eager_decode_batches(c.max_num_seqs, self._largest_decode_graph()))
         tables = SlotTables(c.max_num_seqs, c.max_blocks_per_seq, self.device,
                             self.states is not None)
         sampler = Sampler(0, self.device, self.sampler.use_triton)
@@ -375,6 +374,12 @@ class ModelRunner:
         inputs = prepare_inputs(plan, self.config.block_size, tables, self.device)
         hidden = self._run_model(inputs, kv_cache, states)
         return self.model.compute_logits(hidden[inputs.sample_rows])
+
+    def _largest_decode_graph(self) -> int | None:
+        """Sequences of the largest decode graph (larger decode steps run eagerly), or None
+        under ``enforce_eager``, where every decode step does."""
+        c = self.config
+        return None if c.enforce_eager else min(c.max_num_seqs, DECODE_GRAPHS_UP_TO)
 
     def _largest_step_tokens(self) -> int:
         """The most tokens a step takes: ``max_num_batched_tokens``, or as many as
