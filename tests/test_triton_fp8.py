@@ -189,13 +189,22 @@ def fp8_weight(n: int, k: int, kind: str, seed: int) -> Fp8Weight:
 WEIGHT_KINDS = ["block", "channel", "static"]
 
 
+# Row widths: one step of the quantization kernel, and several (wider than QUANTIZE_BLOCK: a
+# pass for the scale, then one for the codes); groups of 128 columns, a row's, or static
+QUANTIZED_WIDTHS = [300, triton_fp8.QUANTIZE_BLOCK + 300]
+ACTIVATION_GROUPS = [(128, False), (None, False), (None, True)]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("group_size, static", [(128, False), (300, False), (300, True)])
-def test_activation_quantization_gives_the_references_codes_and_scales(interpreter, dtype,
+@pytest.mark.parametrize("width", QUANTIZED_WIDTHS)
+@pytest.mark.parametrize("group_size, static", ACTIVATION_GROUPS)
+def test_activation_quantization_gives_the_references_codes_and_scales(interpreter, dtype, width,
                                                                        group_size, static):
-    x = torch.randn(5, 300, generator=torch.Generator().manual_seed(6)).to(dtype)
+    x = torch.randn(5, width, generator=torch.Generator().manual_seed(6)).to(dtype)
     x[1] = 0  # a row of zeros: the smallest scale, codes 0
+    x[2, 7] = 30.0  # a largest magnitude in the first step
     input_scale = torch.tensor(0.01) if static else None
+    group_size = group_size or width
     q, scales = interpreter(triton_fp8.quantize_activations, x, group_size, input_scale)
     if static:
         expected_q, expected_scales = quantize_static(x, 0.01), torch.full((5, 1), 0.01)
@@ -214,20 +223,23 @@ def _gated_quantized_both_ways(gate_up, group_size, input_scale):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("group_size, static", [(128, False), (300, False), (300, True)])
+@pytest.mark.parametrize("width", QUANTIZED_WIDTHS)
+@pytest.mark.parametrize("group_size, static", ACTIVATION_GROUPS)
 def test_the_quantization_of_an_activation_gives_the_stored_activations_codes(
-        interpreter, dtype, group_size, static):
-    """``gated``: the kernel reads ``[gate | up]`` (300 columns each: a short last group) and
-    quantizes ``silu(gate) * up`` as ``silu_and_mul`` rounds it, giving exactly the codes and
-    scales of that activation stored and then quantized; rows of different magnitudes, one of
-    zeros."""
+        interpreter, dtype, width, group_size, static):
+    """``gated``: the kernel reads ``[gate | up]`` (``width`` columns each: a short last group)
+    and quantizes ``silu(gate) * up`` as ``silu_and_mul`` rounds it, giving exactly the codes
+    and scales of that activation stored and then quantized; rows of different magnitudes, one
+    of zeros."""
     generator = torch.Generator().manual_seed(16)
-    gate_up = torch.randn(5, 600, generator=generator) * torch.logspace(-2, 1, 5)[:, None] * 3
+    gate_up = (torch.randn(5, 2 * width, generator=generator)
+               * torch.logspace(-2, 1, 5)[:, None] * 3)
     gate_up[1] = 0
+    gate_up[2, [7, width + 7]] = 30.0  # a largest activation in the first step
     input_scale = torch.tensor(0.01) if static else None
     (q, scales), (expected_q, expected_scales) = interpreter(
-        _gated_quantized_both_ways, gate_up.to(dtype), group_size, input_scale)
-    assert q.shape == (5, 300) and q.dtype == FP8_DTYPE
+        _gated_quantized_both_ways, gate_up.to(dtype), group_size or width, input_scale)
+    assert q.shape == (5, width) and q.dtype == FP8_DTYPE
     torch.testing.assert_close(scales, expected_scales, rtol=0, atol=0)
     torch.testing.assert_close(q.float(), expected_q.float(), rtol=0, atol=0)
 
@@ -361,7 +373,8 @@ def test_fp8_projection_kernels_compile(compile_for_h100, kind):
     wide_weight = Fp8Weight(empty(n, wide, dtype=FP8_DTYPE),
                             empty(n, wide // 128 if kind == "block" else 1, dtype=torch.float32),
                             128 if kind == "block" else wide, weight.input_scale)
-    compile_for_h100(triton_fp8.fp8_linear, empty(1, wide), wide_weight)
+    for rows in (1, 64):  # the GEMV; the GEMM after quantizing a row in steps (per token)
+        compile_for_h100(triton_fp8.fp8_linear, empty(rows, wide), wide_weight)
     for rows, residual in ((1, None), (4, empty(4, k))):
         for gated in (False, True):
             compile_for_h100(triton_fp8.fp8_rms_norm_gemv, empty(rows, k), empty(k), 1e-6,

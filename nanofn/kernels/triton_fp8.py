@@ -43,7 +43,7 @@ from nanofn.kernels import triton_gemm, triton_overlap
 from nanofn.kernels.fp8 import FP8_DTYPE, MIN_SCALE, Fp8Weight
 from nanofn.kernels.partial_sums import PartialSums
 from nanofn.kernels.triton_gemv import (NORM, PLAIN, GemvConfig, gemv_config, gemv_epilogue,
-                                        input_tile, silu_times_up)
+                                        input_tile, row_warps, silu_times_up)
 from nanofn.kernels.triton_overlap import wait_for_previous
 
 GEMV_MAX_ROWS = 8  # rows up to which the GEMV runs (the GEMM's tiles are 64 rows at least)
@@ -52,7 +52,7 @@ ONE_ROW_OUTPUTS = 8
 NORM_GEMV_MAX_ROWS = 4  # the GEMV with the norm before it (whole rows a program)
 GROUP = 128  # the one group size of block-wise scales (``quantization.BLOCK_SIZE``)
 GROUP_COLUMNS = tl.constexpr(GROUP)  # (a global a kernel reads must be a constexpr)
-QUANTIZE_BLOCK = 1024  # columns a quantization step
+QUANTIZE_BLOCK = 4096  # columns a quantization step: a group up to this wide is read once
 
 
 class GemmTile(NamedTuple):
@@ -94,30 +94,46 @@ def quantized(x, scale):
 @triton.jit
 def _quantize_kernel(
     x_ptr, q_ptr, scale_ptr, static_scale_ptr, k, group_size, stride_x, stride_q, stride_scale,
-    min_scale, BLOCK: tl.constexpr, STATIC: tl.constexpr, GATED: tl.constexpr,
-    OVERLAP: tl.constexpr,
+    min_scale, BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr, STATIC: tl.constexpr,
+    GATED: tl.constexpr, OVERLAP: tl.constexpr,
 ):
     """Program ``(row, group)``: the group's codes, and its scale (unless ``STATIC``: the
-    static scale's codes). ``GATED``: the row is ``[gate | up]`` (``2 * k`` columns) and the
-    values quantized are ``silu(gate) * up``, rounded as ``silu_and_mul`` stores them."""
+    static scale's codes), ``BLOCK`` columns a step (``ONE_BLOCK``: the whole group in one).
+    ``GATED``: the row is ``[gate | up]`` (``2 * k`` columns) and the values quantized are
+    ``silu(gate) * up``, rounded as ``silu_and_mul`` stores them."""
     row, group = tl.program_id(0).to(tl.int64), tl.program_id(1)
     begin = group * group_size
     end = tl.minimum(begin + group_size, k)
     x_row, q_row = x_ptr + row * stride_x, q_ptr + row * stride_q
+    scale_out = scale_ptr + row * stride_scale + group
     wait_for_previous(OVERLAP)
     if STATIC:
         scale = tl.load(static_scale_ptr)
-    else:
-        amax = tl.zeros([BLOCK], dtype=tl.float32)
+    if ONE_BLOCK:  # the group held in registers: read once
+        cols = begin + tl.arange(0, BLOCK)
+        x = _input_block(x_row, cols, cols < end, k, GATED)
+        if not STATIC:
+            scale = _stored_scale(tl.max(tl.abs(x), 0), min_scale, scale_out)
+        tl.store(q_row + cols, quantized(x, scale), mask=cols < end)
+    else:  # a pass for the scale, a second one (from L1/L2) for the codes
+        if not STATIC:
+            amax = tl.zeros([BLOCK], dtype=tl.float32)
+            for start in range(begin, end, BLOCK):
+                cols = start + tl.arange(0, BLOCK)
+                amax = tl.maximum(amax, tl.abs(_input_block(x_row, cols, cols < end, k, GATED)))
+            scale = _stored_scale(tl.max(amax, 0), min_scale, scale_out)
         for start in range(begin, end, BLOCK):
             cols = start + tl.arange(0, BLOCK)
-            amax = tl.maximum(amax, tl.abs(_input_block(x_row, cols, cols < end, k, GATED)))
-        scale = tl.maximum(tl.max(amax, 0) * (1.0 / 448.0), min_scale)
-        tl.store(scale_ptr + row * stride_scale + group, scale)
-    for start in range(begin, end, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        x = _input_block(x_row, cols, cols < end, k, GATED)
-        tl.store(q_row + cols, quantized(x, scale), mask=cols < end)
+            x = _input_block(x_row, cols, cols < end, k, GATED)
+            tl.store(q_row + cols, quantized(x, scale), mask=cols < end)
+
+
+@triton.jit
+def _stored_scale(amax, min_scale, scale_ptr):
+    """A group's scale from its largest magnitude, written to ``scale_ptr`` and returned."""
+    scale = tl.maximum(amax * (1.0 / 448.0), min_scale)
+    tl.store(scale_ptr, scale)
+    return scale
 
 
 @triton.jit
@@ -146,12 +162,14 @@ def quantize_activations(x: torch.Tensor, group_size: int,
         scales = input_scale.float().reshape(1, 1).expand(rows, 1)
     else:
         scales = torch.empty(rows, groups, dtype=torch.float32, device=x.device)
+    group_columns = k if static else min(group_size, k)
+    block = min(QUANTIZE_BLOCK, triton.next_power_of_2(group_columns))
     if rows > 0:
         _quantize_kernel[(rows, groups)](
             x, q, scales, scales, k, k if static else group_size, x.stride(0), q.stride(0),
-            scales.stride(0), MIN_SCALE,
-            BLOCK=min(QUANTIZE_BLOCK, triton.next_power_of_2(min(group_size, k))),
-            STATIC=static, GATED=gated, **triton_overlap.launch_options(x.device))
+            scales.stride(0), MIN_SCALE, BLOCK=block, ONE_BLOCK=group_columns <= block,
+            STATIC=static, GATED=gated, num_warps=row_warps(block),
+            **triton_overlap.launch_options(x.device))
     return q, scales
 
 

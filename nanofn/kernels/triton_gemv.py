@@ -46,6 +46,12 @@ class GemvConfig(NamedTuple):
     num_warps: int
 
 
+def row_warps(block: int) -> int:
+    """Warps for a program that holds a row of ``block`` elements: 8 elements a thread, from one
+    warp up to 16 (a 4096-wide row); wider rows put more elements on each thread."""
+    return min(16, max(1, block // 256))
+
+
 @triton.jit
 def silu_times_up(gate, up, dtype: tl.constexpr):
     """``silu(gate) * up`` in ``dtype``, rounded where ``silu_and_mul`` rounds: the silu, then

@@ -365,7 +365,7 @@ def _launch_norm(x: torch.Tensor | PartialSums, weight: torch.Tensor, eps: float
         rows.stride(1), rows.stride(0), residual_rows.stride(0), out.stride(0),
         residual_out.stride(0), size, eps,
         BLOCK=block, NUM_SUMS=len(rows) if isinstance(x, PartialSums) else 0,
-        ADD_RESIDUAL=add_residual, num_warps=_row_warps(block),
+        ADD_RESIDUAL=add_residual, num_warps=triton_gemv.row_warps(block),
         **triton_overlap.launch_options(out.device),
     )
 
@@ -405,7 +405,7 @@ def rms_norm_quantized(x: torch.Tensor | PartialSums, norm_weight: torch.Tensor,
             residual_rows.stride(0), q.stride(0), scales.stride(0), summed.stride(0), size, eps,
             MIN_SCALE, BLOCK=block, NUM_SUMS=len(rows) if isinstance(x, PartialSums) else 0,
             ADD_RESIDUAL=residual is not None, GROUP=0 if groups == 1 else group,
-            STATIC=static, num_warps=_row_warps(block),
+            STATIC=static, num_warps=triton_gemv.row_warps(block),
             **triton_overlap.launch_options(norm_weight.device))
     return q, scales, (added_up(x) if residual is None else summed).view(shape)
 
@@ -424,7 +424,7 @@ def _launch_rank_sums_norm(x: RankSums, weight: torch.Tensor, eps: float, out: t
         first, second, residual_rows, weight, out, residual_out, x.own_flags, x.peer_flags,
         x.epochs, len(out), first.stride(0), residual_rows.stride(0), out.stride(0),
         residual_out.stride(0), out.shape[-1], eps, BLOCK=block, FLAG_SLOTS=x.epochs.numel(),
-        ADD_RESIDUAL=add_residual, num_warps=_row_warps(block),
+        ADD_RESIDUAL=add_residual, num_warps=triton_gemv.row_warps(block),
         **triton_overlap.launch_options(out.device),
     )
 
@@ -616,12 +616,6 @@ def _fp8_rms_norm_linear(x: torch.Tensor | Unsummed, norm_weight: torch.Tensor, 
         out = triton_fp8.quantized_linear(q, scales, weight, bias, x.dtype)
         out = out.view(*summed.shape[:-1], -1)
     return (Unactivated(out) if gated else out), summed
-
-
-def _row_warps(block: int) -> int:
-    """Warps for a program that holds a row of ``block`` elements: 8 elements a thread, from one
-    warp up to 16 (a 4096-wide row); wider rows put more elements on each thread."""
-    return min(16, max(1, block // 256))
 
 
 def without_gemv(kernels: KernelBackend) -> KernelBackend:

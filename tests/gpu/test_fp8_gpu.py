@@ -39,9 +39,12 @@ def fp8_weight(name: str, kind: str) -> Fp8Weight:
 @pytest.mark.parametrize("group_size", [128, 1024])
 def test_activation_codes_and_scales_are_the_references(group_size):
     """The GPU rounds to e4m3 as torch does: codes equal, scales equal; also for float32
-    values at a rounding boundary where dividing by the scale would round the other way."""
+    values at a rounding boundary where dividing by the scale would round the other way, and
+    for rows wider than the kernel's step (a pass for the scale, then one for the codes)."""
     boundary = rounding_boundary_rows().cuda()
-    for x, group in ((randn(300, 1024, seed=1), group_size), (boundary, 2)):
+    wide = randn(20, triton_fp8.QUANTIZE_BLOCK + 900, seed=2)
+    for x, group in ((randn(300, 1024, seed=1), group_size), (boundary, 2),
+                     (wide, wide.shape[1])):
         q, scales = triton_fp8.quantize_activations(x, group)
         expected_q, expected_scales = quantize_groups(x, group)
         assert torch.equal(scales, expected_scales)
