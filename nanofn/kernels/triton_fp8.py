@@ -4,9 +4,10 @@ per-tensor scale), times the e4m3 weight, each product scaled by its row's and g
 
 - ``quantize_activations``: one program per (row, group): the group's largest magnitude, then
   its values times the reciprocal of its scale ``amax * (1 / 448)`` (one IEEE division a
-  scale, as ``fp8.quantize_groups`` takes it) rounded to e4m3 (a second pass over the group,
-  from L1/L2). down_proj's input it computes as it reads the MLP's ``[gate | up]`` (``gated``),
-  so that no activation kernel runs before it.
+  scale, as ``fp8.quantize_groups`` takes it) rounded to e4m3, from one load of the group held
+  in registers (up to ``QUANTIZE_BLOCK`` columns; a wider group takes a second pass, from
+  L1/L2). down_proj's input it computes as it reads the MLP's ``[gate | up]`` (``gated``), so
+  that no activation kernel runs before it.
 - ``quantized_linear``: prompts on per-channel weights through cuBLASLt (``torch._scaled_mm``),
   after the quantization kernel (or the norm that quantizes, ``triton_ops``).
 - ``fp8_gemm``: many rows (decode batches; prompts on block-wise weights). Tiles of
