@@ -12,10 +12,14 @@ With ``--longest-first`` the fixed split counts take the rows longest context fi
 With ``--tiles 64x2x4,128x2x4,...`` the columns are decode tiles instead (keys a tile, tiles in
 flight, warps; ``triton_attention.DECODE_TILES``), each at the heuristic's split count,
 longest context first; a tile ending in ``rN`` (``32x3x2r128``) caps an FP8 cache's
-whole-context programs at N registers a thread instead of ``FP8_DECODE_MAX_REGISTERS``. ``--kv-dtype fp8`` keeps the cache in e4m3 (its floor at 1 byte).
+whole-context programs at N registers a thread instead of ``FP8_DECODE_MAX_REGISTERS``.
+``--kv-dtype fp8`` keeps the cache in e4m3 (its floor at 1 byte). With ``--fused-rotary``
+every call is the kernel the engine takes at 2-82 sequences instead
+(``rotary_decode_attention``: Qwen3's head norms, the rotary embedding and the newest key's
+store, each partition rotating its queries again).
 
 Usage: python benchmarks/experiments/decode_splits.py [--bandwidth 3028] [--steps 50,300,...]
-       [--longest-first] [--kv-dtype bf16|fp8] [--tiles BxSxW,...]
+       [--longest-first] [--kv-dtype bf16|fp8] [--tiles BxSxW,...] [--fused-rotary]
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import random
 import torch
 import triton.testing
 
-from nanofn.kernels import triton_attention
+from nanofn.kernels import build_cos_sin_cache, triton_attention
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, TABLE_KEYS = 16, 8, 128, 16, 4096
 SPLIT_COUNTS = (1, 2, 3, 4, 6, 8)
@@ -63,9 +67,36 @@ def decode_inputs(contexts: list[int], device: torch.device,
     return q, k_cache, v_cache, seq_lens, tables, HEAD_DIM**-0.5
 
 
-def microseconds(args: tuple, num_splits: int | None, order: torch.Tensor | None = None) -> float:
-    call = lambda: triton_attention.decode_attention(*args, order=order,  # noqa: E731
-                                                     num_splits=num_splits)
+def newest_tokens(inputs: tuple) -> tuple:
+    """What ``rotary_decode_attention`` takes beyond ``decode_inputs``' batch: each sequence's
+    newest key and value (not yet rotated), its position and cache slot, the angles, and
+    Qwen3's two head norms' weights."""
+    seq_lens, tables = inputs[3], inputs[4]
+    device = seq_lens.device
+    g = torch.Generator(device=device).manual_seed(1)
+    k, v = (torch.randn(len(seq_lens), NUM_KV_HEADS, HEAD_DIM, generator=g, device=device,
+                        dtype=torch.bfloat16) for _ in range(2))
+    positions = (seq_lens - 1).long()
+    newest_blocks = tables.gather(1, (positions // BLOCK_SIZE)[:, None])[:, 0]
+    slots = newest_blocks.long() * BLOCK_SIZE + positions % BLOCK_SIZE
+    cos_sin = build_cos_sin_cache(HEAD_DIM, TABLE_KEYS, 1e6, device=device)
+    norm = torch.ones(HEAD_DIM, device=device, dtype=torch.bfloat16)
+    return k, v, positions, cos_sin, slots, norm
+
+
+def microseconds(args: tuple, num_splits: int | None, order: torch.Tensor | None = None,
+                 new: tuple | None = None) -> float:
+    """A decode call's median time from a CUDA graph; with ``new`` (``newest_tokens``) the
+    fused-rotary kernel's."""
+    q, k_cache, v_cache, seq_lens, tables, scale = args
+    if new is None:
+        call = lambda: triton_attention.decode_attention(*args, order=order,  # noqa: E731
+                                                         num_splits=num_splits)
+    else:
+        k, v, positions, cos_sin, slots, norm = new
+        call = lambda: triton_attention.rotary_decode_attention(  # noqa: E731
+            q, k, v, positions, cos_sin, k_cache, v_cache, slots, seq_lens, tables, scale,
+            order, norm, norm, 1e-6, num_splits=num_splits)
     call()  # compile outside the capture
     return triton.testing.do_bench_cudagraph(call, return_mode="median") * 1e3
 
@@ -78,13 +109,15 @@ def main() -> None:
                     help="the fixed split counts too take the rows longest context first")
     ap.add_argument("--kv-dtype", choices=["bf16", "fp8"], default="bf16")
     ap.add_argument("--tiles", help="decode tiles to compare, as KEYSxSTAGESxWARPS,...")
+    ap.add_argument("--fused-rotary", action="store_true",
+                    help="time the fused-rotary kernel (rotary_decode_attention) instead")
     args = ap.parse_args()
     device = torch.device("cuda")
     kv_dtype = torch.float8_e4m3fn if args.kv_dtype == "fp8" else torch.bfloat16
     tiles = args.tiles.split(",") if args.tiles else []
     columns = ([f"tile {t}" for t in tiles] if tiles else
                ["heuristic"] + [f"{n} split{'s' * (n > 1)}" for n in SPLIT_COUNTS])
-    print(f"{args.kv_dtype} cache")
+    print(f"{args.kv_dtype} cache{', fused rotary' if args.fused_rotary else ''}")
     print("| step | batch | keys (max) | floor | heuristic, longest first (as in the engine) | "
           + " | ".join(columns) + " |")
     print("|---" * (5 + len(columns)) + "|")
@@ -94,20 +127,21 @@ def main() -> None:
         floor = (sum(contexts) * NUM_KV_HEADS * HEAD_DIM * 2 * kv_dtype.itemsize
                  / (args.bandwidth * 1e3))
         longest_first = torch.argsort(inputs[3], descending=True, stable=True).to(torch.int32)
-        cells = [f"{microseconds(inputs, None, longest_first):.1f}"]
+        new = newest_tokens(inputs) if args.fused_rotary else None
+        cells = [f"{microseconds(inputs, None, longest_first, new):.1f}"]
         if tiles:
-            cells += [f"{_with_tile(tile, inputs, longest_first):.1f}" for tile in tiles]
+            cells += [f"{_with_tile(tile, inputs, longest_first, new):.1f}" for tile in tiles]
         else:
             fixed_order = longest_first if args.longest_first else None
-            cells += [f"{microseconds(inputs, None):.1f}"]
-            cells += [f"{microseconds(inputs, n, fixed_order):.1f}" for n in SPLIT_COUNTS]
+            cells += [f"{microseconds(inputs, None, None, new):.1f}"]
+            cells += [f"{microseconds(inputs, n, fixed_order, new):.1f}" for n in SPLIT_COUNTS]
         print(f"| {step} | {len(contexts)} | {sum(contexts):,} ({max(contexts):,}) | {floor:.1f} | "
               + " | ".join(cells) + " |")
         del inputs
         torch.cuda.empty_cache()
 
 
-def _with_tile(tile: str, inputs: tuple, order: torch.Tensor) -> float:
+def _with_tile(tile: str, inputs: tuple, order: torch.Tensor, new: tuple | None) -> float:
     """``microseconds`` with ``tile`` (``KEYSxSTAGESxWARPS[rREGISTERS]``) as the decode tile,
     whatever ``decode_tile`` picks."""
     sizes, _, registers = tile.partition("r")
@@ -116,7 +150,7 @@ def _with_tile(tile: str, inputs: tuple, order: torch.Tensor) -> float:
     triton_attention.decode_tile = lambda *args: decode_tile
     triton_attention.FP8_DECODE_MAX_REGISTERS = int(registers) if registers else cap
     try:
-        return microseconds(inputs, None, order)
+        return microseconds(inputs, None, order, new)
     finally:
         triton_attention.decode_tile, triton_attention.FP8_DECODE_MAX_REGISTERS = chosen, cap
 
