@@ -163,11 +163,11 @@ def quantize_activations(x: torch.Tensor, group_size: int,
         scales = input_scale.float().reshape(1, 1).expand(rows, 1)
     else:
         scales = torch.empty(rows, groups, dtype=torch.float32, device=x.device)
-    group_columns = k if static else min(group_size, k)
+    group_columns = k if static else min(group_size, k)  # a group: at most the row
     block = min(QUANTIZE_BLOCK, triton.next_power_of_2(group_columns))
     if rows > 0:
         _quantize_kernel[(rows, groups)](
-            x, q, scales, scales, k, k if static else group_size, x.stride(0), q.stride(0),
+            x, q, scales, scales, k, group_columns, x.stride(0), q.stride(0),
             scales.stride(0), MIN_SCALE, BLOCK=block, ONE_BLOCK=group_columns <= block,
             STATIC=static, GATED=gated, num_warps=row_warps(block),
             **triton_overlap.launch_options(x.device))
