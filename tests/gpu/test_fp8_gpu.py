@@ -13,6 +13,7 @@ import nanofn.kernels.attention as reference
 import nanofn.kernels.triton_attention as triton_attention
 from nanofn import LLM, SamplingParams
 from nanofn.kernels import rms_norm_linear, triton_fp8, triton_ops
+from nanofn.kernels.activation import Unactivated, silu_and_mul
 from nanofn.kernels.partial_sums import PartialSums
 from nanofn.kernels.fp8 import FP8_DTYPE, Fp8Weight, fp8_linear, quantize_groups
 from nanofn.model.tiny import random_weights_model
@@ -101,13 +102,17 @@ def test_the_split_k_fp8_gemm_sums_to_the_reference(name, kind, rows):
 def test_the_fused_norm_and_fp8_gemv_match_the_reference(name, gated, kind, rows):
     """``rms_norm_linear`` on the Triton backend against the reference's: at a few rows one
     kernel (the norm, the quantization, the product, gated the activation); at more the norm
-    that quantizes, then the GEMM (the Triton one, or cuBLASLt's at 300 rows per channel)."""
+    that quantizes, then the GEMM (the Triton one, or cuBLASLt's at 300 rows per channel),
+    gated leaving the activation to down_proj's kernel (``Unactivated``)."""
     weight = fp8_weight(name, kind)
     k = SHAPES[name][1]
     x, residual, scale = randn(rows, k, seed=4), randn(rows, k, seed=5), norm_weight(k, seed=6)
     out, summed = triton_ops.rms_norm_linear(x, scale, EPS, residual, weight, gated=gated)
     expected, expected_summed = rms_norm_linear(x, scale, EPS, residual, weight, gated=gated)
     assert torch.equal(summed, expected_summed)
+    assert isinstance(out, Unactivated) == (gated and rows > triton_fp8.NORM_GEMV_MAX_ROWS)
+    if isinstance(out, Unactivated):
+        out = silu_and_mul(out.gate_up)
     assert relative_error(out, expected.float()) < TOLERANCE
 
 
