@@ -128,11 +128,11 @@ def test_decode_attention_of_a_padding_row_with_no_context_is_finite(interpreter
     torch.testing.assert_close(out[1], reference.decode_attention(*args)[1], **TOLERANCES[torch.float32])
 
 
-def test_decode_partitions_follow_each_sequences_own_length(interpreter):
+def test_a_few_sequences_partitions_follow_each_ones_own_length(interpreter):
     """A short context in a wide block table (a CUDA graph's tables are max_model_len wide) is
-    spread over all the partitions, in whole tiles of 64 keys: 130 keys in 4 partitions take
-    64 + 64 + 2 + 0, 300 keys 128 + 128 + 44 + 0; a partition sized from the table (512 keys
-    / 4) would leave 130 keys to 2 partitions."""
+    spread over the partitions, in whole tiles of 64 keys: 130 keys in 4 partitions take
+    64 + 64 + 2 (the fourth program exits), 300 keys 128 + 128 + 44; a partition sized from
+    the table (816 keys / 4) would leave 130 keys to 1 partition and 300 to 2."""
     head_dim = 16
     cache = PagedCache([130, 300], 16, 2, head_dim, torch.float32, seed=5, extra_blocks=32)
     q = random_queries(2, 2, head_dim, torch.float32, seed=6)
@@ -150,6 +150,67 @@ def test_decode_partitions_follow_each_sequences_own_length(interpreter):
         reference.decode_attention(*args), **TOLERANCES[torch.float32])
 
 
+def as_many_sequences(function, *args, **kwargs):
+    """(In the interpreter's child) ``function`` with any batch taken for many sequences: a
+    split partition reads no tile before the wait for the kernel ahead."""
+    with mock.patch.object(triton_attention, "PROGRAMS_PER_SM", 0):
+        return function(*args, **kwargs)
+
+
+def test_many_sequences_partitions_follow_each_ones_own_length(interpreter):
+    """Taken for many sequences, in up to 4 partitions: 100 keys as 64 + 36, 600 as 3 x 192 +
+    24, 64 keys as one partition, the padding row as one of no keys (writing zeros); the
+    programs past a row's keys exit, leaving the partials as they were. Taken in another
+    order, the same partitions."""
+    head_dim = 16
+    seq_lens = [100, 600, 0, 64]
+    cache = PagedCache(seq_lens, 16, 2, head_dim, torch.float32, seed=9, extra_blocks=8)
+    q = random_queries(4, 4, head_dim, torch.float32, seed=10)
+    args = (q, cache.k_cache, cache.v_cache, cache.seq_lens, cache.block_tables, head_dim**-0.5)
+    longest_first = torch.tensor([1, 0, 3, 2], dtype=torch.int32)
+
+    for order in (None, longest_first):
+        _, _, partial_sum = interpreter(as_many_sequences, triton_attention.decode_partitions,
+                                        *args, num_splits=4, order=order)
+        holds_keys = (partial_sum > 0).all(1).tolist()  # (both heads alike)
+        assert holds_keys == [[True, True, False, False], [True] * 4, [False] * 4,
+                              [True, False, False, False]]
+        out = interpreter(as_many_sequences, triton_attention.decode_attention, *args,
+                          num_splits=4, order=order)
+        live = cache.seq_lens > 0
+        torch.testing.assert_close(out[live], reference.decode_attention(*args)[live],
+                                   **TOLERANCES[torch.float32])
+        assert out[~live].abs().max() == 0
+
+
+@pytest.mark.parametrize("num_splits", [2, 3])
+@pytest.mark.parametrize("seed", [0, 1, "skewed"])
+def test_many_sequences_random_contexts_in_partitions_match_reference(interpreter, num_splits,
+                                                                      seed):
+    """Random batches of 9 contexts (padding rows among them), and one long context among
+    short ones, longest first, taken for many sequences: each row merges its own partitions,
+    whichever finishes last."""
+    if seed == "skewed":
+        seq_lens, seed = [5, 0, 17, 3, 400, 1, 30, 2, 9], 2
+    else:
+        generator = np.random.default_rng(seed)
+        seq_lens = generator.integers(0, 400, size=9).tolist()
+        seq_lens[generator.integers(9)] = 0
+    head_dim = 16
+    cache = PagedCache(seq_lens, 16, 2, head_dim, torch.float16, seed=seed, extra_blocks=4)
+    q = random_queries(9, 4, head_dim, torch.float16, seed=seed + 1)
+    args = (q, cache.k_cache, cache.v_cache, cache.seq_lens, cache.block_tables, head_dim**-0.5)
+    order = torch.argsort(cache.seq_lens, descending=True, stable=True).to(torch.int32)
+
+    out = interpreter(as_many_sequences, triton_attention.decode_attention, *args,
+                      num_splits=num_splits, order=order)
+
+    live = cache.seq_lens > 0
+    torch.testing.assert_close(out[live], reference.decode_attention(*args)[live],
+                               **TOLERANCES[torch.float16])
+    assert out[~live].abs().max() == 0
+
+
 def decode_twice(*args, **kwargs):
     """(In the interpreter's child) two split decode launches of the same inputs, and the sum
     of the arrival counters after them."""
@@ -159,19 +220,20 @@ def decode_twice(*args, **kwargs):
     return first, second, int(counters.abs().sum())
 
 
-def decode_with_the_merge_kernel(*args, **kwargs):
-    """(In the interpreter's child) a split decode launch with no arrival counters to spare:
-    the merge kernel runs after it."""
+def decode_past_the_counters(*args, **kwargs):
+    """(In the interpreter's child) a decode launch asked to split with no arrival counters to
+    spare: it takes one partition a sequence."""
     with mock.patch.object(triton_attention, "ARRIVAL_COUNTERS", 0):
         assert triton_attention.arrival_counters(args[0].device, 1) is None
         return triton_attention.decode_attention(*args, **kwargs)
 
 
 @pytest.mark.parametrize("group", [1, 3])
-def test_split_decode_merges_in_its_last_partition_or_in_the_merge_kernel(interpreter, group):
+def test_split_decode_merges_in_its_last_partition_or_takes_one_past_the_counters(interpreter,
+                                                                                  group):
     """Each (sequence, kv head)'s last partition to finish merges the partitions and zeroes
-    its counter, so the next launch merges alike; past the counters, the merge kernel gives
-    the same rows."""
+    its counter, so the next launch merges alike; past the counters, whole contexts give the
+    same rows."""
     head_dim = 32
     seq_lens = [200, 1, 0, 77]
     cache = PagedCache(seq_lens, 16, 2, head_dim, torch.float32, seed=11, extra_blocks=8)
@@ -179,13 +241,13 @@ def test_split_decode_merges_in_its_last_partition_or_in_the_merge_kernel(interp
     args = (q, cache.k_cache, cache.v_cache, cache.seq_lens, cache.block_tables, head_dim**-0.5)
 
     first, second, counted = interpreter(decode_twice, *args, num_splits=4)
-    by_kernel = interpreter(decode_with_the_merge_kernel, *args, num_splits=4)
+    whole = interpreter(decode_past_the_counters, *args, num_splits=4)
 
     live = cache.seq_lens > 0
     expected = reference.decode_attention(*args)
     torch.testing.assert_close(first[live], expected[live], **TOLERANCES[torch.float32])
     assert torch.equal(first, second) and counted == 0
-    torch.testing.assert_close(by_kernel, first, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(whole, first, atol=1e-6, rtol=1e-6)
 
 
 def attend_and_return_caches(function, *args, **kwargs):
@@ -259,6 +321,28 @@ def test_rotary_decode_attention_in_tiles_of_three_stages_matches(interpreter, n
     torch.testing.assert_close(k_cache, args[5], **TOLERANCES[torch.float16])
 
 
+@pytest.mark.parametrize("num_splits", [2, 4])
+def test_rotary_decode_attention_of_many_sequences_partitions_matches(interpreter, num_splits):
+    """Taken for many sequences (no tile read before the wait): the newest key, written and
+    attended to from registers by the partition that holds its position, also where that
+    partition holds no older key (129 keys in 2 partitions of 128: the newest is the second's
+    only one)."""
+    seq_lens = [1, 65, 64, 129, 0, 17, 300, 128]
+    args = rotary_decode_inputs(seq_lens, 2, torch.float16, seed=15)
+    order = torch.argsort(args[8], descending=True, stable=True).to(torch.int32)
+
+    out, k_cache, v_cache = interpreter(as_many_sequences, attend_and_return_caches,
+                                        triton_attention.rotary_decode_attention, *args,
+                                        order=order, num_splits=num_splits)
+
+    expected = reference_rotary_decode_attention(*args)
+    live = args[8] > 0
+    torch.testing.assert_close(out[live], expected[live], **TOLERANCES[torch.float16])
+    assert out[~live].abs().max() == 0
+    torch.testing.assert_close(k_cache, args[5], **TOLERANCES[torch.float16])
+    torch.testing.assert_close(v_cache, args[6], atol=0, rtol=0)
+
+
 def test_rotary_decode_attention_writes_only_each_tokens_own_slot(interpreter):
     """Each token's key and value go to its own slot, and nowhere for a negative slot (the
     padding row's, and here row 2's)."""
@@ -275,12 +359,28 @@ def test_rotary_decode_attention_writes_only_each_tokens_own_slot(interpreter):
     assert set(changed.nonzero().flatten().tolist()) == written
 
 
-def test_decode_splits_the_context_only_when_the_batch_leaves_the_gpu_idle():
-    num_sms = 132
-    assert triton_attention.decode_num_splits(256, 8, 2048, num_sms) == 1
+def test_decode_splits_a_few_sequences_until_the_gpu_is_busy_and_a_wave_of_many_a_few_times():
+    num_sms, many = 132, triton_attention.ONE_WAVE_SPLITS
     assert triton_attention.decode_num_splits(1, 8, 32768, num_sms) == 33  # 8 x 33 programs >= 2 per SM
     assert triton_attention.decode_num_splits(4, 8, 1024, num_sms) == 4  # partitions of 256 keys at least
     assert triton_attention.decode_num_splits(4, 8, 200, num_sms) == 1
+    assert triton_attention.decode_num_splits(33, 8, 4096, num_sms) == many
+    assert triton_attention.decode_num_splits(82, 8, 4096, num_sms) == many  # one wave: 656 <= 660
+    assert triton_attention.decode_num_splits(82, 8, 256, num_sms) == 1
+    assert triton_attention.decode_num_splits(83, 8, 4096, num_sms) == 1
+
+
+def test_the_rotary_embedding_is_fused_where_every_partition_rotating_pays():
+    """A few sequences: from two on. Many: whole contexts in one wave (up to 82 sequences of
+    8 kv heads on 132 SMs), not split ones, not past the wave."""
+    def fused(batch, num_splits):
+        q = torch.empty(batch, 16, 128, device="meta")
+        return triton_attention.fuses_rotary(q, torch.empty(64, 16, 8, 128, device="meta"),
+                                             num_splits)
+
+    assert not fused(1, 16) and fused(2, 16) and fused(32, 2)
+    assert fused(33, 1) and fused(82, 1) and not fused(83, 1)
+    assert not fused(33, 2) and not fused(82, 2)
 
 
 # (query_len, seq_len) per sequence: whole prompts over several query and key tiles, chunks

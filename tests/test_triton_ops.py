@@ -164,14 +164,17 @@ def test_rotate_and_store_kv_matches_reference(interpreter, dtype, num_heads, nu
     assert torch.equal(v_cache, expected_v)
 
 
-@pytest.mark.parametrize("batch, fused", [(1, False), (2, True), (32, True), (33, True),
-                                          (82, True), (83, False), (256, False)])
-def test_rotary_decode_attention_is_one_kernel_but_for_one_sequence_or_several_waves(
-        monkeypatch, batch, fused):
-    """The fused kernel takes split contexts (a few sequences, here up to 32 over 8 kv heads and
-    132 SMs) but one sequence's, where rotating in every partition costs more than the rotary
-    kernel, and whole contexts up to one wave of programs (5 an SM: 82 sequences), above which
-    every wave would rotate before reading the cache: the rotary kernel goes first there."""
+@pytest.mark.parametrize("batch, table_keys, fused", [
+    (1, 4096, False), (2, 4096, True), (32, 4096, True), (33, 4096, False), (82, 4096, False),
+    (33, 256, True), (82, 256, True), (83, 256, False), (256, 4096, False)])
+def test_rotary_decode_attention_is_one_kernel_for_a_few_sequences_or_one_wave_of_whole_ones(
+        monkeypatch, batch, table_keys, fused):
+    """The fused kernel takes a few sequences' split contexts (here up to 32 over 8 kv heads
+    and 132 SMs) but one sequence's, where rotating in every partition costs more than the
+    rotary kernel. Of many sequences it takes only whole contexts up to one wave of programs
+    (5 an SM: 82 sequences; whole where a 256-key table leaves nothing to split), above which
+    every wave would rotate before reading the cache; one wave of contexts split in two
+    (a decode graph's 4,096-key table) takes the rotary kernel first, as more waves do."""
     import nanofn.kernels.triton_attention as triton_attention
 
     calls = []
@@ -185,7 +188,7 @@ def test_rotary_decode_attention_is_one_kernel_but_for_one_sequence_or_several_w
     q = torch.empty(batch, heads, head_dim)
     k = v = torch.empty(batch, kv_heads, head_dim)
     cache = torch.empty(8, block_size, kv_heads, head_dim)
-    tables = torch.zeros(batch, 4096 // block_size, dtype=torch.int32)  # a decode graph's width
+    tables = torch.zeros(batch, table_keys // block_size, dtype=torch.int32)
     lengths = torch.ones(batch, dtype=torch.int32)
     positions = slots = torch.zeros(batch, dtype=torch.int64)
 

@@ -12,9 +12,9 @@ With ``--longest-first`` the fixed split counts take the rows longest context fi
 With ``--tiles 64x2x4,128x2x4,...`` the columns are decode tiles instead (keys a tile, tiles in
 flight, warps; ``triton_attention.DECODE_TILES``), each at the heuristic's split count,
 longest context first; a tile ending in ``rN`` (``32x3x2r128``) caps an FP8 cache's
-whole-context programs at N registers a thread instead of ``FP8_DECODE_MAX_REGISTERS``.
+many sequences' programs at N registers a thread instead of ``DECODE_MAX_REGISTERS``.
 ``--kv-dtype fp8`` keeps the cache in e4m3 (its floor at 1 byte). With ``--fused-rotary``
-every call is the kernel the engine takes at 2-82 sequences instead
+every call is the kernel the engine takes at 2-32 sequences instead
 (``rotary_decode_attention``: Qwen3's head norms, the rotary embedding and the newest key's
 store, each partition rotating its queries again).
 
@@ -145,14 +145,14 @@ def _with_tile(tile: str, inputs: tuple, order: torch.Tensor, new: tuple | None)
     """``microseconds`` with ``tile`` (``KEYSxSTAGESxWARPS[rREGISTERS]``) as the decode tile,
     whatever ``decode_tile`` picks."""
     sizes, _, registers = tile.partition("r")
-    chosen, cap = triton_attention.decode_tile, triton_attention.FP8_DECODE_MAX_REGISTERS
+    chosen, cap = triton_attention.decode_tile, triton_attention.DECODE_MAX_REGISTERS
     decode_tile = triton_attention.DecodeTile(*map(int, sizes.split("x")))
     triton_attention.decode_tile = lambda *args: decode_tile
-    triton_attention.FP8_DECODE_MAX_REGISTERS = int(registers) if registers else cap
+    triton_attention.DECODE_MAX_REGISTERS = int(registers) if registers else cap
     try:
         return microseconds(inputs, None, order, new)
     finally:
-        triton_attention.decode_tile, triton_attention.FP8_DECODE_MAX_REGISTERS = chosen, cap
+        triton_attention.decode_tile, triton_attention.DECODE_MAX_REGISTERS = chosen, cap
 
 
 if __name__ == "__main__":

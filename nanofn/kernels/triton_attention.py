@@ -7,18 +7,17 @@ rotates the queries too.)
 
 - ``decode_attention``: one program per (kv head, sequence), whose tile rows are the query heads
   of that kv head's GQA group, so each K/V tile is read once per group. The kv heads vary
-  fastest along the grid's first axis (sequences times kv heads, one axis so that the batch has
-  no 65,535 cap): a sequence's heads start side by side and read the rows of each cache block
-  at about the same time (1-2% faster at 48-256 sequences than the sequences first, on the
-  H100). For small batches a second grid dimension splits the context into partitions ("flash
-  decoding"); the last partition of a (sequence, kv head) to finish merges their partial
-  results, counting arrivals in a counter per pair (or, past ``ARRIVAL_COUNTERS`` pairs, a
-  second kernel does). The host picks the number of
-  partitions; each program sizes its partition from its sequence's own length, which only the
-  device knows (so a short context in a wide block table, as in a CUDA graph, is still spread
-  over every partition). An optional ``order`` maps programs to sequences: the decode graphs
-  pass the longest context first, so that no long sequence is left running alone at the end
-  of the kernel.
+  fastest along the grid's one axis (no 65,535 cap): a sequence's heads start side by side and
+  read the rows of each cache block at about the same time (1-2% faster at 48-256 sequences
+  than the sequences first, on the H100). Contexts split into partitions ("flash decoding"):
+  a few sequences' until the GPU is busy, many sequences' so that every program reads about as
+  many keys. The host picks the most partitions a sequence may take; the programs size them
+  from the batch's lengths, which only the device knows (so a short context in a wide block
+  table, as in a CUDA graph, is still spread over them), and lay them out row after row. An
+  optional ``order`` maps rows to sequences: the decode graphs pass the longest context
+  first, so that no long sequence is left running alone at the end of the kernel. The last
+  partition of a (sequence, kv head) to finish merges their partial results, counting
+  arrivals in a counter per pair (past ``ARRIVAL_COUNTERS`` pairs, one partition a sequence).
 - ``prefill_attention``: flash attention, one program per (query tile, kv head), the kv heads
   fastest along the grid's one axis. A tile's rows are ``BLOCK_M // group`` queries times the
   group's heads, again reading K/V once per group: 128 rows, at two programs an SM, or 64 for
@@ -66,17 +65,20 @@ PREFILL_BLOCK_N = 64  # keys per prefill tile
 # program an SM, 25-35% slower on the H100; a few bytes spill).
 PREFILL_MAX_REGISTERS = 128
 MIN_PARTITION_KEYS = 256  # block-table keys per split-K partition, at least (caps the count)
-PROGRAMS_PER_SM = 2  # decode splits the context until the grid has this many programs per SM
-# Whole-context decode programs an SM holds at once (96 registers a thread on SM 9.0): the
-# rotary embedding is fused for whole contexts up to one such wave (``fuses_rotary``).
+PROGRAMS_PER_SM = 2  # a few sequences' contexts split until the grid has this many programs an SM
+# Decode programs of many sequences an SM holds at once (``DECODE_MAX_REGISTERS``)...
 RESIDENT_DECODE_PROGRAMS_PER_SM = 5
-# Registers a thread of a whole-context decode program may use on an FP8 cache: five programs
-# an SM, as on a bf16 cache (96 there uncapped; 106 uncapped here, which holds four), with no
-# spills (its SASS compiled on the CPU; the fused-rotary variant spills one register). On an
-# H200: 112 -> 103 us a layer at 256 sequences, 80 -> 68 at 37; the FP8 workload -3%.
-FP8_DECODE_MAX_REGISTERS = 96
+# ...and the partitions each of many sequences takes up to one such wave of whole contexts
+# (33-82 sequences of 8 kv heads; on an FP8 cache on the H100 the decode steps of 33-128
+# sequences took 3% less time than whole contexts with the rotary embedding fused)
+ONE_WAVE_SPLITS = 2
+# Registers a thread of a decode program of many sequences may use: five programs an SM. (A
+# whole context on an FP8 cache took 106 uncapped, four an SM; on an H200 capping it took
+# 112 -> 103 us a layer at 256 sequences, 80 -> 68 at 37, the FP8 workload -3%.) Capped, the
+# split kernels' SASS (compiled on the CPU) reloads a spilled register or two a loop trip.
+DECODE_MAX_REGISTERS = 96
 # (sequence, kv head) pairs whose split decode merges its partitions itself (64K: far more
-# than a decode batch that splits its contexts; past it, the merge kernel)
+# than a decode batch that splits its contexts; past it, whole contexts)
 ARRIVAL_COUNTERS = 1 << 16
 # An FP8 value tile converts to fp16 in an asm block (``_values_in``), but in Triton's
 # interpreter, which runs no asm, plainly (the same values: the conversion is exact)
@@ -306,7 +308,8 @@ def _rotated_heads(x, partner, weight, partner_weight, cos, sin, eps,
     return rotated.to(dtype)
 
 
-@triton.jit(do_not_specialize=["stride_table"])  # any table width: one compile
+# any table width and split count: one compile
+@triton.jit(do_not_specialize=["stride_table", "max_splits"])
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr,
     seq_lens_ptr, block_tables_ptr, order_ptr,
@@ -314,22 +317,25 @@ def _decode_kernel(
     qk_scale,
     new_k_ptr, new_v_ptr, positions_ptr, slot_mapping_ptr, cos_sin_ptr, q_norm_weight_ptr,
     k_norm_weight_ptr, stride_kb, stride_kh, stride_vb, stride_vh, stride_cos_sin, norm_eps,
-    arrivals_ptr,
+    arrivals_ptr, max_splits,
     KV_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, HAS_ORDER: tl.constexpr,
-    ROTATE: tl.constexpr, NORM: tl.constexpr, MERGE: tl.constexpr, SPLITS: tl.constexpr,
-    BLOCKS_AHEAD: tl.constexpr, OVERLAP: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PRELOAD: tl.constexpr,
+    HAS_ORDER: tl.constexpr, ROTATE: tl.constexpr, NORM: tl.constexpr, PARTIALS: tl.constexpr,
+    SPLITS: tl.constexpr, BLOCKS_AHEAD: tl.constexpr, OVERLAP: tl.constexpr,
 ):
-    """Program (row x kv head, partition): the group's query heads over one context partition.
+    """Program (partition x kv head): the group's query heads over one context partition.
 
-    The first axis is ``row * KV_HEADS + kv_head`` (kv heads fastest, and no 65,535-block cap
-    of CUDA's second axis on the rows). Row ``r`` is sequence ``order[r]`` with ``HAS_ORDER``,
-    sequence ``r`` otherwise. The context splits into ``tl.num_programs(1)`` partitions of
-    equal whole tiles (the last ones may be short or empty). With ``SPLIT_K`` it writes the
-    unnormalised output, row max and row sum of its partition for ``_merge_partitions``: with
-    ``MERGE`` here, by the last of the group's partitions to finish (counted in
-    ``arrivals_ptr``, one counter per (sequence, kv head), zero before and after the launch),
-    else by ``_decode_merge_kernel``; otherwise (one partition) it writes the final output.
+    The grid's one axis is ``partition * KV_HEADS + kv_head`` (kv heads fastest). Row ``r`` is
+    sequence ``order[r]`` with ``HAS_ORDER``, sequence ``r`` otherwise. Without ``SPLIT``
+    partition ``r`` is row ``r``'s whole context. With it each row's context is cut into up to
+    ``max_splits`` partitions of whole tiles, a row's partitions side by side along the grid
+    (``_row_partition``); a program past its row's keys exits at once. A sequence's only
+    partition writes the final output; else each writes the
+    unnormalised output, row max and row sum of its keys for ``_merge_partitions``, and the
+    last of the group's partitions to finish merges them (counted in ``arrivals_ptr``, one
+    counter per (sequence, kv head), zero before and after the launch). With ``PARTIALS``
+    every partition leaves its results unmerged instead, as ``decode_partitions`` returns
+    them.
 
     With ``ROTATE`` the queries and the newest key and value are the projection's (``q_ptr``,
     ``new_k_ptr``, ``new_v_ptr``): the queries are rotated (after Qwen3's norm with ``NORM``)
@@ -337,7 +343,7 @@ def _decode_kernel(
     value to their cache slot and attends to them from registers; the cache loop stops short
     of the newest key, which no program reads from the cache.
 
-    Everything up to the first tile's keys and values (with ``SPLIT_K``) is read before waiting
+    Everything up to the first tile's keys and values (with ``PRELOAD``) is read before waiting
     for the kernel ahead (``triton_overlap``): at a few sequences a partition is often one tile.
     Without ``ROTATE`` the kernel ahead (``rotate_and_store_kv``) writes the newest key and
     value, read again after the wait; with it, the kernel ahead (the projection) writes nothing
@@ -348,14 +354,23 @@ def _decode_kernel(
     table a trip ahead, so that the next tile's keys and values load while this one is attended
     to (``_attend_keys``).
     """
-    row, kv_head = tl.program_id(0) // KV_HEADS, tl.program_id(0) % KV_HEADS
-    if HAS_ORDER:
-        seq = tl.load(order_ptr + row)
+    part, kv_head = tl.program_id(0) // KV_HEADS, tl.program_id(0) % KV_HEADS
+    if not SPLIT:
+        if HAS_ORDER:
+            seq = tl.load(order_ptr + part)
+        else:
+            seq = part
+        seq_len = tl.load(seq_lens_ptr + seq)
+        # 0, but left to the device: as a constant, the compiler schedules the loops into 117
+        # registers (bf16), where this holds 96, five programs an SM
+        split = part // tl.num_programs(0)
+        count = 1
+        partition_len = tl.cdiv(seq_len, BLOCK_N) * BLOCK_N
     else:
-        seq = row
-    split = tl.program_id(1)
-    seq_len = tl.load(seq_lens_ptr + seq)
-    partition_len = tl.cdiv(tl.cdiv(seq_len, tl.num_programs(1)), BLOCK_N) * BLOCK_N
+        seq, seq_len, split, count, partition_len = _row_partition(
+            part, order_ptr, seq_lens_ptr, max_splits, BLOCK_N, HAS_ORDER)
+        if split >= count:
+            return
     key_begin = split * partition_len
     newest = seq_len - 1
     cached_end = newest if ROTATE else seq_len  # keys read from the cache end here
@@ -367,9 +382,9 @@ def _decode_kernel(
     heads = kv_head * GROUP + rows
     row_mask = rows < GROUP
     dims = tl.arange(0, HEAD_DIM)
-    # Split-K (a few sequences) reads its first tile before the wait; whole contexts (many
-    # sequences) do not: a tile held across the wait costs registers.
-    if SPLIT_K:
+    # A few sequences' partitions read their first tile before the wait; many sequences' do
+    # not: a tile held across the wait costs registers.
+    if PRELOAD:
         first_keys = key_begin + tl.arange(0, BLOCK_N)
         first_in_range = first_keys < key_end
         k, v, first_offsets = _load_kv_tile(
@@ -386,7 +401,7 @@ def _decode_kernel(
         holds_newest = (key_begin <= newest) & (newest < key_begin + partition_len)
     wait_for_previous(OVERLAP)
 
-    if SPLIT_K and not ROTATE:
+    if PRELOAD and not ROTATE:
         is_newest = (first_keys == newest)[:, None]
         k = tl.where(is_newest, tl.load(k_cache_ptr + first_offsets, mask=is_newest, other=0.0), k)
         v = tl.where(is_newest, tl.load(v_cache_ptr + first_offsets, mask=is_newest, other=0.0), v)
@@ -428,7 +443,7 @@ def _decode_kernel(
         q = product_dtype(tl.load(q_ptr + q_offsets, mask=row_mask[:, None], other=0.0),
                           k_cache_ptr)
 
-    if SPLIT_K:
+    if PRELOAD:
         acc, row_sum, row_max = _attend_tile(acc, row_sum, row_max, q, k, v,
                                              first_in_range[None, :], qk_scale, True)
         rest = key_begin + BLOCK_N
@@ -445,28 +460,75 @@ def _decode_kernel(
         stride_head, BLOCK_SIZE, HEAD_DIM, BLOCK_N, True,
     )
 
-    if SPLIT_K:
-        num_splits = tl.num_programs(1)
-        partial = (seq * KV_HEADS * GROUP + heads) * num_splits + split
-        tl.store(partial_max_ptr + partial, row_max, mask=row_mask)
-        tl.store(partial_sum_ptr + partial, row_sum, mask=row_mask)
-        tl.store(partial_out_ptr + partial[:, None] * HEAD_DIM + dims[None, :], acc, mask=row_mask[:, None])
-        if MERGE:
-            # Every thread's stores come before the arrival (released at the GPU's scope); the
-            # last to arrive reads the others' after it (acquired), then zeroes the counter.
-            tl.debug_barrier()
-            arrivals = arrivals_ptr + seq * KV_HEADS + kv_head
-            arrived = tl.atomic_add(arrivals, 1, sem="acq_rel", scope="gpu")
-            if arrived == num_splits - 1:
-                tl.store(arrivals, 0)
-                _merge_partitions(partial_out_ptr, partial_max_ptr, partial_sum_ptr, out_ptr,
-                                  stride_ob, stride_oh, seq, heads, row_mask,
-                                  (seq * KV_HEADS * GROUP + heads) * num_splits, num_splits,
-                                  HEAD_DIM, SPLITS)
+    if PARTIALS:
+        _store_partial(acc, row_sum, row_max, partial_out_ptr, partial_max_ptr, partial_sum_ptr,
+                       seq, heads, row_mask, max_splits, split, KV_HEADS, GROUP, HEAD_DIM)
+    elif count == 1:
+        _store_output(acc, row_sum, out_ptr, seq, heads, row_mask, stride_ob, stride_oh, HEAD_DIM)
     else:
-        out = acc / tl.where(row_sum > 0, row_sum, 1.0)[:, None]
-        out_offsets = seq * stride_ob + heads[:, None] * stride_oh + dims[None, :]
-        tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
+        first_partials = _store_partial(acc, row_sum, row_max, partial_out_ptr, partial_max_ptr,
+                                        partial_sum_ptr, seq, heads, row_mask, max_splits, split,
+                                        KV_HEADS, GROUP, HEAD_DIM)
+        # Every thread's stores come before the arrival (released at the GPU's scope); the
+        # last to arrive reads the others' after it (acquired), then zeroes the counter.
+        tl.debug_barrier()
+        arrivals = arrivals_ptr + seq * KV_HEADS + kv_head
+        arrived = tl.atomic_add(arrivals, 1, sem="acq_rel", scope="gpu")
+        if arrived == count - 1:
+            tl.store(arrivals, 0)
+            _merge_partitions(partial_out_ptr, partial_max_ptr, partial_sum_ptr, out_ptr,
+                              stride_ob, stride_oh, seq, heads, row_mask, first_partials, count,
+                              HEAD_DIM, SPLITS)
+
+
+@triton.jit
+def _row_partition(part, order_ptr, seq_lens_ptr, max_splits, BLOCK_N: tl.constexpr,
+                   HAS_ORDER: tl.constexpr):
+    """Partition ``part`` of a split launch: ``(seq, seq_len, split, count, partition_len)``,
+    the ``split``-th of row ``part // max_splits``'s ``count``, of keys ``split *
+    partition_len`` on. A row's context is cut into up to ``max_splits`` partitions of whole
+    tiles, the last one shorter; a context of fewer tiles takes fewer (one at least: a padding
+    row's, of no keys, writes zeros), and its programs past them (``split >= count``) have
+    nothing to do. The length comes from the row's own context, which only the device knows,
+    not from the block table's width: a short context in a CUDA graph's wide table is spread
+    over the partitions too."""
+    row = part // max_splits
+    split = part % max_splits
+    if HAS_ORDER:
+        seq = tl.load(order_ptr + row)
+    else:
+        seq = row
+    seq_len = tl.load(seq_lens_ptr + seq)
+    partition_len = tl.cdiv(tl.cdiv(seq_len, max_splits), BLOCK_N) * BLOCK_N
+    count = tl.maximum(tl.cdiv(seq_len, tl.maximum(partition_len, 1)), 1)
+    return seq, seq_len, split, count, partition_len
+
+
+@triton.jit
+def _store_output(acc, row_sum, out_ptr, seq, heads, row_mask, stride_ob, stride_oh,
+                  HEAD_DIM: tl.constexpr):
+    """A sequence's final output rows ``heads``: the sums over all its keys, normalised (zeros
+    for no keys)."""
+    dims = tl.arange(0, HEAD_DIM)
+    out = acc / tl.where(row_sum > 0, row_sum, 1.0)[:, None]
+    out_offsets = seq * stride_ob + heads[:, None] * stride_oh + dims[None, :]
+    tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
+
+
+@triton.jit
+def _store_partial(acc, row_sum, row_max, partial_out_ptr, partial_max_ptr, partial_sum_ptr,
+                   seq, heads, row_mask, max_splits, split, KV_HEADS: tl.constexpr,
+                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """One partition's unnormalised rows, at ``[seq, head, split]`` of ``[B, H, max_splits]``;
+    returns the index of the rows' first partition."""
+    first_partials = (seq * KV_HEADS * GROUP + heads) * max_splits
+    partial = first_partials + split
+    dims = tl.arange(0, HEAD_DIM)
+    tl.store(partial_max_ptr + partial, row_max, mask=row_mask)
+    tl.store(partial_sum_ptr + partial, row_sum, mask=row_mask)
+    tl.store(partial_out_ptr + partial[:, None] * HEAD_DIM + dims[None, :], acc,
+             mask=row_mask[:, None])
+    return first_partials
 
 
 @triton.jit
@@ -496,21 +558,6 @@ def _merge_partitions(partial_out_ptr, partial_max_ptr, partial_sum_ptr, out_ptr
     out = acc / tl.where(total > 0, total, 1.0)[:, None]
     tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
-
-
-@triton.jit
-def _decode_merge_kernel(
-    partial_out_ptr, partial_max_ptr, partial_sum_ptr, out_ptr, stride_ob, stride_oh, num_splits,
-    HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr, OVERLAP: tl.constexpr,
-):
-    """Program (sequence, query head): ``_merge_partitions`` of one row, after the decode
-    kernel (where its own programs cannot: ``arrival_counters``)."""
-    wait_for_previous(OVERLAP)
-    seq = tl.program_id(0)
-    head = tl.program_id(1) + tl.arange(0, 1)
-    _merge_partitions(partial_out_ptr, partial_max_ptr, partial_sum_ptr, out_ptr, stride_ob,
-                      stride_oh, seq, head, head >= 0, (seq * tl.num_programs(1) + head)
-                      * num_splits, num_splits, HEAD_DIM, SPLITS)
 
 
 @triton.jit(do_not_specialize=["stride_table"])  # any table width: one compile
@@ -657,33 +704,32 @@ def _decode(q, k_cache, v_cache, seq_lens, block_tables, scale, order, num_split
     if batch_size == 0:
         return out
     num_splits = decode_partition_count(q, k_cache, block_tables, num_splits)
-    if num_splits == 1:  # the one partition writes the output itself
+    arrivals = (arrival_counters(q.device, batch_size * k_cache.shape[2]) if num_splits > 1
+                else None)
+    if arrivals is None:  # one partition a sequence, which writes the output itself
         _launch_decode(q, k_cache, v_cache, seq_lens, block_tables, order, scale, 1, out,
                        (out, out, out), new)
         return out
-    arrivals = arrival_counters(q.device, batch_size * k_cache.shape[2])
-    partial_out, partial_max, partial_sum = decode_partitions(
-        q, k_cache, v_cache, seq_lens, block_tables, scale, num_splits, order, new, out,
-        arrivals)
-    if arrivals is not None:  # merged by each group's last partition
-        return out
-    _decode_merge_kernel[(batch_size, num_heads)](
-        partial_out, partial_max, partial_sum, out, out.stride(0), out.stride(1), num_splits,
-        HEAD_DIM=head_dim, SPLITS=triton.next_power_of_2(num_splits),
-        **triton_overlap.launch_options(q.device),
-    )
+    partials = _partial_results(q, num_splits, torch.empty)
+    _launch_decode(q, k_cache, v_cache, seq_lens, block_tables, order, scale, num_splits, out,
+                   partials, new, arrivals)
     return out
 
 
 def decode_partition_count(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor,
                            num_splits: int | None = None) -> int:
-    """The context partitions a decode launch of ``q [B, H, D]`` takes: ``num_splits`` if given
-    (no more than the block table has tiles of keys), else ``decode_num_splits``'."""
+    """The most partitions a sequence of a decode launch of ``q [B, H, D]`` takes:
+    ``num_splits`` if given (no more than the block table has tiles of keys), else
+    ``decode_num_splits``'."""
     max_context = block_tables.shape[1] * k_cache.shape[1]
     if num_splits is None:
-        sms = num_sms(q.device, elsewhere=132)  # an H100's, so the interpreter splits alike
-        num_splits = decode_num_splits(q.shape[0], k_cache.shape[2], max_context, sms)
+        num_splits = decode_num_splits(q.shape[0], k_cache.shape[2], max_context,
+                                       _sms(q.device))
     return max(1, min(num_splits, -(-max_context // decode_tile(k_cache).block_n)))
+
+
+def _sms(device: torch.device) -> int:
+    return num_sms(device, elsewhere=132)  # an H100's, so that the interpreter splits alike
 
 
 class DecodeTile(NamedTuple):
@@ -704,39 +750,46 @@ def decode_tile(k_cache: torch.Tensor) -> DecodeTile:
 
 def fuses_rotary(q: torch.Tensor, k_cache: torch.Tensor, num_splits: int) -> bool:
     """Whether ``rotary_decode_attention`` beats the rotary kernel then ``decode_attention``
-    for a decode launch of ``q [B, H, D]`` in ``num_splits`` partitions (on the H100):
+    for a decode launch of ``q [B, H, D]`` in up to ``num_splits`` partitions a sequence (on
+    the H100). Every partition rotates its queries again:
 
-    - split contexts (up to 32 sequences of 8 kv heads): for more than one sequence. Every
-      partition rotates its queries again, which at one sequence cost more than the rotary
-      kernel (0.84 against 0.80 ms a step) and at 2-16 saved 4-6.5% of the step;
-    - whole contexts: where all the programs fit on the GPU at once (33-82 sequences). Where
-      they come in several waves, each wave rotates before it streams the cache (at 256
-      sequences the step took 6.98 against 6.83 ms)."""
-    if num_splits > 1:
-        return q.shape[0] > 1
-    one_wave = RESIDENT_DECODE_PROGRAMS_PER_SM * num_sms(q.device, elsewhere=132)
-    return q.shape[0] * k_cache.shape[2] <= one_wave
+    - a few sequences (``few_decode_sequences``): for more than one. At one sequence it cost
+      more than the rotary kernel (0.84 against 0.80 ms a step), at 2-16 it saved 4-6.5% of
+      the step;
+    - many, whole contexts: where all their programs fit on the GPU at once (one wave of
+      ``RESIDENT_DECODE_PROGRAMS_PER_SM`` an SM). In several waves each wave rotates before it
+      streams the cache (at 256 sequences the step took 6.98 against 6.83 ms);
+    - many, split (``ONE_WAVE_SPLITS``): never. On an FP8 cache on the H100, one wave's
+      contexts in two partitions and the rotary kernel took the decode steps of 33-128
+      sequences 1.456 s; split (up to 4 partitions of one length for all) with the rotary
+      fused, 1.495 s; whole with it fused, 1.500 s."""
+    batch_size, num_kv_heads = q.shape[0], k_cache.shape[2]
+    sms = _sms(q.device)
+    if few_decode_sequences(batch_size, num_kv_heads, sms):
+        return batch_size > 1
+    return num_splits == 1 and batch_size * num_kv_heads <= RESIDENT_DECODE_PROGRAMS_PER_SM * sms
 
 
 def decode_partitions(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
                       num_splits: int, order: torch.Tensor | None = None,
-                      new: NewTokens | None = None, out: torch.Tensor | None = None,
-                      arrivals: torch.Tensor | None = None,
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Split-K: each partition's unnormalised output ``[B, H, splits, D]``, row max and row
-    sum ``[B, H, splits]`` (base 2, float32), which the merge combines: with ``arrivals``
-    (``arrival_counters``) the last partition of each group, into ``out``; else the merge
-    kernel, after this."""
+    """What a split decode launch's partitions leave for the merge, unmerged (to look at how a
+    batch is cut): each partition's unnormalised output ``[B, H, splits, D]``, row max and row
+    sum ``[B, H, splits]`` (base 2, float32); zeros where a sequence takes fewer partitions."""
+    num_splits = decode_partition_count(q, k_cache, block_tables, num_splits)
+    partials = _partial_results(q, num_splits, torch.zeros)
+    _launch_decode(q, k_cache, v_cache, seq_lens, block_tables, order, scale, num_splits,
+                   partials[0], partials, None, leave_partials=True)
+    return partials
+
+
+def _partial_results(q: torch.Tensor, num_splits: int, allocate) -> tuple[torch.Tensor, ...]:
     batch_size, num_heads, head_dim = q.shape
     shape = (batch_size, num_heads, num_splits)
-    partial_max = torch.empty(shape, dtype=torch.float32, device=q.device)
-    partial_sum = torch.empty(shape, dtype=torch.float32, device=q.device)
-    partial_out = torch.empty(*shape, head_dim, dtype=torch.float32, device=q.device)
-    partials = (partial_out, partial_max, partial_sum)
-    _launch_decode(q, k_cache, v_cache, seq_lens, block_tables, order, scale, num_splits,
-                   partial_out if out is None else out, partials, new, arrivals)
-    return partials
+    return (allocate(*shape, head_dim, dtype=torch.float32, device=q.device),
+            allocate(shape, dtype=torch.float32, device=q.device),
+            allocate(shape, dtype=torch.float32, device=q.device))
 
 
 @functools.cache
@@ -746,10 +799,11 @@ def _arrivals(device: torch.device) -> torch.Tensor:
 
 def arrival_counters(device: torch.device, groups: int) -> torch.Tensor | None:
     """The counters with which a split decode launch of ``groups`` (sequence, kv head) pairs
-    merges its partitions itself, or None (the merge kernel then runs): zero between launches
-    (the last arrival of each group resets its counter), one set a device, made once, outside
-    a CUDA graph's capture (the runner's warm-up runs before it). Decode launches on a device
-    run in stream order, one after another, so they share the set."""
+    merges its partitions itself, or None (the launch then takes one partition a sequence):
+    zero between launches (the last arrival of each group resets its counter), one set a
+    device, made once, outside a CUDA graph's capture (the runner's warm-up runs before it).
+    Decode launches on a device run in stream order, one after another, so they share the
+    set."""
     if groups > ARRIVAL_COUNTERS:
         return None
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing() \
@@ -759,13 +813,18 @@ def arrival_counters(device: torch.device, groups: int) -> torch.Tensor | None:
 
 
 def _launch_decode(q, k_cache, v_cache, seq_lens, block_tables, order, scale, num_splits, out,
-                   partials, new: NewTokens | None, arrivals: torch.Tensor | None = None) -> None:
-    """One program per (row x kv head, partition), in ``decode_tile``'s tiles: on the H100,
-    with the kv heads first, 64-key bf16 tiles two deep match or beat 128-key tiles three deep
-    from 4 to 256 sequences."""
-    num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
+                   partials, new: NewTokens | None, arrivals: torch.Tensor | None = None,
+                   leave_partials: bool = False) -> None:
+    """One program per (partition, kv head), in ``decode_tile``'s tiles: on the H100, with the
+    kv heads first, 64-key bf16 tiles two deep match or beat 128-key tiles three deep from 4
+    to 256 sequences. Up to ``num_splits`` partitions a sequence, sized on the device
+    (``_row_partition``), merged in the last of a sequence's to finish (with ``arrivals``,
+    which one partition a sequence does not need), or all of them left in ``partials``
+    (``leave_partials``)."""
+    batch_size, num_heads, num_kv_heads = q.shape[0], q.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
     tile = decode_tile(k_cache)
+    few = few_decode_sequences(batch_size, num_kv_heads, _sms(q.device))
     if new is None:  # placeholders, never read
         rotation = (q, q, seq_lens, seq_lens, q, q, q, 0, 0, 0, 0, 0, 0.0)
         norm = False
@@ -775,34 +834,55 @@ def _launch_decode(q, k_cache, v_cache, seq_lens, block_tables, order, scale, nu
                     new.q_norm_weight if norm else q, new.k_norm_weight if norm else q,
                     new.k.stride(0), new.k.stride(1), new.v.stride(0), new.v.stride(1),
                     new.cos_sin_cache.stride(0), new.norm_eps)
-    _decode_kernel[(q.shape[0] * num_kv_heads, num_splits)](
+    _decode_kernel[(batch_size * num_splits * num_kv_heads,)](
         q, k_cache, v_cache, out, *partials, seq_lens, block_tables,
         seq_lens if order is None else order,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         scale * LOG2_E, *rotation, seq_lens if arrivals is None else arrivals,
+        num_splits,
         KV_HEADS=num_kv_heads, GROUP=group, BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=q.shape[2],
         BLOCK_M=max(16, triton.next_power_of_2(group)),
-        BLOCK_N=tile.block_n, SPLIT_K=num_splits > 1, HAS_ORDER=order is not None,
-        ROTATE=new is not None, NORM=norm, MERGE=arrivals is not None,
+        BLOCK_N=tile.block_n, SPLIT=num_splits > 1, PRELOAD=num_splits > 1 and few,
+        HAS_ORDER=order is not None, ROTATE=new is not None, NORM=norm, PARTIALS=leave_partials,
         SPLITS=triton.next_power_of_2(num_splits), BLOCKS_AHEAD=tile.stages >= 3,
         num_warps=tile.warps, num_stages=tile.stages,
-        maxnreg=(FP8_DECODE_MAX_REGISTERS if num_splits == 1 and k_cache.element_size() == 1
-                 else None),
+        maxnreg=_decode_max_registers(few, num_splits, k_cache),
         **triton_overlap.launch_options(q.device),
     )
 
 
+def _decode_max_registers(few: bool, num_splits: int, k_cache: torch.Tensor) -> int | None:
+    """``DECODE_MAX_REGISTERS`` for many sequences' programs: split, or whole contexts of an
+    FP8 cache (a bf16 cache's take 96 uncapped; capped, they spill)."""
+    if few or (num_splits == 1 and k_cache.element_size() > 1):
+        return None
+    return DECODE_MAX_REGISTERS
+
+
+def few_decode_sequences(batch_size: int, num_kv_heads: int, num_sms: int) -> bool:
+    """Whether a decode batch's (sequence, kv head) pairs leave the GPU idle: fewer than
+    ``PROGRAMS_PER_SM`` an SM."""
+    return batch_size * num_kv_heads < PROGRAMS_PER_SM * num_sms
+
+
 def decode_num_splits(batch_size: int, num_kv_heads: int, max_context: int, num_sms: int) -> int:
-    """Context partitions per sequence, from host-known sizes only.
+    """The most partitions a sequence may take, from host-known sizes only.
 
     A (kv head, sequence) program per SM leaves most of the GPU idle at small batch sizes, so
-    the context is split until there are about ``PROGRAMS_PER_SM`` programs per SM, with at
-    most one partition per ``MIN_PARTITION_KEYS`` keys of ``max_context`` (block-table width
-    times block size): an upper bound, the true lengths are on the device, where each program
-    sizes its partition.
+    a few sequences' contexts split until there are about ``PROGRAMS_PER_SM`` programs per SM.
+    Many sequences' whole contexts, up to one wave of them (``RESIDENT_DECODE_PROGRAMS_PER_SM``
+    an SM), leave the long ones running alone at the end: they split in ``ONE_WAVE_SPLITS``.
+    Both at most one partition per ``MIN_PARTITION_KEYS`` keys of ``max_context`` (block-table
+    width times block size): an upper bound, the true lengths are on the device, where the
+    partitions are sized.
     """
-    wanted = -(-PROGRAMS_PER_SM * num_sms // (batch_size * num_kv_heads))
+    if few_decode_sequences(batch_size, num_kv_heads, num_sms):
+        wanted = -(-PROGRAMS_PER_SM * num_sms // (batch_size * num_kv_heads))
+    elif batch_size * num_kv_heads <= RESIDENT_DECODE_PROGRAMS_PER_SM * num_sms:
+        wanted = ONE_WAVE_SPLITS
+    else:
+        wanted = 1
     return max(1, min(wanted, max_context // MIN_PARTITION_KEYS))
 
 

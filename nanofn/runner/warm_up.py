@@ -14,7 +14,7 @@ So before the graphs are captured the runner takes eager steps of every token co
 and with as many sampled rows (the LM head's and the sampler's launches). Every size-chosen tile
 has its thresholds at powers of two, so both sides of each are met.
 Where decode steps run eagerly too (no graphs, or more sequences than the largest graph) it
-also takes decode steps of powers-of-two batches at powers-of-two contexts (the decode
+also takes decode steps of the same ladder of batches at powers-of-two contexts (the decode
 partitions are chosen from the batch and the block tables' width). The experts' pair and
 block counts, which Triton would specialize on divisibility by 16 in combinations no ladder of
 sizes meets, are not specialized (``do_not_specialize``). ``tests/test_warm_up.py`` checks that
@@ -87,7 +87,9 @@ def warm_up_plans(max_num_batched_tokens: int, max_num_seqs: int, max_model_len:
 
 
 def eager_decode_batches(max_num_seqs: int, largest_graph: int | None) -> list[int]:
-    """The decode batches (powers of two and the limit) that run eagerly: all of them without
-    graphs (``largest_graph`` None), else those above the largest graph's."""
+    """The decode batches (each power of two and the batch after it, and the limit) that run
+    eagerly: all of them without graphs (``largest_graph`` None), else those above the
+    largest graph's. (An odd batch's positions, laid after its token ids, are not 16-byte
+    aligned, which Triton compiles apart.)"""
     smallest = 1 if largest_graph is None else largest_graph + 1
-    return [b for b in powers_of_two_up_to(max_num_seqs) if b >= smallest]
+    return [b for b in warm_up_token_counts(max_num_seqs) if b >= smallest]
