@@ -767,7 +767,7 @@ def fuses_rotary(q: torch.Tensor, k_cache: torch.Tensor, num_splits: int) -> boo
     sms = _sms(q.device)
     if few_decode_sequences(batch_size, num_kv_heads, sms):
         return batch_size > 1
-    return num_splits == 1 and batch_size * num_kv_heads <= RESIDENT_DECODE_PROGRAMS_PER_SM * sms
+    return num_splits == 1 and within_one_wave(batch_size, num_kv_heads, sms)
 
 
 def decode_partitions(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -860,6 +860,12 @@ def _decode_max_registers(few: bool, num_splits: int, k_cache: torch.Tensor) -> 
     return DECODE_MAX_REGISTERS
 
 
+def within_one_wave(batch_size: int, num_kv_heads: int, num_sms: int) -> bool:
+    """Whether a decode batch's whole-context programs all fit on the GPU at once
+    (``RESIDENT_DECODE_PROGRAMS_PER_SM`` an SM)."""
+    return batch_size * num_kv_heads <= RESIDENT_DECODE_PROGRAMS_PER_SM * num_sms
+
+
 def few_decode_sequences(batch_size: int, num_kv_heads: int, num_sms: int) -> bool:
     """Whether a decode batch's (sequence, kv head) pairs leave the GPU idle: fewer than
     ``PROGRAMS_PER_SM`` an SM."""
@@ -879,7 +885,7 @@ def decode_num_splits(batch_size: int, num_kv_heads: int, max_context: int, num_
     """
     if few_decode_sequences(batch_size, num_kv_heads, num_sms):
         wanted = -(-PROGRAMS_PER_SM * num_sms // (batch_size * num_kv_heads))
-    elif batch_size * num_kv_heads <= RESIDENT_DECODE_PROGRAMS_PER_SM * num_sms:
+    elif within_one_wave(batch_size, num_kv_heads, num_sms):
         wanted = ONE_WAVE_SPLITS
     else:
         wanted = 1
