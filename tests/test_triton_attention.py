@@ -359,15 +359,16 @@ def test_rotary_decode_attention_writes_only_each_tokens_own_slot(interpreter):
     assert set(changed.nonzero().flatten().tolist()) == written
 
 
-def test_decode_splits_a_few_sequences_until_the_gpu_is_busy_and_a_wave_of_many_a_few_times():
-    num_sms, many = 132, triton_attention.ONE_WAVE_SPLITS
+def test_decode_splits_a_few_sequences_until_the_gpu_is_busy_and_a_few_waves_of_many_in_two():
+    num_sms, many = 132, triton_attention.FEW_WAVES_SPLITS
     assert triton_attention.decode_num_splits(1, 8, 32768, num_sms) == 33  # 8 x 33 programs >= 2 per SM
     assert triton_attention.decode_num_splits(4, 8, 1024, num_sms) == 4  # partitions of 256 keys at least
     assert triton_attention.decode_num_splits(4, 8, 200, num_sms) == 1
     assert triton_attention.decode_num_splits(33, 8, 4096, num_sms) == many
     assert triton_attention.decode_num_splits(82, 8, 4096, num_sms) == many  # one wave: 656 <= 660
     assert triton_attention.decode_num_splits(82, 8, 256, num_sms) == 1
-    assert triton_attention.decode_num_splits(83, 8, 4096, num_sms) == 1
+    assert triton_attention.decode_num_splits(132, 8, 4096, num_sms) == many  # 1,056 <= 8 x 132
+    assert triton_attention.decode_num_splits(133, 8, 4096, num_sms) == 1
 
 
 def test_the_rotary_embedding_is_fused_where_every_partition_rotating_pays():

@@ -68,10 +68,13 @@ MIN_PARTITION_KEYS = 256  # block-table keys per split-K partition, at least (ca
 PROGRAMS_PER_SM = 2  # a few sequences' contexts split until the grid has this many programs an SM
 # Decode programs of many sequences an SM holds at once (``DECODE_MAX_REGISTERS``)...
 RESIDENT_DECODE_PROGRAMS_PER_SM = 5
-# ...and the partitions each of many sequences takes up to one such wave of whole contexts
-# (33-82 sequences of 8 kv heads; on an FP8 cache on the H100 the decode steps of 33-128
-# sequences took 3% less time than whole contexts with the rotary embedding fused)
-ONE_WAVE_SPLITS = 2
+# ...and the partitions each of many sequences takes while their whole contexts would be at
+# most ``FEW_WAVES_PROGRAMS_PER_SM`` programs an SM: 1.6 such waves, 33-132 sequences of 8 kv
+# heads on 132 SMs. On an FP8 cache on the H100 the decode steps of 33-128 sequences took 3%
+# less time than whole contexts with the rotary embedding fused, in two partitions up to one
+# wave (82 sequences); up to 1.6 waves, 1.2% less again (1.456 -> 1.439 s in the workload).
+FEW_WAVES_SPLITS = 2
+FEW_WAVES_PROGRAMS_PER_SM = 8
 # Registers a thread of a decode program of many sequences may use: five programs an SM. (A
 # whole context on an FP8 cache took 106 uncapped, four an SM; on an H200 capping it took
 # 112 -> 103 us a layer at 256 sequences, 80 -> 68 at 37, the FP8 workload -3%.) Capped, the
@@ -759,7 +762,7 @@ def fuses_rotary(q: torch.Tensor, k_cache: torch.Tensor, num_splits: int) -> boo
     - many, whole contexts: where all their programs fit on the GPU at once (one wave of
       ``RESIDENT_DECODE_PROGRAMS_PER_SM`` an SM). In several waves each wave rotates before it
       streams the cache (at 256 sequences the step took 6.98 against 6.83 ms);
-    - many, split (``ONE_WAVE_SPLITS``): never. On an FP8 cache on the H100, one wave's
+    - many, split (``FEW_WAVES_SPLITS``): never. On an FP8 cache on the H100, one wave's
       contexts in two partitions and the rotary kernel took the decode steps of 33-128
       sequences 1.456 s; split (up to 4 partitions of one length for all) with the rotary
       fused, 1.495 s; whole with it fused, 1.500 s."""
@@ -866,6 +869,12 @@ def within_one_wave(batch_size: int, num_kv_heads: int, num_sms: int) -> bool:
     return batch_size * num_kv_heads <= RESIDENT_DECODE_PROGRAMS_PER_SM * num_sms
 
 
+def in_few_waves(batch_size: int, num_kv_heads: int, num_sms: int) -> bool:
+    """Whether a decode batch's whole-context programs are at most
+    ``FEW_WAVES_PROGRAMS_PER_SM`` an SM."""
+    return batch_size * num_kv_heads <= FEW_WAVES_PROGRAMS_PER_SM * num_sms
+
+
 def few_decode_sequences(batch_size: int, num_kv_heads: int, num_sms: int) -> bool:
     """Whether a decode batch's (sequence, kv head) pairs leave the GPU idle: fewer than
     ``PROGRAMS_PER_SM`` an SM."""
@@ -877,16 +886,16 @@ def decode_num_splits(batch_size: int, num_kv_heads: int, max_context: int, num_
 
     A (kv head, sequence) program per SM leaves most of the GPU idle at small batch sizes, so
     a few sequences' contexts split until there are about ``PROGRAMS_PER_SM`` programs per SM.
-    Many sequences' whole contexts, up to one wave of them (``RESIDENT_DECODE_PROGRAMS_PER_SM``
-    an SM), leave the long ones running alone at the end: they split in ``ONE_WAVE_SPLITS``.
+    Many sequences' whole contexts, in up to a few waves of them (``in_few_waves``), leave the
+    long ones running alone at the end: they split in ``FEW_WAVES_SPLITS``.
     Both at most one partition per ``MIN_PARTITION_KEYS`` keys of ``max_context`` (block-table
     width times block size): an upper bound, the true lengths are on the device, where the
     partitions are sized.
     """
     if few_decode_sequences(batch_size, num_kv_heads, num_sms):
         wanted = -(-PROGRAMS_PER_SM * num_sms // (batch_size * num_kv_heads))
-    elif within_one_wave(batch_size, num_kv_heads, num_sms):
-        wanted = ONE_WAVE_SPLITS
+    elif in_few_waves(batch_size, num_kv_heads, num_sms):
+        wanted = FEW_WAVES_SPLITS
     else:
         wanted = 1
     return max(1, min(wanted, max_context // MIN_PARTITION_KEYS))
