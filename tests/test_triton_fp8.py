@@ -373,7 +373,9 @@ def test_fp8_projection_kernels_compile(compile_for_h100, kind):
     wide_weight = Fp8Weight(empty(n, wide, dtype=FP8_DTYPE),
                             empty(n, wide // 128 if kind == "block" else 1, dtype=torch.float32),
                             128 if kind == "block" else wide, weight.input_scale)
-    for rows in (1, 64):  # the GEMV; the GEMM after quantizing a row in steps (per token)
+    # the GEMV; the GEMM in its few-row tile (a 50 MB weight) and its small tile, after
+    # quantizing a row in steps (per token)
+    for rows in (1, 4, 64):
         compile_for_h100(triton_fp8.fp8_linear, empty(rows, wide), wide_weight)
     for rows, residual in ((1, None), (4, empty(4, k))):
         for gated in (False, True):
@@ -458,6 +460,86 @@ def test_an_fp8_mlp_activates_in_the_down_projections_quantization(interpreter, 
     assert isinstance(activated, Unactivated) == (rows > triton_fp8.NORM_GEMV_MAX_ROWS)
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
 
+
+
+def test_the_gemv_takes_one_row_of_any_weight_and_a_few_of_a_small_one():
+    """One row: the GEMV, whatever the weight. 2-8 rows: the GEMV on a weight of at most
+    ``GEMV_MAX_WEIGHT_BYTES`` (Qwen3-0.6B's gate_up, 6 MiB), the GEMM on a larger one
+    (Qwen3-8B's qkv, 24 MiB), whose GEMV is bound by its instructions. More rows: the GEMM."""
+    def weight(n, k):
+        return Fp8Weight(torch.empty(n, k, dtype=FP8_DTYPE, device="meta"),
+                         torch.empty(n, 1, device="meta"), k)
+
+    small, large = weight(6144, 1024), weight(6144, 4096)
+    assert all(triton_fp8.takes_gemv(rows, small) for rows in range(9))
+    assert triton_fp8.takes_gemv(1, large) and triton_fp8.takes_gemv(0, large)
+    assert not any(triton_fp8.takes_gemv(rows, large) for rows in range(2, 9))
+    assert not triton_fp8.takes_gemv(9, small) and not triton_fp8.takes_gemv(3, small, 2)
+
+
+def _layer_projections_and_kernels(max_weight_bytes, x, norm_weight, residual, qkv, gate_up,
+                                   down):
+    """With ``GEMV_MAX_WEIGHT_BYTES`` at ``max_weight_bytes``: a layer's FP8 projections on the
+    Triton backend (qkv after the norm; gate_up after it, gated, then down as partial sums),
+    their outputs (down's added up) and the kernels each launched: "gemv", "gemm",
+    "norm-quantize" and "quantize" (or "quantize-gated", activating as it quantizes)."""
+    launched = []
+
+    def recording(name, function):
+        def record(*args, **kwargs):
+            gated = name == "quantize" and (args[3] if len(args) > 3 else kwargs.get("gated"))
+            launched[-1].append(name + ("-gated" if gated else ""))
+            return function(*args, **kwargs)
+        return record
+
+    patches = [mock.patch.object(triton_fp8, "GEMV_MAX_WEIGHT_BYTES", max_weight_bytes)]
+    for module, attribute, name in ((triton_fp8, "_launch_gemv", "gemv"),
+                                    (triton_fp8, "_launch_gemm", "gemm"),
+                                    (triton_fp8, "quantize_activations", "quantize"),
+                                    (triton_ops, "rms_norm_quantized", "norm-quantize")):
+        patches.append(mock.patch.object(module, attribute,
+                                         recording(name, getattr(module, attribute))))
+    for patch in patches:
+        patch.start()
+    try:
+        launched.append([])
+        q, _ = triton_ops.rms_norm_linear(x, norm_weight, 1e-6, residual, qkv)
+        launched.append([])
+        activated, _ = triton_ops.rms_norm_linear(x, norm_weight, 1e-6, residual, gate_up,
+                                                  gated=True)
+        launched.append([])
+        out = added_up(triton_ops.linear(activated, down, partial_sums=True))
+    finally:
+        for patch in patches:
+            patch.stop()
+    return (q, out), launched
+
+
+@pytest.mark.parametrize("kind", WEIGHT_KINDS)
+def test_a_few_rows_of_a_large_fp8_weight_take_the_gemm_and_give_the_gemvs_product(
+        interpreter, kind):
+    """At 3 rows, a layer's projections whose weights pass ``GEMV_MAX_WEIGHT_BYTES`` (here set
+    to 0) take the norm that quantizes, the quantization kernel (down's activating as it
+    quantizes) and the GEMM, where small ones take the fused GEMVs; the products are the
+    same up to the sums' order. One row takes the GEMVs either way."""
+    generator = torch.Generator().manual_seed(21)
+    qkv, gate_up, down = (fp8_weight(96, 256, kind, seed=22), fp8_weight(256, 256, kind, seed=23),
+                          fp8_weight(64, 128, kind, seed=24))
+    for rows in (3, 1):
+        x, residual = (torch.randn(rows, 256, generator=generator) for _ in range(2))
+        norm_weight = torch.rand(256, generator=generator) + 0.5
+        layer = (x, norm_weight, residual, qkv, gate_up, down)
+        small, small_kernels = interpreter(_layer_projections_and_kernels, 1 << 30, *layer)
+        large, large_kernels = interpreter(_layer_projections_and_kernels, 0, *layer)
+        assert small_kernels == [["gemv"], ["gemv"], ["gemv"]]
+        if rows == 1:
+            assert large_kernels == small_kernels
+        else:
+            assert large_kernels == [["norm-quantize", "gemm"], ["norm-quantize", "gemm"],
+                                     ["quantize-gated", "gemm"]]
+        for got, expected in zip(large, small):
+            torch.testing.assert_close(got, expected, rtol=1e-5,
+                                       atol=1e-5 * expected.abs().max().item())
 
 def _norm_linear_and_parts(x, norm_weight, residual, weight):
     return (triton_ops.rms_norm_linear(x, norm_weight, 1e-6, residual, weight),

@@ -29,7 +29,8 @@ per-tensor scale), times the e4m3 weight, each product scaled by its row's and g
 
 The GEMVs take ``triton_gemv.gemv_config``'s tiles (whole rows of up to 4,096 columns, a few
 outputs a program), but at one row after a norm more outputs a program (``fp8_gemv_config``);
-the GEMM's tiles were measured on the H100 (``gemm_tile``).
+the GEMM's tiles were measured on the H100 (``gemm_tile``; not yet its tile for a few rows of
+a weight too large for the GEMV, ``takes_gemv``).
 """
 
 from __future__ import annotations
@@ -47,7 +48,9 @@ from nanofn.kernels.triton_gemv import (NORM, PLAIN, GemvConfig, gemv_config, ge
                                         input_tile, row_warps, silu_times_up)
 from nanofn.kernels.triton_overlap import wait_for_previous
 
-GEMV_MAX_ROWS = 8  # rows up to which the GEMV runs (the GEMM's tiles are 64 rows at least)
+GEMV_MAX_ROWS = 8  # rows up to which the GEMV runs (the GEMM's tiles are 64 rows at least)...
+# ...past one row, on a weight of at most this many bytes (``takes_gemv``)
+GEMV_MAX_WEIGHT_BYTES = 8 << 20
 # Outputs a program of the GEMVs with the norm before them at one row (``fp8_gemv_config``)
 ONE_ROW_OUTPUTS = 8
 NORM_GEMV_MAX_ROWS = 4  # the GEMV with the norm before it (whole rows a program)
@@ -73,10 +76,17 @@ class GemmTile(NamedTuple):
 SMALL_GEMM_TILE = GemmTile(64, 64, 128, 4, 4)
 GEMM_TILE = GemmTile(64, 128, 128, 8, 3)
 SMALL_GEMM_MAX_ROWS = 256
+# The GEMV's rows on a weight too large for it (``takes_gemv``): half as many outputs a tile,
+# twice the programs streaming the weight, where the rows fill one tile of 64 at most
+# (Qwen3-8B's o_proj and down_proj: 128 programs). Chosen from the compiled code (the FP8
+# tensor cores' products, no spills, 56 registers), not yet measured on a GPU.
+FEW_ROWS_GEMM_TILE = GemmTile(64, 32, 128, 4, 4)
 
 
 def gemm_tile(rows: int) -> GemmTile:
     """The W8A8 GEMM's tile for ``rows`` rows."""
+    if rows <= GEMV_MAX_ROWS:
+        return FEW_ROWS_GEMM_TILE
     return SMALL_GEMM_TILE if rows <= SMALL_GEMM_MAX_ROWS else GEMM_TILE
 
 
@@ -489,14 +499,31 @@ def fp8_rms_norm_gemv(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
     return out, (x if summed is None else summed)
 
 
+def takes_gemv(rows: int, weight: Fp8Weight, max_rows: int = GEMV_MAX_ROWS) -> bool:
+    """Whether a product of ``rows`` rows by ``weight`` runs on the GEMV (else the GEMM): up
+    to ``max_rows`` rows, and past one row only on a weight of at most
+    ``GEMV_MAX_WEIGHT_BYTES``.
+
+    The GEMV's products are the CUDA cores' (each weight code converted, then multiplied once
+    a row), the GEMM's the FP8 tensor cores' (64-row tiles: padding rows cost nothing but
+    product slots). Compiled for SM 9.0 at Qwen3-8B's projections (4,096 columns), the GEMV
+    runs about one warp instruction a weight byte at 4 rows (0.35 for bf16's GEMV a bf16
+    byte), so that its instructions, not the weight's bytes, bound it: on the H100 Qwen3-8B's
+    FP8 decode steps of 2-8 sequences took 9.5 ms against 3.8 ms for one sequence (bf16: 8.6
+    and 5.5 ms). A small weight's GEMV (Qwen3-0.6B's, up to 6 MB) is short either way, and
+    the GEMM's path launches one or two kernels more: the bound sits between the two models'
+    projections (not yet measured on a GPU)."""
+    return rows <= max_rows and (rows <= 1 or weight.data.numel() <= GEMV_MAX_WEIGHT_BYTES)
+
+
 def fp8_linear(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = None,
                gemv_max_rows: int = GEMV_MAX_ROWS, gated: bool = False) -> torch.Tensor:
-    """``fp8.fp8_linear`` for ``x [..., K]``: the GEMV up to ``gemv_max_rows`` rows, else the
-    quantization kernel and a GEMM (``quantized_linear``). ``gated``: of the activation of
-    ``x = [gate | up]`` (``[..., 2K]``), which the quantization kernel computes (past the
-    GEMV's rows only: the GEMVs take the activation itself)."""
+    """``fp8.fp8_linear`` for ``x [..., K]``: the GEMV where ``takes_gemv`` says (up to
+    ``gemv_max_rows`` rows), else the quantization kernel and a GEMM (``quantized_linear``).
+    ``gated``: of the activation of ``x = [gate | up]`` (``[..., 2K]``), which the
+    quantization kernel computes (off the GEMV only: the GEMVs take the activation itself)."""
     rows = x.reshape(-1, x.shape[-1]).contiguous()
-    if len(rows) <= gemv_max_rows:
+    if takes_gemv(len(rows), weight, gemv_max_rows):
         assert not gated, "the GEMV takes the activation, not [gate | up]"
         out = fp8_gemv(rows, weight, bias)
     else:

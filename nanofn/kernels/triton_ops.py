@@ -516,17 +516,19 @@ def linear(x: torch.Tensor | Unactivated, weight: torch.Tensor, bias: torch.Tens
 
 def _fp8_linear(x: torch.Tensor | Unactivated, weight: Fp8Weight, bias: torch.Tensor | None,
                 partial_sums: bool, triton_gemm_max_rows: int) -> torch.Tensor | PartialSums:
-    """``linear`` on an FP8 weight: asked for ``partial_sums``, past the GEMV's rows, the
-    split-K W8A8 GEMM in ``triton_gemm``'s tiles (``fp8_partial_sums_gemm``); else
-    ``triton_fp8.fp8_linear``. An ``Unactivated`` input past the GEMV's rows is activated by
-    the kernel that quantizes it (one kernel fewer than ``silu_and_mul`` and then that one)."""
+    """``linear`` on an FP8 weight: asked for ``partial_sums``, off the GEMV
+    (``triton_fp8.takes_gemv``), the split-K W8A8 GEMM in ``triton_gemm``'s tiles
+    (``fp8_partial_sums_gemm``); else ``triton_fp8.fp8_linear``. An ``Unactivated`` input off
+    the GEMV is activated by the kernel that quantizes it (one kernel fewer than
+    ``silu_and_mul`` and then that one)."""
     gated = isinstance(x, Unactivated)
     if gated:
         x = x.gate_up
     num_rows = x.numel() // x.shape[-1]
-    if gated and num_rows <= triton_fp8.GEMV_MAX_ROWS:
+    gemv = triton_fp8.takes_gemv(num_rows, weight)
+    if gated and gemv:
         x, gated = silu_and_mul(x), False
-    if (partial_sums and x.dim() == 2 and num_rows > triton_fp8.GEMV_MAX_ROWS
+    if (partial_sums and x.dim() == 2 and not gemv
             and (config := _triton_gemm_config(triton_gemm.gemm_config, num_rows, weight, bias,
                                                triton_gemm_max_rows))):
         return triton_fp8.fp8_partial_sums_gemm(x, weight, config, gated)
@@ -594,14 +596,15 @@ def _fp8_rms_norm_linear(x: torch.Tensor | Unsummed, norm_weight: torch.Tensor, 
                          residual: torch.Tensor | None, weight: Fp8Weight,
                          bias: torch.Tensor | None, gated: bool,
                          gemv_max_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``rms_norm_linear`` on an FP8 weight: one kernel for a few rows
-    (``triton_fp8.fp8_rms_norm_gemv``), else the norm kernel that quantizes its output for the
-    product (``rms_norm_quantized``: no quantization kernel between them) and the W8A8
-    product, gated ``Unactivated`` (``linear`` activates it as it quantizes it for an FP8
-    ``down_proj``)."""
+    """``rms_norm_linear`` on an FP8 weight: one kernel for a few rows where the GEMV takes
+    them (``triton_fp8.fp8_rms_norm_gemv``; ``takes_gemv``), else the norm kernel that
+    quantizes its output for the product (``rms_norm_quantized``: no quantization kernel
+    between them) and the W8A8 product, gated ``Unactivated`` (``linear`` activates it as it
+    quantizes it for an FP8 ``down_proj``)."""
     size = weight.shape[-1]
     num_rows = summed_shape(x).numel() // size
-    if 0 < num_rows <= min(gemv_max_rows, triton_fp8.NORM_GEMV_MAX_ROWS):
+    if 0 < num_rows and triton_fp8.takes_gemv(
+            num_rows, weight, min(gemv_max_rows, triton_fp8.NORM_GEMV_MAX_ROWS)):
         x = added_up(x)
         rows = x.reshape(-1, size)
         residual_rows = None if residual is None else residual.reshape(-1, size)

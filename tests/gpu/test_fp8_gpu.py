@@ -73,7 +73,12 @@ def test_an_activation_quantized_as_computed_is_the_stored_ones_codes(kind, rows
 @pytest.mark.parametrize("rows", [1, 4, 8, 64, 512])
 @pytest.mark.parametrize("name", SHAPES)
 @pytest.mark.parametrize("kind", KINDS)
-def test_fp8_gemv_and_gemm_match_the_reference(name, kind, rows):
+@pytest.mark.parametrize("large", [False, True], ids=["small", "past-gemv-bytes"])
+def test_fp8_gemv_and_gemm_match_the_reference(name, kind, rows, large, monkeypatch):
+    """``past-gemv-bytes``: each weight taken as too large for the GEMV past one row
+    (``takes_gemv``), so 4 and 8 rows take the GEMM's few-row tile."""
+    if large:
+        monkeypatch.setattr(triton_fp8, "GEMV_MAX_WEIGHT_BYTES", 0)
     weight = fp8_weight(name, kind)
     x = randn(rows, SHAPES[name][1], seed=rows)
     out = triton_fp8.fp8_linear(x, weight)
