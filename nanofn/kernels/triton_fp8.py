@@ -509,8 +509,8 @@ def takes_gemv(rows: int, weight: Fp8Weight, max_rows: int = GEMV_MAX_ROWS) -> b
     product slots). Compiled for SM 9.0 at Qwen3-8B's projections (4,096 columns), the GEMV
     runs about one warp instruction a weight byte at 4 rows (0.35 for bf16's GEMV a bf16
     byte), so that its instructions, not the weight's bytes, bound it: on the H100 Qwen3-8B's
-    FP8 decode steps of 2-8 sequences took 9.5 ms against 3.8 ms for one sequence (bf16: 8.6
-    and 5.5 ms). A small weight's GEMV (Qwen3-0.6B's, up to 6 MB) is short either way, and
+    FP8 decode steps of 2-8 sequences took 9.5 ms against 3.9 ms for one sequence (bf16: 8.6
+    and 5.7 ms). A small weight's GEMV (Qwen3-0.6B's, up to 6 MiB) is short either way, and
     the GEMM's path launches one or two kernels more: the bound sits between the two models'
     projections (not yet measured on a GPU)."""
     return rows <= max_rows and (rows <= 1 or weight.data.numel() <= GEMV_MAX_WEIGHT_BYTES)
