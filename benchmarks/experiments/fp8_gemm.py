@@ -3,12 +3,16 @@
 swept, and ``torch._scaled_mm`` (cuBLASLt's FP8 GEMM with a scale per row of each operand) on
 the same codes, beside bf16 cuBLAS.
 
-Qwen3-0.6B's four projections (qkv 4096 x 1024, o 1024 x 2048, gate-up 6144 x 1024, down
-1024 x 3072), weights quantized per channel as ``quantization="fp8"`` does, activations per
-token. Each timing replays a CUDA graph of calls over weight copies whose bytes exceed the L2
-cache (``gemm_sweep.time_us``).
+A model's four projections (``--model``, of ``gemm_sweep.SHAPES_BY_MODEL``; Qwen3-0.6B's: qkv
+4096 x 1024, o 1024 x 2048, gate-up 6144 x 1024, down 1024 x 3072), weights quantized per
+channel as ``quantization="fp8"`` does, activations per token. Each timing replays a CUDA
+graph of calls over weight copies whose bytes exceed the L2 cache (``gemm_sweep.time_us``).
+Up to ``GEMV_MAX_ROWS`` rows the GEMV's time is shown too, and the engine's column is
+``fp8_linear``, which takes the GEMV or the GEMM as ``takes_gemv`` says: at 2-8 rows the
+crossover between the two, by weight size, is ``GEMV_MAX_WEIGHT_BYTES``.
 
 Usage: python benchmarks/experiments/fp8_gemm.py [--rows 64,128,256,2048,8192]
+       [--model qwen3-0.6b|qwen3-8b|...]
 """
 
 from __future__ import annotations
@@ -18,14 +22,15 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from gemm_sweep import L2_BYTES, SHAPES, time_us  # (its folder)
+from gemm_sweep import L2_BYTES, SHAPES_BY_MODEL, time_us  # (its folder)
 from nanofn.kernels import triton_fp8
 from nanofn.kernels.fp8 import Fp8Weight, quantize_groups
 from nanofn.kernels.triton_fp8 import GemmTile
 
 TILES = [GemmTile(64, 128, 128, 8, 3), GemmTile(64, 64, 128, 4, 4), GemmTile(64, 128, 128, 4, 4),
          GemmTile(128, 128, 128, 8, 3), GemmTile(128, 64, 128, 4, 4),
-         GemmTile(64, 128, 256, 8, 3), GemmTile(128, 128, 64, 4, 4), GemmTile(128, 256, 128, 8, 3)]
+         GemmTile(64, 128, 256, 8, 3), GemmTile(128, 128, 64, 4, 4), GemmTile(128, 256, 128, 8, 3),
+         GemmTile(64, 32, 128, 4, 4), GemmTile(64, 32, 128, 4, 6), GemmTile(64, 16, 128, 4, 4)]
 
 
 def weights(n: int, k: int) -> list[Fp8Weight]:
@@ -37,11 +42,13 @@ def weights(n: int, k: int) -> list[Fp8Weight]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="64,128,256,2048,8192")
+    ap.add_argument("--model", default="qwen3-0.6b", choices=SHAPES_BY_MODEL)
     args = ap.parse_args()
-    print("| projection | rows | bf16 cuBLAS | quantize | fp8_gemm (engine) | its GEMM, best tile "
-          "| _scaled_mm | quantize + _scaled_mm |")
-    print("|---|---|---|---|---|---|---|---|")
-    for name, (n, k) in SHAPES.items():
+    print(f"{args.model}, us a projection")
+    print("| projection | rows | bf16 cuBLAS | quantize | GEMV | fp8_linear (engine) | "
+          "quantize + GEMM | its GEMM, best tile | _scaled_mm | quantize + _scaled_mm |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for name, (n, k) in SHAPES_BY_MODEL[args.model].items():
         copies = weights(n, k)
         bf16 = [w.dequantized(torch.bfloat16) for w in copies[:len(copies) // 2 + 1]]
         for rows in map(int, args.rows.split(",")):
@@ -49,7 +56,10 @@ def main() -> None:
             q, x_scales = triton_fp8.quantize_activations(x, k)
             cublas = time_us(lambda i: F.linear(x, bf16[i]), len(bf16))
             quantize = time_us(lambda i: triton_fp8.quantize_activations(x, k), len(copies))
-            engine = time_us(lambda i: triton_fp8.fp8_gemm(x, copies[i]), len(copies))
+            gemv = (f"{time_us(lambda i: triton_fp8.fp8_gemv(x, copies[i]), len(copies)):.1f}"
+                    if rows <= triton_fp8.GEMV_MAX_ROWS else "-")
+            engine = time_us(lambda i: triton_fp8.fp8_linear(x, copies[i]), len(copies))
+            gemm = time_us(lambda i: triton_fp8.fp8_gemm(x, copies[i]), len(copies))
             tiles = {}
             for tile in TILES:
                 try:
@@ -58,11 +68,16 @@ def main() -> None:
                 except Exception as error:  # (out of shared memory, say)
                     print(f"  {tile}: {type(error).__name__}")
             best = min(tiles, key=tiles.get)
-            scaled = time_us(lambda i: _scaled_mm(q, x_scales, copies[i]), len(copies))
-            both = time_us(lambda i: _scaled_mm(*triton_fp8.quantize_activations(x, k),
-                                                copies[i]), len(copies))
-            print(f"| {name} | {rows} | {cublas:.1f} | {quantize:.1f} | {engine:.1f} | "
-                  f"{tiles[best]:.1f} ({'x'.join(map(str, best))}) | {scaled:.1f} | {both:.1f} |")
+            try:  # (cuBLASLt may refuse a few rows)
+                scaled_us = time_us(lambda i: _scaled_mm(q, x_scales, copies[i]), len(copies))
+                both_us = time_us(lambda i: _scaled_mm(*triton_fp8.quantize_activations(x, k),
+                                                       copies[i]), len(copies))
+                scaled, both = f"{scaled_us:.1f}", f"{both_us:.1f}"
+            except RuntimeError as error:
+                scaled = both = f"({type(error).__name__})"
+            print(f"| {name} | {rows} | {cublas:.1f} | {quantize:.1f} | {gemv} | {engine:.1f} | "
+                  f"{gemm:.1f} | {tiles[best]:.1f} ({'x'.join(map(str, best))}) | "
+                  f"{scaled} | {both} |")
 
 
 def _scaled_mm(q: torch.Tensor, x_scales: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:

@@ -47,6 +47,8 @@ SHAPES_BY_MODEL = {
                    "down": (1024, 3072)},
     "qwen3-8b-rank-of-2": {"qkv": (3072, 4096), "o": (4096, 2048), "gate_up": (12288, 4096),
                            "down": (4096, 6144)},
+    "qwen3-8b": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096),
+                 "down": (4096, 12288)},
 }
 SHAPES = SHAPES_BY_MODEL["qwen3-0.6b"]
 L2_BYTES = 128 << 20  # rotate over weights of at least this many bytes
