@@ -20,6 +20,7 @@ from nanofn.model.tiny import random_weights_model
 from test_fp8 import rounding_boundary_rows
 from test_gpu_engine import nanofn_teacher_forced, prompts_for
 from test_triton_gemv_gpu import EPS, SHAPES, TOLERANCE, relative_error
+from test_triton_gemv_gpu import float32_prompts, greedy_batches  # noqa: F401 (a fixture, this folder)
 from test_triton_ops_gpu import norm_weight, randn
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -203,6 +204,25 @@ def test_an_engine_with_fp8_weights_and_kv_matches_the_torch_references(tiny_che
     print(f"FP8 engine: Triton against the torch references {kernels:.2%} of the largest logit; "
           f"FP8 against bf16 (torch) {quantization:.2%}")
     assert kernels < quantization
+
+
+def test_fp8_engine_tokens_are_the_same_with_a_few_rows_on_the_gemvs_and_on_the_gemm(
+        float32_prompts, monkeypatch):  # noqa: F811
+    """FP8 weights quantized at load, greedy float32: the tokens of one, two, four and five
+    sequences (graphs of 1, 2, 4 and 8) with the tiny model's small weights on the GEMVs, and
+    with every weight taken as too large for them past one row (``GEMV_MAX_WEIGHT_BYTES`` 0:
+    the norms that quantize, the quantization kernels and the few-row GEMM), are the same;
+    only the second run launches the GEMM at 2-4 rows."""
+    rows = []
+    launch = triton_fp8._launch_gemm
+    monkeypatch.setattr(triton_fp8, "_launch_gemm",
+                        lambda q, *a, **kw: rows.append(len(q)) or launch(q, *a, **kw))
+    on_gemvs = greedy_batches(*float32_prompts, quantization="fp8")
+    assert not any(2 <= r <= 4 for r in rows)
+    monkeypatch.setattr(triton_fp8, "GEMV_MAX_WEIGHT_BYTES", 0)
+    rows.clear()
+    assert greedy_batches(*float32_prompts, quantization="fp8") == on_gemvs
+    assert any(2 <= r <= 4 for r in rows)
 
 
 def test_qwen3_0_6b_shape_runs_with_fp8_weights_and_kv_cache():
