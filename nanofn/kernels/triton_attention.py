@@ -10,12 +10,13 @@ rotates the queries too.)
   fastest along the grid's one axis (no 65,535 cap): a sequence's heads start side by side and
   read the rows of each cache block at about the same time (1-2% faster at 48-256 sequences
   than the sequences first, on the H100). Contexts split into partitions ("flash decoding"):
-  a few sequences' until the GPU is busy, many sequences' so that every program reads about as
-  many keys. The host picks the most partitions a sequence may take; the programs size them
-  from the batch's lengths, which only the device knows (so a short context in a wide block
-  table, as in a CUDA graph, is still spread over them), and lay them out row after row. An
-  optional ``order`` maps rows to sequences: the decode graphs pass the longest context
-  first, so that no long sequence is left running alone at the end of the kernel. The last
+  a few sequences' until the GPU is busy, many sequences' in two while their whole contexts
+  would take a few waves of programs (``decode_num_splits``). The host picks the most
+  partitions a sequence may take; each row's programs, side by side along the grid, size them
+  from the row's own length, which only the device knows (so a short context in a wide block
+  table, as in a CUDA graph, is still spread over them). An optional ``order`` maps rows to
+  sequences: the decode graphs pass the longest context first, so that no long sequence is
+  left running alone at the end of the kernel. The last
   partition of a (sequence, kv head) to finish merges their partial results, counting
   arrivals in a counter per pair (past ``ARRIVAL_COUNTERS`` pairs, one partition a sequence).
 - ``prefill_attention``: flash attention, one program per (query tile, kv head), the kv heads
