@@ -356,7 +356,10 @@ def test_fp8_projection_kernels_compile(compile_for_h100, kind):
     weight = Fp8Weight(empty(n, k, dtype=FP8_DTYPE), empty(n, groups, dtype=torch.float32),
                        128 if kind == "block" else k,
                        empty((), dtype=torch.float32) if kind == "static" else None)
-    for rows in (1, 8, 64, 300):  # the GEMV, the GEMM's small and large tiles
+    # the GEMV (at 8 rows past ``GEMV_MAX_ROW_BYTES``: called itself), the GEMM's few-row
+    # tile at 8 and 64 rows, its small and large tiles
+    compile_for_h100(triton_fp8.fp8_gemv, empty(8, k), weight, empty(n))
+    for rows in (1, 8, 64, 200, 300):
         compile_for_h100(triton_fp8.fp8_linear, empty(rows, k), weight, empty(n))
     for rows in (9, 64, 256):  # o_proj's split-K GEMM (its 2,048 columns in 4, 4, 2 ranges)
         wide_k = HEADS * HEAD_DIM
@@ -386,6 +389,32 @@ def test_fp8_projection_kernels_compile(compile_for_h100, kind):
         for x in (empty(rows, k), sums):
             compile_for_h100(triton_ops.rms_norm_quantized, x, empty(k), 1e-6, empty(rows, k),
                              weight)
+
+
+def gemm_code(rows: int, n: int, k: int) -> tuple[int, str, int]:
+    """The W8A8 GEMM's registers a thread, SASS and outputs a tile, as ``fp8_linear`` of
+    ``rows`` rows compiles it for a per-channel ``[n, k]`` weight."""
+    kernel = triton_fp8._fp8_gemm_kernel
+    run, block_n = kernel.run, []
+    weight = Fp8Weight(empty(n, k, dtype=FP8_DTYPE), empty(n, 1, dtype=torch.float32), k)
+    with mock.patch.object(kernel, "run",
+                           lambda *a, **kw: block_n.append(kw["BLOCK_N"]) or run(*a, **kw)):
+        registers, sass = compiled_code(kernel, triton_fp8.fp8_linear, empty(rows, k), weight)
+    return registers, sass, block_n[0]
+
+
+@pytest.mark.parametrize("rows", [4, 64])
+def test_the_few_row_gemm_tiles_multiply_on_the_fp8_tensor_cores_without_spills(
+        compile_for_h100, rows):
+    """Qwen3-8B's o_proj (4,096 outputs: 32 a tile, six stages) and gate_up
+    (``FEW_ROWS_WIDE_OUTPUTS`` and more: 64 a tile) past the GEMV's bound: FP8 warpgroup
+    products (``QGMMA``), nothing spilled."""
+    for n, block_n in ((4096, 32), (24576, 64)):
+        registers, sass, launched = compile_for_h100(gemm_code, rows, n, 4096)
+        assert launched == block_n
+        assert "QGMMA" in sass
+        assert "LDL" not in sass and "STL" not in sass
+        assert registers <= 128
 
 
 def _gemm_launch_overlaps(rows: int) -> bool:
@@ -462,24 +491,25 @@ def test_an_fp8_mlp_activates_in_the_down_projections_quantization(interpreter, 
 
 
 
-def test_the_gemv_takes_one_row_of_any_weight_and_a_few_of_a_small_one():
-    """One row: the GEMV, whatever the weight. 2-8 rows: the GEMV on a weight of at most
-    ``GEMV_MAX_WEIGHT_BYTES`` (Qwen3-0.6B's gate_up, 6 MiB), the GEMM on a larger one
-    (Qwen3-8B's qkv, 24 MiB), whose GEMV is bound by its instructions. More rows: the GEMM."""
+def test_the_gemv_takes_one_row_of_any_weight_and_a_few_rows_of_a_small_one():
+    """One row: the GEMV, whatever the weight. 2-8 rows: the GEMV while rows times the
+    weight's bytes are at most ``GEMV_MAX_ROW_BYTES`` (12 MiB: Qwen3-0.6B's down, 3 MiB, up to
+    4 rows; its gate_up, 6 MiB, at 2), the GEMM past it (Qwen3-8B's qkv, 24 MiB, from 2
+    rows). More rows: the GEMM."""
     def weight(n, k):
         return Fp8Weight(torch.empty(n, k, dtype=FP8_DTYPE, device="meta"),
                          torch.empty(n, 1, device="meta"), k)
 
-    small, large = weight(6144, 1024), weight(6144, 4096)
-    assert all(triton_fp8.takes_gemv(rows, small) for rows in range(9))
-    assert triton_fp8.takes_gemv(1, large) and triton_fp8.takes_gemv(0, large)
-    assert not any(triton_fp8.takes_gemv(rows, large) for rows in range(2, 9))
-    assert not triton_fp8.takes_gemv(9, small) and not triton_fp8.takes_gemv(3, small, 2)
+    down, gate_up, large = weight(1024, 3072), weight(6144, 1024), weight(6144, 4096)
+    assert [rows for rows in range(10) if triton_fp8.takes_gemv(rows, down)] == [0, 1, 2, 3, 4]
+    assert [rows for rows in range(10) if triton_fp8.takes_gemv(rows, gate_up)] == [0, 1, 2]
+    assert [rows for rows in range(10) if triton_fp8.takes_gemv(rows, large)] == [0, 1]
+    assert not triton_fp8.takes_gemv(2, down, 1)
 
 
-def _layer_projections_and_kernels(max_weight_bytes, x, norm_weight, residual, qkv, gate_up,
+def _layer_projections_and_kernels(max_row_bytes, x, norm_weight, residual, qkv, gate_up,
                                    down):
-    """With ``GEMV_MAX_WEIGHT_BYTES`` at ``max_weight_bytes``: a layer's FP8 projections on the
+    """With ``GEMV_MAX_ROW_BYTES`` at ``max_row_bytes``: a layer's FP8 projections on the
     Triton backend (qkv after the norm; gate_up after it, gated, then down as partial sums),
     their outputs (down's added up) and the kernels each launched: "gemv", "gemm",
     "norm-quantize" and "quantize" (or "quantize-gated", activating as it quantizes)."""
@@ -492,7 +522,7 @@ def _layer_projections_and_kernels(max_weight_bytes, x, norm_weight, residual, q
             return function(*args, **kwargs)
         return record
 
-    patches = [mock.patch.object(triton_fp8, "GEMV_MAX_WEIGHT_BYTES", max_weight_bytes)]
+    patches = [mock.patch.object(triton_fp8, "GEMV_MAX_ROW_BYTES", max_row_bytes)]
     for module, attribute, name in ((triton_fp8, "_launch_gemv", "gemv"),
                                     (triton_fp8, "_launch_gemm", "gemm"),
                                     (triton_fp8, "quantize_activations", "quantize"),
@@ -518,7 +548,7 @@ def _layer_projections_and_kernels(max_weight_bytes, x, norm_weight, residual, q
 @pytest.mark.parametrize("kind", WEIGHT_KINDS)
 def test_a_few_rows_of_a_large_fp8_weight_take_the_gemm_and_give_the_gemvs_product(
         interpreter, kind):
-    """At 3 rows, a layer's projections whose weights pass ``GEMV_MAX_WEIGHT_BYTES`` (here set
+    """At 3 rows, a layer's projections whose rows times bytes pass ``GEMV_MAX_ROW_BYTES`` (set
     to 0) take the norm that quantizes, the quantization kernel (down's activating as it
     quantizes) and the GEMM, where small ones take the fused GEMVs; the products are the
     same up to the sums' order. One row takes the GEMVs either way."""

@@ -9,7 +9,7 @@ channel as ``quantization="fp8"`` does, activations per token. Each timing repla
 graph of calls over weight copies whose bytes exceed the L2 cache (``gemm_sweep.time_us``).
 Up to ``GEMV_MAX_ROWS`` rows the GEMV's time is shown too, and the engine's column is
 ``fp8_linear``, which takes the GEMV or the GEMM as ``takes_gemv`` says: at 2-8 rows the
-crossover between the two, by weight size, is ``GEMV_MAX_WEIGHT_BYTES``.
+crossover between the two, in rows times the weight's bytes, is ``GEMV_MAX_ROW_BYTES``.
 
 Usage: python benchmarks/experiments/fp8_gemm.py [--rows 64,128,256,2048,8192]
        [--model qwen3-0.6b|qwen3-8b|...]

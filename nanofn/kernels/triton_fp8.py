@@ -29,8 +29,10 @@ per-tensor scale), times the e4m3 weight, each product scaled by its row's and g
 
 The GEMVs take ``triton_gemv.gemv_config``'s tiles (whole rows of up to 4,096 columns, a few
 outputs a program), but at one row after a norm more outputs a program (``fp8_gemv_config``);
-the GEMM's tiles were measured on the H100 (``gemm_tile``; not yet its tile for a few rows of
-a weight too large for the GEMV, ``takes_gemv``).
+the GEMM's tiles were measured on the H100 (``gemm_tile``; its tiles for a few rows, past
+``takes_gemv``'s bound, on an H200). The FP8 tensor cores add their products with fewer bits
+than float32 (Triton's default on SM 9.0, as cuBLASLt's fast accumulation): the GEMM and the
+GEMV differ by more than the order of their sums.
 """
 
 from __future__ import annotations
@@ -49,8 +51,8 @@ from nanofn.kernels.triton_gemv import (NORM, PLAIN, GemvConfig, gemv_config, ge
 from nanofn.kernels.triton_overlap import wait_for_previous
 
 GEMV_MAX_ROWS = 8  # rows up to which the GEMV runs (the GEMM's tiles are 64 rows at least)...
-# ...past one row, on a weight of at most this many bytes (``takes_gemv``)
-GEMV_MAX_WEIGHT_BYTES = 8 << 20
+# ...past one row, while the rows times the weight's bytes are at most this (``takes_gemv``)
+GEMV_MAX_ROW_BYTES = 12 << 20
 # Outputs a program of the GEMVs with the norm before them at one row (``fp8_gemv_config``)
 ONE_ROW_OUTPUTS = 8
 NORM_GEMV_MAX_ROWS = 4  # the GEMV with the norm before it (whole rows a program)
@@ -76,17 +78,25 @@ class GemmTile(NamedTuple):
 SMALL_GEMM_TILE = GemmTile(64, 64, 128, 4, 4)
 GEMM_TILE = GemmTile(64, 128, 128, 8, 3)
 SMALL_GEMM_MAX_ROWS = 256
-# The GEMV's rows on a weight too large for it (``takes_gemv``): half as many outputs a tile,
-# twice the programs streaming the weight, where the rows fill one tile of 64 at most
-# (Qwen3-8B's o_proj and down_proj: 128 programs). Chosen from the compiled code (the FP8
-# tensor cores' products, no spills, 56 registers), not yet measured on a GPU.
-FEW_ROWS_GEMM_TILE = GemmTile(64, 32, 128, 4, 4)
+# Up to this many rows (the GEMV's past ``takes_gemv``'s bound, and a few more), the tiles of
+# ``gemm_tile``: 32 outputs a tile, six stages of 128 columns in flight, where the grid of 64
+# outputs a tile would leave SMs idle (Qwen3-8B's o_proj and down_proj: 128 programs instead of
+# 64); 64 outputs a tile from ``FEW_ROWS_WIDE_OUTPUTS`` outputs on (Qwen3-8B's gate_up: 384
+# programs). Measured on one H200 at 1-64 rows (``fp8_gemm.py --model qwen3-8b``, us a GEMM
+# alone): down 31.7 -> 23.2 and o_proj 11.6 -> 9.2 at 8 rows (against four stages), 33.3 ->
+# 23.4 and 12.4 -> 9.2 at 16 (against 64 outputs a tile), qkv 13.0 -> 11.5; gate_up 26.5 at
+# 64 outputs, 36.6 at 32. Qwen3-0.6B's: 32 outputs a tile the fastest (gate_up's at four stages,
+# 4.6 us; six not swept there).
+FEW_ROWS_MAX_ROWS = 64
+FEW_ROWS_GEMM_TILE = GemmTile(64, 32, 128, 4, 6)
+FEW_ROWS_WIDE_GEMM_TILE = GemmTile(64, 64, 128, 4, 4)
+FEW_ROWS_WIDE_OUTPUTS = 16384
 
 
-def gemm_tile(rows: int) -> GemmTile:
-    """The W8A8 GEMM's tile for ``rows`` rows."""
-    if rows <= GEMV_MAX_ROWS:
-        return FEW_ROWS_GEMM_TILE
+def gemm_tile(rows: int, n: int) -> GemmTile:
+    """The W8A8 GEMM's tile for ``rows`` rows of ``n`` outputs."""
+    if rows <= FEW_ROWS_MAX_ROWS:
+        return FEW_ROWS_WIDE_GEMM_TILE if n >= FEW_ROWS_WIDE_OUTPUTS else FEW_ROWS_GEMM_TILE
     return SMALL_GEMM_TILE if rows <= SMALL_GEMM_MAX_ROWS else GEMM_TILE
 
 
@@ -246,7 +256,8 @@ def quantized_gemm(q: torch.Tensor, x_scales: torch.Tensor, weight: Fp8Weight,
     ``q [M, K]`` and scales), in ``dtype``, in ``gemm_tile``'s tiles unless ``tile`` says."""
     rows = len(q)
     out = torch.empty(rows, weight.shape[0], dtype=dtype, device=q.device)
-    _launch_gemm(q, x_scales, weight, bias, out[None], tile or gemm_tile(rows))
+    _launch_gemm(q, x_scales, weight, bias, out[None],
+                 tile or gemm_tile(rows, weight.shape[0]))
     return out
 
 
@@ -501,19 +512,21 @@ def fp8_rms_norm_gemv(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
 
 def takes_gemv(rows: int, weight: Fp8Weight, max_rows: int = GEMV_MAX_ROWS) -> bool:
     """Whether a product of ``rows`` rows by ``weight`` runs on the GEMV (else the GEMM): up
-    to ``max_rows`` rows, and past one row only on a weight of at most
-    ``GEMV_MAX_WEIGHT_BYTES``.
+    to ``max_rows`` rows, and past one row while ``rows`` times the weight's bytes are at most
+    ``GEMV_MAX_ROW_BYTES``.
 
     The GEMV's products are the CUDA cores' (each weight code converted, then multiplied once
     a row), the GEMM's the FP8 tensor cores' (64-row tiles: padding rows cost nothing but
-    product slots). Compiled for SM 9.0 at Qwen3-8B's projections (4,096 columns), the GEMV
-    runs about one warp instruction a weight byte at 4 rows (0.35 for bf16's GEMV a bf16
-    byte), so that its instructions, not the weight's bytes, bound it: on the H100 Qwen3-8B's
-    FP8 decode steps of 2-8 sequences took 9.5 ms against 3.9 ms for one sequence (bf16: 8.6
-    and 5.7 ms). A small weight's GEMV (Qwen3-0.6B's, up to 6 MiB) is short either way, and
-    the GEMM's path launches one or two kernels more: the bound sits between the two models'
-    projections (not yet measured on a GPU)."""
-    return rows <= max_rows and (rows <= 1 or weight.data.numel() <= GEMV_MAX_WEIGHT_BYTES)
+    product slots), so the GEMV's instructions grow with rows times bytes (compiled for SM
+    9.0 at 4 rows, about one warp instruction a weight byte) and the GEMM's time barely with
+    the rows. Measured on one H200 (``fp8_gemm.py --rows 1,2,4,8``, us a projection, the
+    quantization kernel included): Qwen3-0.6B's down (3 MiB) 5.0 / 7.3 / 16.0 on the GEMV at 2
+    / 4 / 8 rows against 9.2 on the GEMM, its qkv (4 MiB) 4.5 / 6.2 / 10.0 against 5.0-5.3,
+    its gate_up (6 MiB) 5.8 / 8.0 / 14.7 against 5.5, its o_proj (2 MiB) 3.9 / 7.3 at 4 / 8
+    against 6.9-7.0: the two cross at 12-16 MiB of rows times bytes. Qwen3-8B's weights (16-96
+    MiB) are past it from two rows (its qkv 18.6 on the GEMV at 2 rows, 13.4 on the GEMM;
+    its gate_up at 8 rows 396 against 38)."""
+    return rows <= max_rows and (rows <= 1 or rows * weight.data.numel() <= GEMV_MAX_ROW_BYTES)
 
 
 def fp8_linear(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = None,

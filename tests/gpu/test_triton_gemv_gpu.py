@@ -111,19 +111,25 @@ def float32_prompts(tiny_qwen3):
     return tiny_qwen3, [torch.randint(3, 380, (n,), generator=g).tolist() for n in (2, 33, 70, 11, 50)]
 
 
-def greedy_batches(model_dir, prompts, **options) -> list[list[list[int]]]:
-    """The greedy float32 tokens of one sequence at a time (graph of 1), then of two (graph of
+def greedy_outputs(model_dir, prompts, logprobs: int | None = None, **options) -> list[list]:
+    """The greedy float32 outputs of one sequence at a time (graph of 1), then of two (graph of
     2), four (graph of 4) and five (graph of 8) together: GEMVs up to ``GEMV_MAX_ROWS``
-    sequences, cuBLAS beyond (``options``: more of ``LLM``'s, e.g. ``quantization``)."""
+    sequences, cuBLAS beyond (``logprobs``: the top tokens' a position; ``options``: more of
+    ``LLM``'s, e.g. ``quantization``)."""
     from nanofn import LLM, SamplingParams
 
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=logprobs)
     with LLM(str(model_dir), dtype="float32", gpu_memory_utilization=0.3, max_model_len=512,
              max_num_seqs=8, **options) as llm:
         batches = [[p] for p in prompts[:3]] + [prompts[:2], prompts[:4], prompts]
         outs = [llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
                 for batch in batches]
-        return [[o.outputs[0].token_ids for o in out] for out in outs]
+        return [[o.outputs[0] for o in out] for out in outs]
+
+
+def greedy_batches(model_dir, prompts, **options) -> list[list[list[int]]]:
+    """``greedy_outputs``' tokens."""
+    return [[o.token_ids for o in batch] for batch in greedy_outputs(model_dir, prompts, **options)]
 
 
 def test_engine_tokens_are_the_same_with_the_gemvs_on_and_off(float32_prompts, monkeypatch):
