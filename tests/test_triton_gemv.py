@@ -4,6 +4,8 @@ interpreter (float32 and float16). The GPU tests in ``tests/gpu`` cover bf16."""
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 
@@ -79,6 +81,39 @@ def test_gated_gemv_config_reads_as_many_weight_rows_a_program(rows):
     plain = triton_gemv.gemv_config(6144, 1024, rows, triton_gemv.NORM)
     gated = triton_gemv.gemv_config(3072, 1024, rows, triton_gemv.NORM, gated=True)
     assert 2 * gated.block_n == plain.block_n and gated.block_k == plain.block_k
+
+
+def test_the_gemv_takes_a_few_rows_of_a_small_or_narrow_weight_only():
+    """One row: the GEMV, whatever the weight. Past it: Qwen3-0.6B's projections (at most 12
+    MiB) and its LM head (1,024 columns) up to ``GEMV_MAX_ROWS``; Qwen3-8B's o_proj (32 MiB) at
+    two rows, its qkv_proj (48 MiB) and LM head (4,096 columns) at one."""
+    def rows_taken(n, k):
+        weight = torch.empty(n, k, dtype=torch.bfloat16, device="meta")
+        return [r for r in range(1, 6) if triton_gemv.takes_gemv(r, weight, 4)]
+
+    assert rows_taken(1024, 3072) == rows_taken(6144, 1024) == [1, 2, 3, 4]
+    assert rows_taken(151936, 1024) == [1, 2, 3, 4]
+    assert rows_taken(4096, 4096) == [1, 2]
+    assert rows_taken(6144, 4096) == rows_taken(151936, 4096) == [1]
+
+
+def test_a_few_rows_of_a_large_weight_take_the_gemm_with_the_same_result(interpreter):
+    """Past ``GEMV_MAX_ROW_BYTES`` (here set to 0, at 2,048 columns) two rows take the norm
+    kernel and cuBLAS (here the CPU's matmul), as more rows do."""
+    dtype, k = torch.float32, 2048
+    x, residual = randn(2, k, seed=13, dtype=dtype), randn(2, k, seed=14, dtype=dtype)
+    gate_up, norm_weight = randn(64, k, seed=15, dtype=dtype), randn(k, seed=16, dtype=dtype)
+    weight, bias = randn(32, k, seed=17, dtype=dtype), randn(32, seed=18, dtype=dtype)
+    got = interpreter(projections_off_the_gemv, x, residual, gate_up, norm_weight, weight, bias)
+    expected = reference_projections(x, residual, gate_up, norm_weight, weight, bias)
+    torch.testing.assert_close(got, expected, **TOLERANCES[dtype])
+
+
+def projections_off_the_gemv(*args):
+    """``triton_projections`` with ``GEMV_MAX_ROW_BYTES`` at 0, failing if a GEMV launches."""
+    with mock.patch.object(triton_gemv, "GEMV_MAX_ROW_BYTES", 0), \
+            mock.patch.object(triton_gemv, "_launch", side_effect=AssertionError("a GEMV")):
+        return triton_projections(*args)
 
 
 def test_rms_norm_gemv_refuses_a_tile_narrower_than_a_row():

@@ -36,6 +36,10 @@ from nanofn.kernels import triton_overlap
 from nanofn.kernels.triton_overlap import wait_for_previous
 
 PLAIN, NORM = 0, 1  # PROLOGUE: how a program gets its input tile
+# Past one row, the GEMV takes a weight while the rows times its bytes are at most this, or
+# whatever its size where its rows are at most ``NARROW_COLUMNS`` wide (``takes_gemv``)
+GEMV_MAX_ROW_BYTES = 64 << 20
+NARROW_COLUMNS = 1024
 
 
 class GemvConfig(NamedTuple):
@@ -213,6 +217,27 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pr
         **triton_overlap.launch_options(x.device),
     )
     return out, residual_out
+
+
+def takes_gemv(rows: int, weight: torch.Tensor, max_rows: int) -> bool:
+    """Whether a product of ``rows`` rows by ``weight`` runs on the GEMV (else a GEMM): up to
+    ``max_rows`` rows, and past one row on narrow rows or while ``rows`` times the weight's
+    bytes are at most ``GEMV_MAX_ROW_BYTES``.
+
+    A program holds its rows' whole slices of the input and of the products (``gemv_config``):
+    compiled for SM 9.0 at 4,096 columns, a thread takes 48-112 registers at one row, 104-213
+    at two and 190-255 at four (gate_up with the norm spills), so past one row an SM holds
+    one program of 8 warps, which waits for its weight tile alone. A small weight is a wave or
+    two of programs either way: Qwen3-0.6B's projections (4-12 MiB) took a decode step of 4
+    sequences 1.54 -> 1.36 ms on the GEMVs, and its LM head (311 MB, 1,024 columns: 8 warps of
+    half the registers) 111.5 us at 4 rows against cuBLAS's 112.9 (H100). Qwen3-8B's (32-192
+    MiB, 4,096 and 12,288 columns) take many waves: its bf16 decode step of 4 sequences took
+    9.21 ms on an H200 (one sequence's: 5.7 ms on an H100), its GEMVs 70 us a call on
+    average. cuBLAS reads them at 70-87% of an H200's bandwidth at 2-8 rows
+    (``fp8_gemm.py``'s bf16 column: 104 us a layer); not yet measured in the engine."""
+    nbytes = weight.numel() * weight.element_size()
+    return rows <= max_rows and (rows <= 1 or weight.shape[-1] <= NARROW_COLUMNS
+                                 or rows * nbytes <= GEMV_MAX_ROW_BYTES)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

@@ -11,7 +11,8 @@ in a decode step of a small model such launches take most of the time. Here each
 - ``silu_and_mul``: one program per (row, block of ``SILU_BLOCK`` columns).
 - the projections (``linear``, and ``rms_norm_linear`` with the norm before it and maybe the
   activation after it fused in): a GEMV of ``triton_gemv.py`` for at most ``GEMV_MAX_ROWS``
-  tokens (decode of a few sequences, where cuBLAS is latency-bound); then up to the row bounds
+  tokens (decode of a few sequences, where cuBLAS is latency-bound; past one token only of a
+  weight ``triton_gemv.takes_gemv`` takes); then up to the row bounds
   of ``triton_gemm.py``'s configs, its GEMMs: for projections asked for ``partial_sums`` (those
   a norm reads) the split-K one, its sums added up in ``rms_norm``, and after the norm kernel
   the one with K in one range; cuBLAS beyond. Gated (gate_up_proj) the GEMV stores the
@@ -49,6 +50,7 @@ from nanofn.kernels import triton_linear_attention as linear_attention
 from nanofn.kernels import triton_moe
 from nanofn.kernels import triton_fp8
 from nanofn.kernels.fp8 import FP8_DTYPE, MIN_SCALE, Fp8Weight
+from nanofn.kernels.device import num_sms
 from nanofn.kernels.linear import norm_then_linear
 from nanofn.kernels.activation import Unactivated
 from nanofn.kernels.partial_sums import PartialSums, RankSums, Unsummed, added_up, summed_shape
@@ -497,7 +499,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 def linear(x: torch.Tensor | Unactivated, weight: torch.Tensor, bias: torch.Tensor | None = None,
            partial_sums: bool = False, gemv_max_rows: int = GEMV_MAX_ROWS,
            triton_gemm_max_rows: int = TRITON_GEMM_MAX_ROWS) -> torch.Tensor | Unsummed:
-    """``x @ weight.T (+ bias)``: a Triton GEMV for at most ``gemv_max_rows`` rows; asked for
+    """``x @ weight.T (+ bias)``: a Triton GEMV for at most ``gemv_max_rows`` rows
+    (``triton_gemv.takes_gemv``: fewer of a large weight); asked for
     ``partial_sums``, the split-K GEMM's (no bias, at most ``triton_gemm_max_rows`` rows and
     its config's); else cuBLAS. ``x`` may be an MLP's ``Unactivated`` gate-up product (from
     ``rms_norm_linear``), activated here."""
@@ -506,7 +509,7 @@ def linear(x: torch.Tensor | Unactivated, weight: torch.Tensor, bias: torch.Tens
     if isinstance(x, Unactivated):
         x = silu_and_mul(x.gate_up)
     rows = x.reshape(-1, x.shape[-1])
-    if 0 < len(rows) <= gemv_max_rows:
+    if 0 < len(rows) and triton_gemv.takes_gemv(len(rows), weight, gemv_max_rows):
         return triton_gemv.gemv(rows, weight, bias).view(*x.shape[:-1], -1)
     if partial_sums and x.dim() == 2 and (config := _triton_gemm_config(
             triton_gemm.gemm_config, len(x), weight, bias, triton_gemm_max_rows)):
@@ -517,10 +520,10 @@ def linear(x: torch.Tensor | Unactivated, weight: torch.Tensor, bias: torch.Tens
 def _fp8_linear(x: torch.Tensor | Unactivated, weight: Fp8Weight, bias: torch.Tensor | None,
                 partial_sums: bool, triton_gemm_max_rows: int) -> torch.Tensor | PartialSums:
     """``linear`` on an FP8 weight: asked for ``partial_sums``, off the GEMV
-    (``triton_fp8.takes_gemv``), the split-K W8A8 GEMM in ``triton_gemm``'s tiles
-    (``fp8_partial_sums_gemm``); else ``triton_fp8.fp8_linear``. An ``Unactivated`` input off
-    the GEMV is activated by the kernel that quantizes it (one kernel fewer than
-    ``silu_and_mul`` and then that one)."""
+    (``triton_fp8.takes_gemv``), the split-K W8A8 GEMM (``fp8_partial_sums_gemm``, in
+    ``triton_fp8.partial_sums_config``'s tiles); else ``triton_fp8.fp8_linear``. An
+    ``Unactivated`` input off the GEMV is activated by the kernel that quantizes it (one
+    kernel fewer than ``silu_and_mul`` and then that one)."""
     gated = isinstance(x, Unactivated)
     if gated:
         x = x.gate_up
@@ -528,8 +531,10 @@ def _fp8_linear(x: torch.Tensor | Unactivated, weight: Fp8Weight, bias: torch.Te
     gemv = triton_fp8.takes_gemv(num_rows, weight)
     if gated and gemv:
         x, gated = silu_and_mul(x), False
+    choose = functools.partial(triton_fp8.partial_sums_config, n=weight.shape[0],
+                               sms=num_sms(x.device, elsewhere=132))
     if (partial_sums and x.dim() == 2 and not gemv
-            and (config := _triton_gemm_config(triton_gemm.gemm_config, num_rows, weight, bias,
+            and (config := _triton_gemm_config(choose, num_rows, weight, bias,
                                                triton_gemm_max_rows))):
         return triton_fp8.fp8_partial_sums_gemm(x, weight, config, gated)
     return triton_fp8.fp8_linear(x, weight, bias, gated=gated)
@@ -559,9 +564,9 @@ def rms_norm_linear(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rms_norm(x + residual) @ weight.T (+ bias), x + residual)`` (see ``linear.py``; with
     ``gated`` the first is its ``silu_and_mul``): one Triton GEMV for at most ``gemv_max_rows``
-    rows (gated: storing the activation), else the norm kernel (which adds up ``PartialSums``),
-    the Triton GEMM (no bias, at most ``triton_gemm_max_rows`` rows and its config's) or cuBLAS,
-    and gated the activation kernel.
+    rows (``triton_gemv.takes_gemv``; gated: storing the activation), else the norm kernel
+    (which adds up ``PartialSums``), the Triton GEMM (no bias, at most ``triton_gemm_max_rows``
+    rows and its config's) or cuBLAS, and gated the activation kernel.
 
     (The activation in the GEMM's epilogue, 7.2-7.9 against 8.8-9.6 us alone at 8-64 rows with
     the norm before it, made the decode step of 32 sequences 1.96 against 1.91 ms on the H100,
@@ -572,7 +577,7 @@ def rms_norm_linear(
                                     gemv_max_rows)
     size = weight.shape[-1]
     num_rows = summed_shape(x).numel() // size
-    if 0 < num_rows <= gemv_max_rows:
+    if 0 < num_rows and triton_gemv.takes_gemv(num_rows, weight, gemv_max_rows):
         x = added_up(x)  # (split-K sums come at these row counts only where the GEMVs are off;
         #  two ranks' summands are summed by the all-reduce here)
         residual_rows = None if residual is None else residual.reshape(-1, size)
