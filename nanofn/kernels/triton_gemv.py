@@ -225,10 +225,11 @@ def takes_gemv(rows: int, weight: torch.Tensor, max_rows: int) -> bool:
     bytes are at most ``GEMV_MAX_ROW_BYTES``.
 
     A program holds its rows' whole slices of the input and of the products (``gemv_config``):
-    compiled for SM 9.0 at 4,096 columns, a thread takes 48-112 registers at one row, 104-213
-    at two and 190-255 at four (gate_up with the norm spills), so past one row an SM holds
-    one program of 8 warps, which waits for its weight tile alone. A small weight is a wave or
-    two of programs either way: Qwen3-0.6B's projections (4-12 MiB) took a decode step of 4
+    compiled for SM 9.0 at 4,096 columns (8 warps a program), a thread takes 48-112 registers
+    at one row, 104 (o_proj, down_proj) to 213 (qkv_proj, gate_up_proj with the norm) at two
+    and 190-255 at four (gate_up spills): two programs an SM or one, each waiting for its
+    weight tile with no other to cover it (at 1,024 columns, 4 warps: 120 registers at four
+    rows, four programs). A small weight is a wave or two of programs either way: Qwen3-0.6B's projections (4-12 MiB) took a decode step of 4
     sequences 1.54 -> 1.36 ms on the GEMVs, and its LM head (311 MB, 1,024 columns: 8 warps of
     half the registers) 111.5 us at 4 rows against cuBLAS's 112.9 (H100). Qwen3-8B's (32-192
     MiB, 4,096 and 12,288 columns) take many waves: its bf16 decode step of 4 sequences took
