@@ -229,9 +229,10 @@ def takes_gemv(rows: int, weight: torch.Tensor, max_rows: int) -> bool:
     at one row, 104 (o_proj, down_proj) to 213 (qkv_proj, gate_up_proj with the norm) at two
     and 190-255 at four (gate_up spills): two programs an SM or one, each waiting for its
     weight tile with no other to cover it (at 1,024 columns, 4 warps: 120 registers at four
-    rows, four programs). A small weight is a wave or two of programs either way: Qwen3-0.6B's projections (4-12 MiB) took a decode step of 4
-    sequences 1.54 -> 1.36 ms on the GEMVs, and its LM head (311 MB, 1,024 columns: 8 warps of
-    half the registers) 111.5 us at 4 rows against cuBLAS's 112.9 (H100). Qwen3-8B's (32-192
+    rows, four programs). A small weight is a wave or two of programs either way: Qwen3-0.6B's
+    projections (4-12 MiB) took a decode step of 4 sequences 1.54 -> 1.36 ms on the GEMVs,
+    and its LM head (311 MB, but 1,024 columns) 111.5 us at 4 rows against cuBLAS's 112.9
+    (H100). Qwen3-8B's (32-192
     MiB, 4,096 and 12,288 columns) take many waves: its bf16 decode step of 4 sequences took
     9.21 ms on an H200 (one sequence's: 5.7 ms on an H100), its GEMVs 70 us a call on
     average. cuBLAS reads them at 70-87% of an H200's bandwidth at 2-8 rows

@@ -531,12 +531,11 @@ def _fp8_linear(x: torch.Tensor | Unactivated, weight: Fp8Weight, bias: torch.Te
     gemv = triton_fp8.takes_gemv(num_rows, weight)
     if gated and gemv:
         x, gated = silu_and_mul(x), False
-    choose = functools.partial(triton_fp8.partial_sums_config, n=weight.shape[0],
-                               sms=num_sms(x.device, elsewhere=132))
-    if (partial_sums and x.dim() == 2 and not gemv
-            and (config := _triton_gemm_config(choose, num_rows, weight, bias,
-                                               triton_gemm_max_rows))):
-        return triton_fp8.fp8_partial_sums_gemm(x, weight, config, gated)
+    if partial_sums and x.dim() == 2 and not gemv:
+        choose = functools.partial(triton_fp8.partial_sums_config, n=weight.shape[0],
+                                   sms=num_sms(x.device, elsewhere=132))
+        if config := _triton_gemm_config(choose, num_rows, weight, bias, triton_gemm_max_rows):
+            return triton_fp8.fp8_partial_sums_gemm(x, weight, config, gated)
     return triton_fp8.fp8_linear(x, weight, bias, gated=gated)
 
 
