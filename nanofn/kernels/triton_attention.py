@@ -50,7 +50,7 @@ import triton
 import triton.language as tl
 
 from nanofn.kernels import triton_overlap
-from nanofn.kernels.device import num_sms
+from nanofn.kernels.device import H100_SMS, num_sms
 from nanofn.kernels.triton_overlap import wait_for_previous
 
 LOG2_E = 1.4426950408889634
@@ -733,7 +733,7 @@ def decode_partition_count(q: torch.Tensor, k_cache: torch.Tensor, block_tables:
 
 
 def _sms(device: torch.device) -> int:
-    return num_sms(device, elsewhere=132)  # an H100's, so that the interpreter splits alike
+    return num_sms(device, elsewhere=H100_SMS)
 
 
 class DecodeTile(NamedTuple):

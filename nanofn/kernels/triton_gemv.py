@@ -232,11 +232,11 @@ def takes_gemv(rows: int, weight: torch.Tensor, max_rows: int) -> bool:
     rows, four programs). A small weight is a wave or two of programs either way: Qwen3-0.6B's
     projections (4-12 MiB) took a decode step of 4 sequences 1.54 -> 1.36 ms on the GEMVs,
     and its LM head (311 MB, but 1,024 columns) 111.5 us at 4 rows against cuBLAS's 112.9
-    (H100). Qwen3-8B's (32-192
-    MiB, 4,096 and 12,288 columns) take many waves: its bf16 decode step of 4 sequences took
-    9.21 ms on an H200 (one sequence's: 5.7 ms on an H100), its GEMVs 70 us a call on
-    average. cuBLAS reads them at 70-87% of an H200's bandwidth at 2-8 rows
-    (``fp8_gemm.py``'s bf16 column: 104 us a layer); not yet measured in the engine."""
+    (H100). Qwen3-8B's (32-192 MiB, 4,096 and 12,288 columns) take many waves: its bf16
+    decode step of 4 sequences took 9.21 ms on an H200 (one sequence's: 5.7 ms on an H100),
+    its GEMVs 70 us a call on average. cuBLAS reads them at 70-87% of an H200's bandwidth at
+    2-8 rows (``fp8_gemm.py``'s bf16 column: 104 us a layer); not yet measured in the
+    engine."""
     nbytes = weight.numel() * weight.element_size()
     return rows <= max_rows and (rows <= 1 or weight.shape[-1] <= NARROW_COLUMNS
                                  or rows * nbytes <= GEMV_MAX_ROW_BYTES)

@@ -50,7 +50,7 @@ from nanofn.kernels import triton_linear_attention as linear_attention
 from nanofn.kernels import triton_moe
 from nanofn.kernels import triton_fp8
 from nanofn.kernels.fp8 import FP8_DTYPE, MIN_SCALE, Fp8Weight
-from nanofn.kernels.device import num_sms
+from nanofn.kernels.device import H100_SMS, num_sms
 from nanofn.kernels.linear import norm_then_linear
 from nanofn.kernels.activation import Unactivated
 from nanofn.kernels.partial_sums import PartialSums, RankSums, Unsummed, added_up, summed_shape
@@ -533,7 +533,7 @@ def _fp8_linear(x: torch.Tensor | Unactivated, weight: Fp8Weight, bias: torch.Te
         x, gated = silu_and_mul(x), False
     if partial_sums and x.dim() == 2 and not gemv:
         choose = functools.partial(triton_fp8.partial_sums_config, n=weight.shape[0],
-                                   sms=num_sms(x.device, elsewhere=132))
+                                   sms=num_sms(x.device, elsewhere=H100_SMS))
         if config := _triton_gemm_config(choose, num_rows, weight, bias, triton_gemm_max_rows):
             return triton_fp8.fp8_partial_sums_gemm(x, weight, config, gated)
     return triton_fp8.fp8_linear(x, weight, bias, gated=gated)
