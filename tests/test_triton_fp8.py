@@ -391,29 +391,26 @@ def test_fp8_projection_kernels_compile(compile_for_h100, kind):
                              weight)
 
 
-def gemm_code(rows: int, n: int, k: int, partial_sums: bool = False) -> tuple[int, str, int]:
+def gemm_code(rows: int, n: int, k: int) -> tuple[int, str, int]:
     """The W8A8 GEMM's registers a thread, SASS and outputs a tile, as ``fp8_linear`` of
-    ``rows`` rows compiles it for a per-channel ``[n, k]`` weight (``partial_sums``: as
-    ``triton_ops.linear`` asked for them does)."""
+    ``rows`` rows compiles it for a per-channel ``[n, k]`` weight."""
     kernel = triton_fp8._fp8_gemm_kernel
     run, block_n = kernel.run, []
     weight = Fp8Weight(empty(n, k, dtype=FP8_DTYPE), empty(n, 1, dtype=torch.float32), k)
-    project = (functools.partial(triton_ops.linear, partial_sums=True) if partial_sums
-               else triton_fp8.fp8_linear)
     with mock.patch.object(kernel, "run",
                            lambda *a, **kw: block_n.append(kw["BLOCK_N"]) or run(*a, **kw)):
-        registers, sass = compiled_code(kernel, project, empty(rows, k), weight)
+        registers, sass = compiled_code(kernel, triton_fp8.fp8_linear, empty(rows, k), weight)
     return registers, sass, block_n[0]
 
 
 @pytest.mark.parametrize("rows", [4, 64])
 def test_the_few_row_gemm_tiles_multiply_on_the_fp8_tensor_cores_without_spills(
         compile_for_h100, rows):
-    """Qwen3-8B's o_proj (4,096 outputs: 32 a tile, six stages; also as the split-K GEMM's
-    partial sums) and gate_up (``FEW_ROWS_WIDE_OUTPUTS`` and more: 64 a tile) past the GEMV's
-    bound: FP8 warpgroup products (``QGMMA``), nothing spilled."""
-    for n, block_n, partial_sums in ((4096, 32, False), (4096, 32, True), (24576, 64, False)):
-        registers, sass, launched = compile_for_h100(gemm_code, rows, n, 4096, partial_sums)
+    """Qwen3-8B's o_proj (4,096 outputs: 32 a tile, six stages) and gate_up
+    (``FEW_ROWS_WIDE_OUTPUTS`` and more: 64 a tile) past the GEMV's bound: FP8 warpgroup
+    products (``QGMMA``), nothing spilled."""
+    for n, block_n in ((4096, 32), (24576, 64)):
+        registers, sass, launched = compile_for_h100(gemm_code, rows, n, 4096)
         assert launched == block_n
         assert "QGMMA" in sass
         assert "LDL" not in sass and "STL" not in sass
@@ -508,45 +505,6 @@ def test_the_gemv_takes_one_row_of_any_weight_and_a_few_rows_of_a_small_one():
     assert [rows for rows in range(10) if triton_fp8.takes_gemv(rows, gate_up)] == [0, 1, 2]
     assert [rows for rows in range(10) if triton_fp8.takes_gemv(rows, large)] == [0, 1]
     assert not triton_fp8.takes_gemv(2, down, 1)
-
-
-def test_a_wide_k_splits_until_the_grid_holds_two_programs_an_sm():
-    """Past ``triton_gemm.MAX_K`` (Qwen3-8B's o_proj, 4,096 columns, and down_proj, 12,288)
-    the split-K GEMM takes ``gemm_tile``'s tile with K split until the grid holds
-    ``SPLIT_PROGRAMS_PER_SM`` programs an SM, four ranges at most: 128 programs of 32 outputs
-    at 8 rows in four ranges, 256 of 64 at 200 rows in two. Up to ``MAX_K`` (Qwen3-0.6B's)
-    ``triton_gemm``'s configs, as measured; none past 256 rows."""
-    config = triton_fp8.partial_sums_config
-    for k in (4096, 12288):
-        assert config(k, 8, 4096, 132) == triton_gemm.GemmConfig(64, 32, 128, 4, 4, 6)
-        assert config(k, 200, 4096, 132) == triton_gemm.GemmConfig(64, 64, 128, 2, 4, 4)
-        assert config(k, 8, 4096, 32) == triton_gemm.GemmConfig(64, 32, 128, 1, 4, 6)
-        assert config(k, 257, 4096, 132) is None
-    assert config(3200, 8, 4096, 132).split_k == 1  # (25 steps of 128 columns: no halves)
-    assert config(2048, 8, 1024, 132) == triton_gemm.gemm_config(2048, 8)
-
-
-def _wide_projection_off_the_gemv(x, weight):
-    """``triton_ops.linear(x, weight, partial_sums=True)`` with the GEMV's bound at 0."""
-    with mock.patch.object(triton_fp8, "GEMV_MAX_ROW_BYTES", 0):
-        return triton_ops.linear(x, weight, partial_sums=True)
-
-
-@pytest.mark.parametrize("kind", WEIGHT_KINDS)
-def test_a_few_rows_of_a_wide_k_fp8_weight_leave_partial_sums_of_the_product(interpreter,
-                                                                             kind):
-    """3 rows of a 4,096-column weight off the GEMV, asked for partial sums (o_proj's and
-    down_proj's): K in four ranges (two programs of 32 outputs, far from filling the SMs),
-    summing to the reference product."""
-    weight = fp8_weight(64, 4096, kind, seed=25)
-    x = exactly_quantized_input(3, 4096, weight.group_size, kind == "static", torch.float32)
-    if kind == "static":
-        weight = Fp8Weight(weight.data, weight.scale, weight.group_size, torch.tensor(2.0**-6))
-    partial = interpreter(_wide_projection_off_the_gemv, x, weight)
-    assert isinstance(partial, PartialSums) and len(partial.sums) == 4
-    expected = fp8_linear(x, weight)
-    torch.testing.assert_close(partial.total(), expected, rtol=1e-5,
-                               atol=1e-5 * expected.abs().max().item())
 
 
 def _layer_projections_and_kernels(max_row_bytes, x, norm_weight, residual, qkv, gate_up,

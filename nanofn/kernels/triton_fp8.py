@@ -91,10 +91,6 @@ FEW_ROWS_MAX_ROWS = 64
 FEW_ROWS_GEMM_TILE = GemmTile(64, 32, 128, 4, 6)
 FEW_ROWS_WIDE_GEMM_TILE = GemmTile(64, 64, 128, 4, 4)
 FEW_ROWS_WIDE_OUTPUTS = 16384
-# Past ``triton_gemm``'s K, the split-K GEMM splits K (in two, then four at most) until its
-# grid holds this many programs an SM (``partial_sums_config``)
-SPLIT_PROGRAMS_PER_SM = 2
-MAX_SPLITS = 4
 
 
 def gemm_tile(rows: int, n: int) -> GemmTile:
@@ -263,31 +259,6 @@ def quantized_gemm(q: torch.Tensor, x_scales: torch.Tensor, weight: Fp8Weight,
     _launch_gemm(q, x_scales, weight, bias, out[None],
                  tile or gemm_tile(rows, weight.shape[0]))
     return out
-
-
-def partial_sums_config(k: int, rows: int, n: int, sms: int) -> triton_gemm.GemmConfig | None:
-    """``fp8_partial_sums_gemm``'s launch for ``rows`` rows of an ``[n, k]`` weight:
-    ``triton_gemm.gemm_config``'s where it has one (K up to ``triton_gemm.MAX_K``, measured
-    at Qwen3-0.6B's o_proj and down_proj), else ``gemm_tile``'s tile with K split in two or
-    four until the grid holds ``SPLIT_PROGRAMS_PER_SM`` programs an SM (None past
-    ``SMALL_GEMM_MAX_ROWS`` rows).
-
-    Qwen3-8B's o_proj and down_proj (4,096 outputs, 4,096 and 12,288 columns) in one range
-    are 128 programs of 32 outputs a few rows, 64 of 64 at 65-256: on one H200 at 1-64 rows
-    (``fp8_gemm.py --model qwen3-8b``) the GEMM read o_proj's 16 MiB in 8.3-9.3 us and down's
-    48 MiB in 20.9-23.8 (1.8-2.4 TB/s), where gate_up's 384 programs read 96 MiB in 26 us
-    (3.8 TB/s). Split in four, 512 programs; not yet measured."""
-    config = triton_gemm.gemm_config(k, rows)
-    if config is not None or rows > SMALL_GEMM_MAX_ROWS:
-        return config
-    tile = gemm_tile(rows, n)
-    programs = triton.cdiv(rows, tile.block_m) * triton.cdiv(n, tile.block_n)
-    splits = 1
-    while (programs * splits < SPLIT_PROGRAMS_PER_SM * sms and splits < MAX_SPLITS
-           and k % (2 * splits * GROUP) == 0):
-        splits *= 2
-    return triton_gemm.GemmConfig(tile.block_m, tile.block_n, GROUP, splits, tile.num_warps,
-                                  tile.num_stages)
 
 
 def fp8_partial_sums_gemm(x: torch.Tensor, weight: Fp8Weight, config: triton_gemm.GemmConfig,

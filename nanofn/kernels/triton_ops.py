@@ -50,7 +50,6 @@ from nanofn.kernels import triton_linear_attention as linear_attention
 from nanofn.kernels import triton_moe
 from nanofn.kernels import triton_fp8
 from nanofn.kernels.fp8 import FP8_DTYPE, MIN_SCALE, Fp8Weight
-from nanofn.kernels.device import H100_SMS, num_sms
 from nanofn.kernels.linear import norm_then_linear
 from nanofn.kernels.activation import Unactivated
 from nanofn.kernels.partial_sums import PartialSums, RankSums, Unsummed, added_up, summed_shape
@@ -520,10 +519,14 @@ def linear(x: torch.Tensor | Unactivated, weight: torch.Tensor, bias: torch.Tens
 def _fp8_linear(x: torch.Tensor | Unactivated, weight: Fp8Weight, bias: torch.Tensor | None,
                 partial_sums: bool, triton_gemm_max_rows: int) -> torch.Tensor | PartialSums:
     """``linear`` on an FP8 weight: asked for ``partial_sums``, off the GEMV
-    (``triton_fp8.takes_gemv``), the split-K W8A8 GEMM (``fp8_partial_sums_gemm``, in
-    ``triton_fp8.partial_sums_config``'s tiles); else ``triton_fp8.fp8_linear``. An
-    ``Unactivated`` input off the GEMV is activated by the kernel that quantizes it (one
-    kernel fewer than ``silu_and_mul`` and then that one)."""
+    (``triton_fp8.takes_gemv``), the split-K W8A8 GEMM in ``triton_gemm``'s tiles
+    (``fp8_partial_sums_gemm``); else ``triton_fp8.fp8_linear``. An ``Unactivated`` input off
+    the GEMV is activated by the kernel that quantizes it (one kernel fewer than
+    ``silu_and_mul`` and then that one).
+
+    (Past ``triton_gemm.MAX_K`` there is no split: Qwen3-8B's o_proj and down_proj split in
+    two or four until two programs an SM, 128 -> 512 programs, made its decode steps of 4, 16
+    and 256 sequences 2-3% slower on the H100; benchmarks/RESULTS.md, 2026-12-07.)"""
     gated = isinstance(x, Unactivated)
     if gated:
         x = x.gate_up
@@ -531,11 +534,10 @@ def _fp8_linear(x: torch.Tensor | Unactivated, weight: Fp8Weight, bias: torch.Te
     gemv = triton_fp8.takes_gemv(num_rows, weight)
     if gated and gemv:
         x, gated = silu_and_mul(x), False
-    if partial_sums and x.dim() == 2 and not gemv:
-        choose = functools.partial(triton_fp8.partial_sums_config, n=weight.shape[0],
-                                   sms=num_sms(x.device, elsewhere=H100_SMS))
-        if config := _triton_gemm_config(choose, num_rows, weight, bias, triton_gemm_max_rows):
-            return triton_fp8.fp8_partial_sums_gemm(x, weight, config, gated)
+    if (partial_sums and x.dim() == 2 and not gemv
+            and (config := _triton_gemm_config(triton_gemm.gemm_config, num_rows, weight, bias,
+                                               triton_gemm_max_rows))):
+        return triton_fp8.fp8_partial_sums_gemm(x, weight, config, gated)
     return triton_fp8.fp8_linear(x, weight, bias, gated=gated)
 
 
