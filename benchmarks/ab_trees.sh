@@ -11,7 +11,10 @@
 # change; FLAGS adds options to every run, e.g. FLAGS="--quantization=fp8
 # --kv-cache-dtype=fp8" for an FP8 change. Each tree's nanofn is imported from PYTHONPATH;
 # `python3 -m nanofn` would put the current folder first on sys.path and import the
-# checkout's instead, so the workload runs from the tree's own folder.
+# checkout's instead, so the workload runs from the tree's own folder. SINGLES (default 2)
+# is the rounds of single requests (0: none, where a change cannot touch one sequence: an
+# 8B shape's take a minute a tree); PROFILE_FLAGS adds options to the decode profiles, e.g.
+# "--host-only --steps 30" (the step's time, without the device profile's kernel table).
 set -u
 shape=${SHAPE:-qwen3-0.6b}
 python3 -m pip install -q --upgrade --no-index --no-deps --target /tmp/site .whl/*.whl
@@ -26,7 +29,7 @@ for round in $(seq 1 "${BENCH:-0}"); do
     echo "$tree (bench $round): $(grep -E '^elapsed|^device busy' "$log" | tr '\n' ' ')"
   done
 done
-for round in 1 2; do
+for round in $(seq 1 "${SINGLES:-2}"); do
   for tree in "$@"; do
     PYTHONPATH=/tmp/site:$(cd "$tree" && pwd) timeout 150 python3 benchmarks/single_request.py \
       --random-weights "$shape" ${FLAGS:-} 2>&1 | tail -1 | sed "s|^|$tree (round $round): |"
@@ -36,7 +39,7 @@ for b in ${BATCHES-1 256}; do
   for tree in "$@"; do
     log="$OUT/profile-$b-$(echo "$tree" | tr -c 'a-zA-Z0-9\n' _).txt"
     PYTHONPATH=/tmp/site:$(cd "$tree" && pwd) timeout 150 python3 benchmarks/profile_decode.py \
-      --random-weights "$shape" --batch "$b" ${FLAGS:-} > "$log" 2>&1
+      --random-weights "$shape" --batch "$b" ${FLAGS:-} ${PROFILE_FLAGS:-} > "$log" 2>&1
     grep "per decode step" "$log" | sed "s|^|$tree: |"
   done
 done
