@@ -237,9 +237,9 @@ def takes_gemv(rows: int, weight: torch.Tensor, max_rows: int) -> bool:
     its GEMVs 70 us a call on average. cuBLAS reads them at 70-87% of an H200's bandwidth at
     2-8 rows (``fp8_gemm.py``'s bf16 column: 104 us a layer). With this bound, on an H100,
     the 8B's bf16 decode step took 9.81 -> 6.16 ms at 4 sequences, 6.19 -> 5.91 at 2."""
-    nbytes = weight.numel() * weight.element_size()
-    return rows <= max_rows and (rows <= 1 or weight.shape[-1] <= NARROW_COLUMNS
-                                 or rows * nbytes <= GEMV_MAX_ROW_BYTES)
+    return rows <= max_rows and (
+        rows <= 1 or weight.shape[-1] <= NARROW_COLUMNS
+        or rows * weight.numel() * weight.element_size() <= GEMV_MAX_ROW_BYTES)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
